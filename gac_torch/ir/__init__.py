@@ -1,0 +1,1 @@
+"""The gac dialect: definitions (IRDL), builders and the shape/dtype verifier."""

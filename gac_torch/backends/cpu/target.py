@@ -1,0 +1,98 @@
+"""cpu target: stages `llvm` (LLVM dialect) and a loader around mlir.execution_engine.
+
+It is the oracle CI checks every op and model on, so it favours plain, obviously-correct code
+generation (loops, no vectorization tricks) over speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Sequence
+
+import torch
+from mlir import ir, passmanager
+from mlir.execution_engine import ExecutionEngine
+
+from gac_torch.backends.base import Signature, Stage, Target
+
+# Why each step: fuse producer/consumer generics first (fewer loops and temporaries); bufferize
+# with identity layouts so arguments stay plain pointers; loops; then everything to LLVM.
+PIPELINE = ",".join([
+    "func.func(linalg-fuse-elementwise-ops)",
+    "canonicalize", "cse",
+    "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map}",
+    "canonicalize", "cse",
+    "buffer-deallocation-pipeline",
+    "func.func(convert-linalg-to-loops)",
+    "convert-scf-to-cf",
+    "expand-strided-metadata",
+    "lower-affine",
+    "convert-math-to-llvm",
+    "convert-math-to-libm",
+    "finalize-memref-to-llvm",
+    "convert-arith-to-llvm",
+    "convert-index-to-llvm",
+    "convert-func-to-llvm",
+    "convert-cf-to-llvm",
+    "reconcile-unrealized-casts",
+])
+
+
+def lower_to_llvm(module: ir.Module) -> ir.Module:
+    with module.context:
+        passmanager.PassManager.parse(f"builtin.module({PIPELINE})").run(module.operation)
+    return module
+
+
+def _shared_libs() -> list[str]:
+    """libmlir_c_runner_utils provides memrefCopy (bufferization may emit memref.copy)."""
+    import mlir
+    libs = []
+    for root in {os.path.dirname(os.path.dirname(p)) for p in mlir.__path__}:
+        for cand in ("mlir/lib/libmlir_c_runner_utils.so", "mlir/_mlir_libs/libmlir_c_runner_utils.so"):
+            path = os.path.join(root, cand)
+            if os.path.exists(path):
+                libs.append(path)
+    return libs[:1]
+
+
+def _descriptor_type(rank: int):
+    class Desc(ctypes.Structure):
+        _fields_ = [("allocated", ctypes.c_void_p), ("aligned", ctypes.c_void_p),
+                    ("offset", ctypes.c_longlong)] + (
+            [("shape", ctypes.c_longlong * rank), ("strides", ctypes.c_longlong * rank)] if rank else [])
+    return Desc
+
+
+class CpuExecutable:
+    """Calls `_mlir_ciface_main` with one memref descriptor per tensor, pointing at torch storage."""
+
+    def __init__(self, module: ir.Module, signature: Signature):
+        self.module = module  # keeps the context alive as long as the engine
+        self.engine = ExecutionEngine(module, opt_level=2, shared_libs=_shared_libs())
+        self.desc_types = [_descriptor_type(len(s.shape)) for s in signature.inputs + signature.outputs]
+
+    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        descs = []
+        for t, dtype in zip(list(inputs) + list(outputs), self.desc_types):
+            d = dtype()
+            d.allocated = d.aligned = t.data_ptr()
+            d.offset = 0
+            if t.dim():
+                d.shape[:] = list(t.shape)
+                d.strides[:] = list(t.stride())
+            descs.append(d)
+        self.engine.invoke("main", *[ctypes.pointer(ctypes.pointer(d)) for d in descs])
+
+
+def _load(artifact: ir.Module, signature: Signature, options: dict) -> CpuExecutable:
+    return CpuExecutable(artifact, signature)
+
+
+TARGET = Target(
+    name="cpu",
+    device_type="cpu",
+    stages=lambda options: [Stage("llvm", lower_to_llvm)],
+    load=_load,
+)

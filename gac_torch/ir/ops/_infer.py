@@ -1,0 +1,44 @@
+"""Shape/dtype rules shared by op families."""
+
+from __future__ import annotations
+
+from mlir import ir
+
+from gac_torch.ir.types import elem_of, shape_of
+
+
+class GacTypeError(ValueError):
+    """An op's operands or attributes break its shape/dtype rules."""
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy/torch broadcasting: align trailing dims; a dim of 1 stretches."""
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(rank):
+        dims = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0}
+        dims.discard(1)
+        if len(dims) > 1:
+            raise GacTypeError(f"shapes {list(map(list, shapes))} do not broadcast")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def same_elem(types: list[ir.Type], what: str) -> ir.Type:
+    elems = {str(elem_of(t)) for t in types}
+    if len(elems) != 1:
+        raise GacTypeError(f"{what}: operands must share one element type, got {sorted(elems)}")
+    return elem_of(types[0])
+
+
+def tensor(shape, elem: ir.Type) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get(list(shape), elem)
+
+
+def norm_dim(d: int, rank: int, what: str) -> int:
+    if not -max(rank, 1) <= d < max(rank, 1):
+        raise GacTypeError(f"{what}: dim {d} out of range for rank {rank}")
+    return d % max(rank, 1)
+
+
+__all__ = ["GacTypeError", "broadcast_shapes", "same_elem", "tensor", "norm_dim", "shape_of", "elem_of"]

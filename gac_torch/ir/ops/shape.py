@@ -1,0 +1,103 @@
+"""Data movement: reshape, transpose, broadcast, slice, concat, pad, gathers."""
+
+from __future__ import annotations
+
+import math
+
+from gac_torch.ir.dialect import define
+from gac_torch.ir.ops._infer import GacTypeError, broadcast_shapes, norm_dim, same_elem, shape_of, tensor
+
+
+def _check_reshape(types, attrs, results):
+    if math.prod(shape_of(types[0])) != math.prod(shape_of(results[0])):
+        raise GacTypeError(f"gac.reshape: {list(shape_of(types[0]))} -> {list(shape_of(results[0]))} "
+                           "changes the element count")
+
+
+def _infer_transpose(types, attrs):
+    shape = shape_of(types[0])
+    perm = list(attrs["perm"])
+    if sorted(perm) != list(range(len(shape))):
+        raise GacTypeError(f"gac.transpose: {perm} is not a permutation of rank {len(shape)}")
+    return [tensor([shape[p] for p in perm], types[0].element_type)]
+
+
+def _infer_broadcast(types, attrs):
+    shape = tuple(attrs["shape"])
+    if broadcast_shapes(shape_of(types[0]), shape) != shape:
+        raise GacTypeError(f"gac.broadcast: {list(shape_of(types[0]))} cannot expand to {list(shape)}")
+    return [tensor(shape, types[0].element_type)]
+
+
+def _infer_slice(types, attrs):
+    shape = shape_of(types[0])
+    starts, limits, strides = attrs["starts"], attrs["limits"], attrs["strides"]
+    if not len(starts) == len(limits) == len(strides) == len(shape):
+        raise GacTypeError("gac.slice: starts/limits/strides need one value per dim")
+    out = []
+    for s, lo, hi, st in zip(shape, starts, limits, strides):
+        if not (0 <= lo <= hi <= s and st >= 1):
+            raise GacTypeError(f"gac.slice: [{lo}:{hi}:{st}] invalid for a dim of {s}")
+        out.append((hi - lo + st - 1) // st)
+    return [tensor(out, types[0].element_type)]
+
+
+def _infer_concat(types, attrs):
+    elem = same_elem(types, "gac.concat")
+    shapes = [shape_of(t) for t in types]
+    dim = norm_dim(attrs["dim"], len(shapes[0]), "gac.concat")
+    for s in shapes:
+        if len(s) != len(shapes[0]) or any(a != b for i, (a, b) in enumerate(zip(s, shapes[0])) if i != dim):
+            raise GacTypeError(f"gac.concat: shapes {list(map(list, shapes))} differ off dim {dim}")
+    out = list(shapes[0])
+    out[dim] = sum(s[dim] for s in shapes)
+    return [tensor(out, elem)]
+
+
+def _infer_pad(types, attrs):
+    shape = shape_of(types[0])
+    low, high = attrs["low"], attrs["high"]
+    if len(low) != len(shape) or len(high) != len(shape):
+        raise GacTypeError("gac.pad: low/high need one value per dim")
+    out = [s + lo + hi for s, lo, hi in zip(shape, low, high)]
+    if min(out, default=1) < 0:
+        raise GacTypeError(f"gac.pad: negative size {out}")
+    if attrs["mode"] == "reflect" and any(max(lo, hi) >= s for s, lo, hi in zip(shape, low, high) if lo or hi):
+        raise GacTypeError("gac.pad: reflect padding must be smaller than the dim")
+    return [tensor(out, types[0].element_type)]
+
+
+def _infer_gather(types, attrs):
+    x, idx = types
+    if not str(idx.element_type).startswith("i") or str(idx.element_type) == "i1":
+        raise GacTypeError("gac.gather: index must be an integer tensor")
+    norm_dim(attrs["dim"], len(shape_of(x)), "gac.gather")
+    if len(shape_of(idx)) != len(shape_of(x)):
+        raise GacTypeError("gac.gather: index rank must equal input rank")
+    return [tensor(shape_of(idx), x.element_type)]
+
+
+def _infer_index_select(types, attrs):
+    x, idx = types
+    shape = shape_of(x)
+    dim = norm_dim(attrs["dim"], len(shape), "gac.index_select")
+    if len(shape_of(idx)) != 1:
+        raise GacTypeError("gac.index_select: index must be 1-D")
+    return [tensor(shape[:dim] + shape_of(idx) + shape[dim + 1:], x.element_type)]
+
+
+define("reshape", ["x"], check=_check_reshape, doc="row-major reshape; result type gives the shape")
+define("transpose", ["x"], attrs={"perm": "ints"}, infer=_infer_transpose,
+       doc="y.shape[i] = x.shape[perm[i]]")
+define("broadcast", ["x"], attrs={"shape": "ints"}, infer=_infer_broadcast,
+       doc="expand size-1 / missing leading dims (torch.expand)")
+define("slice", ["x"], attrs={"starts": "ints", "limits": "ints", "strides": "ints"},
+       infer=_infer_slice, doc="static strided slice, limits exclusive")
+define("concat", ["inputs*"], attrs={"dim": "int"}, infer=_infer_concat, doc="torch.cat")
+define("pad", ["x"], attrs={"low": "ints", "high": "ints", "mode": ("constant", "reflect", "replicate"),
+                            "value": "float"},
+       infer=_infer_pad, doc="pad every dim by low/high; negative values crop")
+define("gather", ["x", "index"], attrs={"dim": "int"}, infer=_infer_gather,
+       doc="torch.gather: y[i..] = x[i.. with i_dim := index[i..]]")
+define("index_select", ["x", "index"], attrs={"dim": "int"}, infer=_infer_index_select,
+       doc="torch.index_select: negative indices wrap")

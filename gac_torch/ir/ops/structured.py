@@ -1,0 +1,65 @@
+"""Contractions and windowed ops: matmul, conv, pool."""
+
+from __future__ import annotations
+
+from gac_torch.ir.dialect import define
+from gac_torch.ir.ops._infer import GacTypeError, same_elem, shape_of, tensor
+
+
+def _infer_matmul(types, attrs):
+    a, b = map(shape_of, types)
+    elem = same_elem(types, "gac.matmul")
+    if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+        raise GacTypeError(f"gac.matmul: cannot multiply {list(a)} by {list(b)} "
+                           "(needs (..., M, K) x (..., K, N) with equal batch dims)")
+    return [tensor(a[:-1] + (b[-1],), elem)]
+
+
+def window_out(size, k, s, p_lo, p_hi, d, ceil_mode=False) -> int:
+    span = size + p_lo + p_hi - d * (k - 1) - 1
+    out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+    # torch: with ceil_mode the last window must start inside the input or the left padding
+    if ceil_mode and (out - 1) * s >= size + p_lo:
+        out -= 1
+    return out
+
+
+def _infer_conv(types, attrs):
+    x, w = map(shape_of, types)
+    elem = same_elem(types, "gac.conv")
+    nsp = len(x) - 2
+    g = attrs["groups"]
+    if len(w) != len(x) or nsp < 1 or x[1] != w[1] * g or w[0] % g:
+        raise GacTypeError(f"gac.conv: input {list(x)} and weight {list(w)} do not match (groups={g})")
+    for key in ("stride", "padding", "dilation"):
+        if len(attrs[key]) != nsp:
+            raise GacTypeError(f"gac.conv: {key} needs {nsp} values")
+    spatial = [window_out(x[2 + i], w[2 + i], attrs["stride"][i], attrs["padding"][i],
+                          attrs["padding"][i], attrs["dilation"][i]) for i in range(nsp)]
+    if min(spatial) < 1:
+        raise GacTypeError(f"gac.conv: empty output {spatial}")
+    return [tensor((x[0], w[0], *spatial), elem)]
+
+
+def _infer_pool(types, attrs):
+    (x,) = types
+    shape = shape_of(x)
+    nsp = len(attrs["kernel"])
+    if len(shape) < nsp + 1:
+        raise GacTypeError(f"gac.pool: rank {len(shape)} too small for a {nsp}-d window")
+    spatial = [window_out(shape[len(shape) - nsp + i], attrs["kernel"][i], attrs["stride"][i],
+                          attrs["padding"][i], attrs["padding"][i], attrs["dilation"][i],
+                          bool(attrs["ceil_mode"])) for i in range(nsp)]
+    return [tensor(shape[: len(shape) - nsp] + tuple(spatial), types[0].element_type)]
+
+
+define("matmul", ["lhs", "rhs"], infer=_infer_matmul,
+       doc="(..., M, K) @ (..., K, N); floats accumulate in f32 or wider")
+define("conv", ["x", "weight"],
+       attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int"},
+       infer=_infer_conv, doc="N-d cross-correlation, NC<spatial> x FC<spatial>, symmetric padding")
+define("pool", ["x"],
+       attrs={"kind": ("max", "avg"), "kernel": "ints", "stride": "ints", "padding": "ints",
+              "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int"},
+       infer=_infer_pool,
+       doc="window max/avg over the trailing len(kernel) dims; divisor 0 = by window count")

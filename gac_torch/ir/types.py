@@ -1,0 +1,69 @@
+"""torch dtype <-> MLIR element type, and tensor type helpers.
+
+Integers are signless in MLIR; gac treats every integer type as signed (as ATen does for
+int8..int64). uint8 has no signed reading and is therefore not supported (it falls back).
+"""
+
+from __future__ import annotations
+
+import torch
+from mlir import ir
+
+_FLOATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+_INTS = {torch.bool: 1, torch.int8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
+SUPPORTED_DTYPES = frozenset(_FLOATS) | frozenset(_INTS)
+
+
+class UnsupportedDtype(TypeError):
+    pass
+
+
+def element_type(dtype: torch.dtype) -> ir.Type:
+    """MLIR element type for a torch dtype (needs an active context)."""
+    if dtype in _FLOATS:
+        return {
+            "f32": ir.F32Type.get, "f16": ir.F16Type.get,
+            "bf16": ir.BF16Type.get, "f64": ir.F64Type.get,
+        }[_FLOATS[dtype]]()
+    if dtype in _INTS:
+        return ir.IntegerType.get_signless(_INTS[dtype])
+    raise UnsupportedDtype(f"dtype {dtype} is not supported by gac")
+
+
+def torch_dtype(t: ir.Type) -> torch.dtype:
+    s = str(t)
+    for dt, name in _FLOATS.items():
+        if s == name:
+            return dt
+    for dt, width in _INTS.items():
+        if s == f"i{width}":
+            return dt
+    raise UnsupportedDtype(f"MLIR element type {s} has no torch dtype")
+
+
+def tensor_type(shape, dtype: torch.dtype | ir.Type) -> ir.RankedTensorType:
+    elem = dtype if isinstance(dtype, ir.Type) else element_type(dtype)
+    return ir.RankedTensorType.get([int(s) for s in shape], elem)
+
+
+def shape_of(v: ir.Value | ir.Type) -> tuple[int, ...]:
+    t = v.type if isinstance(v, ir.Value) else v
+    return tuple(ir.RankedTensorType(t).shape)
+
+
+def elem_of(v: ir.Value | ir.Type) -> ir.Type:
+    t = v.type if isinstance(v, ir.Value) else v
+    return ir.RankedTensorType(t).element_type
+
+
+def is_float(t: ir.Type) -> bool:
+    return isinstance(t, (ir.F32Type, ir.F16Type, ir.BF16Type, ir.F64Type)) or str(t) in (
+        "f32", "f16", "bf16", "f64")
+
+
+def is_bool(t: ir.Type) -> bool:
+    return str(t) == "i1"
+
+
+def int_width(t: ir.Type) -> int:
+    return ir.IntegerType(t).width

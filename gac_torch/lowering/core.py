@@ -1,0 +1,221 @@
+"""Building blocks of the gac -> linalg lowering: tensors, generics, scalar math with torch semantics.
+
+Floating-point math on f16/bf16 runs in f32 and is rounded once at the end (as ATen's CPU and CUDA
+kernels do); reductions and contractions accumulate in f32 (f64 for f64).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from mlir import ir
+from mlir.dialects import arith, linalg, tensor
+from mlir.dialects import math as mmath
+
+from gac_torch.ir.types import is_bool, is_float
+
+PARALLEL = "parallel"
+REDUCTION = "reduction"
+
+
+def f32() -> ir.Type:
+    return ir.F32Type.get()
+
+
+def index_type() -> ir.Type:
+    return ir.IndexType.get()
+
+
+def tensor_t(shape: Sequence[int], elem: ir.Type) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get(list(shape), elem)
+
+
+def shape(v: ir.Value) -> list[int]:
+    return list(ir.RankedTensorType(v.type).shape)
+
+
+def elem(v: ir.Value | ir.Type) -> ir.Type:
+    t = v.type if isinstance(v, ir.Value) else v
+    return ir.RankedTensorType(t).element_type if isinstance(t, ir.RankedTensorType) or \
+        str(t).startswith("tensor<") else t
+
+
+def compute_type(e: ir.Type) -> ir.Type:
+    """The type scalar math runs in: f32 for f16/bf16, the type itself otherwise."""
+    return f32() if str(e) in ("f16", "bf16") else e
+
+
+def accumulator_type(e: ir.Type) -> ir.Type:
+    return f32() if str(e) in ("f16", "bf16") else e
+
+
+def empty(shape_: Sequence[int], e: ir.Type) -> ir.Value:
+    return tensor.EmptyOp(list(shape_), e).result
+
+
+def const(value: float | int | bool, e: ir.Type) -> ir.Value:
+    if is_float(e):
+        return arith.ConstantOp(e, ir.FloatAttr.get(e, float(value))).result
+    if isinstance(e, ir.IndexType) or str(e) == "index":
+        return arith.ConstantOp(e, ir.IntegerAttr.get(e, int(value))).result
+    return arith.ConstantOp(e, ir.IntegerAttr.get(e, int(value))).result
+
+
+def full(shape_: Sequence[int], value, e: ir.Type) -> ir.Value:
+    """A tensor filled with one value (linalg.fill), the usual reduction init."""
+    return linalg.fill(const(value, e), outs=[empty(shape_, e)])
+
+
+def lowest(e: ir.Type):
+    if is_float(e):
+        return -math.inf
+    return 0 if is_bool(e) else -(1 << (ir.IntegerType(e).width - 1))
+
+
+def highest(e: ir.Type):
+    if is_float(e):
+        return math.inf
+    return 1 if is_bool(e) else (1 << (ir.IntegerType(e).width - 1)) - 1
+
+
+def convert(x: ir.Value, to: ir.Type) -> ir.Value:
+    """Scalar conversion with torch semantics: float->int truncates, x->bool is x != 0."""
+    src = x.type
+    if str(src) == str(to):
+        return x
+    if is_bool(to):
+        zero = const(0, src)
+        return (arith.cmpf(arith.CmpFPredicate.UNE, x, zero) if is_float(src)
+                else arith.cmpi(arith.CmpIPredicate.ne, x, zero))
+    if is_float(src) and is_float(to):
+        wider = _float_bits(to) > _float_bits(src)
+        if {str(src), str(to)} == {"f16", "bf16"}:  # no direct ext/trunc between the two
+            return arith.truncf(to, arith.extf(f32(), x))
+        return arith.extf(to, x) if wider else arith.truncf(to, x)
+    if is_float(src):
+        return arith.fptosi(to, x)
+    if is_float(to):
+        return arith.uitofp(to, x) if is_bool(src) else arith.sitofp(to, x)
+    sw, tw = ir.IntegerType(src).width, ir.IntegerType(to).width
+    if tw > sw:
+        return arith.extui(to, x) if is_bool(src) else arith.extsi(to, x)
+    return arith.trunci(to, x)
+
+
+def _float_bits(t: ir.Type) -> int:
+    return {"f16": 16, "bf16": 16, "f32": 32, "f64": 64}[str(t)]
+
+
+def dim_map(rank: int, exprs: Sequence[ir.AffineExpr]) -> ir.AffineMap:
+    return ir.AffineMap.get(rank, 0, list(exprs))
+
+
+def identity_map(rank: int) -> ir.AffineMap:
+    return ir.AffineMap.get_identity(rank)
+
+
+def broadcast_map(src_shape: Sequence[int], out_shape: Sequence[int]) -> ir.AffineMap:
+    """Indexing map reading a numpy-broadcast operand inside an iteration over out_shape."""
+    rank, off = len(out_shape), len(out_shape) - len(src_shape)
+    exprs = [ir.AffineConstantExpr.get(0) if s == 1 and out_shape[off + i] != 1
+             else ir.AffineDimExpr.get(off + i) for i, s in enumerate(src_shape)]
+    return dim_map(rank, exprs)
+
+
+def splat_scalar(v: ir.Value) -> ir.Attribute | None:
+    """The scalar of an arith.constant splat tensor, so generics can use it without a load."""
+    owner = v.owner
+    if not isinstance(owner, (ir.OpView, ir.Operation)) or owner.operation.name != "arith.constant":
+        return None
+    attr = owner.attributes["value"]
+    if isinstance(attr, ir.DenseElementsAttr) and attr.is_splat:
+        return attr.get_splat_value()
+    return None
+
+
+def generic(inputs: Sequence[ir.Value], in_maps: Sequence[ir.AffineMap],
+            outputs: Sequence[ir.Value], out_maps: Sequence[ir.AffineMap],
+            iterators: Sequence[str],
+            body: Callable[..., Sequence[ir.Value]]) -> list[ir.Value]:
+    """linalg.generic; `body(*input_scalars, *output_scalars)` returns the yielded values.
+    Splat-constant inputs are passed to the body as scalar constants, not read from memory."""
+    real_inputs, real_maps, slots = [], [], []
+    for v, m in zip(inputs, in_maps):
+        s = splat_scalar(v)
+        slots.append(s)
+        if s is None:
+            real_inputs.append(v)
+            real_maps.append(m)
+    maps = ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in list(real_maps) + list(out_maps)])
+    iters = ir.ArrayAttr.get([ir.Attribute.parse(f"#linalg.iterator_type<{it}>") for it in iterators])
+    op = linalg.GenericOp([o.type for o in outputs], real_inputs, list(outputs), maps, iters)
+    block = op.regions[0].blocks.append(*[elem(v) for v in real_inputs], *[elem(o) for o in outputs])
+    with ir.InsertionPoint(block):
+        args = list(block.arguments)
+        scalars = []
+        for s in slots:
+            scalars.append(arith.ConstantOp(s.type, s).result if s is not None else args.pop(0))
+        linalg.YieldOp(list(body(*scalars, *args)))
+    return list(op.results)
+
+
+def elementwise(inputs: Sequence[ir.Value], out_shape: Sequence[int], out_elems: Sequence[ir.Type],
+                body: Callable[..., Sequence[ir.Value]]) -> list[ir.Value]:
+    """A parallel generic over out_shape reading numpy-broadcast inputs."""
+    rank = len(out_shape)
+    outs = [empty(out_shape, e) for e in out_elems]
+    return generic(inputs, [broadcast_map(shape(v), out_shape) for v in inputs],
+                   outs, [identity_map(rank)] * len(outs), [PARALLEL] * rank,
+                   lambda *a: body(*a[: len(inputs)]))
+
+
+def index(d: int, to: ir.Type | None = None) -> ir.Value:
+    """linalg.index d inside a generic body, converted to `to` (i64 by default)."""
+    i = linalg.IndexOp(ir.IntegerAttr.get(ir.IntegerType.get_signless(64), d)).result
+    return arith.index_cast(to or ir.IntegerType.get_signless(64), i)
+
+
+def expand_to(v: ir.Value, new_shape: Sequence[int]) -> ir.Value:
+    return reshape(v, new_shape)
+
+
+def reshape(v: ir.Value, new_shape: Sequence[int]) -> ir.Value:
+    """Row-major reshape via collapse-to-1-D then expand (always legal for static shapes)."""
+    src = shape(v)
+    if list(src) == list(new_shape):
+        return v
+    e = elem(v)
+    if len(src) > 1:
+        v = tensor.CollapseShapeOp(tensor_t([math.prod(src)], e), v, [list(range(len(src)))]).result
+    elif len(src) == 0:
+        v = tensor.ExpandShapeOp(tensor_t([1], e), v, [], [], [1]).result
+    if len(new_shape) == 0:
+        return tensor.CollapseShapeOp(tensor_t([], e), v, []).result
+    if len(new_shape) == 1:
+        return v
+    return tensor.ExpandShapeOp(tensor_t(new_shape, e), v, [list(range(len(new_shape)))], [],
+                                list(new_shape)).result
+
+
+def extract_slice(v: ir.Value, offsets, sizes, strides) -> ir.Value:
+    return tensor.ExtractSliceOp(tensor_t(sizes, elem(v)), v, [], [], [], list(offsets),
+                                 list(sizes), list(strides)).result
+
+
+def insert_slice(src: ir.Value, dest: ir.Value, offsets, strides=None) -> ir.Value:
+    sizes = shape(src)
+    strides = strides or [1] * len(sizes)
+    return tensor.InsertSliceOp(src, dest, [], [], [], list(offsets), sizes, list(strides)).result
+
+
+def pad_constant(v: ir.Value, low, high, value) -> ir.Value:
+    if not any(low) and not any(high):
+        return v
+    e = elem(v)
+    out = [s + lo + hi for s, lo, hi in zip(shape(v), low, high)]
+    op = tensor.PadOp(tensor_t(out, e), v, [], [], list(low), list(high))
+    block = op.regions[0].blocks.append(*[index_type()] * len(out))
+    with ir.InsertionPoint(block):
+        tensor.YieldOp(const(value, e))
+    return op.result

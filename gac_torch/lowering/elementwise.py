@@ -1,0 +1,203 @@
+"""gac pointwise ops -> linalg.generic with arith/math bodies, following ATen's semantics."""
+
+from __future__ import annotations
+
+import math
+
+from mlir import ir
+from mlir.dialects import arith, linalg
+from mlir.dialects import math as mmath
+
+from gac_torch.ir.builder import op_attrs
+from gac_torch.ir.types import is_bool, is_float
+from gac_torch.lowering.core import (
+    PARALLEL, compute_type, const, convert, elem, elementwise, empty, generic, identity_map, index,
+    shape,
+)
+from gac_torch.lowering.registry import lowers
+
+F = arith.CmpFPredicate
+I = arith.CmpIPredicate
+
+
+def _sigmoid(x):
+    one = const(1.0, x.type)
+    return arith.divf(one, arith.addf(one, mmath.exp(arith.negf(x))))
+
+
+def _gelu_tanh(x):
+    t = x.type
+    inner = arith.mulf(const(math.sqrt(2.0 / math.pi), t),
+                       arith.addf(x, arith.mulf(const(0.044715, t), arith.mulf(x, arith.mulf(x, x)))))
+    return arith.mulf(arith.mulf(const(0.5, t), x), arith.addf(const(1.0, t), mmath.tanh(inner)))
+
+
+def _sign_f(x):
+    t = x.type
+    pos = arith.uitofp(t, arith.cmpf(F.OGT, x, const(0.0, t)))
+    neg = arith.uitofp(t, arith.cmpf(F.OLT, x, const(0.0, t)))
+    return arith.select(arith.cmpf(F.UNO, x, x), x, arith.subf(pos, neg))
+
+
+FLOAT_UNARY = {
+    "neg": arith.negf, "abs": mmath.absf, "exp": mmath.exp, "exp2": mmath.exp2,
+    "expm1": mmath.expm1, "log": mmath.log, "log2": mmath.log2, "log10": mmath.log10,
+    "log1p": mmath.log1p, "sqrt": mmath.sqrt, "rsqrt": mmath.rsqrt,
+    "reciprocal": lambda x: arith.divf(const(1.0, x.type), x),
+    "sin": mmath.sin, "cos": mmath.cos, "tan": mmath.tan, "asin": mmath.asin, "acos": mmath.acos,
+    "atan": mmath.atan, "sinh": mmath.sinh, "cosh": mmath.cosh, "tanh": mmath.tanh,
+    "asinh": mmath.asinh, "acosh": mmath.acosh, "atanh": mmath.atanh, "erf": mmath.erf,
+    "sigmoid": _sigmoid,
+    "relu": lambda x: arith.select(arith.cmpf(F.OGT, x, const(0.0, x.type)), x,
+                                   arith.select(arith.cmpf(F.UNO, x, x), x, const(0.0, x.type))),
+    "gelu": lambda x: arith.mulf(arith.mulf(const(0.5, x.type), x), arith.addf(
+        const(1.0, x.type), mmath.erf(arith.mulf(x, const(1 / math.sqrt(2.0), x.type))))),
+    "gelu_tanh": _gelu_tanh,
+    "silu": lambda x: arith.mulf(x, _sigmoid(x)),
+    "floor": mmath.floor, "ceil": mmath.ceil, "round": mmath.roundeven, "trunc": mmath.trunc,
+    "sign": _sign_f, "square": lambda x: arith.mulf(x, x),
+    "isnan": lambda x: arith.cmpf(F.UNO, x, x),
+    "isinf": lambda x: arith.cmpf(F.OEQ, mmath.absf(x), const(math.inf, x.type)),
+    "logical_not": lambda x: arith.cmpf(F.OEQ, x, const(0.0, x.type)),
+}
+
+INT_UNARY = {
+    "neg": lambda x: arith.subi(const(0, x.type), x), "abs": mmath.absi,
+    "relu": lambda x: arith.maxsi(x, const(0, x.type)),
+    "sign": lambda x: arith.subi(arith.extui(x.type, arith.cmpi(I.sgt, x, const(0, x.type))),
+                                 arith.extui(x.type, arith.cmpi(I.slt, x, const(0, x.type)))),
+    "bitwise_not": lambda x: arith.xori(x, const(-1 if not is_bool(x.type) else 1, x.type)),
+    "logical_not": lambda x: arith.cmpi(I.eq, x, const(0, x.type)),
+    "square": lambda x: arith.muli(x, x),
+    "floor": lambda x: x, "ceil": lambda x: x, "round": lambda x: x, "trunc": lambda x: x,
+    "isnan": lambda x: const(0, ir.IntegerType.get_signless(1)),
+    "isinf": lambda x: const(0, ir.IntegerType.get_signless(1)),
+}
+
+
+def _floordiv_f(a, b):
+    return mmath.floor(arith.divf(a, b))
+
+
+def _remainder_f(a, b):
+    # Python-style modulo: the result takes the divisor's sign.
+    r = arith.remf(a, b)
+    zero = const(0.0, a.type)
+    fix = arith.andi(arith.cmpf(F.ONE, r, zero),
+                     arith.xori(arith.cmpf(F.OLT, r, zero), arith.cmpf(F.OLT, b, zero)))
+    return arith.select(fix, arith.addf(r, b), r)
+
+
+def _remainder_i(a, b):
+    r = arith.remsi(a, b)
+    zero = const(0, a.type)
+    fix = arith.andi(arith.cmpi(I.ne, r, zero),
+                     arith.xori(arith.cmpi(I.slt, r, zero), arith.cmpi(I.slt, b, zero)))
+    return arith.select(fix, arith.addi(r, b), r)
+
+
+def _logical(fn):
+    def build(a, b):
+        zero = const(0.0, a.type) if is_float(a.type) else const(0, a.type)
+        pa = arith.cmpf(F.UNE, a, zero) if is_float(a.type) else arith.cmpi(I.ne, a, zero)
+        pb = arith.cmpf(F.UNE, b, zero) if is_float(b.type) else arith.cmpi(I.ne, b, zero)
+        return fn(pa, pb)
+    return build
+
+
+FLOAT_BINARY = {
+    "add": arith.addf, "sub": arith.subf, "mul": arith.mulf, "div": arith.divf,
+    "floordiv": _floordiv_f, "truncdiv": lambda a, b: mmath.trunc(arith.divf(a, b)),
+    "remainder": _remainder_f, "fmod": arith.remf, "pow": mmath.powf, "atan2": mmath.atan2,
+    "maximum": arith.maximumf, "minimum": arith.minimumf, "copysign": mmath.copysign,
+    "eq": lambda a, b: arith.cmpf(F.OEQ, a, b), "ne": lambda a, b: arith.cmpf(F.UNE, a, b),
+    "lt": lambda a, b: arith.cmpf(F.OLT, a, b), "le": lambda a, b: arith.cmpf(F.OLE, a, b),
+    "gt": lambda a, b: arith.cmpf(F.OGT, a, b), "ge": lambda a, b: arith.cmpf(F.OGE, a, b),
+}
+
+INT_BINARY = {
+    "add": arith.addi, "sub": arith.subi, "mul": arith.muli, "truncdiv": arith.divsi,
+    "floordiv": arith.floordivsi, "remainder": _remainder_i, "fmod": arith.remsi,
+    "maximum": arith.maxsi, "minimum": arith.minsi,
+    "bitwise_and": arith.andi, "bitwise_or": arith.ori, "bitwise_xor": arith.xori,
+    "shl": arith.shli, "shr": arith.shrsi,
+    "eq": lambda a, b: arith.cmpi(I.eq, a, b), "ne": lambda a, b: arith.cmpi(I.ne, a, b),
+    "lt": lambda a, b: arith.cmpi(I.slt, a, b), "le": lambda a, b: arith.cmpi(I.sle, a, b),
+    "gt": lambda a, b: arith.cmpi(I.sgt, a, b), "ge": lambda a, b: arith.cmpi(I.sge, a, b),
+}
+BOOL_BINARY = {"add": arith.ori, "mul": arith.andi, "maximum": arith.ori, "minimum": arith.andi,
+               "bitwise_and": arith.andi, "bitwise_or": arith.ori, "bitwise_xor": arith.xori,
+               "eq": lambda a, b: arith.cmpi(I.eq, a, b), "ne": lambda a, b: arith.cmpi(I.ne, a, b),
+               "lt": lambda a, b: arith.cmpi(I.ult, a, b), "le": lambda a, b: arith.cmpi(I.ule, a, b),
+               "gt": lambda a, b: arith.cmpi(I.ugt, a, b), "ge": lambda a, b: arith.cmpi(I.uge, a, b)}
+for _kind, _fn in (("logical_and", arith.andi), ("logical_or", arith.ori), ("logical_xor", arith.xori)):
+    FLOAT_BINARY[_kind] = INT_BINARY[_kind] = BOOL_BINARY[_kind] = _logical(_fn)
+
+
+def _table(e: ir.Type, f, i, b=None):
+    return f if is_float(e) else (b if b is not None and is_bool(e) else i)
+
+
+def scalar_unary(kind: str, x: ir.Value) -> ir.Value:
+    """kind(x) for one element, computed in the compute type and converted back."""
+    e = x.type
+    fn = _table(e, FLOAT_UNARY, INT_UNARY).get(kind)
+    if fn is None:
+        raise NotImplementedError(f"gac.unary {kind} on {e}")
+    r = fn(convert(x, compute_type(e)))
+    return r if is_bool(r.type) else convert(r, e)
+
+
+def scalar_binary(kind: str, a: ir.Value, b: ir.Value) -> ir.Value:
+    e = a.type
+    fn = _table(e, FLOAT_BINARY, INT_BINARY, BOOL_BINARY).get(kind)
+    if fn is None:
+        raise NotImplementedError(f"gac.binary {kind} on {e}")
+    ct = compute_type(e)
+    r = fn(convert(a, ct), convert(b, ct))
+    return r if str(r.type) == "i1" else convert(r, e)
+
+
+@lowers("unary")
+def lower_unary(op, operands):
+    kind = op_attrs(op)["kind"]
+    out = op.results[0].type
+    return elementwise(operands, shape(op.results[0]), [elem(out)],
+                       lambda x: [scalar_unary(kind, x)])
+
+
+@lowers("binary")
+def lower_binary(op, operands):
+    kind = op_attrs(op)["kind"]
+    return elementwise(operands, shape(op.results[0]), [elem(op.results[0].type)],
+                       lambda a, b: [scalar_binary(kind, a, b)])
+
+
+@lowers("select")
+def lower_select(op, operands):
+    return elementwise(operands, shape(op.results[0]), [elem(op.results[0].type)],
+                       lambda c, a, b: [arith.select(c, a, b)])
+
+
+@lowers("cast")
+def lower_cast(op, operands):
+    to = elem(op.results[0].type)
+    return elementwise(operands, shape(op.results[0]), [to], lambda x: [convert(x, to)])
+
+
+@lowers("constant")
+def lower_constant(op, operands):
+    return [arith.ConstantOp(op.results[0].type, op.attributes["value"]).result]
+
+
+@lowers("iota")
+def lower_iota(op, operands):
+    out_shape, e = shape(op.results[0]), elem(op.results[0].type)
+    dim = op_attrs(op)["dim"]
+    rank = len(out_shape)
+    return generic([], [], [empty(out_shape, e)], [identity_map(rank)], [PARALLEL] * rank,
+                   lambda _out: [convert(index(dim), e)])
+
+
+# Kept for families that build bodies from these scalar helpers (reductions, norms).
+__all__ = ["scalar_unary", "scalar_binary", "linalg"]

@@ -1,0 +1,157 @@
+"""gac reductions and normalizations -> linalg.generic with reduction iterators."""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import arith
+from mlir.dialects import math as mmath
+
+from gac_torch.ir.builder import op_attrs
+from gac_torch.ir.types import is_bool, is_float
+from gac_torch.lowering.core import (
+    PARALLEL, REDUCTION, accumulator_type, broadcast_map, const, convert, dim_map, elem,
+    elementwise, empty, full, generic, highest, identity_map, index, lowest, reshape, shape,
+)
+from gac_torch.lowering.registry import lowers
+
+F = arith.CmpFPredicate
+I = arith.CmpIPredicate
+
+
+def _combine(kind: str, a: ir.Value, b: ir.Value) -> ir.Value:
+    fl = is_float(a.type)
+    if kind == "sum":
+        return arith.addf(a, b) if fl else (arith.ori(a, b) if is_bool(a.type) else arith.addi(a, b))
+    if kind == "prod":
+        return arith.mulf(a, b) if fl else (arith.andi(a, b) if is_bool(a.type) else arith.muli(a, b))
+    if kind == "max":
+        return arith.maximumf(a, b) if fl else (arith.ori(a, b) if is_bool(a.type) else arith.maxsi(a, b))
+    if kind == "min":
+        return arith.minimumf(a, b) if fl else (arith.andi(a, b) if is_bool(a.type) else arith.minsi(a, b))
+    if kind == "any":
+        return arith.ori(a, b)
+    if kind == "all":
+        return arith.andi(a, b)
+    raise NotImplementedError(kind)
+
+
+_INIT = {"sum": lambda e: 0, "prod": lambda e: 1, "max": lowest, "min": highest,
+         "any": lambda e: 0, "all": lambda e: 1}
+
+
+def reduce_dims(x: ir.Value, dims: set[int], kind: str, acc: ir.Type) -> ir.Value:
+    """Reduces x over dims (dropped from the result), accumulating in `acc`."""
+    in_shape = shape(x)
+    rank = len(in_shape)
+    kept = [d for d in range(rank) if d not in dims]
+    init = full([in_shape[d] for d in kept], _INIT[kind](acc), acc)
+    out_map = dim_map(rank, [ir.AffineDimExpr.get(d) for d in kept])
+    iters = [REDUCTION if d in dims else PARALLEL for d in range(rank)]
+    return generic([x], [identity_map(rank)], [init], [out_map], iters,
+                   lambda v, a: [_combine(kind, convert(v, acc), a)])[0]
+
+
+@lowers("reduce")
+def lower_reduce(op, operands):
+    (x,) = operands
+    attrs = op_attrs(op)
+    rank = len(shape(x))
+    dims = {d % max(rank, 1) for d in attrs["dims"]} if rank else set()
+    kind = attrs["kind"]
+    out_t = op.results[0].type
+    acc = ir.IntegerType.get_signless(1) if kind in ("any", "all") else accumulator_type(elem(x))
+    if kind in ("any", "all") and not is_bool(elem(x)):
+        x = elementwise([x], shape(x), [acc], lambda v: [convert(v, acc)])[0]
+    r = reduce_dims(x, dims, kind, acc)
+    if elem(r) != elem(out_t):
+        r = elementwise([r], shape(r), [elem(out_t)], lambda v: [convert(v, elem(out_t))])[0]
+    return [reshape(r, shape(op.results[0]))]
+
+
+@lowers("arg_reduce")
+def lower_arg_reduce(op, operands):
+    """First index of the max/min along dim; NaN counts as the extreme (as in ATen)."""
+    (x,) = operands
+    attrs = op_attrs(op)
+    in_shape = shape(x)
+    rank = len(in_shape)
+    dim = attrs["dim"] % max(rank, 1)
+    e, i64 = elem(x), ir.IntegerType.get_signless(64)
+    kept = [d for d in range(rank) if d != dim]
+    kept_shape = [in_shape[d] for d in kept]
+    better_max = attrs["kind"] == "max"
+    vals = full(kept_shape, lowest(e) if better_max else highest(e), e)
+    idxs = full(kept_shape, -1, i64)
+    out_map = dim_map(rank, [ir.AffineDimExpr.get(d) for d in kept])
+
+    def body(v, best, best_i):
+        i = index(dim)
+        if is_float(e):
+            strict = arith.cmpf(F.OGT if better_max else F.OLT, v, best)
+            nan_new = arith.andi(arith.cmpf(F.UNO, v, v), arith.cmpf(F.ORD, best, best))
+            take = arith.ori(arith.ori(strict, nan_new), arith.cmpi(I.slt, best_i, const(0, i64)))
+        else:
+            strict = arith.cmpi(I.sgt if better_max else I.slt, v, best)
+            take = arith.ori(strict, arith.cmpi(I.slt, best_i, const(0, i64)))
+        return [arith.select(take, v, best), arith.select(take, i, best_i)]
+
+    iters = [REDUCTION if d == dim else PARALLEL for d in range(rank)]
+    _, r = generic([x], [identity_map(rank)], [vals, idxs], [out_map, out_map], iters, body)
+    return [reshape(r, shape(op.results[0]))]
+
+
+def _keep(v: ir.Value, full_shape, dims) -> ir.Value:
+    """Reshape a reduced tensor so it broadcasts against full_shape (reduced dims -> 1)."""
+    return reshape(v, [1 if d in dims else s for d, s in enumerate(full_shape)])
+
+
+@lowers("softmax")
+def lower_softmax(op, operands):
+    (x,) = operands
+    attrs = op_attrs(op)
+    xs = shape(x)
+    rank = len(xs)
+    dims = {attrs["dim"] % max(rank, 1)} if rank else set()
+    e, acc = elem(x), accumulator_type(elem(x))
+    xa = elementwise([x], xs, [acc], lambda v: [convert(v, acc)])[0]
+    m = _keep(reduce_dims(xa, dims, "max", acc), xs, dims)
+    # A row of -inf has max -inf: subtract 0 there so the result is NaN-free like ATen's.
+    z = elementwise([xa, m], xs, [acc], lambda v, mx: [arith.subf(v, arith.select(
+        arith.cmpf(F.OEQ, mx, const(float("-inf"), acc)), const(0.0, acc), mx))])[0]
+    ex = elementwise([z], xs, [acc], lambda v: [mmath.exp(v)])[0]
+    s = _keep(reduce_dims(ex, dims, "sum", acc), xs, dims)
+    if attrs["log"]:
+        out = elementwise([z, s], xs, [e], lambda v, t: [convert(arith.subf(v, mmath.log(t)), e)])
+    else:
+        out = elementwise([ex, s], xs, [e], lambda v, t: [convert(arith.divf(v, t), e)])
+    return out
+
+
+@lowers("layer_norm")
+def lower_layer_norm(op, operands):
+    x, w, b = operands
+    attrs = op_attrs(op)
+    xs = shape(x)
+    rank, k = len(xs), attrs["normalized_rank"]
+    dims = set(range(rank - k, rank))
+    e, acc = elem(x), accumulator_type(elem(x))
+    n = 1
+    for d in dims:
+        n *= xs[d]
+    xa = elementwise([x], xs, [acc], lambda v: [convert(v, acc)])[0]
+    mean = _keep(reduce_dims(xa, dims, "sum", acc), xs, dims)
+    mean = elementwise([mean], shape(mean), [acc], lambda s: [arith.divf(s, const(n, acc))])[0]
+    cent = elementwise([xa, mean], xs, [acc], lambda v, m: [arith.subf(v, m)])[0]
+    sq = elementwise([cent], xs, [acc], lambda c: [arith.mulf(c, c)])[0]
+    var = _keep(reduce_dims(sq, dims, "sum", acc), xs, dims)
+    eps = attrs["eps"]
+    rstd = elementwise([var], shape(var), [acc], lambda s: [mmath.rsqrt(
+        arith.addf(arith.divf(s, const(n, acc)), const(eps, acc)))])[0]
+    y = elementwise([cent, rstd, w, b], xs, [e], lambda c, r, wv, bv: [convert(arith.addf(
+        arith.mulf(arith.mulf(c, r), convert(wv, acc)), convert(bv, acc)), e)])[0]
+    stat_e = elem(op.results[1].type)
+    cast = (lambda v: elementwise([v], shape(v), [stat_e], lambda s: [convert(s, stat_e)])[0])
+    return [y, cast(mean), cast(rstd)]
+
+
+__all__ = ["reduce_dims", "broadcast_map", "empty"]

@@ -1,0 +1,141 @@
+"""gac data-movement ops -> tensor / linalg ops."""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import arith, linalg, tensor
+
+from gac_torch.ir.builder import op_attrs
+from gac_torch.lowering.core import (
+    PARALLEL, broadcast_map, const, elem, empty, extract_slice, generic, identity_map, index,
+    index_type, insert_slice, pad_constant, reshape, shape,
+)
+from gac_torch.lowering.registry import lowers
+
+I = arith.CmpIPredicate
+
+
+@lowers("reshape")
+def lower_reshape(op, operands):
+    return [reshape(operands[0], shape(op.results[0]))]
+
+
+@lowers("transpose")
+def lower_transpose(op, operands):
+    (x,) = operands
+    out = op.results[0].type
+    perm = op_attrs(op)["perm"]
+    return [linalg.transpose(x, outs=[empty(shape(op.results[0]), elem(out))], permutation=perm).results[0]]
+
+
+@lowers("broadcast")
+def lower_broadcast(op, operands):
+    (x,) = operands
+    out_shape = shape(op.results[0])
+    rank = len(out_shape)
+    return generic([x], [broadcast_map(shape(x), out_shape)], [empty(out_shape, elem(x))],
+                   [identity_map(rank)], [PARALLEL] * rank, lambda v, _o: [v])
+
+
+@lowers("slice")
+def lower_slice(op, operands):
+    a = op_attrs(op)
+    return [extract_slice(operands[0], a["starts"], shape(op.results[0]), a["strides"])]
+
+
+@lowers("concat")
+def lower_concat(op, operands):
+    out_shape = shape(op.results[0])
+    dim = op_attrs(op)["dim"] % len(out_shape)
+    acc = empty(out_shape, elem(op.results[0].type))
+    offset = 0
+    for v in operands:
+        offsets = [0] * len(out_shape)
+        offsets[dim] = offset
+        acc = insert_slice(v, acc, offsets)
+        offset += shape(v)[dim]
+    return [acc]
+
+
+def _clamp_index(i, size, mode):
+    """Source index for an out-of-range position under reflect / replicate padding."""
+    i64 = i.type
+    if mode == "replicate":
+        return arith.minsi(arith.maxsi(i, const(0, i64)), const(size - 1, i64))
+    # reflect (edge not repeated): -k -> k, size-1+k -> size-1-k
+    r = arith.select(arith.cmpi(I.slt, i, const(0, i64)), arith.subi(const(0, i64), i), i)
+    over = arith.subi(r, const(size - 1, i64))
+    return arith.select(arith.cmpi(I.sgt, over, const(0, i64)),
+                        arith.subi(const(size - 1, i64), over), r)
+
+
+@lowers("pad")
+def lower_pad(op, operands):
+    (x,) = operands
+    a = op_attrs(op)
+    low, high = list(a["low"]), list(a["high"])
+    xs = shape(x)
+    # Negative padding crops first.
+    crop_lo = [max(0, -v) for v in low]
+    crop_hi = [max(0, -v) for v in high]
+    if any(crop_lo) or any(crop_hi):
+        x = extract_slice(x, crop_lo, [s - lo - hi for s, lo, hi in zip(xs, crop_lo, crop_hi)],
+                          [1] * len(xs))
+        xs = shape(x)
+    low, high = [max(0, v) for v in low], [max(0, v) for v in high]
+    if a["mode"] == "constant":
+        return [pad_constant(x, low, high, a["value"])]
+    out_shape = shape(op.results[0])
+    rank = len(out_shape)
+
+    def body(_out):
+        i64 = ir.IntegerType.get_signless(64)
+        idx = []
+        for d in range(rank):
+            i = arith.subi(index(d), const(low[d], i64))
+            if low[d] or high[d]:
+                i = _clamp_index(i, xs[d], a["mode"])
+            idx.append(arith.index_cast(index_type(), i))
+        return [tensor.ExtractOp(x, idx).result]
+
+    return generic([], [], [empty(out_shape, elem(x))], [identity_map(rank)], [PARALLEL] * rank, body)
+
+
+def _wrap(i, size):
+    """Negative indices count from the end (as in ATen)."""
+    return arith.select(arith.cmpi(I.slt, i, const(0, i.type)), arith.addi(i, const(size, i.type)), i)
+
+
+@lowers("gather")
+def lower_gather(op, operands):
+    x, idx = operands
+    dim = op_attrs(op)["dim"] % len(shape(x))
+    out_shape = shape(op.results[0])
+    rank = len(out_shape)
+    size = shape(x)[dim]
+
+    def body(j, _out):
+        coords = [arith.index_cast(index_type(), _wrap(j, size)) if d == dim
+                  else arith.index_cast(index_type(), index(d)) for d in range(rank)]
+        return [tensor.ExtractOp(x, coords).result]
+
+    return generic([idx], [identity_map(rank)], [empty(out_shape, elem(x))], [identity_map(rank)],
+                   [PARALLEL] * rank, body)
+
+
+@lowers("index_select")
+def lower_index_select(op, operands):
+    x, idx = operands
+    xs = shape(x)
+    dim = op_attrs(op)["dim"] % len(xs)
+    out_shape = shape(op.results[0])
+    rank = len(out_shape)
+    idx_map = ir.AffineMap.get(rank, 0, [ir.AffineDimExpr.get(dim)])
+
+    def body(j, _out):
+        coords = [arith.index_cast(index_type(), _wrap(j, xs[dim])) if d == dim
+                  else arith.index_cast(index_type(), index(d)) for d in range(rank)]
+        return [tensor.ExtractOp(x, coords).result]
+
+    return generic([idx], [idx_map], [empty(out_shape, elem(x))], [identity_map(rank)],
+                   [PARALLEL] * rank, body)

@@ -1,0 +1,136 @@
+"""gac.matmul / gac.conv / gac.pool -> linalg named ops (so targets can match and tile them)."""
+
+from __future__ import annotations
+
+import math
+
+from mlir import ir
+from mlir.dialects import arith, linalg
+
+from gac_torch.ir.builder import op_attrs
+from gac_torch.ir.types import is_float
+from gac_torch.lowering.core import (
+    PARALLEL, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
+    identity_map, index, lowest, pad_constant, reshape, shape,
+)
+from gac_torch.lowering.registry import lowers
+
+
+def _narrow(v: ir.Value, e: ir.Type) -> ir.Value:
+    if str(elem(v)) == str(e):
+        return v
+    return elementwise([v], shape(v), [e], lambda s: [convert(s, e)])[0]
+
+
+@lowers("matmul")
+def lower_matmul(op, operands):
+    a, b = operands
+    sa, sb = shape(a), shape(b)
+    e = elem(a)
+    acc = accumulator_type(e)
+    batch = sa[:-2]
+    m, k, n = sa[-2], sa[-1], sb[-1]
+    nb = math.prod(batch)
+    if not batch:
+        out = linalg.matmul(a, b, outs=[full([m, n], 0, acc)])
+    else:
+        a3, b3 = reshape(a, [nb, m, k]), reshape(b, [nb, k, n])
+        out = reshape(linalg.batch_matmul(a3, b3, outs=[full([nb, m, n], 0, acc)]), batch + [m, n])
+    return [_narrow(out, e)]
+
+
+@lowers("conv")
+def lower_conv(op, operands):
+    """N-d conv as a grouped 2-D conv (1-D gets a unit height): pad, then conv_2d_ngchw_gfchw."""
+    x, w = operands
+    attrs = op_attrs(op)
+    xs, ws = shape(x), shape(w)
+    nsp = len(xs) - 2
+    if nsp not in (1, 2):
+        raise NotImplementedError(f"gac.conv with {nsp} spatial dims")
+    stride, padding, dilation = (list(attrs[k]) for k in ("stride", "padding", "dilation"))
+    if nsp == 1:
+        x, w = reshape(x, xs[:2] + [1, xs[2]]), reshape(w, ws[:2] + [1, ws[2]])
+        stride, padding, dilation = [1] + stride, [0] + padding, [1] + dilation
+        xs, ws = shape(x), shape(w)
+    g = attrs["groups"]
+    e = elem(x)
+    acc = accumulator_type(e)
+    x = pad_constant(x, [0, 0] + padding, [0, 0] + padding, 0)
+    n, c, h, wd = shape(x)
+    f = ws[0]
+    x5 = reshape(x, [n, g, c // g, h, wd])
+    w5 = reshape(w, [g, f // g] + ws[1:])
+    out_shape = shape(op.results[0])
+    ho, wo = out_shape[-2] if nsp == 2 else 1, out_shape[-1]
+    init = full([n, g, f // g, ho, wo], 0, acc)
+    y = linalg.conv_2d_ngchw_gfchw(
+        x5, w5, outs=[init],
+        strides=_i64_elements(stride),
+        dilations=_i64_elements(dilation))
+    return [_narrow(reshape(y, out_shape), e)]
+
+
+def _i64_elements(values) -> ir.DenseElementsAttr:
+    import numpy as np
+    return ir.DenseElementsAttr.get(np.array(values, dtype=np.int64))
+
+
+@lowers("pool")
+def lower_pool(op, operands):
+    (x,) = operands
+    a = op_attrs(op)
+    kernel, stride, padding, dilation = (list(a[k]) for k in ("kernel", "stride", "padding", "dilation"))
+    nsp = len(kernel)
+    xs = shape(x)
+    out_shape = shape(op.results[0])
+    lead = xs[: len(xs) - nsp]
+    e = elem(x)
+    # Normalise to (N, C, H, W).
+    if nsp == 1:
+        kernel, stride, padding, dilation = [1] + kernel, [1] + stride, [0] + padding, [1] + dilation
+    nc = [math.prod(lead[:-1]) if len(lead) > 1 else 1, lead[-1] if lead else 1]
+    x4 = reshape(x, nc + xs[len(xs) - nsp:] if nsp == 2 else nc + [1, xs[-1]])
+    h, w = shape(x4)[2:]
+    ho, wo = (out_shape[-2], out_shape[-1]) if nsp == 2 else (1, out_shape[-1])
+    # Extra high padding so ceil_mode windows that run off the end stay in bounds.
+    hi = [max(0, (o - 1) * s + d * (k - 1) + 1 - (size + p))
+          for o, s, d, k, size, p in zip((ho, wo), stride, dilation, kernel, (h, w), padding)]
+    window = empty(kernel, e)
+    kw = dict(strides=_i64_elements(stride), dilations=_i64_elements(dilation))
+    if a["kind"] == "max":
+        xp = pad_constant(x4, [0, 0] + padding, [0, 0] + [p + q for p, q in zip(padding, hi)], lowest(e))
+        y = linalg.pooling_nchw_max(xp, window, outs=[full(nc + [ho, wo], lowest(e), e)], **kw)
+        return [reshape(y, out_shape)]
+    acc = accumulator_type(e)
+    xa = _widen(x4, acc)
+    xp = pad_constant(xa, [0, 0] + padding, [0, 0] + [p + q for p, q in zip(padding, hi)], 0)
+    s = linalg.pooling_nchw_sum(xp, empty(kernel, acc), outs=[full(nc + [ho, wo], 0, acc)], **kw)
+    divisor = a["divisor"]
+    count_pad = bool(a["count_include_pad"])
+
+    def body(v, _out):
+        if divisor:
+            return [convert(arith.divf(v, const(divisor, acc)), e)]
+        counts = []
+        for d, (size, k, st, p) in enumerate(zip((h, w), kernel, stride, padding)):
+            i64 = ir.IntegerType.get_signless(64)
+            start = arith.subi(arith.muli(index(2 + d), const(st, i64)), const(p, i64))
+            end = arith.minsi(arith.addi(start, const(k, i64)), const(size + p, i64))
+            if not count_pad:
+                start = arith.maxsi(start, const(0, i64))
+                end = arith.minsi(end, const(size, i64))
+            counts.append(arith.subi(end, start))
+        cnt = arith.sitofp(acc, arith.muli(counts[0], counts[1]))
+        return [convert(arith.divf(v, cnt), e)]
+
+    y = generic([s], [identity_map(4)], [empty(nc + [ho, wo], e)], [identity_map(4)],
+                [PARALLEL] * 4, body)[0]
+    return [reshape(y, out_shape)]
+
+
+def _widen(v, acc):
+    return v if str(elem(v)) == str(acc) else elementwise([v], shape(v), [acc], lambda s: [convert(s, acc)])[0]
+
+
+__all__ = ["is_float"]
