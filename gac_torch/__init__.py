@@ -1,1 +1,60 @@
-"""GAC-Torch."""
+"""GAC-Torch: a PyTorch backend built on MLIR.
+
+    torch.compile(model, backend="gac")          # registered by entry point; no import needed
+    compiled = gac_torch.compile(exported_program, target="cpu")
+    gac_torch.explain(model, *example_inputs)    # what compiles, what falls back, and why
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from gac_torch.options import OptionError
+
+__version__ = "0.1.0"
+
+
+def compile(program, example_inputs: Sequence[Any] | None = None, *, target: str | None = None,
+            options: dict | None = None):
+    """Compiles a torch.export ExportedProgram (or an nn.Module with example inputs, exported
+    first). Returns a callable; `.ir(stage)` shows the gac / linalg / target stages."""
+    from gac_torch.frontends.export import compile_exported, export_module
+    from gac_torch.options import resolve
+
+    opts = resolve(options, target=target)
+    if isinstance(program, torch.export.ExportedProgram):
+        ep = program
+    elif isinstance(program, torch.nn.Module):
+        if example_inputs is None:
+            raise TypeError("gac_torch.compile(nn.Module) needs example_inputs (a tuple of tensors)")
+        ep = export_module(program, example_inputs)
+    else:
+        raise TypeError(f"gac_torch.compile takes an ExportedProgram or nn.Module, got {type(program).__name__}")
+    return compile_exported(ep, opts)
+
+
+def explain(model, *example_inputs, **example_kwargs):
+    """Which ATen ops gac compiles and which fall back (with reasons), without compiling.
+
+    Exports the model (ExportedProgram accepted as is), decomposes to core ATen and asks the
+    registry about every node. Returns a GraphReport; str() gives the summary line."""
+    from gac_torch.legalize import decompositions
+    from gac_torch.passes.partition import analyze
+
+    ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(
+        model, tuple(example_inputs), example_kwargs or None)
+    ep = ep.run_decompositions(decompositions())
+    _, report = analyze(ep.graph_module)
+    return report
+
+
+def backend(gm, example_inputs, options: dict | None = None, **kwargs):
+    """The dynamo backend (also registered as backend="gac")."""
+    from gac_torch.frontends.dynamo import gac_backend
+
+    return gac_backend(gm, example_inputs, options=options, **kwargs)
+
+
+__all__ = ["compile", "explain", "backend", "OptionError", "__version__"]

@@ -1,0 +1,18 @@
+"""Targets. Each lives in its own package exposing TARGET; nothing outside asks which it is."""
+
+from __future__ import annotations
+
+import importlib
+
+from gac_torch.backends.base import Signature, Stage, Target, TargetUnavailable, TensorSpec
+
+TARGET_NAMES = ("cpu", "cuda", "vortex")
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGET_NAMES:
+        raise ValueError(f"unknown target {name!r}; valid targets: {', '.join(TARGET_NAMES)}")
+    return importlib.import_module(f"gac_torch.backends.{name}").TARGET
+
+
+__all__ = ["get_target", "Target", "Stage", "Signature", "TensorSpec", "TargetUnavailable", "TARGET_NAMES"]

@@ -1,0 +1,7 @@
+"""ATen -> gac legalization: the registry and one module per op family."""
+
+from gac_torch.legalize import pointwise, reduction, shape, structured  # noqa: F401 (registers)
+from gac_torch.legalize.context import LegalizeError, build_module, node_support
+from gac_torch.legalize.registry import REGISTRY, decompositions, lowered_ops
+
+__all__ = ["REGISTRY", "LegalizeError", "build_module", "decompositions", "lowered_ops", "node_support"]

@@ -1,0 +1,71 @@
+"""The driver: one FX partition -> gac -> linalg -> the target's stages -> a loaded executable."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.fx as fx
+from mlir import ir, passmanager
+
+from gac_torch.backends import Signature, Target, TensorSpec
+from gac_torch.ir.dialect import make_context
+from gac_torch.ir.verifier import verify_gac
+from gac_torch.legalize import build_module
+from gac_torch.lowering import lower_to_linalg
+from gac_torch.runtime.compiled import CompiledGraph
+
+log = logging.getLogger("gac_torch")
+
+
+def stage_text(artifact: Any) -> str:
+    if isinstance(artifact, ir.Module):
+        return str(artifact)
+    if isinstance(artifact, bytes):
+        return artifact.decode(errors="replace")
+    if isinstance(artifact, str):
+        return artifact
+    return getattr(artifact, "text", repr(artifact))
+
+
+def _specs(nodes) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(tuple(int(s) for s in n.meta["val"].shape), n.meta["val"].dtype) for n in nodes)
+
+
+def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: dict,
+                      dump_dir: str | None = None) -> CompiledGraph:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    tuple_output = isinstance(outs, (list, tuple))
+    outs = list(outs) if tuple_output else [outs]
+    signature = Signature(_specs(placeholders), _specs(outs))
+
+    stages: dict[str, str] = {}
+    ctx = make_context()
+    module = build_module(gm, ctx)
+    with ctx, ir.Location.unknown():
+        module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
+        if options.get("verify", True):
+            verify_gac(module)  # shapes and dtypes
+        stages["gac"] = str(module)
+        artifact: Any = lower_to_linalg(module)
+        stages["linalg"] = str(artifact)
+        for stage in target.stages(options):
+            artifact = stage.run(artifact)
+            stages[stage.name] = stage_text(artifact)
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(os.path.join(dump_dir, f"{name}.fx.txt"), "w") as f:
+            f.write(str(gm.graph))
+        for stage, text in stages.items():
+            with open(os.path.join(dump_dir, f"{name}.{stage}"), "w") as f:
+                f.write(text)
+    executable = target.load(artifact, signature, options)
+    return CompiledGraph(name, executable, signature, target.device_type, stages,
+                         [p.name for p in placeholders], tuple_output)
+
+
+__all__ = ["compile_partition", "passmanager", "torch"]

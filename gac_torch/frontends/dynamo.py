@@ -1,0 +1,34 @@
+"""torch.compile(model, backend="gac"): dynamo graph -> AOTAutograd (functional core ATen) -> gac.
+
+Registered through the `torch_dynamo_backends` entry point, so no import is needed. AOTAutograd
+gives inference graphs under no_grad and forward/backward graphs otherwise; both are compiled by
+gac, so autograd stays correct (unsupported backward ops fall back to eager like any other).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gac_torch.frontends.fx import compile_graph
+from gac_torch.legalize import decompositions
+from gac_torch.options import resolve
+
+log = logging.getLogger("gac_torch")
+# Every compiled graph's report, most recent last (for users and tests).
+reports: list = []
+
+
+def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **kw):
+    from torch._dynamo.backends.common import aot_autograd
+
+    opts = resolve(options, **kw)
+
+    def compile_fn(graph: torch.fx.GraphModule, inputs):
+        compiled = compile_graph(graph, opts)
+        reports.append(compiled.report)
+        return compiled.gm
+
+    return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
+                        decompositions=decompositions())(gm, example_inputs)

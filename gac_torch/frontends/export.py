@@ -1,0 +1,90 @@
+"""gac_torch.compile(ExportedProgram | nn.Module): torch.export -> core ATen -> gac."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from gac_torch.frontends.fx import CompiledFx, compile_graph
+from gac_torch.legalize import decompositions
+from gac_torch.runtime.compiled import GacInputError
+
+
+def _lifted_value(ep: ExportedProgram, spec) -> torch.Tensor:
+    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+        if spec.target in ep.state_dict:
+            return ep.state_dict[spec.target]
+        return ep.constants[spec.target]
+    if spec.kind == InputKind.CONSTANT_TENSOR:
+        return ep.constants[spec.target]
+    raise TypeError(f"unsupported exported input kind {spec.kind}")
+
+
+class CompiledProgram:
+    """A compiled ExportedProgram: call it like the original module."""
+
+    def __init__(self, ep: ExportedProgram, compiled: CompiledFx):
+        self.exported_program = ep
+        self.compiled = compiled
+        self.report = compiled.report
+        specs = ep.graph_signature.input_specs
+        self._lifted = [(i, _lifted_value(ep, s)) for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT]
+        self._user_positions = [i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT]
+        self._user_names = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
+        placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+        self._user_meta = [placeholders[i].meta.get("val") for i in self._user_positions]
+        self._n_inputs = len(specs)
+        self._user_outputs = [i for i, s in enumerate(ep.graph_signature.output_specs)
+                              if s.kind == OutputKind.USER_OUTPUT]
+        device = "cuda" if compiled.target == "cuda" else "cpu"
+        self._lifted = [(i, t.to(device)) for i, t in self._lifted]
+
+    def ir(self, stage: str) -> str:
+        return self.compiled.ir(stage)
+
+    @property
+    def stages(self) -> list[str]:
+        return list(next(iter(self.compiled.partitions.values())).stages) if self.compiled.partitions else []
+
+    def _check(self, flat: Sequence[Any]) -> None:
+        if len(flat) != len(self._user_meta):
+            raise GacInputError(f"expected {len(self._user_meta)} inputs, got {len(flat)}")
+        for name, got, want in zip(self._user_names, flat, self._user_meta):
+            if not isinstance(want, torch.Tensor):
+                continue
+            if not isinstance(got, torch.Tensor):
+                raise GacInputError(f"input {name!r}: expected a tensor, got {type(got).__name__}")
+            if got.dtype != want.dtype:
+                raise GacInputError(f"input {name!r}: expected dtype {want.dtype}, got {got.dtype}")
+            if tuple(got.shape) != tuple(want.shape):
+                raise GacInputError(f"input {name!r}: expected shape {list(want.shape)}, got {list(got.shape)}")
+            expected_dev = "cuda" if self.compiled.target == "cuda" else "cpu"
+            if got.device.type != expected_dev:
+                raise GacInputError(f"input {name!r}: compiled for {expected_dev} tensors, got one on {got.device}")
+
+    def __call__(self, *args, **kwargs):
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        self._check(flat)
+        full: list[Any] = [None] * self._n_inputs
+        for i, t in self._lifted:
+            full[i] = t
+        for i, t in zip(self._user_positions, flat):
+            full[i] = t
+        outs = self.compiled(*full)
+        outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+        user = [outs[i] for i in self._user_outputs]
+        return pytree.tree_unflatten(user, self.exported_program.call_spec.out_spec)
+
+
+def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
+    ep = ep.run_decompositions(decompositions())
+    gm = ep.graph_module
+    return CompiledProgram(ep, compile_graph(gm, options))
+
+
+def export_module(model: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
+    return torch.export.export(model, tuple(example_inputs))

@@ -1,0 +1,96 @@
+"""Shared by every torch front-end: an ATen FX graph -> partitions compiled by gac, rest eager."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections import Counter
+
+import torch
+import torch.fx as fx
+
+from gac_torch.backends import get_target
+from gac_torch.driver import compile_partition
+from gac_torch.passes.partition import GraphReport, analyze, partition
+from gac_torch.runtime.compiled import CompiledGraph
+
+log = logging.getLogger("gac_torch")
+_graph_ids = itertools.count()
+
+
+class GacUnsupportedError(RuntimeError):
+    """Strict mode (fallback=False) found ops gac cannot compile; lists all of them at once."""
+
+
+def default_target(gm: fx.GraphModule) -> str:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            return "cuda"
+    return "cpu"
+
+
+class CompiledFx:
+    """The result of compiling one graph: a callable GraphModule plus what happened to it."""
+
+    def __init__(self, gm: fx.GraphModule, report: GraphReport, partitions: dict[str, CompiledGraph],
+                 target: str):
+        self.gm = gm
+        self.report = report
+        self.partitions = partitions
+        self.target = target
+
+    def __call__(self, *args):
+        return self.gm(*args)
+
+    def ir(self, stage: str) -> str:
+        if not self.partitions:
+            raise KeyError("nothing was compiled for this graph (every node fell back to eager)")
+        texts = [f"// partition {name}\n{cg.ir(stage)}" if len(self.partitions) > 1 else cg.ir(stage)
+                 for name, cg in self.partitions.items()]
+        return "\n".join(texts)
+
+
+def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
+    graph_id = next(_graph_ids)
+    target_name = options["target"] or default_target(gm)
+    target = get_target(target_name)
+    target.check_available()  # no silent fallback to another target
+
+    decisions, report = analyze(gm)
+    if report.unsupported and not options["fallback"]:
+        raise GacUnsupportedError(
+            "gac cannot compile these ops (fallback=False):\n" + "\n".join(
+                f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())))
+
+    dump_dir = os.path.join(options["dump_dir"], f"graph_{graph_id}") if options["dump_dir"] else None
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(os.path.join(dump_dir, "fx_graph.txt"), "w") as f:
+            f.write(str(gm.graph))
+
+    fused, names = partition(gm, decisions, options["min_block_size"])
+    compiled: dict[str, CompiledGraph] = {}
+    for name in names:
+        sub = getattr(fused, name)
+        try:
+            cg = compile_partition(sub, name, target, options, dump_dir)
+        except Exception as e:  # never crash a user's model: this partition runs eagerly instead
+            if not options["fallback"]:
+                raise
+            n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+            report.compiled -= n_ops
+            report.unsupported[(f"partition {name}", f"compile failed: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200]}")] += n_ops
+            log.warning("gac: graph %d partition %s falls back to eager: %s", graph_id, name, e)
+            continue
+        setattr(fused, name, cg)
+        compiled[name] = cg
+    report.partitions = len(compiled)
+    fused.recompile()
+    log.info("gac: graph %d on %s: %s", graph_id, target_name, report.summary())
+    return CompiledFx(fused, report, compiled, target_name)
+
+
+__all__ = ["compile_graph", "CompiledFx", "GacUnsupportedError", "Counter"]

@@ -1,0 +1,176 @@
+"""Pointwise ATen ops -> gac.unary / gac.binary / gac.select / gac.cast."""
+
+from __future__ import annotations
+
+import torch
+
+from gac_torch.legalize.context import Cx, meta_val
+from gac_torch.legalize.registry import aten, lower
+
+
+def promoted(cx: Cx, *positions: int) -> torch.dtype:
+    """torch's type promotion over the node's args at `positions` (0-d tensors count as scalars)."""
+    probes = []
+    for i in positions:
+        a = cx.node.args[i] if i < len(cx.node.args) else None
+        v = meta_val(a)
+        if isinstance(v, torch.Tensor):
+            probes.append(torch.empty((1,) * min(v.dim(), 1), dtype=v.dtype))
+        elif a is not None:
+            probes.append(a)
+    out = probes[0] if isinstance(probes[0], torch.Tensor) else torch.tensor(probes[0])
+    for p in probes[1:]:
+        out = torch.empty((1,) * min(out.dim(), 1), dtype=torch.result_type(out, p))
+    return out.dtype
+
+
+def _unary(kind: str, *overloads):
+    @lower(*overloads)
+    def fn(cx: Cx, x, *_):
+        return cx.b.unary(cx.to(x, cx.out_dtype), kind=kind)
+    fn.__name__ = f"lower_{kind}"
+    return fn
+
+
+for _kind, _ops in {
+    "neg": [aten.neg.default], "abs": [aten.abs.default], "exp": [aten.exp.default],
+    "exp2": [aten.exp2.default], "expm1": [aten.expm1.default], "log": [aten.log.default],
+    "log2": [aten.log2.default], "log10": [aten.log10.default], "log1p": [aten.log1p.default],
+    "sqrt": [aten.sqrt.default], "rsqrt": [aten.rsqrt.default],
+    "reciprocal": [aten.reciprocal.default], "sin": [aten.sin.default], "cos": [aten.cos.default],
+    "tan": [aten.tan.default], "asin": [aten.asin.default], "acos": [aten.acos.default],
+    "atan": [aten.atan.default], "sinh": [aten.sinh.default], "cosh": [aten.cosh.default],
+    "tanh": [aten.tanh.default], "asinh": [aten.asinh.default], "acosh": [aten.acosh.default],
+    "atanh": [aten.atanh.default], "erf": [aten.erf.default], "sigmoid": [aten.sigmoid.default],
+    "relu": [aten.relu.default], "silu": [aten.silu.default], "floor": [aten.floor.default],
+    "ceil": [aten.ceil.default], "round": [aten.round.default], "trunc": [aten.trunc.default],
+    "sign": [aten.sign.default], "bitwise_not": [aten.bitwise_not.default],
+}.items():
+    _unary(_kind, *_ops)
+
+
+@lower(aten.gelu.default)
+def lower_gelu(cx: Cx, x, approximate: str = "none"):
+    return cx.b.unary(cx.to(x, cx.out_dtype), kind="gelu_tanh" if approximate == "tanh" else "gelu")
+
+
+def _predicate(kind: str, *overloads):
+    @lower(*overloads)
+    def fn(cx: Cx, x):
+        return cx.b.unary(x, kind=kind)
+    fn.__name__ = f"lower_{kind}"
+
+
+_predicate("isnan", aten.isnan.default)
+_predicate("isinf", aten.isinf.default)
+_predicate("logical_not", aten.logical_not.default)
+
+
+def float_result(node) -> str | None:
+    return None if meta_val(node).dtype.is_floating_point else "integer result"
+
+
+def _arith(kind: str, *overloads, check=None):
+    """a kind b computed in the result dtype; `alpha` scales b (add/sub)."""
+    @lower(*overloads, check=check)
+    def fn(cx: Cx, a, b, alpha=1):
+        dt = cx.out_dtype
+        rhs = cx.to(b, dt)
+        if alpha != 1:
+            rhs = cx.b.binary(rhs, cx.to(alpha, dt), kind="mul")
+        return cx.b.binary(cx.to(a, dt), rhs, kind=kind)
+    fn.__name__ = f"lower_{kind}"
+
+
+_arith("add", aten.add.Tensor, aten.add.Scalar)
+_arith("sub", aten.sub.Tensor, aten.sub.Scalar)
+_arith("mul", aten.mul.Tensor, aten.mul.Scalar)
+_arith("div", aten.div.Tensor, aten.div.Scalar)
+_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, check=float_result)
+_arith("atan2", aten.atan2.default, check=float_result)
+_arith("maximum", aten.maximum.default)
+_arith("minimum", aten.minimum.default)
+_arith("remainder", aten.remainder.Tensor, aten.remainder.Scalar)
+_arith("fmod", aten.fmod.Tensor, aten.fmod.Scalar)
+_arith("bitwise_and", aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)
+_arith("bitwise_or", aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)
+_arith("bitwise_xor", aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)
+
+
+@lower(aten.rsub.Scalar, aten.rsub.Tensor)
+def lower_rsub(cx: Cx, a, b, alpha=1):
+    dt = cx.out_dtype
+    lhs = cx.to(a, dt)
+    if alpha != 1:
+        lhs = cx.b.binary(lhs, cx.to(alpha, dt), kind="mul")
+    return cx.b.binary(cx.to(b, dt), lhs, kind="sub")
+
+
+@lower(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def lower_div_mode(cx: Cx, a, b, rounding_mode=None):
+    dt = cx.out_dtype
+    kind = {None: "div", "trunc": "truncdiv", "floor": "floordiv"}[rounding_mode]
+    if kind != "div" and dt.is_floating_point:
+        q = cx.b.binary(cx.to(a, dt), cx.to(b, dt), kind="div")
+        return cx.b.unary(q, kind="trunc" if kind == "truncdiv" else "floor")
+    return cx.b.binary(cx.to(a, dt), cx.to(b, dt), kind=kind)
+
+
+def _compare(kind: str, *overloads):
+    @lower(*overloads)
+    def fn(cx: Cx, a, b):
+        dt = promoted(cx, 0, 1)
+        return cx.b.binary(cx.to(a, dt), cx.to(b, dt), kind=kind)
+    fn.__name__ = f"lower_{kind}"
+
+
+for _kind in ("eq", "ne", "lt", "le", "gt", "ge"):
+    _compare(_kind, getattr(aten, _kind).Tensor, getattr(aten, _kind).Scalar)
+_compare("logical_and", aten.logical_and.default)
+_compare("logical_or", aten.logical_or.default)
+_compare("logical_xor", aten.logical_xor.default)
+
+
+@lower(aten.where.self)
+def lower_where(cx: Cx, cond, a, b):
+    dt = cx.out_dtype
+    return cx.b.select(cx.to(cond, torch.bool), cx.to(a, dt), cx.to(b, dt))
+
+
+@lower(aten.clamp.default, aten.clamp.Tensor)
+def lower_clamp(cx: Cx, x, lo=None, hi=None):
+    dt = cx.out_dtype
+    y = cx.to(x, dt)
+    # min/max with NaN-propagation, like ATen's clamp.
+    if lo is not None:
+        y = cx.b.binary(y, cx.to(lo, dt), kind="maximum")
+    if hi is not None:
+        y = cx.b.binary(y, cx.to(hi, dt), kind="minimum")
+    return y
+
+
+@lower(aten.lerp.Scalar, aten.lerp.Tensor)
+def lower_lerp(cx: Cx, start, end, weight):
+    dt = cx.out_dtype
+    s, e = cx.to(start, dt), cx.to(end, dt)
+    return cx.b.binary(s, cx.b.binary(cx.to(weight, dt), cx.b.binary(e, s, kind="sub"), kind="mul"),
+                       kind="add")
+
+
+def _same_device(node) -> str | None:
+    src, out = meta_val(node.args[0]), meta_val(node)
+    return None if src.device == out.device else "device transfer"
+
+
+@lower(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default,
+       check=_same_device)
+def lower_copy(cx: Cx, x, **kwargs):
+    # A copy in a functional graph is the value itself (memory format does not matter here:
+    # gac tensors are dense, row-major).
+    return cx.to(x, cx.out_dtype)
+
+
+@lower(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def lower_masked_fill(cx: Cx, x, mask, value):
+    dt = cx.out_dtype
+    return cx.b.select(cx.to(mask, torch.bool), cx.to(value, dt), cx.to(x, dt))

@@ -1,0 +1,159 @@
+"""Views and data movement. Views become value-semantics gac ops: graphs here are functional."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gac_torch.legalize.context import Cx, meta_val
+from gac_torch.legalize.registry import aten, lower
+
+
+@lower(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+       aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def lower_view(cx: Cx, x, *_):
+    return cx.b.reshape(x, cx.out_shape)
+
+
+@lower(aten.permute.default)
+def lower_permute(cx: Cx, x, perm):
+    rank = len(cx.shape(x))
+    return cx.b.transpose(x, perm=[p % max(rank, 1) for p in perm]) if rank else x
+
+
+@lower(aten.t.default, aten.transpose.int)
+def lower_transpose(cx: Cx, x, d0=0, d1=1):
+    rank = len(cx.shape(x))
+    if rank < 2:
+        return x
+    perm = list(range(rank))
+    d0, d1 = d0 % rank, d1 % rank
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return cx.b.transpose(x, perm=perm)
+
+
+@lower(aten.expand.default)
+def lower_expand(cx: Cx, x, size, *, implicit=False):
+    return cx.b.broadcast(x, shape=cx.out_shape) if cx.shape(x) != cx.out_shape else x
+
+
+def _slice_bounds(size: int, start, end, step) -> tuple[int, int, int]:
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, step
+
+
+@lower(aten.slice.Tensor)
+def lower_slice(cx: Cx, x, dim=0, start=None, end=None, step=1):
+    shape = cx.shape(x)
+    dim %= len(shape)
+    lo, hi, st = _slice_bounds(shape[dim], start, end, step)
+    starts, limits, strides = [0] * len(shape), list(shape), [1] * len(shape)
+    starts[dim], limits[dim], strides[dim] = lo, hi, st
+    return cx.b.slice(x, starts=starts, limits=limits, strides=strides)
+
+
+@lower(aten.select.int)
+def lower_select(cx: Cx, x, dim, index):
+    shape = cx.shape(x)
+    dim %= len(shape)
+    index %= shape[dim]
+    starts, limits = [0] * len(shape), list(shape)
+    starts[dim], limits[dim] = index, index + 1
+    y = cx.b.slice(x, starts=starts, limits=limits, strides=[1] * len(shape))
+    return cx.b.reshape(y, cx.out_shape)
+
+
+@lower(aten.cat.default)
+def lower_cat(cx: Cx, tensors, dim=0):
+    dt = cx.out_dtype
+    parts = [cx.to(t, dt) for t in tensors if math.prod(cx.shape(t)) > 0 or len(cx.shape(t)) > 1]
+    if len(parts) == 1:
+        return parts[0]
+    return cx.b.concat(*parts, dim=dim % len(cx.out_shape))
+
+
+@lower(aten.split_with_sizes.default, aten.split.Tensor)
+def lower_split(cx: Cx, x, sizes, dim=0):
+    shape = cx.shape(x)
+    dim %= len(shape)
+    if isinstance(sizes, int):
+        sizes = [min(sizes, shape[dim] - i) for i in range(0, shape[dim], sizes)]
+    outs, off = [], 0
+    for s in sizes:
+        starts, limits = [0] * len(shape), list(shape)
+        starts[dim], limits[dim] = off, off + s
+        outs.append(cx.b.slice(x, starts=starts, limits=limits, strides=[1] * len(shape)))
+        off += s
+    return tuple(outs)
+
+
+@lower(aten.constant_pad_nd.default)
+def lower_constant_pad(cx: Cx, x, pad, value=0):
+    rank = len(cx.shape(x))
+    low, high = [0] * rank, [0] * rank
+    for i in range(len(pad) // 2):  # pad pairs start from the last dim
+        low[rank - 1 - i], high[rank - 1 - i] = pad[2 * i], pad[2 * i + 1]
+    return cx.b.pad(x, low=low, high=high, mode="constant", value=float(value))
+
+
+@lower(aten.embedding.default)
+def lower_embedding(cx: Cx, weight, indices, padding_idx=-1, scale_grad=False, sparse=False):
+    flat = cx.b.reshape(indices, [math.prod(cx.shape(indices))])
+    rows = cx.b.index_select(weight, flat, dim=0)
+    return cx.b.reshape(rows, cx.out_shape)
+
+
+@lower(aten.index_select.default)
+def lower_index_select(cx: Cx, x, dim, index):
+    return cx.b.index_select(x, cx.b.reshape(index, [max(1, math.prod(cx.shape(index)))]) if not cx.shape(index) else index,
+                             dim=dim % max(len(cx.shape(x)), 1))
+
+
+@lower(aten.gather.default)
+def lower_gather(cx: Cx, x, dim, index, *, sparse_grad=False):
+    return cx.b.gather(x, index, dim=dim % max(len(cx.shape(x)), 1))
+
+
+# Constructors: values that only depend on static shapes.
+@lower(aten.full.default, aten.scalar_tensor.default)
+def lower_full(cx: Cx, size_or_value, fill_value=None, **kwargs):
+    value = size_or_value if fill_value is None else fill_value
+    c = cx.b.constant(value, cx.out_dtype)
+    return cx.b.broadcast(c, shape=cx.out_shape) if cx.out_shape else c
+
+
+@lower(aten.full_like.default, aten.zeros_like.default, aten.ones_like.default)
+def lower_full_like(cx: Cx, x, fill_value=None, **kwargs):
+    value = {aten.zeros_like.default: 0, aten.ones_like.default: 1}.get(cx.node.target, fill_value)
+    c = cx.b.constant(value, cx.out_dtype)
+    return cx.b.broadcast(c, shape=cx.out_shape) if cx.out_shape else c
+
+
+@lower(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def lower_arange(cx: Cx, *args, **kwargs):
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
+    dt = cx.out_dtype
+    n = cx.out_shape[0]
+    compute = torch.float64 if dt.is_floating_point else torch.int64
+    i = cx.b.iota([n], 0, compute)
+    y = cx.b.binary(cx.b.binary(i, cx.to(step, compute), kind="mul"), cx.to(start, compute), kind="add")
+    return cx.to(y, dt)
+
+
+@lower(aten.empty.memory_format, aten.zeros.default, aten.ones.default,
+       check=lambda n: None)
+def lower_filled(cx: Cx, size, **kwargs):
+    # empty: any content is valid; zeros keeps results deterministic.
+    value = 1 if cx.node.target is aten.ones.default else 0
+    c = cx.b.constant(value, cx.out_dtype)
+    return cx.b.broadcast(c, shape=cx.out_shape) if cx.out_shape else c
+
+
+__all__ = ["meta_val"]

@@ -1,0 +1,85 @@
+"""Partitioning: supported ATen nodes are grouped into compiled regions, the rest stay eager.
+
+Uses torch's CapabilityBasedPartitioner (as Torch-TensorRT does): it merges supported nodes into
+maximal groups without creating cycles; each group becomes a `call_module` to a submodule that the
+driver compiles.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from gac_torch.legalize import node_support
+
+_SKIP = {"placeholder", "output", "get_attr"}
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    return str(t) if not callable(t) or not hasattr(t, "__name__") or "aten" in str(t) else t.__name__
+
+
+@dataclass
+class GraphReport:
+    """What happened to one graph: how much compiles and what falls back, with reasons."""
+
+    total: int = 0
+    compiled: int = 0
+    partitions: int = 0
+    unsupported: Counter = field(default_factory=Counter)  # (op, reason) -> count
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.compiled / self.total if self.total else 100.0
+
+    def summary(self) -> str:
+        line = (f"{self.compiled}/{self.total} ATen nodes compiled ({self.percent:.1f}%), "
+                f"{self.partitions} compiled partition(s)")
+        if self.unsupported:
+            falls = ", ".join(f"{op} x{n} ({why})" for (op, why), n in sorted(self.unsupported.items()))
+            line += f"; eager fallback: {falls}"
+        return line
+
+    __str__ = summary
+
+
+def analyze(gm: fx.GraphModule) -> tuple[dict[fx.Node, str | None], GraphReport]:
+    """Support decision per compute node, and the report (before partitioning)."""
+    decisions, report = {}, GraphReport()
+    for node in gm.graph.nodes:
+        if node.op in _SKIP:
+            continue
+        why = node_support(node)
+        decisions[node] = why
+        if node.op == "call_function" and node.target is operator.getitem:
+            continue  # bookkeeping, not an op
+        report.total += 1
+        if why is None:
+            report.compiled += 1
+        else:
+            report.unsupported[(op_name(node), why)] += 1
+    return decisions, report
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self, decisions):
+        self.decisions = decisions
+
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return self.decisions.get(node, "unknown") is None
+
+
+def partition(gm: fx.GraphModule, decisions, min_block_size: int = 1) -> tuple[fx.GraphModule, list[str]]:
+    """Fuses supported regions into submodules named fused_*; returns the graph and their names."""
+    partitioner = CapabilityBasedPartitioner(gm, _Support(decisions), allows_single_node_partition=True)
+    parts = [p for p in partitioner.propose_partitions()
+             if sum(1 for n in p.nodes if n.target is not operator.getitem) >= min_block_size]
+    fused = partitioner.fuse_partitions(parts)
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")]
+    return fused, names
