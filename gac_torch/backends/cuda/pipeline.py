@@ -1,0 +1,259 @@
+"""The CUDA target's stages: linalg -> "gpu" -> "llvm" -> "ptx".
+
+- "gpu":  mapping.map_to_gpu (one kernel per linalg op, outlined into `gpu.module @gac_kernels`);
+          the host function that is left is read into data (launch list + buffer plan).
+- "llvm": the gpu.module lowered to the NVVM/LLVM dialect (bare-pointer memref arguments, so a
+          kernel takes one pointer per buffer and bakes static shapes/strides/offsets in).
+- "ptx":  `gpu-module-to-binary{format=isa}` in-process; libdevice is linked for math functions.
+
+Everything here runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from mlir import ir
+from mlir.dialects import gpu
+
+from gac_torch.backends.cuda import mapping
+from gac_torch.backends.cuda.program import (
+    ArgSpec, BufferRef, CudaProgram, KernelArg, KernelLaunch, ScalarArg, TempBuffer)
+from gac_torch.passes.memory_plan import BufferUse, plan_memory
+
+_ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "i32": 4,
+               "i64": 8}
+
+
+@dataclass
+class CudaOptions:
+    arch: str  # "sm_90"
+    ptx_features: str  # "+ptx80": the PTX ISA version LLVM emits
+    opt_level: int
+    limits: mapping.MappingLimits
+
+
+@dataclass
+class GpuStage:
+    """Artifact of the "gpu" and "llvm" stages: the module plus the host program read from it."""
+
+    module: ir.Module
+    program: CudaProgram  # ptx still empty
+    options: CudaOptions
+
+    def __str__(self) -> str:
+        return str(self.module)
+
+
+# --------------------------------------------------------------------------------------------
+# stage "gpu"
+
+
+def _as_module(artifact: Union[str, ir.Module, ir.Operation, Any]) -> ir.Module:
+    """A private copy in a fresh context: stages must not mutate the driver's artifact."""
+    text = artifact if isinstance(artifact, str) else str(artifact)
+    return ir.Module.parse(text, ir.Context())
+
+
+def _elem_name(t: ir.Type) -> str:
+    return str(t)
+
+
+def _nbytes(t: ir.MemRefType) -> int:
+    return math.prod(t.shape) * _ELEM_BYTES[_elem_name(t.element_type)]
+
+
+def map_stage(artifact: Any, options: CudaOptions) -> GpuStage:
+    module = _as_module(artifact)
+    with module.context, ir.Location.unknown():
+        fn = mapping.main_func(module)
+        args = [ArgSpec(tuple(ir.MemRefType(a.type).shape), _elem_name(ir.MemRefType(a.type).element_type))
+                for a in mapping._block(fn).arguments]
+        mapping.map_to_gpu(module, options.limits)
+        _annotate_noalias(module)
+        program = _read_host_program(module, args, options.arch)
+    return GpuStage(module, program, options)
+
+
+def _kernel_funcs(module: ir.Module) -> dict[str, ir.Operation]:
+    out = {}
+    for op in module.body.operations:
+        if op.operation.name == "gpu.module":
+            for f in op.regions[0].blocks[0].operations:
+                if f.operation.name == "gpu.func":
+                    out[ir.StringAttr(f.attributes["sym_name"]).value] = f.operation
+    return out
+
+
+def _annotate_noalias(module: ir.Module) -> None:
+    """Mark kernel pointer arguments `llvm.noalias` when no other argument of the same launch
+    views the same allocation: LLVM may then keep accumulators in registers across loops."""
+    fn = mapping.main_func(module)
+    funcs = _kernel_funcs(module)
+    for op in mapping._ops(mapping._block(fn)):
+        if op.name != "gpu.launch_func":
+            continue
+        launch = op.opview
+        kfunc = funcs[_kernel_name(op)]
+        operands = list(launch.kernelOperands)
+        roots = [mapping.buffer_root(v) if isinstance(v.type, ir.MemRefType) else None for v in operands]
+        attrs = []
+        for v, r in zip(operands, roots):
+            entries = {}
+            if r is not None and roots.count(r) == 1:
+                entries["llvm.noalias"] = ir.UnitAttr.get()
+            attrs.append(ir.DictAttr.get(entries))
+        kfunc.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+
+
+def _kernel_name(launch_func: ir.Operation) -> str:
+    # `@gac_kernels::@name`: the leaf reference is the kernel's symbol and PTX entry name.
+    text = str(launch_func.attributes["kernel"])
+    return text.rsplit("::@", 1)[-1].strip('"')
+
+
+def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> CudaProgram:
+    """Turn the host function (constants, allocs, views, launch_funcs) into data."""
+    fn = mapping.main_func(module)
+    block = mapping._block(fn)
+    arg_index = {a: i for i, a in enumerate(block.arguments)}
+    temps: dict[ir.Value, int] = {}
+    temp_list: list[TempBuffer] = []
+    live: dict[int, list[int]] = {}
+    launches: list[KernelLaunch] = []
+
+    def const(v: ir.Value) -> Union[int, float]:
+        op = mapping._defining_op(v)
+        if op is None or op.name != "arith.constant":
+            raise NotImplementedError(f"kernel argument is not a constant: {v}")
+        attr = op.attributes["value"]
+        return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else ir.FloatAttr(attr).value
+
+    for op in mapping._ops(block):
+        name = op.name
+        if name == "memref.alloc":
+            t = ir.MemRefType(op.results[0].type)
+            temps[op.results[0]] = len(temp_list)
+            temp_list.append(TempBuffer(f"t{len(temp_list)}", _nbytes(t)))
+        elif name == "gpu.launch_func":
+            lf = op.opview
+            kargs: list[KernelArg] = []
+            for v in lf.kernelOperands:
+                if isinstance(v.type, ir.MemRefType):
+                    root = mapping.buffer_root(v)
+                    if root in arg_index:
+                        kargs.append(BufferRef("arg", arg_index[root]))
+                    elif root in temps:
+                        t = temps[root]
+                        kargs.append(BufferRef("temp", t))
+                        live.setdefault(t, []).append(len(launches))
+                    else:
+                        raise NotImplementedError(f"kernel argument views an unsupported buffer: {root}")
+                else:
+                    kargs.append(ScalarArg(_scalar_ctype(v.type), const(v)))
+            grid = tuple(int(const(v)) for v in (lf.gridSizeX, lf.gridSizeY, lf.gridSizeZ))
+            blk = tuple(int(const(v)) for v in (lf.blockSizeX, lf.blockSizeY, lf.blockSizeZ))
+            smem = int(const(lf.dynamicSharedMemorySize)) if lf.dynamicSharedMemorySize else 0
+            kname = _kernel_name(op)
+            launches.append(KernelLaunch(kname, grid, blk, smem, tuple(kargs),  # type: ignore[arg-type]
+                                         kname.rsplit("_", 1)[-1]))
+        elif name in ("arith.constant", "ub.poison", "memref.dealloc", "func.return") or name in mapping._VIEW_OPS:
+            continue
+        else:
+            raise NotImplementedError(f"op left on the host after GPU mapping: {name}")
+
+    uses = [BufferUse(temp_list[t].name, temp_list[t].nbytes, min(steps), max(steps))
+            for t, steps in sorted(live.items())]
+    used = [temp_list[t] for t in sorted(live)]
+    renumber = {t: i for i, t in enumerate(sorted(live))}  # drop allocations no kernel touches
+    launches = [replace(k, args=tuple(BufferRef("temp", renumber[a.index])
+                                      if isinstance(a, BufferRef) and a.kind == "temp" else a
+                                      for a in k.args)) for k in launches]
+    return CudaProgram(arch=arch, ptx="", launches=launches, temps=used, plan=plan_memory(uses),
+                       args=args)
+
+
+def _scalar_ctype(t: ir.Type) -> str:
+    s = str(t)
+    if s == "index":
+        return "i64"  # index lowers to i64 in kernels
+    if s in ("f16", "bf16", "f32", "f64", "i8", "i16", "i32", "i64"):
+        return s
+    if s == "i1":
+        return "i8"
+    raise NotImplementedError(f"scalar kernel argument of type {s}")
+
+
+# --------------------------------------------------------------------------------------------
+# stage "llvm"
+
+
+def lower_stage(stage: GpuStage) -> GpuStage:
+    """Lower the kernels to NVVM. The host function is dropped: it is data in `program` now."""
+    opts = stage.options
+    module = ir.Module.parse(str(stage.module), ir.Context())
+    with module.context:
+        for op in list(module.body.operations):
+            if op.operation.name == "func.func":
+                op.operation.erase()
+        if not _kernel_funcs(module):
+            return GpuStage(module, stage.program, opts)
+        mapping.run_passes(
+            module,
+            f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
+            "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
+            "convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, canonicalize, cse), "
+            "reconcile-unrealized-casts")
+    return GpuStage(module, stage.program, opts)
+
+
+# --------------------------------------------------------------------------------------------
+# stage "ptx"
+
+
+def find_cuda_toolkit() -> Optional[str]:
+    """A directory holding nvvm/libdevice/libdevice.10.bc (needed to link math functions):
+    $GAC_CUDA_TOOLKIT, $CUDA_HOME, $CUDA_PATH, the nvidia-cuda-nvcc wheel, /usr/local/cuda."""
+    candidates = [os.environ.get(k) for k in ("GAC_CUDA_TOOLKIT", "CUDA_HOME", "CUDA_PATH")]
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [str(Path(p) / "cuda_nvcc") for p in spec.submodule_search_locations]
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and (Path(c) / "nvvm" / "libdevice" / "libdevice.10.bc").is_file():
+            return c
+    return None
+
+
+def ptx_stage(stage: GpuStage) -> CudaProgram:
+    program = replace(stage.program)
+    if not program.launches:
+        program.ptx = ""
+        return program
+    module = ir.Module.parse(str(stage.module), ir.Context())
+    toolkit = find_cuda_toolkit()
+    opt = f"format=isa toolkit={toolkit}" if toolkit else "format=isa"
+    with module.context:
+        mapping.run_passes(module, f"gpu-module-to-binary{{{opt}}}")
+        binaries = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
+        ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
+    if ".extern .func __nv_" in ptx:
+        raise RuntimeError("kernels call libdevice math functions but no CUDA toolkit with "
+                           "nvvm/libdevice was found: pip install nvidia-cuda-nvcc-cu12 or set "
+                           "CUDA_HOME / GAC_CUDA_TOOLKIT")
+    program.ptx = ptx
+    return program
+
+
+def compile_linalg(artifact: Any, options: CudaOptions) -> tuple[CudaProgram, dict[str, str]]:
+    """All three stages at once; returns the program and each stage's text."""
+    g = map_stage(artifact, options)
+    llvm = lower_stage(g)
+    prog = ptx_stage(llvm)
+    return prog, {"gpu": str(g), "llvm": str(llvm), "ptx": prog.ptx}
