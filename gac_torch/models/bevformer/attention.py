@@ -46,7 +46,8 @@ def ms_deform_attn(value: Tensor, spatial_shapes: SpatialShapes, sampling_locati
     sampled: list[Tensor] = []
     start = 0
     for lvl, (h, w) in enumerate(spatial_shapes):
-        v = value[:, start:start + h * w].permute(0, 2, 3, 1).reshape(b * heads, d, h, w)
+        v = value if levels == 1 else value[:, start:start + h * w]
+        v = v.permute(0, 2, 3, 1).reshape(b * heads, d, h, w)
         start += h * w
         g = grids[:, :, :, lvl].permute(0, 2, 1, 3, 4).reshape(b * heads, q, points, 2)
         # (B*heads, d, Q, P)

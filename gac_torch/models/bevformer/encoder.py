@@ -73,7 +73,8 @@ def point_sampling(ref_3d: Tensor, lidar2img: Tensor, img_h: int, img_w: int
     xy = cam[..., 0:2] / cam[..., 2:3].clamp(min=EPS)
     u = xy[..., 0] / img_w
     v = xy[..., 1] / img_h
-    mask = (depth > EPS) & (v > 0.0) & (v < 1.0) & (u < 1.0) & (u > 0.0)
+    mask = torch.logical_and(depth > EPS, torch.logical_and(v > 0.0, v < 1.0))
+    mask = torch.logical_and(mask, torch.logical_and(u < 1.0, u > 0.0))
     return torch.stack((u, v), -1), mask, depth
 
 
