@@ -82,6 +82,10 @@ class Runtime:
         return dst.raw
 
     def load(self, vxbin: bytes) -> int:
+        # every image is linked at STARTUP_ADDR: only one module can be resident at a time
+        for m in self.modules.values():
+            self.lib.vx_module_release(m)
+        self.modules.clear()
         mod = C.c_void_p()
         self._check(self.lib.vx_module_load_bytes(self.dev, vxbin, C.c_size_t(len(vxbin)),
                                                   C.byref(mod)), "vx_module_load_bytes")
@@ -107,14 +111,10 @@ class Runtime:
         li = _LaunchInfo(C.sizeof(_LaunchInfo), None, k, C.cast(blob, C.c_void_p), len(args), 3,
                          (C.c_uint32 * 3)(*grid), (C.c_uint32 * 3)(*block), lmem,
                          (C.c_uint32 * 3)(1, 1, 1))
-        c0, i0 = self._perf()
         self._check(self.lib.vx_enqueue_launch(self.q, C.byref(li), 0, None, None), "vx_enqueue_launch")
         self._finish()
-        c1, i1 = self._perf()
+        cycles, instrs = self._perf()       # SimX resets its core counters at every launch
         self.lib.vx_kernel_release(k)
-        # counters are cumulative per device unless the runtime resets them per launch
-        cycles = c1 - c0 if c1 >= c0 else c1
-        instrs = i1 - i0 if i1 >= i0 else i1
         return {"instructions": instrs, "cycles": cycles}
 
     def close(self) -> None:
