@@ -43,11 +43,13 @@ def camera_lidar2img(position: tuple[float, float, float], yaw_deg: float, img_h
 
 
 def make_lidar2img(cfg: BEVFormerConfig) -> Tensor:
-    """(1, cams, 4, 4) float32. Cameras alternate +x / +y facing (slightly off-axis and off the
-    origin so no pillar point sits exactly on an image border or at zero depth)."""
+    """(1, cams, 4, 4) float32. Camera i faces yaw 5 + 90 i degrees (5 + 360 i / cams with more
+    than 4 cameras); slightly off-axis and off the origin so no pillar point sits exactly on an
+    image border or at zero depth."""
     mats = []
+    step = 90.0 if cfg.num_cams <= 4 else 360.0 / cfg.num_cams
     for i in range(cfg.num_cams):
-        yaw = 5.0 + 90.0 * (i % 2) + 180.0 * (i // 2)
+        yaw = 5.0 + step * i
         pos = (1.0 - 0.7 * (i % 2), 0.2 + 0.8 * (i % 2), 1.5 + 0.05 * i)
         mats.append(camera_lidar2img(pos, yaw, cfg.img_h, cfg.img_w))
     return torch.stack(mats).unsqueeze(0).to(torch.float32)
