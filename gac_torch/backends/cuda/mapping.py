@@ -943,3 +943,19 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits) -> None:
         _wrap_serial(serial, f"gac_k{next(counter)}_serial")
     _sink_globals(fn)
     run_passes(module, "gpu-launch-sink-index-computations, gpu-kernel-outlining, canonicalize, cse")
+    _number_kernels(module, fn)
+
+
+def _number_kernels(module: ir.Module, fn: ir.Operation) -> None:
+    """Rename kernels gac_k<launch order>_<strategy> (they were named in creation order)."""
+    funcs = {}
+    for op in module.body.operations:
+        if op.operation.name == "gpu.module":
+            for f in op.regions[0].blocks[0].operations:
+                funcs[ir.StringAttr(f.attributes["sym_name"]).value] = f.operation
+    launches = [op for op in _ops(_block(fn)) if op.name == "gpu.launch_func"]
+    for i, op in enumerate(launches):
+        old = str(op.attributes["kernel"]).rsplit("::@", 1)[-1].strip('"')
+        new = f"gac_k{i}_{old.rsplit('_', 1)[-1]}"
+        funcs[old].attributes["sym_name"] = ir.StringAttr.get(new)
+        op.attributes["kernel"] = ir.SymbolRefAttr.get([KERNEL_MODULE, new])

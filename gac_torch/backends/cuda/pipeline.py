@@ -47,8 +47,13 @@ class GpuStage:
     program: CudaProgram  # ptx still empty
     options: CudaOptions
 
+    @property
+    def text(self) -> str:  # what the driver records for this stage
+        host = "\n".join("// " + line for line in self.program.describe().splitlines())
+        return f"{host}\n{self.module}"
+
     def __str__(self) -> str:
-        return str(self.module)
+        return self.text
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,12 +203,14 @@ def lower_stage(stage: GpuStage) -> GpuStage:
     """Lower the kernels to NVVM. The host function is dropped: it is data in `program` now."""
     opts = stage.options
     module = ir.Module.parse(str(stage.module), ir.Context())
-    with module.context:
+    with module.context, ir.Location.unknown():
         for op in list(module.body.operations):
             if op.operation.name == "func.func":
                 op.operation.erase()
         if not _kernel_funcs(module):
             return GpuStage(module, stage.program, opts)
+        for f in _kernel_funcs(module).values():
+            _store_i1_as_bytes(f)
         mapping.run_passes(
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
@@ -211,6 +218,49 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             "convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, canonicalize, cse), "
             "reconcile-unrealized-casts")
     return GpuStage(module, stage.program, opts)
+
+
+def _store_i1_as_bytes(kernel: ir.Operation) -> None:
+    """Kernel buffers of i1 hold one byte per element (torch.bool); the LLVM lowering has no
+    i1 memory access. Retype such arguments to i8 and convert at each load and store."""
+    from mlir.dialects import arith
+
+    i1, i8 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(8)
+    body = kernel.regions[0].blocks[0]
+    retyped = []
+    for arg in body.arguments:
+        if isinstance(arg.type, ir.MemRefType) and ir.MemRefType(arg.type).element_type == i1:
+            mt = ir.MemRefType(arg.type)
+            arg.set_type(ir.MemRefType.get(mt.shape, i8, mt.layout, mt.memory_space))
+            retyped.append(arg)
+    if not retyped:
+        return
+    results = ir.FunctionType(ir.TypeAttr(kernel.attributes["function_type"]).value).results
+    kernel.attributes["function_type"] = ir.TypeAttr.get(
+        ir.FunctionType.get([a.type for a in body.arguments], results))
+    loads, stores = [], []
+
+    def collect(op: ir.Operation) -> ir.WalkResult:
+        if op.name == "memref.load" and op.operands[0] in retyped:
+            loads.append(op)
+        elif op.name == "memref.store" and op.operands[1] in retyped:
+            stores.append(op)
+        elif any(v in retyped for v in op.operands) and op.name not in ("memref.load", "memref.store"):
+            raise NotImplementedError(f"i1 buffer used by {op.name} in a kernel")
+        return ir.WalkResult.ADVANCE
+
+    kernel.walk(collect, ir.WalkOrder.PRE_ORDER)
+    for op in loads:
+        res = op.results[0]
+        users = [(u.owner, u.operand_number) for u in res.uses]
+        res.set_type(i8)
+        with ir.InsertionPoint.after(op), op.location:
+            narrow = arith.trunci(i1, res)
+        for owner, idx in users:
+            owner.operands[idx] = narrow
+    for op in stores:
+        with ir.InsertionPoint(op), op.location:
+            op.operands[0] = arith.extui(i8, op.operands[0])
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,8 +75,12 @@ class CudaProgram:
     plan: MemoryPlan  # temp name -> workspace offset
     args: list[ArgSpec] = field(default_factory=list)  # inputs then outputs
 
+    @property
+    def text(self) -> str:  # the "ptx" stage dump: host program as PTX comments, then the PTX
+        return "\n".join("// " + line for line in self.describe().splitlines()) + "\n" + self.ptx
+
     def __str__(self) -> str:
-        return self.ptx
+        return self.text
 
     def describe(self) -> str:
         """Human-readable host program (for dumps and debugging)."""
@@ -86,12 +90,12 @@ class CudaProgram:
                 return f"{a.kind}{a.index}"
             return f"{a.ctype}({a.value})"
 
-        lines = [f"// arch {self.arch}; workspace {self.plan.workspace_size} B "
+        lines = [f"arch {self.arch}; workspace {self.plan.workspace_size} B "
                  f"(unplanned {self.plan.unplanned_size} B)"]
         for i, t in enumerate(self.temps):
-            lines.append(f"// temp{i} {t.name}: {t.nbytes} B at +{self.plan.offsets[t.name]}")
+            lines.append(f"temp{i} {t.name}: {t.nbytes} B at +{self.plan.offsets[t.name]}")
         for i, a in enumerate(self.args):
-            lines.append(f"// arg{i}: {a.elem}{list(a.shape)}")
+            lines.append(f"arg{i}: {a.elem}{list(a.shape)}")
         for k in self.launches:
             lines.append(f"launch {k.kernel} grid={k.grid} block={k.block} smem={k.shared_mem} "
                          f"[{k.strategy}] ({', '.join(arg(a) for a in k.args)})")

@@ -1,0 +1,88 @@
+"""The cuda target: stages gpu -> llvm -> ptx, a driver-API loader, and the device data.
+
+Everything the compiler assumes about NVIDIA GPUs is in the data block below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gac_torch.backends.base import Signature, Stage, Target
+from gac_torch.backends.cuda import runtime
+from gac_torch.backends.cuda.program import CudaProgram
+
+
+@dataclass(frozen=True)
+class CudaArch:
+    ptx_isa: str  # LLVM feature selecting the PTX ISA version: the lowest that supports the arch
+    smem_per_block_optin: int  # bytes of shared memory a block may use (with opt-in)
+
+
+# --- data block --------------------------------------------------------------------------------
+WARP_SIZE = 32
+MAX_THREADS_PER_BLOCK = 1024
+MAX_STATIC_SHARED_BYTES = 48 * 1024  # static __shared__ limit on every arch; more needs opt-in
+MAX_GRID = (2**31 - 1, 65535, 65535)
+DEFAULT_ARCH = "sm_90"  # when no GPU is visible (CI compiles for the H200)
+OPT_LEVEL = 3
+ARCHS = {
+    "sm_70": CudaArch("+ptx60", 96 * 1024),
+    "sm_75": CudaArch("+ptx63", 64 * 1024),
+    "sm_80": CudaArch("+ptx70", 163 * 1024),
+    "sm_86": CudaArch("+ptx71", 99 * 1024),
+    "sm_87": CudaArch("+ptx74", 163 * 1024),
+    "sm_89": CudaArch("+ptx78", 99 * 1024),
+    "sm_90": CudaArch("+ptx78", 227 * 1024),
+    "sm_90a": CudaArch("+ptx80", 227 * 1024),
+    "sm_100": CudaArch("+ptx86", 227 * 1024),
+    "sm_120": CudaArch("+ptx87", 99 * 1024),
+}
+# ------------------------------------------------------------------------------------------------
+
+
+def default_arch() -> str:
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    return DEFAULT_ARCH
+
+
+def compile_options(options: dict | None) -> Any:
+    """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
+    from gac_torch.backends.cuda import mapping, pipeline
+
+    arch = (options or {}).get("arch") or default_arch()
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported cuda arch {arch!r}; known: {', '.join(ARCHS)}")
+    limits = mapping.MappingLimits(
+        warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
+        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
+    return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits)
+
+
+def _stages(options: dict) -> list[Stage]:
+    from gac_torch.backends.cuda import pipeline
+
+    opts = compile_options(options)
+    return [
+        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, opts)),
+        Stage("llvm", pipeline.lower_stage),
+        Stage("ptx", pipeline.ptx_stage),
+    ]
+
+
+def _load(program: CudaProgram, signature: Signature, options: dict) -> runtime.CudaExecutable:
+    return runtime.CudaExecutable(program, signature)
+
+
+TARGET = Target(
+    name="cuda",
+    device_type="cuda",
+    stages=_stages,
+    load=_load,
+    check_available=runtime.check_available,
+    options={"arch": None},
+)
