@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from gac_torch.models.bevformer import (
     BEVFormer,
+    BEVFormerConfig,
     build_bevformer,
     decode_bboxes,
     get_config,
@@ -42,7 +44,8 @@ def model(request: pytest.FixtureRequest) -> BEVFormer:
     return build_bevformer(request.param, seed=0)
 
 
-def _two_frames(fn, cfg) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _two_frames(fn: Callable[..., tuple[Tensor, ...]], cfg: BEVFormerConfig
+                ) -> list[tuple[Tensor, ...]]:
     """Run frame 0 (no prev_bev) and frame 1 (prev_bev = frame 0's bev_embed) through fn."""
     with torch.no_grad():
         out0 = fn(*make_test_inputs(cfg, frame=0, seed=0))
@@ -82,10 +85,13 @@ def test_use_prev_bev_switch(model: BEVFormer) -> None:
     assert not torch.allclose(off_rand[2], on_rand[2])
 
 
-def test_export_matches_eager(model: BEVFormer) -> None:
-    cfg = model.cfg
-    ep = torch.export.export(model, make_test_inputs(cfg, frame=0, seed=0))
-    nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+@pytest.fixture(scope="module")
+def exported(model: BEVFormer) -> torch.export.ExportedProgram:
+    return torch.export.export(model, make_test_inputs(model.cfg, frame=0, seed=0))
+
+
+def test_export_matches_eager(model: BEVFormer, exported: torch.export.ExportedProgram) -> None:
+    nodes = [n for n in exported.graph.nodes if n.op == "call_function"]
     # Static graph: no data-dependent ops, every intermediate shape is a plain int.
     targets = {str(n.target) for n in nodes}
     assert not any(t.startswith(("aten.nonzero", "aten.item", "aten._local_scalar_dense"))
@@ -94,17 +100,20 @@ def test_export_matches_eager(model: BEVFormer) -> None:
         val = n.meta.get("val")
         if isinstance(val, Tensor):
             assert all(isinstance(s, int) for s in val.shape), n
-    eager = _two_frames(model, cfg)
-    exported = _two_frames(ep.module(), cfg)
-    for e_out, x_out in zip(eager, exported):
+    eager = _two_frames(model, model.cfg)
+    for e_out, x_out in zip(eager, _two_frames(exported.module(), model.cfg)):
         for e, x in zip(e_out, x_out):
             torch.testing.assert_close(x, e, atol=EXPORT_ATOL, rtol=EXPORT_RTOL)
 
-    decomposed = ep.run_decompositions()
+
+def test_decomposed_matches_eager(model: BEVFormer, exported: torch.export.ExportedProgram
+                                  ) -> None:
+    decomposed = exported.run_decompositions()
     ops = collections.Counter(str(n.target) for n in decomposed.graph.nodes
                               if n.op == "call_function")
     assert ops["aten.grid_sampler_2d.default"] > 0
-    for e_out, d_out in zip(eager, _two_frames(decomposed.module(), cfg)):
+    eager = _two_frames(model, model.cfg)
+    for e_out, d_out in zip(eager, _two_frames(decomposed.module(), model.cfg)):
         for e, d in zip(e_out, d_out):
             torch.testing.assert_close(d, e, atol=EXPORT_ATOL, rtol=EXPORT_RTOL)
 
