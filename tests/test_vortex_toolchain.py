@@ -125,6 +125,22 @@ void scale(const struct scale_args* a) {
   vx_join(t);
 }
 
+/* libm from compiler_rt branches on the data: the toolchain serialises these calls per lane */
+float expf(float);
+float sinf(float);
+float logf(float);
+void mathfn(const float* x, float* y, int n) {
+  unsigned i = gid();
+  int t = vx_split(i < (unsigned)n);
+  if (i < (unsigned)n) {
+    float v = x[i];
+    y[3 * i] = expf(v);
+    y[3 * i + 1] = sinf(v * 10.0f);
+    y[3 * i + 2] = __builtin_fmodf(v, 0.3f) + logf(__builtin_fabsf(v) + 1e-3f);
+  }
+  vx_join(t);
+}
+
 /* a barrier that only some threads of a CTA reach: SimX hangs, we report a deadlock */
 void bad_barrier(float* x) {
   unsigned tid = vx_thread_id_x();
@@ -177,7 +193,7 @@ exit:
 P3, P4 = ("ptr", "ptr", "i32"), ("ptr", "ptr", "ptr", "i32")
 SPECS = [tc.KernelSpec("vecadd", P4), tc.KernelSpec("collatz_step", P4), tc.KernelSpec("tri", P3),
          tc.KernelSpec("block_sum", P3), tc.KernelSpec("fops", P4), tc.KernelSpec("scale"),
-         tc.KernelSpec("bad_barrier", ("ptr",))]
+         tc.KernelSpec("bad_barrier", ("ptr",)), tc.KernelSpec("mathfn", P3)]
 IR_SPEC = tc.KernelSpec("clamp_relu", ("ptr", "ptr", "f32", "i32"))
 
 
@@ -247,6 +263,19 @@ def run_fops(dev, prog):
                         np.trunc(x * f(3.3)), np.fmod(np.trunc(x), 3),
                         np.maximum(x, 0) - np.copysign(f(2), y)], 1).astype(np.float32)
     return dev.download(out, np.float32).reshape(N, 12), ref, cnt
+
+
+def run_libm(dev, prog, n=24):
+    m = dev.load_module(prog.vxbin)
+    x = np.concatenate([np.linspace(-90, 90, n // 2), np.linspace(-2, 2, n // 2)]).astype(np.float32)
+    x[5], x[7] = np.nan, np.inf
+    x = x[np.random.default_rng(3).permutation(n)]
+    X, Y = dev.upload(x), dev.alloc(12 * n)
+    cnt = dev.launch(m, "mathfn", pack_args(P3, [X.address, Y.address, n]), grid=n // 8, block=8)
+    f = np.float32
+    with np.errstate(all="ignore"):
+        ref = np.stack([np.exp(x), np.sin(x * f(10)), np.fmod(x, f(0.3)) + np.log(np.abs(x) + f(1e-3))], 1)
+    return dev.download(Y, np.float32).reshape(n, 3), ref, cnt
 
 
 def run_ir(dev, prog, n=50):
@@ -333,6 +362,15 @@ def test_float_ops(programs):
     assert cnt["divergent_branches"] > 0 and not np.allclose(got[:, 4], ref[:, 4])
 
 
+def test_libm_calls_are_serialised(programs):
+    got, ref, cnt = run_libm(bridge.FunctionalDevice(), programs["good"])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert cnt["divergent_branches"] == 0
+    got, ref, cnt = run_libm(bridge.FunctionalDevice(), programs["unsafe"])
+    assert cnt["divergent_branches"] > 0
+    assert not np.allclose(got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_llvm_ir_kernel(programs):
     got, ref, cnt = run_ir(bridge.FunctionalDevice(), programs["ir"])
     np.testing.assert_array_equal(got, ref)
@@ -384,7 +422,8 @@ def simx():
 CASES = {"vecadd": (run_vecadd, "good"), "collatz_split": (run_collatz, "good"),
          "collatz_no_split": (run_collatz, "no_split"), "tri_pred": (run_tri, "good"),
          "block_sum": (run_block_sum, "good"), "fops": (run_fops, "good"),
-         "fops_unsafe": (run_fops, "unsafe"), "ir_clamp_relu": (run_ir, "ir")}
+         "fops_unsafe": (run_fops, "unsafe"), "ir_clamp_relu": (run_ir, "ir"),
+         "libm_serial": (run_libm, "good"), "libm_unsafe": (run_libm, "unsafe")}
 
 
 @pytest.mark.simx
@@ -400,8 +439,8 @@ def test_simx_matches_functional(simx, programs, case):
     assert s_cnt["instructions"] == f_cnt["instructions"]
     if case == "collatz_no_split":
         assert (s_got != ref).sum() > 0         # SimX gets it wrong exactly like we do
-    elif case != "fops_unsafe":
-        np.testing.assert_allclose(s_got, ref, rtol=1e-5, atol=1e-6)
+    elif not case.endswith("unsafe"):
+        np.testing.assert_allclose(s_got, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.simx
@@ -413,3 +452,42 @@ def test_simx_hang_is_a_timeout(programs):
         buf = dev.alloc(64)
         with pytest.raises(bridge.SimxError, match="did not finish|died"):
             dev.launch(m, "bad_barrier", pack_args(("ptr",), [buf.address]), grid=1, block=8)
+
+
+MANY_C = r"""
+#include "vx_gac.h"
+/* 10 integer-class and 10 float parameters: a7 holds b's low half, its high half and the rest
+   go to the stack; the last two floats go to integer registers/stack (ilp32f) */
+void many(float* out, int a1, int a2, int a3, int a4, int a5, int a6, long long b, int a7,
+          float f0, float f1, float f2, float f3, float f4, float f5, float f6, float f7,
+          float f8, float f9) {
+  int t = vx_split(vx_thread_id_x() == 0);
+  if (vx_thread_id_x() == 0) {
+    out[0] = (float)(a1 + 2 * a2 + 3 * a3 + 4 * a4 + 5 * a5 + 6 * a6 + 7 * a7);
+    out[1] = (float)(int)(b >> 32);
+    out[2] = (float)(int)(b & 0xffff);
+    float f[10] = {f0, f1, f2, f3, f4, f5, f6, f7, f8, f9};
+    for (int k = 0; k < 10; ++k) out[3 + k] = f[k];
+  }
+  vx_join(t);
+}
+"""
+
+
+def test_many_parameters_use_the_stack():
+    params = ("ptr",) + ("i32",) * 6 + ("i64", "i32") + ("f32",) * 10
+    prog = tc.build(c=[MANY_C], kernels=[tc.KernelSpec("many", params)])
+    dev = bridge.FunctionalDevice()
+    out = dev.alloc(4 * 13)
+    fs = [0.5 * k - 1 for k in range(10)]
+    b = (123 << 32) | 4567
+    dev.launch(dev.load_module(prog.vxbin), "many",
+               pack_args(params, [out.address, 1, 2, 3, 4, 5, 6, b, 7] + fs), grid=1, block=4)
+    np.testing.assert_array_equal(dev.download(out, np.float32),
+                                  np.array([1 + 4 + 9 + 16 + 25 + 36 + 49, 123, 4567] + fs, np.float32))
+
+
+def test_undefined_symbol_hint():
+    with pytest.raises(tc.ToolchainError, match="no libc/libm"):
+        tc.build(c=["float tanhf(float); void k(float* x) { x[0] = tanhf(x[0]); }"],
+                 kernels=[tc.KernelSpec("k", ("ptr",))], use_cache=False)

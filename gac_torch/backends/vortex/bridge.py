@@ -99,8 +99,8 @@ class FunctionalDevice(VortexDevice):
     def __init__(self, config: VortexConfig = DEFAULT_CONFIG, strict: bool = False, **sim_kw: Any) -> None:
         self.config, self.strict = config, strict
         self.sim = FunctionalSimulator(config, **sim_kw)
-        self._modules: dict[int, bytes] = {}
         self._loaded: int | None = None
+        self._module_count = 0
         self._buffers: dict[int, DeviceBuffer] = {}
 
     def alloc(self, size: int) -> DeviceBuffer:
@@ -121,17 +121,16 @@ class FunctionalDevice(VortexDevice):
         return self.sim.read(buf.address + offset, size)
 
     def load_module(self, vxbin: bytes) -> int:
-        h = len(self._modules) + 1
-        self._modules[h] = bytes(vxbin)
+        """Like SimX: one resident module (every image is linked at 0x80000000)."""
+        self._module_count += 1
+        self._loaded = self._module_count
         self.sim.load(vxbin)
-        self._loaded = h
-        return h
+        return self._loaded
 
     def launch(self, module: int, kernel: str, args: bytes, grid: Dims, block: Dims,
                lmem_size: int = 0) -> dict[str, Any]:
         if self._loaded != module:
-            self.sim.load(self._modules[module])
-            self._loaded = module
+            raise ValueError(f"module {module} is not loaded (loading a module unloads the previous one)")
         return self.sim.launch(kernel, args, _dims3(grid), _dims3(block), lmem_size, strict=self.strict)
 
 

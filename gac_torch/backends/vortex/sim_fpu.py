@@ -5,7 +5,8 @@ arithmetic is IEEE round-to-nearest-even, like SimX's softfloat for add/sub/mul/
 Known differences (documented, not hidden): arithmetic ignores a static non-RNE rounding mode
 (clang emits only dyn/rne for arithmetic; conversions honour rm); fused multiply-add is computed
 in float64 then rounded (a double rounding can differ in the last bit in rare halfway cases);
-NaN results keep x86 payloads instead of RISC-V's canonical 0x7fc00000; fflags are not kept.
+fflags are not kept. NaN results are canonicalised (0x7fc00000) like RISC-V's (x86 would
+keep payloads and signs), so results stay bit-identical to SimX.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ U32 = np.uint32
 F32, F64 = np.float32, np.float64
 OPCODES = (0x07, 0x27, 0x43, 0x47, 0x4B, 0x4F, 0x53)
 SIGN = U32(0x8000_0000)
+CANONICAL_NAN = U32(0x7FC0_0000)
 
 
 def _wf(w, rd: int, bits) -> None:
@@ -29,7 +31,11 @@ def _wf(w, rd: int, bits) -> None:
 
 
 def _wff(w, rd: int, vals) -> None:
-    _wf(w, rd, np.asarray(vals, dtype=F32).view(U32))
+    """f[rd] <- arithmetic result, NaNs canonicalised."""
+    vals = np.asarray(vals, dtype=F32)
+    nan = vals != vals
+    bits = vals.view(U32)
+    _wf(w, rd, np.where(nan, CANONICAL_NAN, bits) if nan.any() else bits)
 
 
 def _wx(w, rd: int, vals) -> None:
@@ -64,6 +70,9 @@ def _cvt_to_int(v32, rm: int, frm: int, signed: bool):
 
 def _minmax(a_bits, b_bits, a, b, is_max: bool):
     r = (np.fmax if is_max else np.fmin)(a, b).view(U32)
+    both_nan = (a != a) & (b != b)
+    if both_nan.any():
+        r = np.where(both_nan, CANONICAL_NAN, r)
     zeros = (a == 0) & (b == 0)          # -0.0 < +0.0 for RISC-V
     if zeros.any():
         both = (a_bits & b_bits) if is_max else (a_bits | b_bits)

@@ -138,10 +138,67 @@ _NEEDED_DECLS = {
 }
 
 
-def make_simt_safe(ir: str) -> str:
-    """Rewrite float selects and branchy float intrinsics into integer selects (see module doc)."""
+# libm functions zig's compiler_rt provides: their special-case branches depend on the data, so
+# calls run one lane at a time (gac_serial_* in DEVICE_RT_C). name -> (arity, LLVM intrinsic)
+SERIAL_LIBM = {"expf": (1, "exp"), "exp2f": (1, "exp2"), "logf": (1, "log"), "log2f": (1, "log2"),
+               "log10f": (1, "log10"), "sinf": (1, "sin"), "cosf": (1, "cos"), "tanf": (1, "tan"),
+               "fmodf": (2, None)}
+
+
+def device_runtime_c() -> str:
+    """C source of the serialising wrappers: with one lane active every branch is uniform; the
+    result goes through a volatile slot on the (per-thread) stack, so no register written under
+    the narrowed mask has to survive for the other lanes."""
+    out = ['#include "vx_gac.h"']
+    for fn, (arity, _) in SERIAL_LIBM.items():
+        params = ", ".join(f"float x{i}" for i in range(arity))
+        args = ", ".join(f"x{i}" for i in range(arity))
+        out.append(f"""float {fn}({params});
+__attribute__((noinline)) float gac_serial_{fn}({params}) {{
+  unsigned mask = vx_active_threads();
+  volatile float slot = 0.0f;
+  for (unsigned m = mask; m; m &= m - 1) {{   /* uniform loop over the active lanes */
+    vx_tmc(m & -m);
+    slot = {fn}({args});
+    vx_tmc(mask);
+  }}
+  return slot;
+}}""")
+    return "\n".join(out) + "\n"
+
+
+_FREM = re.compile(rf"^(\s*)(%[-\w.$]+) = frem(?: [a-z]+)* float ({_VAL}), ({_VAL})(,\s*!.*)?$", re.M)
+
+
+def _serialize_libm_calls(text: str) -> str:
+    for fn, (arity, intr) in SERIAL_LIBM.items():
+        sig = ", ".join(["float"] * arity)
+        names = [f"@{fn}("] + ([f"@llvm.{intr}.f32("] if intr else [])
+        if not any(n in text for n in names):
+            continue
+        lines = []
+        for ln in text.splitlines():
+            if ln.startswith("declare") and any(n in ln for n in names):
+                continue
+            for n in names:
+                if n in ln:
+                    ln = re.sub(r"\s#\d+(?=\s*(,\s*!|$))", "", ln.replace(n, f"@gac_serial_{fn}("))
+            lines.append(ln)
+        text = "\n".join(lines) + f"\ndeclare float @gac_serial_{fn}({sig})\n"
+    return text
+
+
+def make_simt_safe(ir: str, serialize_libm: bool = True) -> str:
+    """Rewrite float selects and branchy float intrinsics into integer selects, and libm calls
+    into lane-serialised calls (see module doc)."""
     new = _Names()
     out: list[str] = []
+    if serialize_libm:
+        ir = _FREM.sub(lambda m: f"{m[1]}{m[2]} = call float @fmodf(float {m[3].strip()}, "
+                                 f"float {m[4].strip()})", ir.replace("\r", ""))
+        if "@fmodf(" in ir and "declare float @fmodf" not in ir:
+            ir += "\ndeclare float @fmodf(float, float)\n"
+        ir = _serialize_libm_calls(ir)
     for line in ir.splitlines():
         m = _SELECT_F32.match(line)
         if m:

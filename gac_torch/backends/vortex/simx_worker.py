@@ -104,6 +104,8 @@ class Runtime:
 
     def launch(self, mod: int, kernel: str, args: bytes, grid: tuple, block: tuple,
                lmem: int) -> dict:
+        if mod not in self.modules:
+            raise RuntimeError(f"module {mod} is not loaded (loading a module unloads the previous one)")
         k = C.c_void_p()
         self._check(self.lib.vx_module_get_kernel(self.modules[mod], kernel.encode(), C.byref(k)),
                     f"vx_module_get_kernel({kernel!r})")

@@ -121,7 +121,7 @@ def header_dir() -> Path:
 
 # ----------------------------------------------------------------------------------------------
 def compile_object(source: str, lang: str, *, opt: str = "-O2", cflags: Sequence[str] = (),
-                   simt_safe: bool = True) -> tuple[bytes, str]:
+                   simt_safe: bool = True, serialize_libm: bool = True) -> tuple[bytes, str]:
     """Compile C (`lang="c"`) or LLVM IR text (`lang="ir"`) to an ELF object.
 
     Returns (object bytes, the IR that was code-generated) — the IR is handy for dumps."""
@@ -136,10 +136,20 @@ def compile_object(source: str, lang: str, *, opt: str = "-O2", cflags: Sequence
     ir = _run([*_cc(), *_BASE_FLAGS, opt, *cflags, "-S", "-emit-llvm", "-o", "-", *inputs],
               stdin=source.encode(), what=f"compiling {lang} to LLVM IR").decode()
     if simt_safe:
-        ir = simt_ir.make_simt_safe(ir)
+        ir = simt_ir.make_simt_safe(ir, serialize_libm=serialize_libm)
     obj = _run([*_cc(), *_BASE_FLAGS, opt, "-Xclang", "-disable-llvm-optzns", "-c", "-o", "-",
                 "-x", "ir", "-"], stdin=ir.encode(), what="code generation")
     return obj, ir
+
+
+def device_runtime() -> bytes:
+    """Object with the lane-serialising libm wrappers (simt_ir.device_runtime_c), cached."""
+    src = simt_ir.device_runtime_c()
+    key = hashlib.sha256((src + _version_tag()).encode()).hexdigest()[:24]
+    path = cache_dir() / f"device_rt-{key}.o"
+    if not path.exists():
+        _atomic_write(path, compile_object(src, "c", serialize_libm=False)[0])
+    return path.read_bytes()
 
 
 def _cc() -> list[str]:
@@ -242,8 +252,16 @@ def link(objects: Iterable[bytes]) -> bytes:
             paths.append(str(p))
         (Path(td) / "link.ld").write_text(linker_script())
         out = Path(td) / "out.elf"
-        _run(["ld.lld", "-m", "elf32lriscv", "-T", str(Path(td) / "link.ld"), "--gc-sections",
-              "--no-relax", "-o", str(out), *paths, str(compiler_rt())], what="linking")
+        try:
+            _run(["ld.lld", "-m", "elf32lriscv", "-T", str(Path(td) / "link.ld"), "--gc-sections",
+                  "--no-relax", "-o", str(out), *paths, str(compiler_rt())], what="linking")
+        except ToolchainError as e:
+            if "undefined symbol" in str(e):
+                raise ToolchainError(f"{e}\nThere is no libc/libm on the device: only compiler_rt "
+                                     "(integer/soft-double helpers, memcpy/memset) and the vx_* "
+                                     "helpers (target.HELPERS) are available; expand math ops "
+                                     "(e.g. MLIR math-polynomial-approximation) before lowering.") from e
+            raise
         return out.read_bytes()
 
 
@@ -263,7 +281,7 @@ def build(*, c: Sequence[str] = (), ir: Sequence[str] = (),
     if use_cache and cached.exists():
         elf = cached.read_bytes()
     else:
-        objs = [assemble(startup_asm(specs))]
+        objs = [assemble(startup_asm(specs)), device_runtime()]
         objs += [compile_object(s, "c", opt=opt, cflags=cflags, simt_safe=simt_safe)[0] for s in c]
         objs += [compile_object(s, "ir", opt=opt, cflags=cflags, simt_safe=simt_safe)[0] for s in ir]
         elf = link(objs)
