@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from gac_torch.backends import get_target
 from gac_torch.driver import compile_partition
-from gac_torch.passes.partition import GraphReport, analyze, partition
+from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
@@ -58,6 +58,7 @@ def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
     target = get_target(target_name)
     target.check_available()  # no silent fallback to another target
 
+    drop_metadata_asserts(gm)
     decisions, report = analyze(gm)
     if report.unsupported and not options["fallback"]:
         raise GacUnsupportedError(

@@ -123,3 +123,11 @@ def lower_batch_norm_inference(cx: Cx, x, weight, bias, running_mean, running_va
         y = cx.b.binary(y, cx.b.reshape(cx.to(bias, stat_dt), ch), kind="add")
     empty = cx.b.constant(0.0, dt, (0,))
     return cx.to(y, dt), empty, empty
+
+
+@lower(aten.max.dim, aten.min.dim)
+def lower_max_dim(cx: Cx, x, dim, keepdim=False):
+    kind = "max" if cx.node.target is aten.max.dim else "min"
+    d = _dims(cx, x, dim)
+    values = cx.b.reduce(x, kind=kind, dims=d, keepdim=bool(keepdim))
+    return values, cx.b.arg_reduce(x, kind=kind, dim=d[0], keepdim=bool(keepdim))

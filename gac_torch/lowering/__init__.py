@@ -2,6 +2,11 @@
 
 The result follows the ABI described in gac_torch/backends/base.py: memref arguments for inputs
 and outputs, tensors inside, outputs written in place with materialize_in_destination.
+
+Bools: torch stores a bool in a byte and LLVM cannot store i1 memrefs, so bool tensors live as
+i8 (0/1) "storage" between ops. Data-movement lowerings work on the storage directly; compute
+lowerings get an i1 view made by a one-use conversion generic, which elementwise fusion folds
+into them, and their i1 results are widened back the same way.
 """
 
 from __future__ import annotations
@@ -11,15 +16,33 @@ from mlir.dialects import bufferization, func
 
 from gac_torch.ir.builder import op_attrs
 from gac_torch.lowering import elementwise, reduction, shape, structured  # noqa: F401 (registers)
-from gac_torch.lowering.registry import LOWERINGS
+from gac_torch.lowering.core import convert, elem, elementwise as ew
+from gac_torch.lowering.registry import DATA_MOVEMENT, LOWERINGS
 
 
 class LoweringError(RuntimeError):
     pass
 
 
+def _i1() -> ir.Type:
+    return ir.IntegerType.get_signless(1)
+
+
+def _i8() -> ir.Type:
+    return ir.IntegerType.get_signless(8)
+
+
+def storage_type(t: ir.RankedTensorType) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get(list(t.shape), _i8()) if str(t.element_type) == "i1" else t
+
+
 def _memref(t: ir.RankedTensorType) -> ir.MemRefType:
+    t = storage_type(t)
     return ir.MemRefType.get(list(t.shape), t.element_type)
+
+
+def _retype(v: ir.Value, to: ir.Type) -> ir.Value:
+    return ew([v], list(ir.RankedTensorType(v.type).shape), [to], lambda s: [convert(s, to)])[0]
 
 
 def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
@@ -34,9 +57,9 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
             f.attributes["llvm.emit_c_interface"] = ir.UnitAttr.get()
             entry = f.add_entry_block()
         with ir.InsertionPoint(entry):
-            values: dict = {}
+            values: dict = {}  # gac value -> its storage-form tensor
             for arg, t, mem in zip(src.regions[0].blocks[0].arguments, ins, entry.arguments):
-                values[arg] = bufferization.ToTensorOp(t, mem, restrict=True).result
+                values[arg] = bufferization.ToTensorOp(storage_type(t), mem, restrict=True).result
             for op in src.regions[0].blocks[0].operations:
                 opname = op.operation.name
                 if opname == "func.return":
@@ -45,18 +68,52 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
                             None, values[v], dest, restrict=True, writable=True)
                     func.ReturnOp([])
                     continue
-                name = opname.removeprefix("gac.")
-                if name not in LOWERINGS:
-                    raise LoweringError(f"no lowering for {opname}")
-                results = LOWERINGS[name](op, [values[v] for v in op.operands])
-                for r, new in zip(op.results, results):
-                    if str(r.type) != str(new.type):
-                        raise LoweringError(f"lowering of {opname} produced {new.type}, expected {r.type}")
-                    values[r] = new
+                _lower_op(op, opname, values)
         module.operation.verify()
-        pm = passmanager.PassManager.parse("builtin.module(canonicalize, cse)")
-        pm.run(module.operation)
+        # Fuse elementwise chains here, once for every target: fewer loops and temporaries, and
+        # the bool conversions above disappear into their users.
+        passmanager.PassManager.parse(
+            "builtin.module(canonicalize, cse, func.func(linalg-fuse-elementwise-ops), canonicalize, cse)"
+        ).run(module.operation)
+        _check_no_bool_buffers(module)
     return module
 
 
-__all__ = ["lower_to_linalg", "LoweringError", "op_attrs"]
+def _lower_op(op, opname: str, values: dict) -> None:
+    name = opname.removeprefix("gac.")
+    if name not in LOWERINGS:
+        raise LoweringError(f"no lowering for {opname}")
+    moves = name in DATA_MOVEMENT
+    operands = []
+    for v in op.operands:
+        s = values[v]
+        logical_bool = str(ir.RankedTensorType(v.type).element_type) == "i1"
+        operands.append(_retype(s, _i1()) if logical_bool and not moves else s)
+    results = LOWERINGS[name](op, operands)
+    for r, new in zip(op.results, results):
+        want = storage_type(r.type)
+        if str(elem(new.type)) == "i1" and str(want.element_type) == "i8":
+            new = _retype(new, _i8())
+        if str(new.type) != str(want):
+            raise LoweringError(f"lowering of {opname} produced {new.type}, expected {want}")
+        values[r] = new
+
+
+def _check_no_bool_buffers(module: ir.Module) -> None:
+    """An i1 tensor that survived fusion would become an i1 buffer, which LLVM lowering cannot
+    store (it aborts the process): refuse it here with an error instead."""
+    bad = []
+
+    def visit(op):
+        for r in op.results:
+            t = r.type
+            if isinstance(t, ir.RankedTensorType) and str(t.element_type) == "i1":
+                bad.append(op.name)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    if bad:
+        raise LoweringError(f"bool tensor would be materialized by {sorted(set(bad))}")
+
+
+__all__ = ["lower_to_linalg", "LoweringError", "op_attrs", "storage_type"]

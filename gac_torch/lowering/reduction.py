@@ -59,11 +59,15 @@ def lower_reduce(op, operands):
     dims = {d % max(rank, 1) for d in attrs["dims"]} if rank else set()
     kind = attrs["kind"]
     out_t = op.results[0].type
-    acc = ir.IntegerType.get_signless(1) if kind in ("any", "all") else accumulator_type(elem(x))
-    if kind in ("any", "all") and not is_bool(elem(x)):
-        x = elementwise([x], shape(x), [acc], lambda v: [convert(v, acc)])[0]
+    if kind in ("any", "all"):
+        # Accumulate 0/1 in i8, the storage type of bools: a reduction's i1 result could not be
+        # fused into a later conversion and i1 buffers cannot be stored.
+        i8, i1 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(1)
+        x8 = elementwise([x], shape(x), [i8], lambda v: [convert(convert(v, i1), i8)])[0]
+        return [reshape(reduce_dims(x8, dims, "max" if kind == "any" else "min", i8), shape(op.results[0]))]
+    acc = accumulator_type(elem(x))
     r = reduce_dims(x, dims, kind, acc)
-    if elem(r) != elem(out_t):
+    if str(elem(r)) != str(elem(out_t)):
         r = elementwise([r], shape(r), [elem(out_t)], lambda v: [convert(v, elem(out_t))])[0]
     return [reshape(r, shape(op.results[0]))]
 

@@ -15,20 +15,19 @@ from gac_torch.lowering.registry import lowers
 I = arith.CmpIPredicate
 
 
-@lowers("reshape")
+@lowers("reshape", moves_data_only=True)
 def lower_reshape(op, operands):
     return [reshape(operands[0], shape(op.results[0]))]
 
 
-@lowers("transpose")
+@lowers("transpose", moves_data_only=True)
 def lower_transpose(op, operands):
     (x,) = operands
-    out = op.results[0].type
     perm = op_attrs(op)["perm"]
-    return [linalg.transpose(x, outs=[empty(shape(op.results[0]), elem(out))], permutation=perm).results[0]]
+    return [linalg.transpose(x, outs=[empty(shape(op.results[0]), elem(x))], permutation=perm).results[0]]
 
 
-@lowers("broadcast")
+@lowers("broadcast", moves_data_only=True)
 def lower_broadcast(op, operands):
     (x,) = operands
     out_shape = shape(op.results[0])
@@ -37,17 +36,17 @@ def lower_broadcast(op, operands):
                    [identity_map(rank)], [PARALLEL] * rank, lambda v, _o: [v])
 
 
-@lowers("slice")
+@lowers("slice", moves_data_only=True)
 def lower_slice(op, operands):
     a = op_attrs(op)
     return [extract_slice(operands[0], a["starts"], shape(op.results[0]), a["strides"])]
 
 
-@lowers("concat")
+@lowers("concat", moves_data_only=True)
 def lower_concat(op, operands):
     out_shape = shape(op.results[0])
     dim = op_attrs(op)["dim"] % len(out_shape)
-    acc = empty(out_shape, elem(op.results[0].type))
+    acc = empty(out_shape, elem(operands[0]))
     offset = 0
     for v in operands:
         offsets = [0] * len(out_shape)
@@ -69,7 +68,7 @@ def _clamp_index(i, size, mode):
                         arith.subi(const(size - 1, i64), over), r)
 
 
-@lowers("pad")
+@lowers("pad", moves_data_only=True)
 def lower_pad(op, operands):
     (x,) = operands
     a = op_attrs(op)
@@ -106,7 +105,7 @@ def _wrap(i, size):
     return arith.select(arith.cmpi(I.slt, i, const(0, i.type)), arith.addi(i, const(size, i.type)), i)
 
 
-@lowers("gather")
+@lowers("gather", moves_data_only=True)
 def lower_gather(op, operands):
     x, idx = operands
     dim = op_attrs(op)["dim"] % len(shape(x))
@@ -123,7 +122,7 @@ def lower_gather(op, operands):
                    [PARALLEL] * rank, body)
 
 
-@lowers("index_select")
+@lowers("index_select", moves_data_only=True)
 def lower_index_select(op, operands):
     x, idx = operands
     xs = shape(x)

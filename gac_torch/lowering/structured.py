@@ -71,9 +71,9 @@ def lower_conv(op, operands):
     return [_narrow(reshape(y, out_shape), e)]
 
 
-def _i64_elements(values) -> ir.DenseElementsAttr:
-    import numpy as np
-    return ir.DenseElementsAttr.get(np.array(values, dtype=np.int64))
+def _i64_elements(values) -> list[int]:
+    # opdsl builds the named op's i64 elements attribute from a plain list
+    return [int(v) for v in values]
 
 
 @lowers("pool")

@@ -19,6 +19,18 @@ from gac_torch.legalize import node_support
 
 _SKIP = {"placeholder", "output", "get_attr"}
 
+# Export-time metadata asserts: with static shapes they restate what the compiled graph's input
+# checks enforce, and as side-effecting nodes they would split partitions.
+_METADATA_ASSERTS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size")
+
+
+def drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and not node.users and any(
+                a in str(node.target) for a in _METADATA_ASSERTS):
+            gm.graph.erase_node(node)
+    gm.recompile()
+
 
 def op_name(node: fx.Node) -> str:
     t = node.target

@@ -7,7 +7,6 @@ generation (loops, no vectorization tricks) over speed.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Sequence
 
 import torch
@@ -15,14 +14,15 @@ from mlir import ir, passmanager
 from mlir.execution_engine import ExecutionEngine
 
 from gac_torch.backends.base import Signature, Stage, Target
+from gac_torch.passes.copies import memref_copy_to_linalg
 
-# Why each step: fuse producer/consumer generics first (fewer loops and temporaries); bufferize
-# with identity layouts so arguments stay plain pointers; loops; then everything to LLVM.
-PIPELINE = ",".join([
-    "func.func(linalg-fuse-elementwise-ops)",
-    "canonicalize", "cse",
+# Why each step: bufferize with identity layouts at the boundary so arguments stay plain
+# pointers; memref.copy -> linalg.copy (no runtime library); loops; then everything to LLVM.
+BUFFERIZE = ",".join([
     "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map}",
     "canonicalize", "cse",
+])
+TO_LLVM = ",".join([
     "buffer-deallocation-pipeline",
     "func.func(convert-linalg-to-loops)",
     "convert-scf-to-cf",
@@ -40,21 +40,11 @@ PIPELINE = ",".join([
 
 
 def lower_to_llvm(module: ir.Module) -> ir.Module:
-    with module.context:
-        passmanager.PassManager.parse(f"builtin.module({PIPELINE})").run(module.operation)
+    with module.context, ir.Location.unknown():
+        passmanager.PassManager.parse(f"builtin.module({BUFFERIZE})").run(module.operation)
+        memref_copy_to_linalg(module)
+        passmanager.PassManager.parse(f"builtin.module({TO_LLVM})").run(module.operation)
     return module
-
-
-def _shared_libs() -> list[str]:
-    """libmlir_c_runner_utils provides memrefCopy (bufferization may emit memref.copy)."""
-    import mlir
-    libs = []
-    for root in {os.path.dirname(os.path.dirname(p)) for p in mlir.__path__}:
-        for cand in ("mlir/lib/libmlir_c_runner_utils.so", "mlir/_mlir_libs/libmlir_c_runner_utils.so"):
-            path = os.path.join(root, cand)
-            if os.path.exists(path):
-                libs.append(path)
-    return libs[:1]
 
 
 def _descriptor_type(rank: int):
@@ -70,7 +60,7 @@ class CpuExecutable:
 
     def __init__(self, module: ir.Module, signature: Signature):
         self.module = module  # keeps the context alive as long as the engine
-        self.engine = ExecutionEngine(module, opt_level=2, shared_libs=_shared_libs())
+        self.engine = ExecutionEngine(module, opt_level=2)
         self.desc_types = [_descriptor_type(len(s.shape)) for s in signature.inputs + signature.outputs]
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:

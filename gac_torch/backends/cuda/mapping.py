@@ -749,30 +749,32 @@ def _parallel_bounds(p: ir.Operation) -> Optional[list[tuple[int, int, int]]]:
     return out
 
 
-def _fill_loop(p: ir.Operation) -> Optional[tuple[ir.Value, ir.Value]]:
-    """(value, buffer) if scf.parallel `p` only stores one outside value at its own ivs."""
+def _fill_loop(p: ir.Operation) -> Optional[tuple[ir.Value, ir.Value, list[ir.Value]]]:
+    """(value, buffer, indices) if scf.parallel `p` only stores one outside value per point."""
     body = p.regions[0].blocks[0]
     ops = _ops(body)
     if len(ops) != 2 or ops[0].name != "memref.store":
         return None
-    store = ops[0]
-    value, buf, idx = store.operands[0], store.operands[1], list(store.operands)[2:]
-    if idx != list(body.arguments) or _defining_op(value) is not None and _defining_op(value).block == body:
+    value, buf, idx = ops[0].operands[0], ops[0].operands[1], list(ops[0].operands)[2:]
+    ivs = list(body.arguments)
+    if [v for v in idx if v in ivs] != ivs or any(v not in ivs and _const_int(v) is None for v in idx):
+        return None  # each iv once, in order; the rest constant (unit dims)
+    if (isinstance(value.owner, ir.Block) and value.owner == body) or (
+            _defining_op(value) is not None and _defining_op(value).block == body):
         return None
-    if isinstance(value.owner, ir.Block) and value.owner == body:
-        return None
-    return value, buf
+    return value, buf, idx
 
 
 def _absorb_fill(fill_loop: ir.Operation, p: ir.Operation) -> bool:
     """Fold `fill_loop` into the start of the next loop `p` when each thread of `p` touches the
-    filled buffer only at its own iteration point (so the fill for that point happens first)."""
+    filled buffer only at its own point's element (so that element is filled first)."""
     info = _fill_loop(fill_loop)
     if info is None or _parallel_bounds(fill_loop) != _parallel_bounds(p):
         return False
-    value, buf = info
+    value, buf, fill_idx = info
     body = p.regions[0].blocks[0]
-    ivs = list(body.arguments)
+    to_p = dict(zip(fill_loop.regions[0].blocks[0].arguments, body.arguments))
+    idx = [to_p.get(v, v) for v in fill_idx]
     root = buffer_root(buf)
     ok = True
 
@@ -782,16 +784,19 @@ def _absorb_fill(fill_loop: ir.Operation, p: ir.Operation) -> bool:
             if isinstance(v.type, ir.MemRefType) and buffer_root(v) == root:
                 if v != buf or o.name not in ("memref.load", "memref.store"):
                     ok = False
-                else:
-                    idx = list(o.operands)[1:] if o.name == "memref.load" else list(o.operands)[2:]
-                    ok = ok and idx == ivs
+                    continue
+                at = list(o.operands)[1:] if o.name == "memref.load" else list(o.operands)[2:]
+                same = len(at) == len(idx) and all(
+                    x == y or (_const_int(x) is not None and _const_int(x) == _const_int(y))
+                    for x, y in zip(at, idx))
+                ok = ok and same
         return ir.WalkResult.ADVANCE
 
     p.walk(check, ir.WalkOrder.PRE_ORDER)
     if not ok:
         return False
     with ir.InsertionPoint.at_block_begin(body), fill_loop.location:
-        memref.store(value, buf, ivs)
+        memref.store(value, buf, idx)
     fill_loop.erase()
     return True
 
@@ -885,6 +890,35 @@ def _clone_chain(user: ir.Operation, glob: ir.Operation, mapping: dict[ir.Value,
         user.operands[i] = mapping[v]
 
 
+def _parallel_dims_first(op: ir.Operation) -> None:
+    """Interchange a generic's loops so parallel dims precede reduction dims (stable order):
+    convert-linalg-to-parallel-loops then yields one scf.parallel holding the reduction loops,
+    instead of parallel loops nested inside sequential ones."""
+    iters = list(op.attributes["iterator_types"])
+    red = ["reduction" in str(a) for a in iters]
+    perm = [d for d in range(len(iters)) if not red[d]] + [d for d in range(len(iters)) if red[d]]
+    if perm == list(range(len(iters))):
+        return
+    inv = {old: new for new, old in enumerate(perm)}
+    n = len(perm)
+    q = ir.AffineMap.get(n, 0, [ir.AffineDimExpr.get(inv[i]) for i in range(n)])
+    maps = []
+    for a in op.attributes["indexing_maps"]:
+        m = ir.AffineMapAttr(a).value
+        maps.append(ir.AffineMapAttr.get(ir.AffineMap.get(n, m.n_symbols, [e.compose(q) for e in m.results])))
+    op.attributes["indexing_maps"] = ir.ArrayAttr.get(maps)
+    op.attributes["iterator_types"] = ir.ArrayAttr.get([iters[d] for d in perm])
+
+    def renumber(o: ir.Operation) -> ir.WalkResult:
+        if o.name == "linalg.index":
+            d = ir.IntegerAttr(o.attributes["dim"]).value
+            o.attributes["dim"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), inv[d])
+        return ir.WalkResult.ADVANCE
+
+    for body_op in _ops(op.regions[0].blocks[0]):
+        body_op.walk(renumber, ir.WalkOrder.PRE_ORDER)
+
+
 def _strategy(g: Optional[_Generic], limits: MappingLimits) -> str:
     if g is None:
         return "loops"
@@ -921,6 +955,7 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits) -> None:
             continue
         if kind == "reduce" and _emit_reduce(g, name, limits):  # type: ignore[arg-type]
             continue
+        _parallel_dims_first(op)
 
     run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse")
     ops = _ops(block)

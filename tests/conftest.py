@@ -1,0 +1,17 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    has_simx = bool(os.environ.get("VORTEX_HOME"))
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
+        if "simx" in item.keywords and not has_simx:
+            item.add_marker(pytest.mark.skip(reason="needs VORTEX_HOME (a SimX build)"))
+
+
+TARGETS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
