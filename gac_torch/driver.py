@@ -14,6 +14,7 @@ from gac_torch.backends import Signature, Target, TensorSpec
 from gac_torch.ir.dialect import make_context
 from gac_torch.ir.verifier import verify_gac
 from gac_torch.legalize import build_module
+from gac_torch.passes.dce import gac_dce
 from gac_torch.lowering import lower_to_linalg
 from gac_torch.runtime.compiled import CompiledGraph
 
@@ -45,7 +46,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
 
     stages: dict[str, str] = {}
     ctx = make_context()
-    module = build_module(gm, ctx)
+    module = gac_dce(build_module(gm, ctx))
     with ctx, ir.Location.unknown():
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):

@@ -7,6 +7,7 @@ gac, so autograd stays correct (unsupported backward ops fall back to eager like
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import torch
@@ -16,8 +17,8 @@ from gac_torch.legalize import decompositions
 from gac_torch.options import resolve
 
 log = logging.getLogger("gac_torch")
-# Every compiled graph's report, most recent last (for users and tests).
-reports: list = []
+# The most recently compiled graphs (CompiledFx: .report, .ir(stage)), newest last.
+compiled_graphs: collections.deque = collections.deque(maxlen=64)
 
 
 def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **kw):
@@ -27,7 +28,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         compiled = compile_graph(graph, opts)
-        reports.append(compiled.report)
+        compiled_graphs.append(compiled)
         return compiled.gm
 
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
