@@ -375,6 +375,8 @@ def test_llvm_ir_kernel(programs):
     got, ref, cnt = run_ir(bridge.FunctionalDevice(), programs["ir"])
     np.testing.assert_array_equal(got, ref)
     assert cnt["divergent_branches"] == 0
+    with pytest.raises(tc.ToolchainError, match="expected `declare i32 @vx_thread_id_x"):
+        tc.compile_object(KERNEL_IR.replace("declare i32 @vx_thread_id_x()", "declare i64 @vx_thread_id_x()"), "ir")
 
 
 def test_raw_blob_kernel_and_multi_kernel_module(programs):

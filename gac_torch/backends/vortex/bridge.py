@@ -69,7 +69,7 @@ class VortexDevice(ABC):
         pass
 
     def upload(self, array: np.ndarray) -> DeviceBuffer:
-        data = np.ascontiguousarray(array).tobytes()
+        data = _as_bytes(np.asarray(array))
         buf = self.alloc(max(len(data), 4))
         self.write(buf, data)
         return buf
@@ -83,6 +83,12 @@ class VortexDevice(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_bytes(data: Any) -> bytes:
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).tobytes()
+    return bytes(data)
 
 
 def _dims3(d: Dims) -> tuple[int, int, int]:
@@ -102,9 +108,11 @@ class FunctionalDevice(VortexDevice):
         self._loaded: int | None = None
         self._module_count = 0
         self._buffers: dict[int, DeviceBuffer] = {}
+        self._buffer_count = 0
 
     def alloc(self, size: int) -> DeviceBuffer:
-        buf = DeviceBuffer(len(self._buffers) + 1, self.sim.alloc(size), size)
+        self._buffer_count += 1
+        buf = DeviceBuffer(self._buffer_count, self.sim.alloc(size), size)
         self._buffers[buf.handle] = buf
         return buf
 
@@ -112,6 +120,7 @@ class FunctionalDevice(VortexDevice):
         self._buffers.pop(buf.handle, None)       # bump allocator: memory is not reused
 
     def write(self, buf: DeviceBuffer, data: bytes, offset: int = 0) -> None:
+        data = _as_bytes(data)
         if offset + len(data) > buf.size:
             raise ValueError("write past the end of the buffer")
         self.sim.write(buf.address + offset, data)
@@ -230,7 +239,7 @@ class SimxDevice(VortexDevice):
         self._call("free", buf.handle)
 
     def write(self, buf: DeviceBuffer, data: bytes, offset: int = 0) -> None:
-        self._call("write", buf.handle, offset, bytes(data))
+        self._call("write", buf.handle, offset, _as_bytes(data))
 
     def read(self, buf: DeviceBuffer, size: int | None = None, offset: int = 0) -> bytes:
         return self._call("read", buf.handle, offset, buf.size - offset if size is None else size)

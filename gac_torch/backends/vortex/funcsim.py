@@ -140,9 +140,12 @@ class FunctionalSimulator:
 
     def _schedule(self, kmu: _Kmu) -> None:
         while True:
+            # dispatch round-robin, one warp per core per step, as SimX does per cycle: which
+            # warp slots a CTA gets decides whether it runs the start-up prologue (fresh slot)
+            while sum(core.step(kmu) for core in self.cores):
+                pass
             ran = False
             for core in self.cores:
-                core.dispatch(kmu)
                 for w in core.warps:
                     if w.active and not w.waiting:
                         self._run(w)

@@ -261,34 +261,36 @@ class Core:
         return sum(1 << w.wid for w in self.warps if w.active)
 
     # -- CTA dispatch (cta_dispatcher.cpp step / next_warp) ---------------------------------
-    def dispatch(self, kmu) -> None:
-        while True:
-            if self.cta is None:
-                nxt = kmu.peek()
-                if nxt is None:
-                    return
-                stride = (nxt.lmem_size + MEM_BLOCK_SIZE - 1) // MEM_BLOCK_SIZE * MEM_BLOCK_SIZE
-                slots = len(self.warps) if stride == 0 else max(1, min(len(self.warps),
-                                                                       self.lmem.end - self.lmem.base) // stride)
-                if nxt.lmem_size > self.lmem.end - self.lmem.base:
-                    raise SimError(f"lmem_size {nxt.lmem_size} exceeds local memory "
-                                   f"({self.lmem.end - self.lmem.base} bytes per core)")
-                if self.tail_slot >= slots:
-                    self.tail_slot = 0
-                if self.slot_rem[self.tail_slot]:
-                    return
-                self.cta = kmu.take()
-                self.cta_slot = self.tail_slot
-                self.cta_size = -(-self.cta.block_size // self.threads)
-                self.rank, self.rem, self.tidx = 0, self.cta.block_size, [0, 0, 0]
-                self.lmem_addr = LMEM_BASE_ADDR + self.cta_slot * stride
-                self.slot_rem[self.cta_slot] = self.cta_size
-                self.tail_slot = (self.tail_slot + 1) % slots
-                self.sim.counters["ctas"] += 1
-            free = next((w for w in self.warps if not w.active), None)
-            if free is None:
-                return
-            self._next_warp(free)
+    def step(self, kmu) -> bool:
+        """Dispatch at most one warp, like one cycle of SimX's CtaDispatcher::step: take the
+        next CTA (even before a warp is free) once its local-memory slot is free, then give one
+        warp of it the lowest free warp slot. Returns whether a warp was activated."""
+        if self.cta is None:
+            nxt = kmu.peek()
+            if nxt is None:
+                return False
+            capacity = self.lmem.end - self.lmem.base
+            if nxt.lmem_size > capacity:
+                raise SimError(f"lmem_size {nxt.lmem_size} exceeds local memory ({capacity} bytes per core)")
+            stride = (nxt.lmem_size + MEM_BLOCK_SIZE - 1) // MEM_BLOCK_SIZE * MEM_BLOCK_SIZE
+            slots = len(self.warps) if stride == 0 else max(1, min(len(self.warps), capacity // stride))
+            if self.tail_slot >= slots:
+                self.tail_slot = 0
+            if self.slot_rem[self.tail_slot]:
+                return False
+            self.cta = kmu.take()
+            self.cta_slot = self.tail_slot
+            self.cta_size = -(-self.cta.block_size // self.threads)
+            self.rank, self.rem, self.tidx = 0, self.cta.block_size, [0, 0, 0]
+            self.lmem_addr = LMEM_BASE_ADDR + self.cta_slot * stride
+            self.slot_rem[self.cta_slot] = self.cta_size
+            self.tail_slot = (self.tail_slot + 1) % slots
+            self.sim.counters["ctas"] += 1
+        free = next((w for w in self.warps if not w.active), None)
+        if free is None:
+            return False
+        self._next_warp(free)
+        return True
 
     def _next_warp(self, w: Warp) -> None:
         cta = self.cta

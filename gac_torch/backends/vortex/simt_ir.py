@@ -39,15 +39,22 @@ def helper_definition(name: str, h: Helper) -> str:
             f"{body}\n}}")
 
 
-_DECLARE = re.compile(r"^declare\b[^@]*@(\"?[\w.$]+\"?)\(.*$", re.M)
+_DECLARE = re.compile(r"^declare\b(.*?)@(\"?[\w.$]+\"?)\((.*?)\).*$", re.M)
+_TYPES = re.compile(r"\b(void|i1|i8|i16|i32|i64|float|double|ptr)\b")
 
 
 def inline_helpers(ir: str) -> str:
     """Replace `declare ... @vx_*(...)` of known helpers by inlinable definitions."""
     def repl(m: re.Match[str]) -> str:
-        name = m.group(1).strip('"')
+        name = m.group(2).strip('"')
         h = HELPERS.get(name)
-        return helper_definition(name, h) if h is not None else m.group(0)
+        if h is None:
+            return m.group(0)
+        ret, params = _TYPES.findall(m.group(1)), _TYPES.findall(m.group(3))
+        if ret[-1:] != [h.ret] or tuple(params) != h.params:
+            raise ValueError(f"@{name} is declared as `{m.group(0).strip()}`; expected "
+                             f"`declare {h.ret} @{name}({', '.join(h.params)})` (32-bit indices)")
+        return helper_definition(name, h)
     return _DECLARE.sub(repl, ir)
 
 

@@ -126,18 +126,21 @@ def compile_object(source: str, lang: str, *, opt: str = "-O2", cflags: Sequence
 
     Returns (object bytes, the IR that was code-generated) — the IR is handy for dumps."""
     if lang == "ir":
-        source = simt_ir.inline_helpers(source)
+        try:
+            source = simt_ir.inline_helpers(source)
+        except ValueError as e:
+            raise ToolchainError(str(e)) from e
         inputs = ["-x", "ir", "-"]
     elif lang == "c":
         inputs = ["-x", "c", "-std=gnu11", "-fconvergent-functions", "-nostdlibinc",
                   "-isystem", str(_zig_dir() / "lib" / "include"), "-I", str(header_dir()), "-"]
     else:
         raise ValueError(f"lang must be 'c' or 'ir', not {lang!r}")
-    ir = _run([*_cc(), *_BASE_FLAGS, opt, *cflags, "-S", "-emit-llvm", "-o", "-", *inputs],
+    ir = _run(["clang", *_BASE_FLAGS, opt, *cflags, "-S", "-emit-llvm", "-o", "-", *inputs],
               stdin=source.encode(), what=f"compiling {lang} to LLVM IR").decode()
     if simt_safe:
         ir = simt_ir.make_simt_safe(ir, serialize_libm=serialize_libm)
-    obj = _run([*_cc(), *_BASE_FLAGS, opt, "-Xclang", "-disable-llvm-optzns", "-c", "-o", "-",
+    obj = _run(["clang", *_BASE_FLAGS, opt, "-Xclang", "-disable-llvm-optzns", "-c", "-o", "-",
                 "-x", "ir", "-"], stdin=ir.encode(), what="code generation")
     return obj, ir
 
@@ -152,12 +155,8 @@ def device_runtime() -> bytes:
     return path.read_bytes()
 
 
-def _cc() -> list[str]:
-    return ["clang"]
-
-
 def assemble(asm: str) -> bytes:
-    return _run([*_cc(), *_BASE_FLAGS, "-c", "-o", "-", "-x", "assembler", "-"],
+    return _run(["clang", *_BASE_FLAGS, "-c", "-o", "-", "-x", "assembler", "-"],
                 stdin=asm.encode(), what="assembling start-up code")
 
 
