@@ -195,6 +195,7 @@ SPECS = [tc.KernelSpec("vecadd", P4), tc.KernelSpec("collatz_step", P4), tc.Kern
          tc.KernelSpec("block_sum", P3), tc.KernelSpec("fops", P4), tc.KernelSpec("scale"),
          tc.KernelSpec("bad_barrier", ("ptr",)), tc.KernelSpec("mathfn", P3)]
 IR_SPEC = tc.KernelSpec("clamp_relu", ("ptr", "ptr", "f32", "i32"))
+MLIR_SPEC = tc.KernelSpec("saxpy_exp", ("ptr", "ptr", "f32", "i32"))
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,8 @@ def programs() -> dict[str, tc.Program]:
     return {"good": tc.build(c=[KERNELS_C], kernels=SPECS),
             "no_split": tc.build(c=[KERNELS_C], kernels=SPECS, cflags=["-DUSE_SPLIT=0"]),
             "unsafe": tc.build(c=[KERNELS_C], kernels=SPECS, simt_safe=False),
-            "ir": tc.build(ir=[KERNEL_IR], kernels=[IR_SPEC])}
+            "ir": tc.build(ir=[KERNEL_IR], kernels=[IR_SPEC]),
+            "mlir": tc.build(ir=[_mlir_to_llvm_ir(MLIR_KERNEL)], kernels=[MLIR_SPEC])}
 
 
 # ---- kernel runners shared by the functional and the SimX tests -------------------------------
@@ -425,7 +427,8 @@ CASES = {"vecadd": (run_vecadd, "good"), "collatz_split": (run_collatz, "good"),
          "collatz_no_split": (run_collatz, "no_split"), "tri_pred": (run_tri, "good"),
          "block_sum": (run_block_sum, "good"), "fops": (run_fops, "good"),
          "fops_unsafe": (run_fops, "unsafe"), "ir_clamp_relu": (run_ir, "ir"),
-         "libm_serial": (run_libm, "good"), "libm_unsafe": (run_libm, "unsafe")}
+         "libm_serial": (run_libm, "good"), "libm_unsafe": (run_libm, "unsafe"),
+         "mlir_saxpy_exp": (lambda dev, prog: run_mlir(dev, prog), "mlir")}   # defined below
 
 
 @pytest.mark.simx
@@ -493,3 +496,77 @@ def test_undefined_symbol_hint():
     with pytest.raises(tc.ToolchainError, match="no libc/libm"):
         tc.build(c=["float tanhf(float); void k(float* x) { x[0] = tanhf(x[0]); }"],
                  kernels=[tc.KernelSpec("k", ("ptr",))], use_cache=False)
+
+
+MLIR_KERNEL = r"""
+module attributes {llvm.target_triple = "riscv32-unknown-elf",
+                   llvm.data_layout = "e-m:e-p:32:32-i64:64-n32-S128"} {
+  func.func private @vx_thread_id_x() -> i32
+  func.func private @vx_block_id_x() -> i32
+  func.func private @vx_block_dim_x() -> i32
+  func.func private @vx_split(i32) -> i32
+  func.func private @vx_join(i32)
+  func.func @saxpy_exp(%x: !llvm.ptr, %y: !llvm.ptr, %a: f32, %n: i32) {
+    %t = func.call @vx_thread_id_x() : () -> i32
+    %b = func.call @vx_block_id_x() : () -> i32
+    %d = func.call @vx_block_dim_x() : () -> i32
+    %bd = arith.muli %b, %d : i32
+    %i = arith.addi %bd, %t : i32
+    %in = arith.cmpi slt, %i, %n : i32
+    %c = arith.extui %in : i1 to i32
+    %tok = func.call @vx_split(%c) : (i32) -> i32
+    scf.if %in {
+      %px = llvm.getelementptr %x[%i] : (!llvm.ptr, i32) -> !llvm.ptr, f32
+      %py = llvm.getelementptr %y[%i] : (!llvm.ptr, i32) -> !llvm.ptr, f32
+      %vx = llvm.load %px : !llvm.ptr -> f32
+      %vy = llvm.load %py : !llvm.ptr -> f32
+      %m = arith.mulf %a, %vx : f32
+      %r = arith.addf %m, %vy : f32
+      %e = math.exp %vx : f32
+      %mx = arith.maximumf %r, %e : f32
+      llvm.store %mx, %py : f32, !llvm.ptr
+    }
+    func.call @vx_join(%tok) : (i32) -> ()
+    return
+  }
+}
+"""
+
+
+def _mlir_to_llvm_ir(text: str) -> str:
+    """MLIR -> LLVM IR text in-process, as the MLIR side does it (docs/stack.md)."""
+    import ctypes
+    import glob
+
+    import mlir._mlir_libs as libs
+    import mlir.ir as mir
+    from mlir.passmanager import PassManager
+
+    ctx = mir.Context()
+    module = mir.Module.parse(text, ctx)
+    PassManager.parse("builtin.module(convert-scf-to-cf, convert-math-to-llvm, "
+                      "convert-arith-to-llvm{index-bitwidth=32}, convert-func-to-llvm{index-bitwidth=32}, "
+                      "convert-cf-to-llvm{index-bitwidth=32}, reconcile-unrealized-casts)", ctx).run(module.operation)
+    capi = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(libs.__file__), "libMLIRPythonCAPI.so*"))[0])
+    translate = capi.mlirTranslateModuleToLLVMIRToString
+    translate.restype, translate.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    cap = module.operation._CAPIPtr
+    return ctypes.string_at(translate(api.PyCapsule_GetPointer(cap, api.PyCapsule_GetName(cap)))).decode()
+
+
+def run_mlir(dev, prog, n=37):
+    x, y = np.linspace(-3, 3, n, dtype=np.float32), np.linspace(1, -1, n, dtype=np.float32)
+    X, Y = dev.upload(x), dev.upload(y)
+    cnt = dev.launch(dev.load_module(prog.vxbin), "saxpy_exp",
+                     pack_args(MLIR_SPEC.params, [X.address, Y.address, 2.0, n]), grid=5, block=8)
+    return dev.download(Y, np.float32), np.maximum(2 * x + y, np.exp(x)), cnt
+
+
+def test_mlir_translated_kernel(programs):
+    """The hand-off format: LLVM IR from MLIR's translation, helpers as plain declarations."""
+    got, ref, _ = run_mlir(bridge.FunctionalDevice(strict=True), programs["mlir"])
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
