@@ -198,7 +198,8 @@ class SimxDevice(VortexDevice):
         env = dict(os.environ, VORTEX_DRIVER=driver,
                    LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(libdir), os.environ.get("LD_LIBRARY_PATH")])))
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gac_torch.backends.vortex.simx_worker", str(child.fileno())],
+            # run as a plain script: the worker needs only ctypes, not gac_torch (or torch)
+            [sys.executable, str(Path(__file__).with_name("simx_worker.py")), str(child.fileno())],
             pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
             env=env, cwd=tempfile.gettempdir())
         child.close()

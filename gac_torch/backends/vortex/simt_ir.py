@@ -7,6 +7,8 @@ integer selects are fine with Zicond (czero.*), but `select float`, `llvm.maximu
 and `llvm.floor/ceil/trunc/round.f32` become data-dependent branches, i.e. wrong results when
 threads disagree. We rewrite them into integer selects on the bit patterns, *after* LLVM's
 middle end (which would fold them back) and before codegen (which keeps them); see toolchain.py.
+Calls into the libm subset of compiler_rt (expf, logf, sinf, fmodf / `frem`...) branch on the
+data inside; they are redirected to wrappers that run the call one lane at a time.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ _VAL = r"[^,]+?"   # one operand: %name, a constant, undef/poison (no commas ins
 def helper_definition(name: str, h: Helper) -> str:
     """An `internal alwaysinline` IR definition whose body is the helper's inline assembly."""
     params = ", ".join(f"{t} %a{i}" for i, t in enumerate(h.params))
-    args = ", ".join(f"{t} %a{i}" for i, t in enumerate(h.params))
     attrs = "convergent " if h.convergent else ""
     asm = h.asm.replace("\\", "\\\\").replace("\n", "\\0A").replace('"', '\\22')
     ret = "i32" if h.ret == "ptr" else h.ret
-    call = f'call {ret} asm sideeffect "{asm}", "{h.constraints}"({args}) {attrs}'.rstrip()
+    call = f'call {ret} asm sideeffect "{asm}", "{h.constraints}"({params}) {attrs}'.rstrip()
     if h.ret == "void":
         body = f"  {call}\n  ret void"
     elif h.ret == "ptr":

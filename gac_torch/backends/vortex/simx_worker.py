@@ -1,6 +1,6 @@
 """Child process that drives the real Vortex runtime (libvortex.so, vortex2.h API) via ctypes.
 
-Run by bridge.SimxDevice as `python -m gac_torch.backends.vortex.simx_worker <fd>` with
+Run by bridge.SimxDevice as `python simx_worker.py <fd>` (a plain script, no package imports) with
 LD_LIBRARY_PATH and VORTEX_DRIVER set (the runtime dlopens libvortex-<driver>.so by name, which
 only LD_LIBRARY_PATH at process start can steer). SimX aborts the process on some illegal states
 and hangs on others, and its state is process-global: hence a separate, killable process.

@@ -166,7 +166,7 @@ def startup_asm(kernels: Sequence[KernelSpec]) -> str:
 
     The 5 instructions from `__vx_dispatch` to `tmc x0` are the KMU's dispatch window: a warp
     reused for the next CTA restarts at (its PC after `tmc x0`) - 20, i.e. at `__vx_dispatch`."""
-    bar = target.vx_insn
+    insn = target.vx_insn
     sp_from_hart = [f"csrr t0, {CSR['mhartid']:#x}", f"slli t0, t0, {target.STACK_LOG2_SIZE}",
                     f"li t2, {target.STACK_BASE_ADDR:#x}", "sub sp, t2, t0"]
     lines = ['.section .vx_start, "ax"', ".option norvc", ".option norelax",
@@ -177,8 +177,8 @@ def startup_asm(kernels: Sequence[KernelSpec]) -> str:
              f"csrr a0, {CSR['mscratch']:#x}",
              "jalr ra, 0(s11)",
              "__vx_kernel_return:",
-             bar(7),               # wsync
-             bar(0),               # tmc x0: retire the warp
+             insn(7),              # wsync
+             insn(0),              # tmc x0: retire the warp
              '.section .vx_entry, "ax"']
     for k in kernels:
         if not re.fullmatch(r"[A-Za-z_][\w.$]*", k.name):
