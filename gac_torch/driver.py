@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from mlir import ir, passmanager
 
-from gac_torch.backends import Signature, Target, TensorSpec
+from gac_torch.backends import Signature, Target, TargetUnavailable, TensorSpec
 from gac_torch.ir.dialect import make_context
 from gac_torch.ir.verifier import verify_gac
 from gac_torch.legalize import build_module
@@ -29,6 +29,14 @@ def stage_text(artifact: Any) -> str:
     if isinstance(artifact, str):
         return artifact
     return getattr(artifact, "text", repr(artifact))
+
+
+class _Unavailable:
+    def __init__(self, error: TargetUnavailable):
+        self.error = error
+
+    def run(self, inputs, outputs) -> None:
+        raise TargetUnavailable(str(self.error))
 
 
 def _specs(nodes) -> tuple[TensorSpec, ...]:
@@ -64,7 +72,12 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         for stage, text in stages.items():
             with open(os.path.join(dump_dir, f"{name}.{stage}"), "w") as f:
                 f.write(text)
-    executable = target.load(artifact, signature, options)
+    try:
+        target.check_available()
+        executable = target.load(artifact, signature, options)
+    except TargetUnavailable as e:
+        # Compiling needs no device (e.g. PTX on a CPU machine); running does: fail then, clearly.
+        executable = _Unavailable(e)
     return CompiledGraph(name, executable, signature, target.device_type, stages,
                          [p.name for p in placeholders], tuple_output)
 

@@ -138,7 +138,7 @@ def test_explain_reports_support_and_reasons():
 
 
 def test_compile_rejects_bad_program():
-    with pytest.raises(TypeError, match="ExportedProgram or nn.Module"):
+    with pytest.raises(TypeError, match="ExportedProgram, an nn.Module"):
         gac_torch.compile(42)
     with pytest.raises(TypeError, match="needs example_inputs"):
         gac_torch.compile(torch.nn.Linear(2, 2))

@@ -22,6 +22,7 @@ compiled_graphs: collections.deque = collections.deque(maxlen=64)
 
 
 def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **kw):
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     opts = resolve(options, **kw)
@@ -29,7 +30,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         compiled = compile_graph(graph, opts)
         compiled_graphs.append(compiled)
-        return compiled.gm
+        return make_boxed_func(compiled.gm)
 
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
                         decompositions=decompositions())(gm, example_inputs)

@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from gac_torch.backends import get_target
 from gac_torch.frontends.fx import CompiledFx, compile_graph
 from gac_torch.legalize import decompositions
 from gac_torch.runtime.compiled import GacInputError
@@ -40,8 +41,8 @@ class CompiledProgram:
         self._n_inputs = len(specs)
         self._user_outputs = [i for i, s in enumerate(ep.graph_signature.output_specs)
                               if s.kind == OutputKind.USER_OUTPUT]
-        device = "cuda" if compiled.target == "cuda" else "cpu"
-        self._lifted = [(i, t.to(device)) for i, t in self._lifted]
+        self._device = get_target(compiled.target).device_type
+        self._on_device = False  # parameters move to the target's device on the first call
 
     def ir(self, stage: str) -> str:
         return self.compiled.ir(stage)
@@ -62,11 +63,14 @@ class CompiledProgram:
                 raise GacInputError(f"input {name!r}: expected dtype {want.dtype}, got {got.dtype}")
             if tuple(got.shape) != tuple(want.shape):
                 raise GacInputError(f"input {name!r}: expected shape {list(want.shape)}, got {list(got.shape)}")
-            expected_dev = "cuda" if self.compiled.target == "cuda" else "cpu"
-            if got.device.type != expected_dev:
-                raise GacInputError(f"input {name!r}: compiled for {expected_dev} tensors, got one on {got.device}")
+            if got.device.type != self._device:
+                raise GacInputError(f"input {name!r}: compiled for {self._device} tensors, got one on {got.device}")
 
     def __call__(self, *args, **kwargs):
+        if not self._on_device:
+            get_target(self.compiled.target).check_available()  # e.g. cuda without a GPU: say so
+            self._lifted = [(i, t.to(self._device)) for i, t in self._lifted]
+            self._on_device = True
         flat, _ = pytree.tree_flatten((args, kwargs))
         self._check(flat)
         full: list[Any] = [None] * self._n_inputs
@@ -80,7 +84,23 @@ class CompiledProgram:
         return pytree.tree_unflatten(user, self.exported_program.call_spec.out_spec)
 
 
+def _device_of(ep: ExportedProgram) -> str:
+    for n in ep.graph_module.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
+
+
 def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
+    target = options["target"] or _device_of(ep)
+    options = dict(options, target=target)
+    device = get_target(target).device_type
+    if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
+        # A program exported on the CPU, compiled for a GPU: re-home its constants and device
+        # arguments so that eager fallback nodes and compiled partitions agree.
+        from torch.export.passes import move_to_device_pass
+        ep = move_to_device_pass(ep, device)
     ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     return CompiledProgram(ep, compile_graph(gm, options))

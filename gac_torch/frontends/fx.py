@@ -55,8 +55,7 @@ class CompiledFx:
 def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
     graph_id = next(_graph_ids)
     target_name = options["target"] or default_target(gm)
-    target = get_target(target_name)
-    target.check_available()  # no silent fallback to another target
+    target = get_target(target_name)  # no silent fallback to another target: its errors surface
 
     drop_metadata_asserts(gm)
     decisions, report = analyze(gm)
