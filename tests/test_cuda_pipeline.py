@@ -708,6 +708,7 @@ def test_gpu_dlpack_noncontiguous_and_stream() -> None:
 
     out_t = torch.full((case.outputs[0][0][1], case.outputs[0][0][0]), float("nan"), device="cuda").T
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # inputs were written on the default stream
     with torch.cuda.stream(stream):
         exe.run([Producer(a), b, c], [out_t])  # non-contiguous output is written back
     stream.synchronize()

@@ -121,6 +121,8 @@ class CudaExecutable:
         if len(tensors) != len(self.program.args):
             raise ValueError(f"expected {self.n_inputs} inputs and "
                              f"{len(self.program.args) - self.n_inputs} outputs")
+        if not self.program.launches:
+            return  # nothing to compute (all outputs empty)
         device = next((t.device for t in tensors if t.device.type == "cuda"),
                       torch.device("cuda", torch.cuda.current_device()))
         bufs: list[torch.Tensor] = []
