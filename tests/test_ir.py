@@ -1,0 +1,85 @@
+"""The gac dialect itself: IRDL registration, builders' type inference, the gac-verify pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mlir import ir, passmanager
+from mlir.dialects import func
+
+from gac_torch.ir.builder import GacBuilder
+from gac_torch.ir.dialect import OPS, make_context
+from gac_torch.ir.ops._infer import GacTypeError
+from gac_torch.ir.types import tensor_type
+from gac_torch.ir.verifier import add_verify_pass, verify_gac
+
+GOOD = """
+func.func @main(%a: tensor<2x3xf32>, %b: tensor<3xf32>) -> tensor<3x2xf32> {
+  %0 = "gac.binary"(%a, %b) {kind = "add"} : (tensor<2x3xf32>, tensor<3xf32>) -> tensor<2x3xf32>
+  %1 = "gac.transpose"(%0) {perm = array<i64: 1, 0>} : (tensor<2x3xf32>) -> tensor<3x2xf32>
+  return %1 : tensor<3x2xf32>
+}
+"""
+
+
+def test_round_trip_and_registered_ops():
+    ctx = make_context()
+    with ctx:
+        m = ir.Module.parse(GOOD)
+        assert m.operation.verify()
+        again = ir.Module.parse(str(m))
+        assert str(again) == str(m)
+    assert {"unary", "binary", "matmul", "conv", "reduce", "softmax", "layer_norm", "constant",
+            "cast", "reshape", "transpose", "concat"} <= set(OPS)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (GOOD.replace('kind = "add"', 'kind = "plus"'), "does not satisfy the constraint"),
+    (GOOD.replace('"gac.binary"(%a, %b)', '"gac.binary"(%a)').replace("(tensor<2x3xf32>, tensor<3xf32>) ->", "(tensor<2x3xf32>) ->"), "operands"),
+    (GOOD.replace(' {perm = array<i64: 1, 0>}', ''), "perm"),
+])
+def test_irdl_rejects_malformed_ops(bad, message):
+    with make_context():
+        with pytest.raises(Exception, match=message):
+            ir.Module.parse(bad)
+
+
+def test_verifier_catches_shape_rules_irdl_cannot():
+    wrong = GOOD.replace("-> tensor<3x2xf32>\n  return", "-> tensor<2x3xf32>\n  return").replace(
+        "(tensor<2x3xf32>) -> tensor<3x2xf32>", "(tensor<2x3xf32>) -> tensor<2x3xf32>").replace(
+        "-> tensor<3x2xf32> {", "-> tensor<2x3xf32> {").replace("return %1 : tensor<3x2xf32>", "return %1 : tensor<2x3xf32>")
+    with make_context(), ir.Location.unknown():
+        m = ir.Module.parse(wrong)  # IRDL accepts it
+        assert m.operation.verify()
+        with pytest.raises(GacTypeError, match="gac.transpose"):
+            verify_gac(m)
+        pm = passmanager.PassManager()
+        add_verify_pass(pm)
+        with pytest.raises(Exception, match="gac.transpose"):
+            pm.run(m.operation)
+
+
+def test_builder_infers_and_rejects():
+    with make_context(), ir.Location.unknown():
+        m = ir.Module.create()
+        with ir.InsertionPoint(m.body):
+            f = func.FuncOp("main", ir.FunctionType.get(
+                [tensor_type((4, 1, 5), torch.float32), tensor_type((3, 1), torch.float32),
+                 tensor_type((5, 2), torch.float16)], []))
+            block = f.add_entry_block()
+        with ir.InsertionPoint(block):
+            b = GacBuilder()
+            x, y, h = block.arguments
+            s = b.binary(x, y, kind="mul")
+            assert list(ir.RankedTensorType(s.type).shape) == [4, 3, 5]
+            c = b.binary(x, y, kind="lt")
+            assert str(ir.RankedTensorType(c.type).element_type) == "i1"
+            r = b.reduce(s, kind="sum", dims=[1], keepdim=True)
+            assert list(ir.RankedTensorType(r.type).shape) == [4, 1, 5]
+            with pytest.raises(GacTypeError, match="share one element type"):
+                b.binary(x, h, kind="add")
+            with pytest.raises(GacTypeError, match="do not broadcast"):
+                b.binary(x, b.cast(b.reshape(h, [10]), torch.float32), kind="add")
+            with pytest.raises(GacTypeError, match="cannot multiply"):
+                b.matmul(b.reshape(x, [4, 5]), b.reshape(x, [4, 5]))
+            func.ReturnOp([])
