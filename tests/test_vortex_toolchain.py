@@ -456,7 +456,8 @@ def test_simx_hang_is_a_timeout(programs):
         m = dev.load_module(programs["good"].vxbin)
         buf = dev.alloc(64)
         with pytest.raises(bridge.SimxError, match="did not finish|died"):
-            dev.launch(m, "bad_barrier", pack_args(("ptr",), [buf.address]), grid=1, block=8)
+            dev.launch(m, "bad_barrier", pack_args(("ptr",), [buf.address]), grid=1,
+                       block=2 * dev.config.threads)          # 2 warps: one never arrives
 
 
 MANY_C = r"""
