@@ -75,7 +75,10 @@ def lower_cat(cx: Cx, tensors, dim=0):
     parts = [cx.to(t, dt) for t in tensors if math.prod(cx.shape(t)) > 0 or len(cx.shape(t)) > 1]
     if len(parts) == 1:
         return parts[0]
-    return cx.b.concat(*parts, dim=dim % len(cx.out_shape))
+    out = parts[0]
+    for part in parts[1:]:
+        out = cx.b.concat(out, part, dim=dim % len(cx.out_shape))
+    return out
 
 
 @lower(aten.split_with_sizes.default, aten.split.Tensor)

@@ -93,7 +93,10 @@ define("broadcast", ["x"], attrs={"shape": "ints"}, infer=_infer_broadcast,
        doc="expand size-1 / missing leading dims (torch.expand)")
 define("slice", ["x"], attrs={"starts": "ints", "limits": "ints", "strides": "ints"},
        infer=_infer_slice, doc="static strided slice, limits exclusive")
-define("concat", ["inputs*"], attrs={"dim": "int"}, infer=_infer_concat, doc="torch.cat")
+# Two operands, not a variadic list: an IRDL constraint binds one type for every element of a
+# variadic operand, and concatenated pieces differ in size. torch.cat of n tensors is a chain.
+define("concat", ["lhs", "rhs"], attrs={"dim": "int"}, infer=_infer_concat,
+       doc="torch.cat of two tensors")
 define("pad", ["x"], attrs={"low": "ints", "high": "ints", "mode": ("constant", "reflect", "replicate"),
                             "value": "float"},
        infer=_infer_pad, doc="pad every dim by low/high; negative values crop")
