@@ -2,11 +2,13 @@
 
     torch.compile(model, backend="gac")          # registered by entry point; no import needed
     compiled = gac_torch.compile(exported_program, target="cpu")
+    compiled = gac_torch.compile("model.onnx", target="cpu")   # or an onnx.ModelProto
     gac_torch.explain(model, *example_inputs)    # what compiles, what falls back, and why
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
@@ -19,11 +21,16 @@ __version__ = "0.1.0"
 def compile(program, example_inputs: Sequence[Any] | None = None, *, target: str | None = None,
             options: dict | None = None):
     """Compiles a torch.export ExportedProgram (or an nn.Module with example inputs, exported
-    first). Returns a callable; `.ir(stage)` shows the gac / linalg / target stages."""
+    first), or an ONNX model (a path or onnx.ModelProto; example_inputs then fix symbolic dims).
+    Returns a callable; `.ir(stage)` shows the gac / linalg / target stages."""
     from gac_torch.frontends.export import compile_exported, export_module
     from gac_torch.options import resolve
 
     opts = resolve(options, target=target)
+    if isinstance(program, (str, os.PathLike)) or type(program).__name__ == "ModelProto":
+        from gac_torch.frontends.onnx import compile_onnx
+
+        return compile_onnx(program, opts, example_inputs)
     if isinstance(program, torch.export.ExportedProgram):
         ep = program
     elif isinstance(program, torch.nn.Module):
@@ -31,7 +38,8 @@ def compile(program, example_inputs: Sequence[Any] | None = None, *, target: str
             raise TypeError("gac_torch.compile(nn.Module) needs example_inputs (a tuple of tensors)")
         ep = export_module(program, example_inputs)
     else:
-        raise TypeError(f"gac_torch.compile takes an ExportedProgram or nn.Module, got {type(program).__name__}")
+        raise TypeError("gac_torch.compile takes an ExportedProgram, an nn.Module or an ONNX model, "
+                        f"got {type(program).__name__}")
     return compile_exported(ep, opts)
 
 
