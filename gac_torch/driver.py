@@ -15,6 +15,7 @@ from gac_torch.ir.dialect import make_context
 from gac_torch.ir.verifier import verify_gac
 from gac_torch.legalize import build_module
 from gac_torch.passes.dce import gac_dce
+from gac_torch.passes.fusion import annotate_kernels
 from gac_torch.lowering import lower_to_linalg
 from gac_torch.runtime.compiled import CompiledGraph
 
@@ -59,8 +60,9 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):
             verify_gac(module)  # shapes and dtypes
-        stages["gac"] = str(module)
         artifact: Any = lower_to_linalg(module)
+        annotate_kernels(module, artifact)
+        stages["gac"] = str(module)
         stages["linalg"] = str(artifact)
         for stage in target.stages(options):
             artifact = stage.run(artifact)

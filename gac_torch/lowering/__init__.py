@@ -60,7 +60,7 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
             values: dict = {}  # gac value -> its storage-form tensor
             for arg, t, mem in zip(src.regions[0].blocks[0].arguments, ins, entry.arguments):
                 values[arg] = bufferization.ToTensorOp(storage_type(t), mem, restrict=True).result
-            for op in src.regions[0].blocks[0].operations:
+            for index, op in enumerate(src.regions[0].blocks[0].operations):
                 opname = op.operation.name
                 if opname == "func.return":
                     for v, dest in zip(op.operands, entry.arguments[len(ins):]):
@@ -68,7 +68,10 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
                             None, values[v], dest, restrict=True, writable=True)
                     func.ReturnOp([])
                     continue
-                _lower_op(op, opname, values)
+                # Every op made for gac op #i carries the location "gac<i>"; fusion merges
+                # locations, which is how passes/fusion.py reads the kernels back.
+                with ir.Location.name(f"gac{index}"):
+                    _lower_op(op, opname, values)
         module.operation.verify()
         # Fuse elementwise chains here, once for every target: fewer loops and temporaries, and
         # the bool conversions above disappear into their users.
