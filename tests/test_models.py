@@ -42,11 +42,18 @@ def test_export_path(name, target):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_dynamo_path(name, target):
+    from gac_torch.frontends import dynamo
+
     torch._dynamo.reset()
+    dynamo.compiled_graphs.clear()
     model, inputs = _to(*build(name), target)
     compiled = torch.compile(model, backend="gac", options={"target": target})
-    with torch.no_grad():
+    with torch.no_grad():  # no_grad: nn.TransformerEncoderLayer takes its fused fast path
         torch.testing.assert_close(compiled(*inputs), model(*inputs), **MODEL_TOL)
+    reports = [g.report for g in dynamo.compiled_graphs]
+    assert reports and all(g.target == target for g in dynamo.compiled_graphs)
+    if name != "unsupported":
+        assert all(r.compiled == r.total for r in reports), [r.summary() for r in reports]
 
 
 def test_same_gac_module_through_both_front_ends():

@@ -14,6 +14,7 @@ import torch
 
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.legalize import decompositions
+from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import resolve
 
 log = logging.getLogger("gac_torch")
@@ -33,4 +34,4 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         return make_boxed_func(compiled.gm)
 
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
-                        decompositions=decompositions())(gm, example_inputs)
+                        decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)
