@@ -13,6 +13,7 @@ import logging
 import torch
 
 from gac_torch.frontends.fx import compile_graph
+from gac_torch.frontends.specialize import ShapeSpecializing, has_symbolic_shapes
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import resolve
@@ -28,10 +29,15 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
     opts = resolve(options, **kw)
 
-    def compile_fn(graph: torch.fx.GraphModule, inputs):
+    def compile_static(graph: torch.fx.GraphModule):
         compiled = compile_graph(graph, opts)
         compiled_graphs.append(compiled)
-        return make_boxed_func(compiled.gm)
+        return compiled.gm
+
+    def compile_fn(graph: torch.fx.GraphModule, inputs):
+        if has_symbolic_shapes(graph):
+            return make_boxed_func(ShapeSpecializing(graph, compile_static))
+        return make_boxed_func(compile_static(graph))
 
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
                         decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)

@@ -1,0 +1,74 @@
+"""Graphs with symbolic sizes (dynamo `dynamic=True` / automatic dynamic shapes).
+
+gac kernels are compiled for static shapes. A graph whose sizes are symbolic is therefore
+compiled once per distinct concrete input signature seen at run time: the symbolic graph is
+re-traced with the call's real shapes (make_fx in fake mode: no data is touched), and that static
+graph goes through compile_graph. Dynamo compiles (and guards) once; gac keeps a small LRU of
+specializations. (Kernels that take sizes at run time would remove the per-shape compile.)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("gac_torch")
+
+
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt):
+            return True
+        if isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape):
+            return True
+    return False
+
+
+def _signature(args) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
+def _drop_detach(gm: fx.GraphModule) -> None:
+    """make_fx may detach parameters it is handed; in a functional graph that is the identity."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
+class ShapeSpecializing:
+    """Callable over the graph's flat inputs; compiles and caches one static graph per shape."""
+
+    def __init__(self, gm: fx.GraphModule, compile_static: Callable[[fx.GraphModule], Any],
+                 max_entries: int = 16):
+        self.gm = gm
+        self.compile_static = compile_static  # static GraphModule -> CompiledFx
+        self.max_entries = max_entries
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+
+    def specialize(self, args) -> Any:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        key = _signature(args)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        with torch.no_grad():  # AOTAutograd graphs are already functional: no autograd to trace
+            static = make_fx(self.gm, tracing_mode="fake")(*args)
+        _drop_detach(static)
+        compiled = self.compile_static(static)
+        log.info("gac: specialized a dynamic-shape graph for %s", [k[0] for k in key if isinstance(k, tuple)])
+        self.cache[key] = compiled
+        if len(self.cache) > self.max_entries:
+            self.cache.popitem(last=False)
+        return compiled
+
+    def __call__(self, *args):
+        return self.specialize(args)(*args)
