@@ -95,7 +95,7 @@ def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = 
         report.total += 1
         report.ops[n.key] += 1
         xs = [env[name] if name else None for name in proto.input]
-        unknown_input = any(name and env[name] is None for name in proto.input)
+        unknown_input = any(name and env.get(name) is None for name in proto.input)
         fn = lookup(n.op_type, n.domain)
         reason, outs = None, None
         if fn is None:
@@ -115,7 +115,9 @@ def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = 
         if outs is None:
             if reason != "input from an unsupported node":
                 report.unsupported[(n.key, reason)] += 1
-            outs = None if unknown_input else _fallback(g, proto, n, xs, model, types, strict)
+            # Strict mode only lists: the node's outputs stay unknown and later nodes are checked
+            # for a mapping only. Otherwise the node runs through onnxruntime.
+            outs = None if strict else _fallback(g, proto, n, xs, model, types)
         elif all(isinstance(o, torch.Tensor) or o is None for o in outs):
             report.folded += 1
         else:
@@ -168,17 +170,18 @@ def _outputs(result, proto: onnx.NodeProto, used: set[str]) -> list:
 
 
 def _fallback(g: GraphBuilder, proto: onnx.NodeProto, n: OnnxNode, xs: list, model: onnx.ModelProto,
-              types: dict, strict: bool) -> list | None:
+              types: dict) -> list:
     """The node as an onnxruntime call (or folded through onnxruntime if its inputs are known)."""
     present = [(name, x) for name, x in zip(proto.input, xs) if name]
     inputs = [(name, g.meta(x), g.is_const(x)) for name, x in present]
     try:
         key, entry = ort_fallback.register(proto, n.key, model, inputs, types)
     except ort_fallback.OrtUnavailable:
-        if strict:
-            return None
-        raise OnnxLoadError(f"{n.label}: its output shapes are unknown without onnxruntime "
-                            f"(pip install onnxruntime), so the graph cannot be built") from None
+        raise OnnxLoadError(f"{n.label}: gac has no mapping and its output shapes are unknown "
+                            f"without onnxruntime (pip install onnxruntime)") from None
+    except Exception as e:  # onnxruntime could not build or run the node either
+        raise OnnxLoadError(f"{n.label}: gac has no mapping and onnxruntime cannot run it: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
     if all(g.is_const(x) for _, x in present) and ort_fallback.have_onnxruntime():
         return entry.run([])  # every input known: fold now
     dyn = [x for _, x in present if not g.is_const(x)]

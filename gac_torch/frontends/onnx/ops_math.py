@@ -12,7 +12,16 @@ aten = torch.ops.aten
 
 @onnx_op("MatMul")
 def matmul(g: GraphBuilder, n: OnnxNode, a: Value, b: Value) -> Value:
-    return g.call(aten.matmul.default, a, b)
+    # numpy rules for 1-D operands, spelled out: ATen's matmul would use an in-place squeeze_.
+    va, vb = g.rank(a) == 1, g.rank(b) == 1
+    if va:
+        a = g.call(aten.unsqueeze.default, a, 0)
+    if vb:
+        b = g.call(aten.unsqueeze.default, b, 1)
+    y = g.call(aten.matmul.default, a, b)
+    if va or vb:
+        y = g.call(aten.squeeze.dims, y, ([-2] if va else []) + ([-1] if vb else []))
+    return y
 
 
 @onnx_op("Gemm")

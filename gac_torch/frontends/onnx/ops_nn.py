@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from gac_torch.frontends.onnx.builder import GraphBuilder, Value
@@ -171,25 +172,33 @@ def global_pool(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
 
 # --- padding ----------------------------------------------------------------------------------
 
-_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
+def _pad_indices(mode: str, size: int, begin: int, end: int) -> np.ndarray:
+    """Source index of every output position along one axis, for the non-constant modes."""
+    i = np.arange(-begin, size + end)
+    if mode == "edge":
+        return np.clip(i, 0, size - 1)
+    if mode == "wrap":
+        return np.mod(i, size)
+    period = max(2 * (size - 1), 1)  # reflect: mirror about the first and last elements
+    m = np.mod(i, period)
+    return np.where(m >= size, period - m, m)
 
 
 @onnx_op("Pad")
 def pad(g: GraphBuilder, n: OnnxNode, x: Value, pads: Value, value: Value | None = None,
         axes: Value | None = None) -> Value:
     rank = g.rank(x)
-    p = g.ints(pads, "Pad pads")
-    ax = [a % rank for a in g.ints(axes, "Pad axes")] if axes is not None else list(range(rank))  # type: ignore[union-attr]
+    p = g.ints(pads, "Pad pads") or []
+    ax = [a % rank for a in g.ints(axes, "Pad axes") or []] if axes is not None else list(range(rank))
     begins, ends = [0] * rank, [0] * rank
     for i, a in enumerate(ax):
-        begins[a], ends[a] = p[i], p[i + len(ax)]  # type: ignore[index]
-    mode = _PAD_MODES.get(n.attr("mode", "constant"))
-    if mode is None:
-        raise Unsupported(f"mode={n.attr('mode')!r}")
+        begins[a], ends[a] = p[i], p[i + len(ax)]
+    mode = n.only("mode", "constant", "reflect", "edge", "wrap", default="constant")
     if mode == "constant":
         fill = 0 if value is None else g.scalar(value, "Pad constant_value")
         return g.call(aten.constant_pad_nd.default, x, _torch_pad(begins, ends), fill)
-    lead = next((i for i in range(rank) if begins[i] or ends[i]), rank)
-    if rank - lead > 3 or lead < 1:
-        raise Unsupported(f"mode={n.attr('mode')!r} over more than the last 3 dims")
-    return g.call(aten.pad.default, x, _torch_pad(begins[lead:], ends[lead:]), mode)
+    for a in range(rank):  # other modes gather static indices, one axis at a time
+        if begins[a] or ends[a]:
+            idx = _pad_indices(mode, g.shape(x)[a], begins[a], ends[a])
+            x = g.call(aten.index_select.default, x, a, torch.from_numpy(idx))
+    return x
