@@ -68,9 +68,8 @@ ID4 = "affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>"
 PP = '"parallel", "parallel"'
 
 
-def _elementwise(dt: torch.dtype) -> Case:
+def _elementwise(dt: torch.dtype, M: int = 37, N: int = 129) -> Case:
     e = _MLIR[dt]
-    M, N = 37, 129
     up = (lambda v, o: f"%{o} = arith.extf %{v} : {e} to f32") if e != "f32" else None
     conv_in = (f"%a32 = arith.extf %a : {e} to f32\n    %b32 = arith.extf %b : {e} to f32\n"
                f"    %c32 = arith.extf %c : {e} to f32") if up else \
@@ -91,7 +90,8 @@ def _elementwise(dt: torch.dtype) -> Case:
     {conv_out}
     linalg.yield %res : {e}
   }} -> tensor<{M}x{N}x{e}>"""
-    return Case(f"elementwise_broadcast_{e}", [((M, N), dt), ((N,), dt), ((M,), dt)], [((M, N), dt)],
+    name = f"elementwise_broadcast_{e}" + ("" if (M, N) == (37, 129) else f"_{M}x{N}")
+    return Case(name, [((M, N), dt), ((N,), dt), ((M,), dt)], [((M, N), dt)],
                 body, lambda a, b, c: [torch.tanh(a * b[None, :] + c[:, None]) * 0.5], {"loops"})
 
 
@@ -545,6 +545,10 @@ def all_cases() -> list[Case]:
         _transpose(), _slices(), _reshapes(), _mlp_softmax(), _ints(), _f64(), _index_and_const(),
         _half_reduce_elementwise(torch.float16), _half_reduce_elementwise(torch.bfloat16),
         _scalars(),
+        # Larger shapes for the tuned paths: coarsened elementwise with a tail, block-per-row
+        # reductions (rows > 1024), 128x128 matmul tiles with ragged edges.
+        _elementwise(torch.float32, 1031, 1021), _reduce_last("max", 20, 5000, torch.bfloat16),
+        _reduce_last("sum", 7, 3000), _matmul(2000, 100, 1999, torch.float32),
     ]
 
 
@@ -741,9 +745,11 @@ def test_gpu_throughput_report() -> None:
     rows = []
     f32 = torch.float32
     specs = [
-        ("elementwise 4096x4096 f32", _elementwise_sized(4096, 4096), 2 * 4 * 4096 * 4096, 0,
+        ("elementwise 4096x4096 f32", _elementwise(torch.float32, 4096, 4096), 2 * 4 * 4096 * 4096, 0,
          lambda a, b, c: torch.tanh(a * b[None, :] + c[:, None]) * 0.5),
         ("row sum 16384x1024 f32", _reduce_last("sum", 16384, 1024), 4 * 16384 * 1024, 0,
+         lambda a: a.sum(1)),
+        ("row sum 2048x8192 f32", _reduce_last("sum", 2048, 8192), 4 * 2048 * 8192, 0,
          lambda a: a.sum(1)),
         ("col sum-sq 64x2048x512 f32", _reduce_middle(64, 2048, 512), 4 * 64 * 2048 * 512, 0,
          lambda a: (a * a).sum(1)),
@@ -768,10 +774,3 @@ def test_gpu_throughput_report() -> None:
     if os.environ.get("GAC_CUDA_REPORT"):
         with open(os.environ["GAC_CUDA_REPORT"], "a") as f:
             f.write(table + "\n")
-
-
-def _elementwise_sized(M: int, N: int) -> Case:
-    c = _elementwise(torch.float32)
-    body = c.body.replace("37x129", f"{M}x{N}").replace("<129x", f"<{N}x").replace("<37x", f"<{M}x")
-    return Case(f"elementwise_{M}x{N}", [((M, N), torch.float32), ((N,), torch.float32), ((M,), torch.float32)],
-                [((M, N), torch.float32)], body, c.reference)

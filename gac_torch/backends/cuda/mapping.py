@@ -12,16 +12,20 @@ Order of work (all in one MLIR module, in place):
    named op is generalized, so each op left is one `linalg.generic` on memrefs = one kernel.
 3. Each generic picks a strategy (the kernel name records it):
    - `matmul`: a contraction with one M, one N, one K dim (+ batch dims) whose body is
-     `out + cast(a) * cast(b)`: a 16x16-thread block computes a (16*TM)x(16*TN) tile, K is staged
-     through shared memory 16 deep, each thread accumulates a TMxTN register tile (f32 for
-     f16/bf16 outputs, as torch does).
-   - `reduce`: a reduction with a recognized combiner (add, mul, min/max, and/or/xor) whose
-     reduction space is large: one block per output element, threads stride over the reduction
-     space, `gpu.all_reduce` combines (f16/bf16 accumulate in f32, small ints in i32).
-   - `loops` (the fallback for any linalg op): `convert-linalg-to-parallel-loops`, then the
-     scf.parallel space is linearized onto a 1-D grid of 1-D blocks (last dim fastest, so
-     row-major writes coalesce); reduction dims stay sequential loops inside the thread. A fill
-     of the output directly before is folded into the same kernel.
+     `out + cast(a) * cast(b)`: a 16x16-thread block computes a (16*TM)x(16*TN) tile (TM, TN up
+     to 8 when the grid still has ~2 waves), K is staged through shared memory 16 deep, each
+     thread accumulates a TMxTN register tile (f32 for f16/bf16 outputs, as torch does). A fill
+     of the output right before becomes the accumulators' initial value.
+   - `reduce`: a reduction with a recognized combiner (add, mul, min/max, and/or/xor) over at
+     least 128 elements, when the reduced dims are innermost or the output is small: one warp
+     per output (rows up to 1024, shuffle butterfly) or one block per output (gpu.all_reduce);
+     lanes stride over the reduction space with a constant trip count; f16/bf16 accumulate in
+     f32, small ints in i32.
+   - `loops` (the fallback for any linalg op): loops are interchanged so parallel dims come
+     first, `convert-linalg-to-parallel-loops`, then the scf.parallel space is linearized onto a
+     1-D grid of 1-D blocks (last dim fastest, so row-major writes coalesce; large elementwise
+     spaces give each thread 4 points a grid apart); reduction dims stay sequential loops inside
+     the thread. A fill of the output right before is folded into the same kernel.
    - `serial`: scalar leftovers (rank-0 ops) run in a single-thread kernel.
 4. `gpu-kernel-outlining` puts every kernel into one `gpu.module @gac_kernels`.
 """
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 from mlir import ir, passmanager
 from mlir.dialects import arith, gpu, linalg, memref, scf
@@ -62,7 +66,11 @@ class MappingLimits:
     max_static_shared_bytes: int = 48 * 1024
     max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
     threads_per_block: int = 256  # `loops` strategy block size
-    reduce_threads: int = 256  # `reduce` strategy: most threads cooperating on one output
+    coarsen: int = 4  # `loops`: points per thread for large elementwise spaces
+    coarsen_min_points: int = 1 << 20
+    big_tile_min_blocks: int = 256  # matmul: 128x128 tiles once they still make ~2 waves
+    reduce_threads: int = 256  # `reduce` strategy: threads per block
+    warp_reduce_max: int = 1024  # reductions up to this extent get one warp per output
     reduce_min_extent: int = 128  # smaller reductions stay sequential per thread
 
 
@@ -417,8 +425,9 @@ def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
     g = c.g
     M, N, K = g.ranges[c.m], g.ranges[c.n], g.ranges[c.k]
     batch_ext = [g.ranges[d] for d in c.batch]
-    tm = 4 if M >= 64 else 2 if M >= 32 else 1
-    tn = 4 if N >= 64 else 2 if N >= 32 else 1
+    big = -(-M // 128) * -(-N // 128) * math.prod(batch_ext) >= limits.big_tile_min_blocks
+    tm = 8 if big else 4 if M >= 64 else 2 if M >= 32 else 1  # (16*tm) x (16*tn) block tile
+    tn = 8 if big else 4 if N >= 64 else 2 if N >= 32 else 1
     tt, bk = 16, 16  # a 16x16 thread block; K staged 16 deep through shared memory
     bm, bn = tt * tm, tt * tn
     grid = (-(-N // bn), -(-M // bm), math.prod(batch_ext))
@@ -646,7 +655,15 @@ def _emit_reduce(g: _Generic, name: str, limits: MappingLimits) -> bool:
     n_out, n_red = math.prod(p_ext), math.prod(r_ext)
     if n_out == 0 or n_out > limits.max_grid[0]:
         return False
-    threads = min(limits.reduce_threads, max(limits.warp_size, 1 << (max(n_red, 1) - 1).bit_length()))
+    # Short rows: one warp per output, 8 outputs per block, combined with shuffles. Long rows:
+    # one block per output, combined with gpu.all_reduce (shuffles + shared memory).
+    warp = limits.warp_size
+    per_warp = n_red <= limits.warp_reduce_max
+    threads = (limits.reduce_threads if per_warp else
+               min(limits.reduce_threads, max(warp, 1 << (max(n_red, 1) - 1).bit_length())))
+    group = warp if per_warp else threads  # threads cooperating on one output
+    outs_per_block = threads // group
+    grid = -(-n_out // outs_per_block)
     elem = ir.MemRefType(g.outputs[0].type).element_type
     if isinstance(elem, ir.FloatType):
         acc_t = ir.F32Type.get() if ir.FloatType(elem).width < 32 else elem
@@ -654,41 +671,74 @@ def _emit_reduce(g: _Generic, name: str, limits: MappingLimits) -> bool:
         acc_t = ir.IntegerType.get_signless(32) if ir.IntegerType(elem).width < 32 else elem
     signed = kind not in ("maxui", "minui")
     fill = _fill_before(g.op, g.outputs[0])
+
+    def combine(x: ir.Value, y: ir.Value) -> ir.Value:
+        new = comb.clone()
+        new.operands[0], new.operands[1] = x, y
+        new.results[0].set_type(acc_t)
+        return new.results[0]
+
     with ir.InsertionPoint(g.op), g.op.location:
-        launch, body = _new_launch(n_out, threads, name)
+        launch, body = _new_launch(grid, threads, name)
         with ir.InsertionPoint(body):
             bid, tid = body.arguments[0], body.arguments[3]
-            p_ivs = _delinearize(bid, p_ext)
+            if per_warp:
+                lane = arith.remui(tid, _index(group))
+                out_lin = arith.addi(arith.muli(bid, _index(outs_per_block)), arith.divui(tid, _index(group)))
+            else:
+                lane, out_lin = tid, bid
+            active = None
+            if grid * outs_per_block != n_out:  # the last block has idle groups
+                active = arith.cmpi(arith.CmpIPredicate.ult, out_lin, _index(n_out))
+            p_ivs = _delinearize(out_lin, p_ext)
             ident = arith.constant(acc_t, _identity(kind, acc_t))
-            loop = scf.ForOp(tid, _index(n_red), _index(threads), [ident])
+            # Constant trip count (lane + it * group): LLVM unrolls it and keeps loads in flight.
+            loop = scf.ForOp(_index(0), _index(-(-n_red // group)), _index(1), [ident])
             with ir.InsertionPoint(loop.body):
-                r_ivs = _delinearize(loop.induction_variable, r_ext)
-                ivs: list[ir.Value] = [None] * len(g.iters)  # type: ignore[list-item]
-                for d, v in zip(par, p_ivs):
-                    ivs[d] = v
-                for d, v in zip(red, r_ivs):
-                    ivs[d] = v
-                mapping: dict[ir.Value, ir.Value] = {}
-                for arg, buf, m in zip(g.body.arguments, g.inputs, g.maps):
-                    mapping[arg] = _load(buf, m, ivs)
-                _clone_body(body_ops[:-1], comb, mapping, ivs)
-                v = _widen(mapping.get(value, value), acc_t, signed)
                 acc = loop.inner_iter_args[0]
-                new = comb.clone()
-                new.operands[0], new.operands[1] = acc, v
-                new.results[0].set_type(acc_t)
-                scf.YieldOp([new.results[0]])
-            op_attr = ir.Attribute.parse(f"#gpu<all_reduce_op {kind}>")
-            total = gpu.AllReduceOp(loop.results[0], op=op_attr, uniform=True).result
-            first = arith.cmpi(arith.CmpIPredicate.eq, tid, _index(0))
-            if_op = scf.IfOp(first)
+                j = arith.addi(arith.muli(loop.induction_variable, _index(group)), lane)
+                cond = active
+                if n_red % group:
+                    in_row = arith.cmpi(arith.CmpIPredicate.ult, j, _index(n_red))
+                    cond = in_row if cond is None else arith.andi(cond, in_row)
+                guard = scf.IfOp(cond, [acc_t], has_else=True) if cond is not None else None
+                with ir.InsertionPoint(guard.then_block) if guard else ir.InsertionPoint(loop.body):
+                    r_ivs = _delinearize(j, r_ext)
+                    ivs = _merge(par, p_ivs, len(g.iters))
+                    for d, v in zip(red, r_ivs):
+                        ivs[d] = v
+                    mapping: dict[ir.Value, ir.Value] = {}
+                    for arg, buf, m in zip(g.body.arguments, g.inputs, g.maps):
+                        mapping[arg] = _load(buf, m, ivs)
+                    _clone_body(body_ops[:-1], comb, mapping, ivs)
+                    new = combine(acc, _widen(mapping.get(value, value), acc_t, signed))
+                    if guard:
+                        scf.YieldOp([new])
+                if guard:
+                    with ir.InsertionPoint(guard.else_block):
+                        scf.YieldOp([acc])
+                    new = guard.results[0]
+                scf.YieldOp([new])
+            total = loop.results[0]
+            if per_warp:  # butterfly: every lane ends with the warp's total
+                i32 = ir.IntegerType.get_signless(32)
+                mode = ir.Attribute.parse("#gpu<shuffle_mode xor>")
+                for off in (16, 8, 4, 2, 1):
+                    other = gpu.ShuffleOp(total, arith.constant(i32, off), arith.constant(i32, warp),
+                                          mode).results[0]
+                    total = combine(total, other)
+            else:
+                op_attr = ir.Attribute.parse(f"#gpu<all_reduce_op {kind}>")
+                total = gpu.AllReduceOp(total, op=op_attr, uniform=True).result
+            leader = arith.cmpi(arith.CmpIPredicate.eq, lane, _index(0))
+            if active is not None:
+                leader = arith.andi(leader, active)
+            if_op = scf.IfOp(leader)
             with ir.InsertionPoint(if_op.then_block):
-                out_idx = [ivs_p for ivs_p in _map_indices(g.maps[-1], _merge(par, p_ivs, len(g.iters)))]
+                out_idx = _map_indices(g.maps[-1], _merge(par, p_ivs, len(g.iters)))
                 init = fill[1] if fill is not None else memref.load(g.outputs[0], out_idx)
-                final = comb.clone()
-                final.operands[0], final.operands[1] = _widen(init, acc_t, signed), total
-                final.results[0].set_type(acc_t)
-                memref.store(_narrow(final.results[0], elem), g.outputs[0], out_idx)
+                final = combine(_widen(init, acc_t, signed), total)
+                memref.store(_narrow(final, elem), g.outputs[0], out_idx)
                 scf.YieldOp([])
             gpu.TerminatorOp()
     if fill is not None:
@@ -802,7 +852,10 @@ def _absorb_fill(fill_loop: ir.Operation, p: ir.Operation) -> bool:
 
 
 def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
-    """scf.parallel -> 1-D gpu.launch, one thread per iteration point (last dim fastest)."""
+    """scf.parallel -> 1-D gpu.launch, one thread per iteration point (last dim fastest).
+
+    Large loop-free (elementwise) spaces give each thread `coarsen` points a grid-stride apart:
+    independent loads in flight per thread, which a one-point thread lacks to fill HBM."""
     bounds = _parallel_bounds(p)
     if bounds is None:
         raise NotImplementedError("scf.parallel with dynamic bounds")
@@ -811,8 +864,17 @@ def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
     if total == 0:
         p.erase()
         return
+    has_loops = False
+
+    def find_loops(o: ir.Operation) -> ir.WalkResult:
+        nonlocal has_loops
+        has_loops = has_loops or o.name in ("scf.for", "scf.while", "scf.parallel") and o != p
+        return ir.WalkResult.ADVANCE
+
+    p.walk(find_loops, ir.WalkOrder.PRE_ORDER)
+    coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
     threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
-    grid = -(-total // threads)
+    grid = -(-total // (threads * coarsen))
     if grid > limits.max_grid[0]:
         raise NotImplementedError(f"{total} iterations exceed a 1-D grid")
     with ir.InsertionPoint(p), p.location:
@@ -820,7 +882,14 @@ def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
         with ir.InsertionPoint(kbody):
             bid, tid = kbody.arguments[0], kbody.arguments[3]
             lin = arith.addi(arith.muli(bid, _index(threads)), tid)
-            inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, _index(total)))
+            if coarsen > 1:
+                step = scf.ForOp(_index(0), _index(coarsen), _index(1))
+                with ir.InsertionPoint(step.body):
+                    lin = arith.addi(lin, arith.muli(step.induction_variable, _index(grid * threads)))
+                    inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, _index(total)))
+                    scf.YieldOp([])
+            else:
+                inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, _index(total)))
             with ir.InsertionPoint(inside.then_block):
                 idx = _delinearize(lin, extents)
                 ivs = []
