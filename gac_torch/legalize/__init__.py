@@ -1,6 +1,8 @@
 """ATen -> gac legalization: the registry and one module per op family."""
 
-from gac_torch.legalize import pointwise, reduction, shape, structured  # noqa: F401 (registers)
+from gac_torch.legalize import (  # noqa: F401 (registers)
+    buckets, indexing, norm, pointwise, reduction, resample, shape, structured,
+)
 from gac_torch.legalize.context import LegalizeError, build_module, node_support
 from gac_torch.legalize.registry import REGISTRY, decompositions, lowered_ops
 

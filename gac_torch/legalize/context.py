@@ -53,6 +53,12 @@ def node_support(node: fx.Node) -> str | None:
     for v in [meta_val(a) for a in node.all_input_nodes]:
         if not isinstance(v, torch.Tensor):
             return "scalar graph input"
+    primary = next((v for v in (meta_val(a) for a in node.all_input_nodes) if isinstance(v, torch.Tensor)),
+                   None)
+    if primary is None:
+        primary = _flat_outputs(meta_val(node))[0]
+    if primary.dtype not in entry.dtypes:
+        return f"dtype {primary.dtype} not supported by {entry.name}"
     if entry.check is not None:
         return entry.check(node)
     return None

@@ -44,7 +44,8 @@ for _kind, _ops in {
     "atanh": [aten.atanh.default], "erf": [aten.erf.default], "sigmoid": [aten.sigmoid.default],
     "relu": [aten.relu.default], "silu": [aten.silu.default], "floor": [aten.floor.default],
     "ceil": [aten.ceil.default], "round": [aten.round.default], "trunc": [aten.trunc.default],
-    "sign": [aten.sign.default], "bitwise_not": [aten.bitwise_not.default],
+    "sign": [aten.sign.default, aten.sgn.default], "bitwise_not": [aten.bitwise_not.default],
+    "erfc": [aten.erfc.default], "erfinv": [aten.erfinv.default],
 }.items():
     _unary(_kind, *_ops)
 
@@ -64,6 +65,12 @@ def _predicate(kind: str, *overloads):
 _predicate("isnan", aten.isnan.default)
 _predicate("isinf", aten.isinf.default)
 _predicate("logical_not", aten.logical_not.default)
+
+
+@lower(aten.signbit.default)
+def lower_signbit(cx: Cx, x):
+    # An i1 reads as -1 when signed: give bools a wider integer first (their sign bit is 0).
+    return cx.b.unary(cx.to(x, torch.int8) if cx.dtype_of(x) == torch.bool else x, kind="signbit")
 
 
 def float_result(node) -> str | None:
@@ -86,15 +93,21 @@ _arith("add", aten.add.Tensor, aten.add.Scalar)
 _arith("sub", aten.sub.Tensor, aten.sub.Scalar)
 _arith("mul", aten.mul.Tensor, aten.mul.Scalar)
 _arith("div", aten.div.Tensor, aten.div.Scalar)
-_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, check=float_result)
+_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, check=float_result)
 _arith("atan2", aten.atan2.default, check=float_result)
 _arith("maximum", aten.maximum.default)
 _arith("minimum", aten.minimum.default)
-_arith("remainder", aten.remainder.Tensor, aten.remainder.Scalar)
+_arith("remainder", aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
 _arith("fmod", aten.fmod.Tensor, aten.fmod.Scalar)
-_arith("bitwise_and", aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)
-_arith("bitwise_or", aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)
-_arith("bitwise_xor", aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)
+_arith("bitwise_and", aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_and.Scalar_Tensor)
+_arith("bitwise_or", aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.bitwise_or.Scalar_Tensor)
+_arith("bitwise_xor", aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.bitwise_xor.Scalar_Tensor)
+_arith("shl", aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar,
+       aten.bitwise_left_shift.Scalar_Tensor, aten.__lshift__.Tensor, aten.__lshift__.Scalar)
+_arith("shr", aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
+       aten.bitwise_right_shift.Scalar_Tensor, aten.__rshift__.Tensor, aten.__rshift__.Scalar)
+_arith("hypot", aten.hypot.default, check=float_result)
+_arith("copysign", aten.copysign.Tensor, aten.copysign.Scalar, check=float_result)
 
 
 @lower(aten.rsub.Scalar, aten.rsub.Tensor)
@@ -174,3 +187,43 @@ def lower_copy(cx: Cx, x, **kwargs):
 def lower_masked_fill(cx: Cx, x, mask, value):
     dt = cx.out_dtype
     return cx.b.select(cx.to(mask, torch.bool), cx.to(value, dt), cx.to(x, dt))
+
+
+# Activations core ATen keeps as ops (the rest decompose into the ops above; see buckets.py).
+@lower(aten.hardtanh.default)
+def lower_hardtanh(cx: Cx, x, min_val=-1.0, max_val=1.0):
+    dt = cx.out_dtype
+    lo = cx.b.binary(cx.to(x, dt), cx.to(min_val, dt), kind="maximum")
+    return cx.b.binary(lo, cx.to(max_val, dt), kind="minimum")
+
+
+@lower(aten.leaky_relu.default)
+def lower_leaky_relu(cx: Cx, x, negative_slope=0.01):
+    dt = cx.out_dtype
+    xv = cx.to(x, dt)
+    pos = cx.b.binary(xv, cx.to(0, dt), kind="gt")
+    return cx.b.select(pos, xv, cx.b.binary(xv, cx.to(negative_slope, dt), kind="mul"))
+
+
+@lower(aten.elu.default)
+def lower_elu(cx: Cx, x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """x > 0 ? scale * x : scale * alpha * expm1(input_scale * x)."""
+    dt = cx.out_dtype
+    xv = cx.to(x, dt)
+    neg = cx.b.unary(cx.b.binary(xv, cx.to(float(input_scale), dt), kind="mul"), kind="expm1")
+    neg = cx.b.binary(neg, cx.to(float(alpha) * float(scale), dt), kind="mul")
+    pos = cx.b.binary(xv, cx.to(float(scale), dt), kind="mul")
+    return cx.b.select(cx.b.binary(xv, cx.to(0, dt), kind="gt"), pos, neg)
+
+
+@lower(aten.fill.Scalar, aten.fill.Tensor)
+def lower_fill(cx: Cx, x, value):
+    v = cx.to(value, cx.out_dtype)
+    return cx.b.broadcast(v, shape=cx.out_shape) if cx.shape(v) != cx.out_shape else v
+
+
+@lower(aten.copy.default)
+def lower_copy_into(cx: Cx, dst, src, non_blocking=False):
+    """The functional copy: src, broadcast to dst's shape and cast to dst's dtype."""
+    v = cx.to(src, cx.out_dtype)
+    return cx.b.broadcast(v, shape=cx.out_shape) if cx.shape(v) != cx.out_shape else v

@@ -91,43 +91,56 @@ def lower_softmax(cx: Cx, x, dim, half_to_float=False):
     return cx.b.softmax(cx.to(x, cx.out_dtype), dim=dim, log=int(log))
 
 
-@lower(aten.native_layer_norm.default)
-def lower_native_layer_norm(cx: Cx, x, normalized_shape, weight, bias, eps):
-    dt = meta_val(cx.node)[0].dtype
-    shape = list(normalized_shape)
-    w = cx.to(weight if weight is not None else 1.0, dt)
-    b = cx.to(bias if bias is not None else 0.0, dt)
-    w = cx.b.broadcast(w, shape=shape) if cx.shape(w) != shape else w
-    b = cx.b.broadcast(b, shape=shape) if cx.shape(b) != shape else b
-    return cx.b.layer_norm(x, w, b, normalized_rank=len(shape), eps=float(eps))
-
-
-def _bn_shape(cx: Cx, x) -> list[int]:
-    rank = len(cx.shape(x))
-    return [cx.shape(x)[1]] + [1] * (rank - 2)
-
-
-@lower(aten._native_batch_norm_legit_no_training.default)
-def lower_batch_norm_inference(cx: Cx, x, weight, bias, running_mean, running_var, momentum, eps):
-    """y = (x - mean) * rsqrt(var + eps) * w + b, with per-channel vectors broadcast over C."""
-    dt = meta_val(cx.node)[0].dtype
-    stat_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
-    ch = _bn_shape(cx, x)
-    mean = cx.b.reshape(cx.to(running_mean, stat_dt), ch)
-    var = cx.b.reshape(cx.to(running_var, stat_dt), ch)
-    scale = cx.b.unary(cx.b.binary(var, cx.to(float(eps), stat_dt), kind="add"), kind="rsqrt")
-    if weight is not None:
-        scale = cx.b.binary(scale, cx.b.reshape(cx.to(weight, stat_dt), ch), kind="mul")
-    y = cx.b.binary(cx.b.binary(cx.to(x, stat_dt), mean, kind="sub"), scale, kind="mul")
-    if bias is not None:
-        y = cx.b.binary(y, cx.b.reshape(cx.to(bias, stat_dt), ch), kind="add")
-    empty = cx.b.constant(0.0, dt, (0,))
-    return cx.to(y, dt), empty, empty
-
-
 @lower(aten.max.dim, aten.min.dim)
 def lower_max_dim(cx: Cx, x, dim, keepdim=False):
     kind = "max" if cx.node.target is aten.max.dim else "min"
     d = _dims(cx, x, dim)
     values = cx.b.reduce(x, kind=kind, dims=d, keepdim=bool(keepdim))
     return values, cx.b.arg_reduce(x, kind=kind, dim=d[0], keepdim=bool(keepdim))
+
+
+@lower(aten.var_mean.correction)
+def lower_var_mean(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
+    dt = meta_val(cx.node)[0].dtype
+    ds = _dims(cx, x, dims)
+    n = 1
+    for d in ds:
+        n *= cx.shape(x)[d]
+    xf = cx.to(x, dt)
+    mean_k = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(float(n), dt), kind="div")
+    cent = cx.b.binary(xf, mean_k, kind="sub")
+    ss = cx.b.reduce(cx.b.binary(cent, cent, kind="mul"), kind="sum", dims=ds, keepdim=bool(keepdim))
+    corr = 1 if correction is None else correction
+    var = cx.b.binary(ss, cx.to(float(max(n - corr, 0)), dt), kind="div")
+    return var, cx.b.reshape(mean_k, list(meta_val(cx.node)[1].shape))
+
+
+@lower(aten.cumsum.default, aten.cumprod.default)
+def lower_cumsum(cx: Cx, x, dim, *, dtype=None):
+    kind = "sum" if cx.node.target is aten.cumsum.default else "prod"
+    xv = cx.to(x, cx.out_dtype)
+    if not cx.shape(xv):
+        return xv
+    return cx.b.scan(xv, kind=kind, dim=dim % len(cx.shape(xv)))
+
+
+def _sort_dim(cx: Cx, x, dim: int) -> int:
+    return dim % max(len(cx.shape(x)), 1)
+
+
+@lower(aten.sort.default)
+def lower_sort(cx: Cx, x, dim=-1, descending=False):
+    d = _sort_dim(cx, x, dim)
+    k = cx.shape(x)[d] if cx.shape(x) else 1
+    return cx.b.sort(x, dim=d, descending=int(descending), k=k)
+
+
+@lower(aten.sort.stable)
+def lower_sort_stable(cx: Cx, x, *, stable=None, dim=-1, descending=False):
+    return lower_sort(cx, x, dim, descending)  # gac.sort is always stable
+
+
+@lower(aten.topk.default)
+def lower_topk(cx: Cx, x, k, dim=-1, largest=True, sorted=True):
+    # sorted=False lets any order through; the sorted order is one of them.
+    return cx.b.sort(x, dim=_sort_dim(cx, x, dim), descending=int(largest), k=k)

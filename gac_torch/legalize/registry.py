@@ -5,13 +5,14 @@
              share the table, see decompositions()).
 - fallback:  the op runs in eager, with a stated reason.
 An op in no bucket falls back with the reason "no lowering". A lowering may also refuse one
-particular node (an unsupported dtype or argument) through its `check`.
+particular node (an unsupported argument) through its `check`, and declares the dtypes it takes
+(`dtypes`, checked on the node's first tensor input, or its output for constructors).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch._ops import OpOverload
@@ -19,6 +20,11 @@ from torch._ops import OpOverload
 aten = torch.ops.aten
 
 Check = Callable[[torch.fx.Node], "str | None"]
+
+FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64})
+ALL_DTYPES = FLOATS | INTS | {torch.bool}
+NUMERIC = FLOATS | INTS  # no bool
 
 
 @dataclass(frozen=True)
@@ -28,9 +34,16 @@ class Entry:
     fn: Callable | None = None
     check: Check | None = None
     reason: str = ""
+    dtypes: frozenset = ALL_DTYPES
+
+    @property
+    def name(self) -> str:
+        """The base name: aten.add.Tensor and aten.add.Scalar are both "add"."""
+        return self.overload._schema.name.split("::")[-1]
 
 
 REGISTRY: dict[OpOverload, Entry] = {}
+_TABLE: dict = {}  # decompositions(), built once after registration
 
 
 def _add(entry: Entry) -> None:
@@ -38,37 +51,50 @@ def _add(entry: Entry) -> None:
         raise ValueError(f"{entry.overload} is registered twice "
                          f"({REGISTRY[entry.overload].bucket} and {entry.bucket})")
     REGISTRY[entry.overload] = entry
+    _TABLE.clear()
 
 
-def lower(*overloads: OpOverload, check: Check | None = None):
+def lower(*overloads: OpOverload, check: Check | None = None, dtypes: Iterable[torch.dtype] = ALL_DTYPES):
     """Registers fn(cx, *args, **kwargs) -> Value | tuple[Value, ...] for each overload."""
     def register(fn):
         for ov in overloads:
-            _add(Entry(ov, "lower", fn, check))
+            _add(Entry(ov, "lower", fn, check, dtypes=frozenset(dtypes)))
         return fn
     return register
 
 
 def decompose(*overloads: OpOverload) -> None:
+    """Ops torch's own decomposition expands into ops we lower."""
+    from torch._decomp import decomposition_table
+
     for ov in overloads:
+        if ov not in decomposition_table and not _is_composite(ov):
+            raise ValueError(f"{ov} has no torch decomposition")
         _add(Entry(ov, "decompose"))
 
 
-def fallback(overload: OpOverload, reason: str) -> None:
-    _add(Entry(overload, "fallback", reason=reason))
+def fallback(reason: str, *overloads: OpOverload) -> None:
+    for ov in overloads:
+        _add(Entry(ov, "fallback", reason=reason))
+
+
+def _is_composite(ov: OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(ov.name(), "CompositeImplicitAutograd")
 
 
 def decompositions() -> dict:
     """The decomposition table both front-ends use: core ATen plus our `decompose` bucket,
     minus ops we lower ourselves (a fused lowering beats torch's expansion)."""
-    from torch._decomp import core_aten_decompositions, get_decompositions
+    if not _TABLE:
+        from torch._decomp import core_aten_decompositions, get_decompositions
 
-    table = dict(core_aten_decompositions())
-    table.update(get_decompositions([e.overload for e in REGISTRY.values() if e.bucket == "decompose"]))
-    for ov, e in REGISTRY.items():
-        if e.bucket == "lower":
-            table.pop(ov, None)
-    return table
+        table = dict(core_aten_decompositions())
+        table.update(get_decompositions([e.overload for e in REGISTRY.values() if e.bucket == "decompose"]))
+        for ov, e in REGISTRY.items():
+            if e.bucket in ("lower", "fallback"):
+                table.pop(ov, None)
+        _TABLE.update(table)
+    return dict(_TABLE)
 
 
 def lowered_ops() -> list[OpOverload]:

@@ -169,20 +169,3 @@ def lower_repeat(cx: Cx, x, repeats):
     y = cx.b.reshape(x, [d for s in shape for d in (1, s)])
     y = cx.b.broadcast(y, shape=[d for r, s in zip(repeats, shape) for d in (r, s)])
     return cx.b.reshape(y, cx.out_shape)
-
-
-def _single_index(node) -> str | None:
-    idx = [i for i in node.args[1] if i is not None]
-    if len(idx) != 1:
-        return "advanced indexing with several index tensors"
-    return "boolean mask index (data-dependent shape)" if meta_val(idx[0]).dtype == torch.bool else None
-
-
-@lower(aten.index.Tensor, check=_single_index)
-def lower_index(cx: Cx, x, indices):
-    """x[..., i, ...] with one index tensor at dim d: index_select on the flattened index."""
-    d = next(k for k, i in enumerate(indices) if i is not None)
-    idx = indices[d]
-    flat = cx.b.reshape(idx, [max(1, math.prod(cx.shape(idx)))])
-    rows = cx.b.index_select(x, flat, dim=d)
-    return cx.b.reshape(rows, cx.out_shape)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from gac_torch.legalize.context import Cx, meta_val
-from gac_torch.legalize.registry import aten, lower
+from gac_torch.legalize.registry import FLOATS, NUMERIC, aten, lower
 
 
 @lower(aten.mm.default, aten.bmm.default)
@@ -27,22 +29,51 @@ def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1):
 
 def _conv_check(node) -> str | None:
     x = meta_val(node.args[0])
-    transposed = node.args[6]
-    if transposed:
-        return "transposed convolution"
     if x.dim() not in (3, 4):
         return f"{x.dim() - 2}-d convolution"
+    if meta_val(node).numel() == 0 or x.numel() == 0:
+        return "empty convolution"
     return None
 
 
-@lower(aten.convolution.default, check=_conv_check)
+@lower(aten.convolution.default, check=_conv_check, dtypes=NUMERIC)
 def lower_convolution(cx: Cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nsp = len(cx.shape(x)) - 2
     rep = (lambda v: list(v) * nsp if len(v) == 1 else list(v))
+    if transposed:
+        x, w = _as_direct_conv(cx, x, w, rep(stride), rep(padding), rep(dilation), rep(output_padding), groups)
+        stride, padding = [1] * nsp, [0] * nsp
     y = cx.b.conv(x, w, stride=rep(stride), padding=rep(padding), dilation=rep(dilation), groups=groups)
     if bias is not None:
-        y = cx.b.binary(y, cx.b.reshape(cx.to(bias, cx.out_dtype), [cx.shape(w)[0]] + [1] * nsp), kind="add")
+        y = cx.b.binary(y, cx.b.reshape(cx.to(bias, cx.out_dtype), [cx.out_shape[1]] + [1] * nsp), kind="add")
     return y
+
+
+def _as_direct_conv(cx: Cx, x, w, stride, padding, dilation, output_padding, groups):
+    """A transposed conv is a direct conv of the stride-dilated, re-padded input with the
+    spatially flipped weight, its in/out channels swapped per group."""
+    xs, ws = cx.shape(x), cx.shape(w)
+    nsp = len(xs) - 2
+    # 1. insert stride-1 zeros between input elements: (.., H, 1, W, 1) padded to (.., H, s, W, s)
+    inter = xs[:2] + [d for size in xs[2:] for d in (size, 1)]
+    high = [0, 0] + [d for s in stride for d in (0, s - 1)]
+    z = cx.b.pad(cx.b.reshape(x, inter), low=[0] * len(inter), high=high, mode="constant", value=0.0)
+    z = cx.b.reshape(z, xs[:2] + [size * s for size, s in zip(xs[2:], stride)])
+    # 2. pad by d*(k-1)-p (plus output_padding at the end); drops the trailing s-1 zeros too
+    low = [0, 0] + [d * (k - 1) - p for d, k, p in zip(dilation, ws[2:], padding)]
+    high = [0, 0] + [d * (k - 1) - p + op - (s - 1) for d, k, p, op, s in
+                     zip(dilation, ws[2:], padding, output_padding, stride)]
+    z = cx.b.pad(z, low=low, high=high, mode="constant", value=0.0)
+    # 3. weight (Cin, Cout/g, k..) -> (Cout, Cin/g, k..), flipped in space
+    cin, cout_g = ws[0], ws[1]
+    wt = cx.b.reshape(w, [groups, cin // groups, cout_g] + ws[2:])
+    wt = cx.b.transpose(wt, perm=[0, 2, 1] + list(range(3, 3 + nsp)))
+    wt = cx.b.reshape(wt, [groups * cout_g, cin // groups] + ws[2:])
+    for d in range(2, 2 + nsp):
+        if ws[d] > 1:
+            rev = cx.b.constant(torch.arange(ws[d] - 1, -1, -1), torch.int64, (ws[d],))
+            wt = cx.b.index_select(wt, rev, dim=d)
+    return z, wt
 
 
 def _pool_args(kernel, stride, padding, dilation=(1,)):
@@ -72,17 +103,48 @@ def lower_avg_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), ceil_mode=False
                      count_include_pad=int(count_include_pad), divisor=int(divisor_override or 0))
 
 
-def _adaptive_check(node) -> str | None:
-    x, out = meta_val(node.args[0]), node.args[1]
-    if any(i % o for i, o in zip(x.shape[-2:], out)):
-        return "adaptive pool with uneven windows"
-    return None
+def _windows(size: int, out: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Adaptive pooling windows [floor(i*size/out), ceil((i+1)*size/out)) as an index table
+    (out, kmax) — short windows repeat their last element — and a 0/1 validity table."""
+    start = [(i * size) // out for i in range(out)]
+    end = [((i + 1) * size + out - 1) // out for i in range(out)]
+    kmax = max(e - s for s, e in zip(start, end))
+    idx = torch.tensor([[min(s + k, e - 1) for k in range(kmax)] for s, e in zip(start, end)])
+    valid = torch.tensor([[k < e - s for k in range(kmax)] for s, e in zip(start, end)])
+    return idx, valid, kmax
 
 
-@lower(aten._adaptive_avg_pool2d.default, check=_adaptive_check)
+def _adaptive(cx: Cx, x, output_size, kind: str):
+    """Uneven adaptive pooling, one spatial dim at a time (max and mean are separable): gather
+    each window's elements into a new axis, then reduce it."""
+    rank = len(cx.shape(x))
+    for axis, out in zip((rank - 2, rank - 1), output_size):
+        shape = cx.shape(x)
+        idx, valid, kmax = _windows(shape[axis], out)
+        g = cx.b.index_select(x, cx.b.constant(idx.flatten(), torch.int64, (out * kmax,)), dim=axis)
+        g = cx.b.reshape(g, shape[:axis] + [out, kmax] + shape[axis + 1:])
+        tail = [1] * (rank - 1 - axis)
+        if kind == "max":
+            x = cx.b.reduce(g, kind="max", dims=[axis + 1], keepdim=False)
+            continue
+        dt = cx.dtype_of(g)
+        w = valid.to(torch.float64) / valid.sum(1, keepdim=True)
+        w = cx.b.reshape(cx.b.constant(w.flatten(), dt, (out * kmax,)), [out, kmax] + tail)
+        x = cx.b.reduce(cx.b.binary(g, w, kind="mul"), kind="sum", dims=[axis + 1], keepdim=False)
+    return x
+
+
+@lower(aten._adaptive_avg_pool2d.default, dtypes=FLOATS)
 def lower_adaptive_avg_pool2d(cx: Cx, x, output_size):
-    """Evenly dividing windows only: then it is a plain average pool."""
     h, w = cx.shape(x)[-2:]
-    k = [h // output_size[0], w // output_size[1]]
-    return cx.b.pool(x, kind="avg", kernel=k, stride=k, padding=[0, 0], dilation=[1, 1],
-                     ceil_mode=0, count_include_pad=1, divisor=0)
+    if h % output_size[0] == 0 and w % output_size[1] == 0:  # even windows: a plain average pool
+        k = [h // output_size[0], w // output_size[1]]
+        return cx.b.pool(x, kind="avg", kernel=k, stride=k, padding=[0, 0], dilation=[1, 1],
+                         ceil_mode=0, count_include_pad=1, divisor=0)
+    acc = torch.float64 if cx.out_dtype == torch.float64 else torch.float32
+    return cx.to(_adaptive(cx, cx.to(x, acc), output_size, "avg"), cx.out_dtype)
+
+
+@lower(aten.adaptive_max_pool2d.default, check=_indices_unused, dtypes=NUMERIC)
+def lower_adaptive_max_pool2d(cx: Cx, x, output_size):
+    return _adaptive(cx, x, output_size, "max"), None

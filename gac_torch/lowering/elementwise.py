@@ -39,6 +39,65 @@ def _sign_f(x):
     return arith.select(arith.cmpf(F.UNO, x, x), x, arith.subf(pos, neg))
 
 
+def _erfinv(x):
+    """Giles' single-precision approximation, then two Newton steps on erf(y) = x (enough for
+    f64 too: each step doubles the correct digits). |x| = 1 gives +-inf, |x| > 1 NaN."""
+    t = x.type
+    c = (lambda v: const(v, t))
+    w = arith.negf(mmath.log(arith.mulf(arith.subf(c(1.0), x), arith.addf(c(1.0), x))))
+    central = arith.subf(w, c(2.5))
+    tail = arith.subf(mmath.sqrt(w), c(3.0))
+    p_c = [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+           -0.00125372503, -0.00417768164, 0.246640727, 1.50140941]
+    p_t = [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+           -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
+
+    def horner(coeffs, v):
+        acc = c(coeffs[0])
+        for k in coeffs[1:]:
+            acc = arith.addf(c(k), arith.mulf(acc, v))
+        return acc
+
+    y = arith.mulf(arith.select(arith.cmpf(F.OLT, w, c(5.0)), horner(p_c, central), horner(p_t, tail)), x)
+    for _ in range(2):
+        deriv = arith.mulf(c(2.0 / math.sqrt(math.pi)), mmath.exp(arith.negf(arith.mulf(y, y))))
+        y = arith.subf(y, arith.divf(arith.subf(mmath.erf(y), x), deriv))
+    ax = mmath.absf(x)
+    edge = mmath.copysign(c(math.inf), x)
+    y = arith.select(arith.cmpf(F.OEQ, ax, c(1.0)), edge, y)
+    return arith.select(arith.cmpf(F.OGT, ax, c(1.0)), c(math.nan), y)
+
+
+def _signbit_f(x):
+    bits = ir.IntegerType.get_signless(64 if str(x.type) == "f64" else 32)
+    return arith.cmpi(I.slt, arith.bitcast(bits, x), const(0, bits))
+
+
+def _hypot(a, b):
+    """sqrt(a^2 + b^2) without overflow: m * sqrt(1 + (n/m)^2), m = max(|a|, |b|)."""
+    t = a.type
+    x, y = mmath.absf(a), mmath.absf(b)
+    m, n = arith.maximumf(x, y), arith.minimumf(x, y)
+    q = arith.divf(n, m)
+    r = arith.mulf(m, mmath.sqrt(arith.addf(const(1.0, t), arith.mulf(q, q))))
+    r = arith.select(arith.cmpf(F.OEQ, m, const(0.0, t)), const(0.0, t), r)
+    inf = arith.ori(arith.cmpf(F.OEQ, x, const(math.inf, t)), arith.cmpf(F.OEQ, y, const(math.inf, t)))
+    return arith.select(inf, const(math.inf, t), r)
+
+
+def _shift(left: bool):
+    """torch semantics for shifts by >= the bit width (or negative): 0 to the left, the sign to
+    the right (arith leaves them undefined)."""
+    def build(a, b):
+        t = a.type
+        width = const(ir.IntegerType(t).width, t)
+        bad = arith.ori(arith.cmpi(I.sge, b, width), arith.cmpi(I.slt, b, const(0, t)))
+        if left:
+            return arith.select(bad, const(0, t), arith.shli(a, b))
+        return arith.select(bad, arith.shrsi(a, arith.subi(width, const(1, t))), arith.shrsi(a, b))
+    return build
+
+
 FLOAT_UNARY = {
     "neg": arith.negf, "abs": mmath.absf, "exp": mmath.exp, "exp2": mmath.exp2,
     "expm1": mmath.expm1, "log": mmath.log, "log2": mmath.log2, "log10": mmath.log10,
@@ -47,7 +106,7 @@ FLOAT_UNARY = {
     "sin": mmath.sin, "cos": mmath.cos, "tan": mmath.tan, "asin": mmath.asin, "acos": mmath.acos,
     "atan": mmath.atan, "sinh": mmath.sinh, "cosh": mmath.cosh, "tanh": mmath.tanh,
     "asinh": mmath.asinh, "acosh": mmath.acosh, "atanh": mmath.atanh, "erf": mmath.erf,
-    "sigmoid": _sigmoid,
+    "erfc": mmath.erfc, "erfinv": _erfinv, "signbit": _signbit_f, "sigmoid": _sigmoid,
     "relu": lambda x: arith.select(arith.cmpf(F.OGT, x, const(0.0, x.type)), x,
                                    arith.select(arith.cmpf(F.UNO, x, x), x, const(0.0, x.type))),
     "gelu": lambda x: arith.mulf(arith.mulf(const(0.5, x.type), x), arith.addf(
@@ -69,6 +128,7 @@ INT_UNARY = {
     "bitwise_not": lambda x: arith.xori(x, const(-1 if not is_bool(x.type) else 1, x.type)),
     "logical_not": lambda x: arith.cmpi(I.eq, x, const(0, x.type)),
     "square": lambda x: arith.muli(x, x),
+    "signbit": lambda x: arith.cmpi(I.slt, x, const(0, x.type)),
     "floor": lambda x: x, "ceil": lambda x: x, "round": lambda x: x, "trunc": lambda x: x,
     "isnan": lambda x: const(0, ir.IntegerType.get_signless(1)),
     "isinf": lambda x: const(0, ir.IntegerType.get_signless(1)),
@@ -110,6 +170,7 @@ FLOAT_BINARY = {
     "floordiv": _floordiv_f, "truncdiv": lambda a, b: mmath.trunc(arith.divf(a, b)),
     "remainder": _remainder_f, "fmod": arith.remf, "pow": mmath.powf, "atan2": mmath.atan2,
     "maximum": arith.maximumf, "minimum": arith.minimumf, "copysign": mmath.copysign,
+    "hypot": _hypot,
     "eq": lambda a, b: arith.cmpf(F.OEQ, a, b), "ne": lambda a, b: arith.cmpf(F.UNE, a, b),
     "lt": lambda a, b: arith.cmpf(F.OLT, a, b), "le": lambda a, b: arith.cmpf(F.OLE, a, b),
     "gt": lambda a, b: arith.cmpf(F.OGT, a, b), "ge": lambda a, b: arith.cmpf(F.OGE, a, b),
@@ -120,7 +181,7 @@ INT_BINARY = {
     "floordiv": arith.floordivsi, "remainder": _remainder_i, "fmod": arith.remsi,
     "maximum": arith.maxsi, "minimum": arith.minsi,
     "bitwise_and": arith.andi, "bitwise_or": arith.ori, "bitwise_xor": arith.xori,
-    "shl": arith.shli, "shr": arith.shrsi,
+    "shl": _shift(True), "shr": _shift(False),
     "eq": lambda a, b: arith.cmpi(I.eq, a, b), "ne": lambda a, b: arith.cmpi(I.ne, a, b),
     "lt": lambda a, b: arith.cmpi(I.slt, a, b), "le": lambda a, b: arith.cmpi(I.sle, a, b),
     "gt": lambda a, b: arith.cmpi(I.sgt, a, b), "ge": lambda a, b: arith.cmpi(I.sge, a, b),

@@ -9,8 +9,9 @@ from mlir.dialects import math as mmath
 from gac_torch.ir.builder import op_attrs
 from gac_torch.ir.types import is_bool, is_float
 from gac_torch.lowering.core import (
-    PARALLEL, REDUCTION, accumulator_type, broadcast_map, const, convert, dim_map, elem,
-    elementwise, empty, full, generic, highest, identity_map, index, lowest, reshape, shape,
+    PARALLEL, REDUCTION, accumulator_type, broadcast_map, compute_type, const, convert, dim_map,
+    elem, elementwise, empty, extract_slice, full, generic, highest, identity_map, index, lowest,
+    pad_constant, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
 
@@ -159,3 +160,92 @@ def lower_layer_norm(op, operands):
 
 
 __all__ = ["reduce_dims", "broadcast_map", "empty"]
+
+
+_SCAN_IDENTITY = {"sum": lambda e: 0, "prod": lambda e: 1, "max": lowest, "min": highest}
+
+
+@lowers("scan")
+def lower_scan(op, operands):
+    """Hillis-Steele prefix scan: log2(n) steps of y = y (+) shift(y, s), s = 1, 2, 4, ...
+
+    Every step is a parallel slice/pad/elementwise op (no loop-carried dependence), so every
+    target can map it like any other elementwise code."""
+    (x,) = operands
+    attrs = op_attrs(op)
+    xs = shape(x)
+    if not xs:
+        return [x]
+    dim, kind = attrs["dim"] % len(xs), attrs["kind"]
+    e, acc = elem(x), accumulator_type(elem(x))
+    y = x if str(e) == str(acc) else elementwise([x], xs, [acc], lambda v: [convert(v, acc)])[0]
+    n, step = xs[dim], 1
+    while step < n:
+        sizes = list(xs)
+        sizes[dim] = n - step
+        head = extract_slice(y, [0] * len(xs), sizes, [1] * len(xs))
+        low = [0] * len(xs)
+        low[dim] = step
+        shifted = pad_constant(head, low, [0] * len(xs), _SCAN_IDENTITY[kind](acc))
+        y = elementwise([y, shifted], xs, [acc], lambda a, b: [_combine(kind, a, b)])[0]
+        step *= 2
+    if str(e) != str(acc):
+        y = elementwise([y], xs, [e], lambda v: [convert(v, e)])[0]
+    return [y]
+
+
+def _sort_key_before(a: ir.Value, b: ir.Value, ja: ir.Value, jb: ir.Value, descending: bool) -> ir.Value:
+    """Does element a (at ja) come before b (at jb) in a stable sort? NaN is the largest value."""
+    if descending:
+        a_lt_b = _less(b, a)
+    else:
+        a_lt_b = _less(a, b)
+    if is_float(a.type):
+        same = arith.ori(arith.cmpf(F.OEQ, a, b),
+                         arith.andi(arith.cmpf(F.UNO, a, a), arith.cmpf(F.UNO, b, b)))
+    else:
+        same = arith.cmpi(I.eq, a, b)
+    return arith.ori(a_lt_b, arith.andi(same, arith.cmpi(I.slt, ja, jb)))
+
+
+def _less(a: ir.Value, b: ir.Value) -> ir.Value:
+    if is_float(a.type):
+        nan_b = arith.andi(arith.cmpf(F.ORD, a, a), arith.cmpf(F.UNO, b, b))
+        return arith.ori(arith.cmpf(F.OLT, a, b), nan_b)
+    return arith.cmpi(I.slt, a, b)
+
+
+@lowers("sort", moves_data_only=True)
+def lower_sort(op, operands):
+    """Rank sort, O(n^2) per row but fully parallel (two generics, no data-dependent stores):
+    rank[i] = #{j : x[j] before x[i]}, then out[k] = x[j] for the j with rank[j] = k."""
+    (x,) = operands
+    attrs = op_attrs(op)
+    xs = shape(x)
+    if not xs:
+        return [x, full([], 0, ir.IntegerType.get_signless(64))]
+    rank_n, dim, k = len(xs), attrs["dim"] % len(xs), attrs["k"]
+    desc = bool(attrs["descending"])
+    i64 = ir.IntegerType.get_signless(64)
+    ct = compute_type(elem(x))
+    lead = [ir.AffineDimExpr.get(d) for d in range(rank_n)]
+    at_j = dim_map(rank_n + 1, [ir.AffineDimExpr.get(rank_n) if d == dim else ir.AffineDimExpr.get(d)
+                                for d in range(rank_n)])
+    own = dim_map(rank_n + 1, lead)
+    iters = [PARALLEL] * rank_n + [REDUCTION]
+
+    def count(xi, xj, acc):
+        before = _sort_key_before(convert(xj, ct), convert(xi, ct), index(rank_n), index(dim), desc)
+        return [arith.addi(acc, arith.extui(i64, before))]
+
+    rank = generic([x, x], [own, at_j], [full(xs, 0, i64)], [own], iters, count)[0]
+    out_shape = list(xs)
+    out_shape[dim] = k
+
+    def place(xj, rj, v, i):
+        hit = arith.cmpi(I.eq, rj, index(dim))
+        return [arith.select(hit, xj, v), arith.select(hit, index(rank_n), i)]
+
+    values, indices = generic([x, rank], [at_j, at_j], [full(out_shape, 0, elem(x)), full(out_shape, 0, i64)],
+                              [own, own], iters, place)
+    return [values, indices]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, linalg, tensor
+from mlir.dialects import arith, linalg, scf, tensor
 
 from gac_torch.ir.builder import op_attrs
+from gac_torch.ir.types import is_float
 from gac_torch.lowering.core import (
-    PARALLEL, broadcast_map, const, elem, empty, extract_slice, generic, identity_map, index,
-    index_type, insert_slice, pad_constant, reshape, shape,
+    PARALLEL, broadcast_map, compute_type, const, convert, elem, empty, extract_slice, generic,
+    identity_map, index, index_type, insert_slice, pad_constant, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
 
@@ -138,3 +139,45 @@ def lower_index_select(op, operands):
 
     return generic([idx], [idx_map], [empty(out_shape, elem(x))], [identity_map(rank)],
                    [PARALLEL] * rank, body)
+
+
+def _scatter_combine(kind: str, old: ir.Value, new: ir.Value, logical_bool: bool) -> ir.Value:
+    if kind == "none":
+        return new
+    e = old.type
+    if logical_bool:  # 0/1 bytes: add is "or", mul is "and"
+        kind = {"add": "max", "mul": "min"}.get(kind, kind)
+    ct = compute_type(e)
+    a, b = convert(old, ct), convert(new, ct)
+    if is_float(ct):
+        r = {"add": arith.addf, "mul": arith.mulf, "max": arith.maximumf, "min": arith.minimumf}[kind](a, b)
+    else:
+        r = {"add": arith.addi, "mul": arith.muli, "max": arith.maxsi, "min": arith.minsi}[kind](a, b)
+    return convert(r, e)
+
+
+@lowers("scatter", moves_data_only=True)
+def lower_scatter(op, operands):
+    """A loop nest over the index tensor, in order, updating y in place (scf.for over tensors:
+    the stores are data-dependent, which no linalg op expresses). Later duplicates win."""
+    x, idx, src = operands
+    a = op_attrs(op)
+    xs, ix = shape(x), shape(idx)
+    dim = a["dim"] % len(xs)
+    logical_bool = str(elem(op.results[0].type)) == "i1"
+    c0, c1 = arith.ConstantOp(index_type(), 0).result, arith.ConstantOp(index_type(), 1).result
+
+    def nest(d: int, coords: list, y: ir.Value) -> ir.Value:
+        if d == len(ix):
+            j = tensor.ExtractOp(idx, coords).result
+            j = arith.index_cast(index_type(), _wrap(j, xs[dim]))
+            at = [j if k == dim else c for k, c in enumerate(coords)]
+            v = tensor.ExtractOp(src, coords).result
+            old = tensor.ExtractOp(y, at).result
+            return tensor.InsertOp(_scatter_combine(a["reduce"], old, v, logical_bool), y, at).result
+        loop = scf.ForOp(c0, arith.ConstantOp(index_type(), ix[d]).result, c1, [y])
+        with ir.InsertionPoint(loop.body):
+            scf.YieldOp([nest(d + 1, coords + [loop.induction_variable], loop.inner_iter_args[0])])
+        return loop.results[0]
+
+    return [nest(0, [], x)]

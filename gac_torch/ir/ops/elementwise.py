@@ -10,16 +10,17 @@ from gac_torch.ir.ops._infer import GacTypeError, broadcast_shapes, same_elem, s
 UNARY_KINDS = (
     "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
     "reciprocal", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh",
-    "acosh", "atanh", "erf", "erfinv", "sigmoid", "relu", "gelu", "gelu_tanh", "silu", "floor",
+    "acosh", "atanh", "erf", "erfc", "erfinv", "sigmoid", "relu", "gelu", "gelu_tanh", "silu", "floor",
     "ceil", "round", "trunc", "sign", "logical_not", "bitwise_not", "isnan", "isinf", "square",
+    "signbit",
 )
 # Kinds whose result is i1 whatever the operand type.
-UNARY_PREDICATES = ("logical_not", "isnan", "isinf")
+UNARY_PREDICATES = ("logical_not", "isnan", "isinf", "signbit")
 
 BINARY_KINDS = (
     "add", "sub", "mul", "div", "floordiv", "truncdiv", "remainder", "fmod", "pow", "atan2",
     "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "shl", "shr", "copysign",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "shl", "shr", "copysign", "hypot",
 )
 BINARY_PREDICATES = ("eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor")
 

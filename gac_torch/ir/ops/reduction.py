@@ -57,3 +57,34 @@ define("softmax", ["x"], attrs={"dim": "int", "log": "int"}, infer=_infer_softma
 define("layer_norm", ["x", "weight", "bias"], results=("y", "mean", "rstd"),
        attrs={"normalized_rank": "int", "eps": "float"}, infer=_infer_layer_norm,
        doc="normalize over the last normalized_rank dims; mean/rstd keep dims")
+
+
+SCAN_KINDS = ("sum", "prod", "max", "min")
+
+
+def _infer_scan(types, attrs):
+    (x,) = types
+    norm_dim(attrs["dim"], len(shape_of(x)), "gac.scan")
+    return [x]
+
+
+def _infer_sort(types, attrs):
+    (x,) = types
+    shape = list(shape_of(x))
+    dim = norm_dim(attrs["dim"], len(shape), "gac.sort")
+    k = attrs["k"]
+    if shape and not 0 <= k <= shape[dim]:
+        raise GacTypeError(f"gac.sort: k={k} out of range for a dim of {shape[dim]}")
+    if shape:
+        shape[dim] = k
+    return [tensor(shape, ir.RankedTensorType(x).element_type),
+            tensor(shape, ir.IntegerType.get_signless(64))]
+
+
+define("scan", ["x"], attrs={"kind": SCAN_KINDS, "dim": "int"}, infer=_infer_scan,
+       doc="inclusive prefix reduction along dim (cumsum, cumprod, ...); floats accumulate in f32 "
+           "or wider")
+define("sort", ["x"], results=("values", "indices"),
+       attrs={"dim": "int", "descending": "int", "k": "int"}, infer=_infer_sort,
+       doc="the first k elements of a stable sort along dim, and their source indices; NaN sorts "
+           "as the largest value (torch.sort / torch.topk)")

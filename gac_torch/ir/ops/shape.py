@@ -104,3 +104,25 @@ define("gather", ["x", "index"], attrs={"dim": "int"}, infer=_infer_gather,
        doc="torch.gather: y[i..] = x[i.. with i_dim := index[i..]]")
 define("index_select", ["x", "index"], attrs={"dim": "int"}, infer=_infer_index_select,
        doc="torch.index_select: negative indices wrap")
+
+
+SCATTER_REDUCE = ("none", "add", "mul", "max", "min")
+
+
+def _infer_scatter(types, attrs):
+    x, idx, src = types
+    xs, ix, ss = shape_of(x), shape_of(idx), shape_of(src)
+    dim = norm_dim(attrs["dim"], len(xs), "gac.scatter")
+    if not str(idx.element_type).startswith("i") or str(idx.element_type) == "i1":
+        raise GacTypeError("gac.scatter: index must be an integer tensor")
+    same_elem([x, src], "gac.scatter")
+    if ix != ss or len(ix) != len(xs) or any(i > s for d, (i, s) in enumerate(zip(ix, xs)) if d != dim):
+        raise GacTypeError(f"gac.scatter: index {list(ix)} and src {list(ss)} must have one shape, "
+                           f"within {list(xs)} off dim {dim}")
+    return [x]
+
+
+define("scatter", ["x", "index", "src"], attrs={"dim": "int", "reduce": SCATTER_REDUCE},
+       infer=_infer_scatter,
+       doc="y = x, then for every position p of index, in order: y[p with p_dim := index[p]] "
+           "reduce= src[p] (torch.scatter / scatter_reduce); indices must be in range")

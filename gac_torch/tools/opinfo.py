@@ -1,0 +1,315 @@
+"""Per-op parity against eager PyTorch over the OpInfo database's sample inputs.
+
+For one (OpInfo, dtype): every sample is traced like the dynamo front-end does (functionalized
+make_fx with our decomposition table), the per-sample graphs are merged into one graph (one
+compile and one JIT per case instead of one per sample), compiled by gac with eager fallback,
+run, and each sample's outputs are compared with eager. Every sample gets a status:
+
+    pass       compiled entirely by gac and matches eager
+    fallback   some of its ATen nodes run eagerly (the reasons are kept)
+    mismatch   compiled, but differs from eager beyond tolerance
+    error      gac raised while compiling or running it
+    skipped    eager itself rejects the sample, or it cannot be traced (data-dependent shapes)
+
+    python -m gac_torch.tools.opinfo add nn.functional.grid_sample --dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool)
+
+# (rtol, atol) against eager. A float result outside them still passes when it is at least as
+# close to an fp64 reference as eager is (doubled): eager's own rounding is not our error.
+TOL = {
+    torch.float32: (1.3e-5, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+
+@dataclass
+class SampleResult:
+    index: int
+    status: str
+    detail: str = ""
+    aten_ops: set[str] = field(default_factory=set)  # what the sample's graph contains
+
+    def __str__(self) -> str:
+        return f"sample {self.index}: {self.status}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class _Sample:
+    index: int
+    fn: Callable
+    inputs: list[torch.Tensor]
+    eager: list[torch.Tensor] | None = None
+    gm: fx.GraphModule | None = None
+    out_slots: list[int] = field(default_factory=list)
+
+
+def opinfo_db() -> dict[str, Any]:
+    """OpInfo by full name ("name" or "name.variant")."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return {full_name(o): o for o in op_db}
+
+
+def full_name(op) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def pick(n: int, k: int | None) -> list[int]:
+    """k of n sample indices, spread evenly and deterministically (all when k is None)."""
+    if k is None or n <= k:
+        return list(range(n))
+    return sorted({i * n // k for i in range(k)})
+
+
+def _sample_fn(op, sample) -> tuple[Callable, list[torch.Tensor]]:
+    """A function of the sample's tensors only (Python scalars and options are baked in)."""
+    flat, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    slots = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+
+    def fn(*tensors):
+        leaves = list(flat)
+        for i, t in zip(slots, tensors):
+            leaves[i] = t
+        inp, args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return op.op(inp, *args, **kwargs)
+
+    return fn, [flat[i] for i in slots]
+
+
+def _tensor_leaves(out) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _trace(fn: Callable, inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gac_torch.legalize import decompositions
+
+    def traced(*ts):
+        return _tensor_leaves(fn(*ts))
+
+    return make_fx(torch.func.functionalize(traced, remove="mutations_and_views"),
+                   decomposition_table=decompositions(), tracing_mode="fake")(*inputs)
+
+
+def _merge(samples: list[_Sample]) -> tuple[fx.GraphModule, dict[fx.Node, int]]:
+    """One graph computing every sample; node -> sample index for blame."""
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    owner: dict[fx.Node, int] = {}
+    outs: list[Any] = []
+    for s in samples:
+        assert s.gm is not None
+        env: dict[fx.Node, Any] = {}
+        for n in s.gm.graph.nodes:
+            if n.op == "placeholder":
+                new = graph.placeholder(f"s{s.index}_{n.name}")
+                new.meta = copy.copy(n.meta)
+            elif n.op == "get_attr":
+                name = f"s{s.index}_{n.target.replace('.', '_')}"
+                setattr(root, name, getattr(s.gm, n.target))
+                new = graph.get_attr(name)
+                new.meta = copy.copy(n.meta)
+            elif n.op == "output":
+                s.out_slots = list(range(len(outs), len(outs) + len(n.args[0])))
+                outs.extend(env[a] if isinstance(a, fx.Node) else a for a in n.args[0])
+                continue
+            else:
+                new = graph.node_copy(n, lambda a: env[a])
+            env[n] = new
+            owner[new] = s.index
+    graph.output(tuple(outs))
+    return fx.GraphModule(root, graph), owner
+
+
+def _to64(t):
+    return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def compare(out: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) -> str | None:
+    """None if out matches eager (see TOL), else what differs."""
+    if out.dtype != eager.dtype:
+        return f"dtype {out.dtype} != eager {eager.dtype}"
+    if out.shape != eager.shape:
+        return f"shape {list(out.shape)} != eager {list(eager.shape)}"
+    if not out.is_floating_point():
+        bad = out != eager
+        return None if not bad.any() else f"{int(bad.sum())}/{out.numel()} elements differ"
+    rtol, atol = TOL.get(out.dtype, (0.0, 0.0))
+    o, e = out.double(), eager.double()
+    same_special = (o.isnan() & e.isnan()) | (o == e)
+    err = torch.where(same_special, 0.0, (o - e).abs())
+    ok = err <= atol + rtol * e.abs()
+    if ref is not None and not bool(ok.all()):
+        r = ref.double()
+        ok |= (o - r).abs().nan_to_num(nan=float("inf")) <= atol + rtol * r.abs() + 2 * (e - r).abs()
+    if bool(ok.all()):
+        return None
+    i = int((~ok).flatten().nonzero()[0])
+    return (f"{int((~ok).sum())}/{out.numel()} elements off, e.g. [{i}] gac={o.flatten()[i].item():.6g} "
+            f"eager={e.flatten()[i].item():.6g}")
+
+
+def run_opinfo(op, dtype: torch.dtype, *, target: str = "cpu", max_samples: int | None = None,
+               seed: int = 0) -> list[SampleResult]:
+    """Runs the (op, dtype) case; one SampleResult per chosen sample."""
+    from gac_torch.frontends.fx import compile_graph
+    from gac_torch.options import resolve
+    from gac_torch.passes.partition import analyze, op_name
+
+    device = "cuda" if target == "cuda" else "cpu"
+    torch.manual_seed(seed)  # OpInfo samples draw from the global generator
+    all_samples = list(op.sample_inputs(device, dtype, requires_grad=False))
+    results: dict[int, SampleResult] = {}
+    samples: list[_Sample] = []
+    for i in pick(len(all_samples), max_samples):
+        fn, inputs = _sample_fn(op, all_samples[i])
+        s = _Sample(i, fn, inputs)
+        try:
+            s.eager = _tensor_leaves(fn(*[t.clone() for t in inputs]))
+        except Exception as e:
+            results[i] = SampleResult(i, "skipped", f"eager raises {type(e).__name__}")
+            continue
+        try:
+            s.gm = _trace(fn, inputs)
+        except Exception as e:
+            results[i] = SampleResult(i, "skipped", f"untraceable: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        samples.append(s)
+    if not samples:
+        return [results[i] for i in sorted(results)]
+
+    merged, owner = _merge(samples)
+    decisions, _ = analyze(merged)
+    for s in samples:
+        nodes = [n for n in merged.graph.nodes if owner.get(n) == s.index and n.op == "call_function"
+                 and n.target is not operator.getitem]
+        ops = {op_name(n) for n in nodes}
+        falls = sorted({f"{op_name(n)}: {decisions[n]}" for n in nodes if decisions.get(n)})
+        results[s.index] = SampleResult(s.index, "fallback" if falls else "pass", "; ".join(falls), ops)
+
+    opts = resolve({"fallback": True}, target=target)
+    inputs = [t.clone() for s in samples for t in s.inputs]
+    try:
+        compiled = compile_graph(merged, opts)
+        failed = [f"{why}" for (name, why), _ in compiled.report.unsupported.items()
+                  if name.startswith("partition ")]
+        if failed:
+            raise RuntimeError(failed[0])
+        outs = compiled(*inputs)
+    except Exception as e:
+        if len(samples) == 1:
+            r = results[samples[0].index]
+            r.status, r.detail = "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            return [results[i] for i in sorted(results)]
+        # Blame: rerun each sample on its own.
+        for s in samples:
+            sub = run_one(op, dtype, s, target)
+            results[s.index].status, results[s.index].detail = sub
+        return [results[i] for i in sorted(results)]
+
+    for s in samples:
+        r = results[s.index]
+        status = _check(s, [outs[k] for k in s.out_slots])
+        if status is not None and r.status == "pass":
+            r.status, r.detail = "mismatch", status
+        elif status is not None:
+            r.status, r.detail = "mismatch", f"{status}; with fallback {r.detail}"
+    return [results[i] for i in sorted(results)]
+
+
+def run_one(op, dtype, s: _Sample, target: str) -> tuple[str, str]:
+    """Compiles and checks one sample alone (after a failed merged compile)."""
+    from gac_torch.frontends.fx import compile_graph
+    from gac_torch.options import resolve
+    from gac_torch.passes.partition import analyze
+
+    merged, _ = _merge([s])
+    _, report = analyze(merged)
+    try:
+        compiled = compile_graph(merged, resolve({"fallback": True}, target=target))
+        failed = [why for (name, why), _ in compiled.report.unsupported.items() if name.startswith("partition ")]
+        if failed:
+            return "error", failed[0][:300]
+        outs = compiled(*[t.clone() for t in s.inputs])
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    bad = _check(s, [outs[k] for k in s.out_slots])
+    if bad:
+        return "mismatch", bad
+    falls = "; ".join(f"{o}: {w}" for (o, w) in sorted(report.unsupported))
+    return ("fallback", falls) if falls else ("pass", "")
+
+
+def _check(s: _Sample, outs: Sequence[torch.Tensor]) -> str | None:
+    assert s.eager is not None
+    if len(outs) != len(s.eager):
+        return f"{len(outs)} outputs, eager has {len(s.eager)}"
+    refs: list[torch.Tensor | None] = [None] * len(outs)
+    if any(e.is_floating_point() and e.dtype != torch.float64 for e in s.eager):
+        with contextlib.suppress(Exception):
+            wide = _tensor_leaves(s.fn(*[_to64(t.clone()) for t in s.inputs]))
+            if len(wide) == len(outs):
+                refs = list(wide)
+    for k, (o, e, r) in enumerate(zip(outs, s.eager, refs)):
+        bad = compare(o.cpu(), e.cpu(), r.cpu() if r is not None and r.shape == e.shape else None)
+        if bad:
+            return f"output {k}: {bad}"
+    return None
+
+
+def iter_cases(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> Iterator[tuple[Any, torch.dtype]]:
+    db = opinfo_db()
+    for name in names:
+        op = db[name]
+        supported = op.supported_dtypes("cpu")
+        for dt in dtypes:
+            if dt in supported:
+                yield op, dt
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ops", nargs="*", help="OpInfo names (default: all)")
+    p.add_argument("--dtype", action="append", help="e.g. float32 (default: the usual six)")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--target", default="cpu")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every sample")
+    a = p.parse_args(argv)
+    dtypes = [getattr(torch, d) for d in a.dtype] if a.dtype else list(DTYPES)
+    names = a.ops or sorted(opinfo_db())
+    for op, dt in iter_cases(names, dtypes):
+        try:
+            res = run_opinfo(op, dt, target=a.target, max_samples=a.max_samples)
+        except Exception as e:
+            print(f"{full_name(op):40s} {str(dt):16s} HARNESS ERROR {type(e).__name__}: {str(e)[:200]}")
+            continue
+        counts: dict[str, int] = {}
+        for r in res:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        print(f"{full_name(op):40s} {str(dt).removeprefix('torch.'):9s} "
+              + " ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+        for r in res:
+            if a.verbose or r.status in ("mismatch", "error", "fallback"):
+                print(f"    {r}  [{', '.join(sorted(r.aten_ops))}]")
+
+
+if __name__ == "__main__":
+    main()
