@@ -33,6 +33,10 @@ log = logging.getLogger("gac_torch")
 class OnnxUnsupportedError(GacUnsupportedError):
     """Strict mode (fallback=False): lists every ONNX node gac cannot map, at once."""
 
+    def __init__(self, message: str, report: "OnnxReport"):
+        super().__init__(message)
+        self.report = report
+
 
 @dataclass
 class OnnxReport:
@@ -129,7 +133,8 @@ def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = 
     if report.unsupported and strict:
         raise OnnxUnsupportedError(
             f"gac cannot map these ONNX ops (fallback=False; {len(report.unsupported)} kind(s)):\n"
-            + "\n".join(f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())))
+            + "\n".join(f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())),
+            report)
     outputs = [env[o.name] for o in graph.output]
     assert all(o is not None for o in outputs)
     g.output(outputs)  # type: ignore[arg-type]

@@ -1,0 +1,174 @@
+"""The gac-torch command line.
+
+    gac-torch report model.onnx                    # coverage before compiling
+    gac-torch compile model.onnx --target cuda --arch sm_90 -o out/
+
+`compile` writes every IR stage of every compiled partition (`fused_0.gac`, `fused_0.linalg`,
+then the target's own stages, e.g. `fused_0.ptx`) without loading anything, so compiling for
+cuda needs no GPU. Models: ONNX files, or torch.export archives (`.pt2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import operator
+import os
+import sys
+from typing import Sequence
+
+import torch
+
+from gac_torch.options import OptionError, resolve
+
+
+def _parse_shapes(items: Sequence[str]) -> dict[str, list[int]]:
+    shapes = {}
+    for item in items:
+        name, _, dims = item.partition("=")
+        if not name or not dims:
+            raise SystemExit(f"--shape expects NAME=D0xD1x..., got {item!r}")
+        shapes[name] = [int(d) for d in dims.lower().split("x")]
+    return shapes
+
+
+def _load_onnx(path: str, shapes: dict[str, list[int]], strict: bool):
+    """(ATen FX graph, ONNX report) on the cpu device: stages do not depend on the device."""
+    from gac_torch.frontends.onnx import import_model, load_model
+    from gac_torch.frontends.onnx.load import torch_dtype
+
+    model = load_model(path)
+    examples = None
+    if shapes:
+        inits = {i.name for i in model.graph.initializer}
+        inputs = [i for i in model.graph.input if i.name not in inits]
+        unknown = sorted(set(shapes) - {i.name for i in inputs})
+        if unknown:
+            raise SystemExit(f"--shape: no input named {unknown}; inputs: {[i.name for i in inputs]}")
+        examples = [torch.empty(shapes[i.name] if i.name in shapes else
+                                [d.dim_value for d in i.type.tensor_type.shape.dim],
+                                dtype=torch_dtype(i.type.tensor_type.elem_type)) for i in inputs]
+    imported = import_model(model, strict=strict, example_inputs=examples)
+    return imported.gm, imported.report
+
+
+def _load(path: str, shapes: dict[str, list[int]], strict: bool):
+    if path.endswith(".pt2"):
+        from gac_torch.legalize import decompositions
+
+        ep = torch.export.load(path).run_decompositions(decompositions())
+        return ep.graph_module, None
+    return _load_onnx(path, shapes, strict)
+
+
+def _print_onnx_report(report, out) -> None:
+    print(f"ONNX: {report.summary().split(';')[0]}", file=out)
+    if report.unsupported:
+        print("  unsupported ONNX ops (run through onnxruntime):", file=out)
+        for (op, why), n in sorted(report.unsupported.items()):
+            print(f"    {op:24s} x{n:<5d} {why}", file=out)
+    ops = ", ".join(f"{op} x{n}" for op, n in report.ops.most_common())
+    print(f"  ops: {ops}", file=out)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gac_torch.frontends.onnx import OnnxLoadError, OnnxUnsupportedError
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
+
+    shapes = _parse_shapes(args.shape)
+    try:
+        gm, onnx_report = _load(args.model, shapes, strict=False)
+    except OnnxLoadError as e:  # e.g. an unsupported op that needs onnxruntime to be sized
+        try:
+            _load(args.model, shapes, strict=True)
+        except OnnxUnsupportedError as listed:
+            _print_onnx_report(listed.report, sys.stdout)
+            print(f"ATen: not analyzed ({e})")
+            return 0
+        raise
+    print(f"{args.model}")
+    if onnx_report is not None:
+        _print_onnx_report(onnx_report, sys.stdout)
+    drop_metadata_asserts(gm)
+    decisions, report = analyze(gm)
+    _, names = partition(gm, decisions, args.min_block_size)
+    report.partitions = len(names)
+    print(f"ATen: {report.summary().split('; eager')[0]} (before compiling)")
+    for (op, why), n in sorted(report.unsupported.items()):
+        print(f"  eager: {op:32s} x{n:<5d} {why}")
+    return 0
+
+
+def _write(path: str, data: str | bytes) -> None:
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from gac_torch.backends import get_target
+    from gac_torch.driver import compile_partition
+    from gac_torch.frontends.fx import GacUnsupportedError
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
+
+    try:
+        options = resolve({"arch": args.arch, "fallback": not args.strict,
+                           "min_block_size": args.min_block_size}, target=args.target)
+    except OptionError as e:
+        raise SystemExit(f"gac-torch: {e}") from None
+    gm, onnx_report = _load(args.model, _parse_shapes(args.shape), strict=args.strict)
+    # Stages only: the loader hands back the last artifact instead of loading it on a device.
+    target = dataclasses.replace(get_target(options["target"]), load=lambda artifact, sig, opts: artifact)
+    drop_metadata_asserts(gm)
+    decisions, report = analyze(gm)
+    if report.unsupported and args.strict:
+        raise GacUnsupportedError("gac cannot compile these ops (--strict):\n" + "\n".join(
+            f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())))
+    fused, names = partition(gm, decisions, options["min_block_size"])
+    os.makedirs(args.output, exist_ok=True)
+    _write(os.path.join(args.output, "graph.fx.txt"), str(fused.graph))
+    for name in names:
+        sub = getattr(fused, name)
+        compiled = compile_partition(sub, name, target, options)
+        _write(os.path.join(args.output, f"{name}.fx.txt"), str(sub.graph))
+        for stage, text in compiled.stages.items():
+            _write(os.path.join(args.output, f"{name}.{stage}"), text)
+        last = list(compiled.stages)[-1]
+        if isinstance(compiled.executable, bytes):  # a binary final stage (e.g. vxbin): exact bytes
+            _write(os.path.join(args.output, f"{name}.{last}"), compiled.executable)
+        n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        print(f"{name}: {n_ops} ATen ops -> {', '.join(f'{name}.{s}' for s in compiled.stages)}")
+    report.partitions = len(names)
+    lines = [str(report)] if onnx_report is None else [f"ONNX: {onnx_report}", f"ATen: {report}"]
+    _write(os.path.join(args.output, "report.txt"), "\n".join(lines) + "\n")
+    print(f"wrote {len(names)} partition(s) for {options['target']} to {args.output}/")
+    print("\n".join(lines))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gac-torch", description="GAC-Torch: compile models with gac.")
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("model", help="an ONNX model (.onnx) or a torch.export archive (.pt2)")
+    common.add_argument("--shape", action="append", default=[], metavar="NAME=D0xD1x...",
+                        help="static shape for an input with symbolic dims (repeatable)")
+    common.add_argument("--min-block-size", type=int, default=1, help="smallest compiled partition")
+    r = sub.add_parser("report", parents=[common], help="coverage before compiling")
+    r.set_defaults(fn=cmd_report)
+    c = sub.add_parser("compile", parents=[common], help="write every IR stage per partition")
+    c.add_argument("--target", default="cpu", choices=["cpu", "cuda", "vortex"])
+    c.add_argument("--arch", default=None, help="cuda: sm_80, sm_90, ... (default: the GPU's, else sm_90)")
+    c.add_argument("-o", "--output", default="gac_out", help="output folder (created)")
+    c.add_argument("--strict", action="store_true", help="fail if any op would fall back")
+    c.set_defaults(fn=cmd_compile)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
