@@ -7,7 +7,6 @@ against a float64 torch reference on fresh random inputs, with poisoned outputs.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -305,7 +304,7 @@ def _slices() -> Case:
 
 
 def _reshapes() -> Case:
-    body = f"""
+    body = """
   %x = tensor.expand_shape %t0 [[0, 1], [2]] output_shape [4, 8, 16] : tensor<32x16xf32> into tensor<4x8x16xf32>
   %e = tensor.empty() : tensor<4x16x8xf32>
   %y = linalg.transpose ins(%x : tensor<4x8x16xf32>) outs(%e : tensor<4x16x8xf32>) permutation = [0, 2, 1]
@@ -507,24 +506,24 @@ def _half_reduce_elementwise(dt: torch.dtype) -> Case:
 
 def _scalars() -> Case:
     # Rank-0 ops leave scalar code on the host: it runs as a one-thread kernel.
-    body = f"""
+    body = """
   %three = arith.constant 3.0 : f32
   %one = arith.constant 1.0 : f32
   %e0 = tensor.empty() : tensor<f32>
-  %r0 = linalg.generic {{indexing_maps = [affine_map<() -> ()>, affine_map<() -> ()>], iterator_types = []}}
-      ins(%t0 : tensor<f32>) outs(%e0 : tensor<f32>) {{
+  %r0 = linalg.generic {indexing_maps = [affine_map<() -> ()>, affine_map<() -> ()>], iterator_types = []}
+      ins(%t0 : tensor<f32>) outs(%e0 : tensor<f32>) {
   ^bb0(%a: f32, %o: f32):
     %m = arith.mulf %a, %three : f32
     %s = arith.addf %m, %one : f32
     linalg.yield %s : f32
-  }} -> tensor<f32>
+  } -> tensor<f32>
   %e1 = tensor.empty() : tensor<5xf32>
-  %r1 = linalg.generic {{indexing_maps = [affine_map<(d0) -> (d0)>, affine_map<(d0) -> ()>, affine_map<(d0) -> (d0)>], iterator_types = ["parallel"]}}
-      ins(%t1, %t0 : tensor<5xf32>, tensor<f32>) outs(%e1 : tensor<5xf32>) {{
+  %r1 = linalg.generic {indexing_maps = [affine_map<(d0) -> (d0)>, affine_map<(d0) -> ()>, affine_map<(d0) -> (d0)>], iterator_types = ["parallel"]}
+      ins(%t1, %t0 : tensor<5xf32>, tensor<f32>) outs(%e1 : tensor<5xf32>) {
   ^bb0(%a: f32, %b: f32, %o: f32):
     %s = arith.addf %a, %b : f32
     linalg.yield %s : f32
-  }} -> tensor<5xf32>"""
+  } -> tensor<5xf32>"""
     return Case("rank0_scalars", [((), torch.float32), ((5,), torch.float32)],
                 [((), torch.float32), ((5,), torch.float32)], body,
                 lambda a, b: [a * 3 + 1, b + a], {"serial", "loops"})

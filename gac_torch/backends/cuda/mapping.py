@@ -473,7 +473,7 @@ def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
     w("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
       "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
       f"workgroup(%As : {sa}, %Bs : {sb}) {{")
-    w(f"%c0 = arith.constant 0 : index\n%c1 = arith.constant 1 : index")
+    w("%c0 = arith.constant 0 : index\n%c1 = arith.constant 1 : index")
     w(f"%ctt = arith.constant {tt} : index\n%cbk = arith.constant {bk} : index")
     w(f"%cbm = arith.constant {bm} : index\n%cbn = arith.constant {bn} : index")
     w(f"%cM = arith.constant {M} : index\n%cN = arith.constant {N} : index")

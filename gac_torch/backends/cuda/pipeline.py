@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
 from mlir import ir
 from mlir.dialects import gpu
 
