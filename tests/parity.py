@@ -34,8 +34,14 @@ def device_of(target: str) -> str:
 
 
 def reference(fn: Callable, inputs: Sequence[torch.Tensor]):
-    """Eager result; float ops run in fp64 and are rounded to the eager dtype."""
-    eager = fn(*inputs)
+    """Eager result; float ops run in fp64 and are rounded to the eager dtype. Ops eager lacks on
+    a device (e.g. int64 matmul on CUDA) are computed on the CPU."""
+    try:
+        eager = fn(*inputs)
+    except (NotImplementedError, RuntimeError):
+        if all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in inputs):
+            raise
+        return reference(fn, [t.cpu() if isinstance(t, torch.Tensor) else t for t in inputs])
     if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs):
         return eager
     wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]

@@ -156,9 +156,9 @@ def test_softmax_neg_inf_row(target):
 def test_norms(target):
     check_op(lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5), [r(2, 5, 16), r(16), r(16)], target)
     check_op(lambda x: F.layer_norm(x, (4, 6)), [r(3, 4, 6)], target)
-    rm, rv = r(6), pos(6)
-    check_op(lambda x, w, b: F.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5), [r(2, 6, 5, 5), r(6), r(6)], target)
-    check_op(lambda x: F.batch_norm(x, rm, rv, None, None, False), [r(3, 6, 4)], target)
+    bn = lambda x, rm, rv, w, b: F.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5)  # noqa: E731
+    check_op(bn, [r(2, 6, 5, 5), r(6), pos(6), r(6), r(6)], target)
+    check_op(lambda x, rm, rv: F.batch_norm(x, rm, rv, None, None, False), [r(3, 6, 4), r(6), pos(6)], target)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -234,8 +234,7 @@ def test_shape_ops(name, target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_gathers(target):
-    emb = r(10, 4)
-    check_op(lambda i: F.embedding(i, emb), [ints(2, 3, lo=0, hi=10)], target)
+    check_op(lambda i, emb: F.embedding(i, emb), [ints(2, 3, lo=0, hi=10), r(10, 4)], target)
     check_op(lambda x, i: torch.index_select(x, 1, i), [r(3, 6), ints(4, lo=0, hi=6)], target)
     check_op(lambda x, i: torch.gather(x, 1, i), [r(3, 6), ints(3, 4, lo=0, hi=6)], target)
     check_op(lambda x, i: x[i], [r(6, 3), ints(4, lo=-6, hi=6)], target)
@@ -243,7 +242,8 @@ def test_gathers(target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_constructors(target):
-    check_op(lambda x: x + torch.arange(5, dtype=torch.float32), [r(3, 5)], target)
-    check_op(lambda x: x * torch.arange(2, 12, 2), [ints(5)], target)
-    check_op(lambda x: x + torch.full((3, 5), 2.5) + torch.ones(5) - torch.zeros_like(x), [r(3, 5)], target)
-    check_op(lambda x: torch.where(x > 0, x, torch.tensor(0.25)), [r(3, 5)], target)
+    check_op(lambda x: x + torch.arange(5, dtype=torch.float32, device=x.device), [r(3, 5)], target)
+    check_op(lambda x: x * torch.arange(2, 12, 2, device=x.device), [ints(5)], target)
+    check_op(lambda x: x + torch.full((3, 5), 2.5, device=x.device) + torch.ones(5, device=x.device)
+             - torch.zeros_like(x), [r(3, 5)], target)
+    check_op(lambda x: torch.where(x > 0, x, torch.tensor(0.25, device=x.device)), [r(3, 5)], target)
