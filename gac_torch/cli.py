@@ -15,7 +15,7 @@ import dataclasses
 import operator
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -44,10 +44,18 @@ def _load_onnx(path: str, shapes: dict[str, list[int]], strict: bool):
         inputs = [i for i in model.graph.input if i.name not in inits]
         unknown = sorted(set(shapes) - {i.name for i in inputs})
         if unknown:
-            raise SystemExit(f"--shape: no input named {unknown}; inputs: {[i.name for i in inputs]}")
-        examples = [torch.empty(shapes[i.name] if i.name in shapes else
-                                [d.dim_value for d in i.type.tensor_type.shape.dim],
-                                dtype=torch_dtype(i.type.tensor_type.elem_type)) for i in inputs]
+            raise SystemExit(
+                f"--shape: no input named {unknown}; inputs: {[i.name for i in inputs]}"
+            )
+        examples = [
+            torch.empty(
+                shapes[i.name]
+                if i.name in shapes
+                else [d.dim_value for d in i.type.tensor_type.shape.dim],
+                dtype=torch_dtype(i.type.tensor_type.elem_type),
+            )
+            for i in inputs
+        ]
     imported = import_model(model, strict=strict, example_inputs=examples)
     return imported.gm, imported.report
 
@@ -111,18 +119,26 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
 
     try:
-        options = resolve({"arch": args.arch, "fallback": not args.strict,
-                           "min_block_size": args.min_block_size}, target=args.target)
+        options = resolve(
+            {"arch": args.arch, "fallback": not args.strict, "min_block_size": args.min_block_size},
+            target=args.target,
+        )
     except OptionError as e:
         raise SystemExit(f"gac-torch: {e}") from None
     gm, onnx_report = _load(args.model, _parse_shapes(args.shape), strict=args.strict)
     # Stages only: the loader hands back the last artifact instead of loading it on a device.
-    target = dataclasses.replace(get_target(options["target"]), load=lambda artifact, sig, opts: artifact)
+    target = dataclasses.replace(
+        get_target(options["target"]), load=lambda artifact, sig, opts: artifact
+    )
     drop_metadata_asserts(gm)
     decisions, report = analyze(gm)
     if report.unsupported and args.strict:
-        raise GacUnsupportedError("gac cannot compile these ops (--strict):\n" + "\n".join(
-            f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())))
+        raise GacUnsupportedError(
+            "gac cannot compile these ops (--strict):\n"
+            + "\n".join(
+                f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())
+            )
+        )
     fused, names = partition(gm, decisions, options["min_block_size"])
     os.makedirs(args.output, exist_ok=True)
     _write(os.path.join(args.output, "graph.fx.txt"), str(fused.graph))
@@ -135,7 +151,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         last = list(compiled.stages)[-1]
         if isinstance(compiled.executable, bytes):  # a binary final stage (e.g. vxbin): exact bytes
             _write(os.path.join(args.output, f"{name}.{last}"), compiled.executable)
-        n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        n_ops = sum(
+            1
+            for n in sub.graph.nodes
+            if n.op == "call_function" and n.target is not operator.getitem
+        )
         print(f"{name}: {n_ops} ATen ops -> {', '.join(f'{name}.{s}' for s in compiled.stages)}")
     report.partitions = len(names)
     lines = [str(report)] if onnx_report is None else [f"ONNX: {onnx_report}", f"ATen: {report}"]
@@ -150,14 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", help="an ONNX model (.onnx) or a torch.export archive (.pt2)")
-    common.add_argument("--shape", action="append", default=[], metavar="NAME=D0xD1x...",
-                        help="static shape for an input with symbolic dims (repeatable)")
+    common.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=D0xD1x...",
+        help="static shape for an input with symbolic dims (repeatable)",
+    )
     common.add_argument("--min-block-size", type=int, default=1, help="smallest compiled partition")
     r = sub.add_parser("report", parents=[common], help="coverage before compiling")
     r.set_defaults(fn=cmd_report)
     c = sub.add_parser("compile", parents=[common], help="write every IR stage per partition")
     c.add_argument("--target", default="cpu", choices=["cpu", "cuda", "vortex"])
-    c.add_argument("--arch", default=None, help="cuda: sm_80, sm_90, ... (default: the GPU's, else sm_90)")
+    c.add_argument(
+        "--arch", default=None, help="cuda: sm_80, sm_90, ... (default: the GPU's, else sm_90)"
+    )
     c.add_argument("-o", "--output", default="gac_out", help="output folder (created)")
     c.add_argument("--strict", action="store_true", help="fail if any op would fall back")
     c.set_defaults(fn=cmd_compile)
@@ -171,4 +198,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

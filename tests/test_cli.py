@@ -70,7 +70,8 @@ def test_compile_strict_fails_on_fallback(model_path, tmp_path):
 
 
 def test_compile_torch_export_archive(tmp_path):
-    ep = torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sigmoid()), (torch.randn(2, 4),))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sigmoid())
+    ep = torch.export.export(model, (torch.randn(2, 4),))
     path = str(tmp_path / "m.pt2")
     torch.export.save(ep, path)
     assert main(["compile", path, "-o", str(tmp_path / "pt2")]) == 0

@@ -9,12 +9,33 @@ Each ONNX op is one function in ops_*.py that emits ATen calls; there is no ONNX
 table, so the ATen registry, partitioning, fallback, lowering and targets are shared.
 """
 
-from gac_torch.frontends.onnx.importer import ImportedGraph, OnnxReport, OnnxUnsupportedError, import_model
-from gac_torch.frontends.onnx.load import MAX_OPSET, MIN_OPSET, OnnxLoadError, load_model
+from gac_torch.frontends.onnx.importer import (
+    ImportedGraph,
+    OnnxReport,
+    OnnxUnsupportedError,
+    import_model,
+)
+from gac_torch.frontends.onnx.load import (
+    MAX_OPSET,
+    MIN_OPSET,
+    OnnxLoadError,
+    load_model,
+)
 from gac_torch.frontends.onnx.ort_fallback import OrtUnavailable
 from gac_torch.frontends.onnx.program import CompiledOnnx, compile_onnx
 from gac_torch.frontends.onnx.registry import supported_ops
 
-__all__ = ["CompiledOnnx", "ImportedGraph", "MAX_OPSET", "MIN_OPSET", "OnnxLoadError", "OnnxReport",
-           "OnnxUnsupportedError", "OrtUnavailable", "compile_onnx", "import_model", "load_model",
-           "supported_ops"]
+__all__ = [
+    "CompiledOnnx",
+    "ImportedGraph",
+    "MAX_OPSET",
+    "MIN_OPSET",
+    "OnnxLoadError",
+    "OnnxReport",
+    "OnnxUnsupportedError",
+    "OrtUnavailable",
+    "compile_onnx",
+    "import_model",
+    "load_model",
+    "supported_ops",
+]

@@ -2,7 +2,7 @@
 
 A value is either an `fx.Node` (computed at run time; `meta["val"]` is a FakeTensor filled as the
 node is created) or a real `torch.Tensor` (known at import time). `call` folds a call whose inputs
-are all known — that is how Shape -> Gather -> Concat -> Reshape chains vanish on static shapes —
+are all known (that is how Shape -> Gather -> Concat -> Reshape chains vanish on static shapes)
 and otherwise lifts known tensors into the graph: splats become `aten.full`, everything else a
 parameter placeholder bound at call time (weights never become IR text).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, TypeGuard, Union
 
 import torch
 import torch.fx as fx
@@ -29,11 +30,11 @@ class GraphBuilder:
         self.graph = fx.Graph()
         self.fake = FakeTensorMode()
         self.device = torch.device(device)
-        self.inputs: list[fx.Node] = []                      # user inputs, in ONNX order
-        self.params: dict[fx.Node, torch.Tensor] = {}        # lifted tensors, bound at call time
-        self._lifted: dict[int, fx.Node] = {}                # id(tensor) -> its node
-        self._names: dict[int, str] = {}                     # id(initializer) -> ONNX name
-        self._keep: list[torch.Tensor] = []                  # keeps ids above unique
+        self.inputs: list[fx.Node] = []  # user inputs, in ONNX order
+        self.params: dict[fx.Node, torch.Tensor] = {}  # lifted tensors, bound at call time
+        self._lifted: dict[int, fx.Node] = {}  # id(tensor) -> its node
+        self._names: dict[int, str] = {}  # id(initializer) -> ONNX name
+        self._keep: list[torch.Tensor] = []  # keeps ids above unique
         self._last_placeholder: fx.Node | None = None
         self._used_names: set[str] = set()
 
@@ -76,8 +77,9 @@ class GraphBuilder:
         is_init = id(t) in self._names
         if t.numel() <= 1 or (not is_init and _is_splat(t)):  # a splat is one number, not data
             value = t.flatten()[0].item() if t.numel() else 0
-            node = self._node(aten.full.default, (list(t.shape), value),
-                              {"dtype": t.dtype, "device": self.device})
+            node = self._node(
+                aten.full.default, (list(t.shape), value), {"dtype": t.dtype, "device": self.device}
+            )
         else:
             with self.fake:
                 val = torch.empty(tuple(t.shape), dtype=t.dtype, device=self.device)
@@ -129,7 +131,7 @@ class GraphBuilder:
         return self.meta(v).dtype
 
     @staticmethod
-    def is_const(v: Value | None) -> bool:
+    def is_const(v: Value | None) -> TypeGuard[torch.Tensor]:
         return isinstance(v, torch.Tensor)
 
     @staticmethod
@@ -138,11 +140,12 @@ class GraphBuilder:
             raise Unsupported(f"{what} must be static (a constant or foldable from static shapes)")
         return v
 
-    def ints(self, v: Value | None, what: str) -> list[int] | None:
-        return None if v is None else [int(i) for i in self.const(v, what).flatten().tolist()]
+    def ints(self, v: Value | None, what: str) -> list[int]:
+        """A static input's values ([] for an omitted optional input)."""
+        return [] if v is None else [int(i) for i in self.const(v, what).flatten().tolist()]
 
-    def floats(self, v: Value | None, what: str) -> list[float] | None:
-        return None if v is None else [float(i) for i in self.const(v, what).flatten().tolist()]
+    def floats(self, v: Value | None, what: str) -> list[float]:
+        return [] if v is None else [float(i) for i in self.const(v, what).flatten().tolist()]
 
     def scalar(self, v: Value, what: str) -> float | int | bool:
         return self.const(v, what).flatten()[0].item()

@@ -10,21 +10,33 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import onnx
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from gac_torch.frontends.onnx import (  # noqa: F401 (each module registers its ops)
-    ops_elementwise, ops_math, ops_nn, ops_reduce, ops_sample, ops_shape)
-from gac_torch.frontends.onnx import ort_fallback
-from gac_torch.frontends.onnx.builder import GraphBuilder, Value
-from gac_torch.frontends.onnx.load import OnnxLoadError, default_opset, to_torch, torch_dtype, value_types
-from gac_torch.frontends.onnx.registry import OnnxNode, Unsupported, lookup
 from gac_torch.frontends.fx import GacUnsupportedError
+from gac_torch.frontends.onnx import (  # noqa: F401 (each module registers its ops)
+    ops_elementwise,
+    ops_math,
+    ops_nn,
+    ops_reduce,
+    ops_sample,
+    ops_shape,
+    ort_fallback,
+)
+from gac_torch.frontends.onnx.builder import GraphBuilder, Value
+from gac_torch.frontends.onnx.load import (
+    OnnxLoadError,
+    default_opset,
+    to_torch,
+    torch_dtype,
+    value_types,
+)
+from gac_torch.frontends.onnx.registry import OnnxNode, Unsupported, lookup
 from gac_torch.legalize import decompositions
 
 log = logging.getLogger("gac_torch")
@@ -33,7 +45,7 @@ log = logging.getLogger("gac_torch")
 class OnnxUnsupportedError(GacUnsupportedError):
     """Strict mode (fallback=False): lists every ONNX node gac cannot map, at once."""
 
-    def __init__(self, message: str, report: "OnnxReport"):
+    def __init__(self, message: str, report: OnnxReport):
         super().__init__(message)
         self.report = report
 
@@ -43,10 +55,10 @@ class OnnxReport:
     """ONNX-level coverage: how many nodes map to ATen, fold away, or fall back to onnxruntime."""
 
     total: int = 0
-    folded: int = 0                   # evaluated at import (static shapes, constants)
-    mapped: int = 0                   # became ATen calls
+    folded: int = 0  # evaluated at import (static shapes, constants)
+    mapped: int = 0  # became ATen calls
     unsupported: Counter = field(default_factory=Counter)  # (op, reason) -> count
-    ops: Counter = field(default_factory=Counter)          # op -> count, every node
+    ops: Counter = field(default_factory=Counter)  # op -> count, every node
 
     @property
     def supported(self) -> int:
@@ -57,11 +69,14 @@ class OnnxReport:
         return 100.0 * self.supported / self.total if self.total else 100.0
 
     def summary(self) -> str:
-        line = (f"{self.supported}/{self.total} ONNX nodes supported ({self.percent:.1f}%): "
-                f"{self.mapped} mapped to ATen, {self.folded} folded at import")
+        line = (
+            f"{self.supported}/{self.total} ONNX nodes supported ({self.percent:.1f}%): "
+            f"{self.mapped} mapped to ATen, {self.folded} folded at import"
+        )
         if self.unsupported:
             line += "; onnxruntime fallback: " + ", ".join(
-                f"{op} x{n} ({why})" for (op, why), n in sorted(self.unsupported.items()))
+                f"{op} x{n} ({why})" for (op, why), n in sorted(self.unsupported.items())
+            )
         return line
 
     __str__ = summary
@@ -69,7 +84,7 @@ class OnnxReport:
 
 @dataclass
 class ImportedGraph:
-    gm: fx.GraphModule                      # placeholders: user inputs, then parameters
+    gm: fx.GraphModule  # placeholders: user inputs, then parameters
     input_names: list[str]
     input_specs: list[tuple[tuple[int, ...], torch.dtype]]
     params: list[torch.Tensor]
@@ -77,8 +92,13 @@ class ImportedGraph:
     report: OnnxReport
 
 
-def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = "cpu",
-                 example_inputs: Sequence[torch.Tensor] | None = None) -> ImportedGraph:
+def import_model(
+    model: onnx.ModelProto,
+    *,
+    strict: bool = False,
+    device: str = "cpu",
+    example_inputs: Sequence[torch.Tensor] | None = None,
+) -> ImportedGraph:
     """`model` has been through load_model. Inputs with symbolic dims take their shapes from
     `example_inputs` (one tensor per non-initializer graph input)."""
     opsets = {imp.domain or "": int(imp.version) for imp in model.opset_import}
@@ -103,7 +123,9 @@ def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = 
         fn = lookup(n.op_type, n.domain)
         reason, outs = None, None
         if fn is None:
-            reason = "no ONNX -> ATen mapping" if n.domain in ("", "ai.onnx") else f"domain {n.domain!r}"
+            reason = (
+                "no ONNX -> ATen mapping" if n.domain in ("", "ai.onnx") else f"domain {n.domain!r}"
+            )
         elif unknown_input:
             reason = "input from an unsupported node"  # in strict mode only: not counted below
         else:
@@ -113,7 +135,9 @@ def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = 
                 reason = str(e)
             except Exception as e:  # a mapping bug must name the node; the model still runs
                 if strict:
-                    raise RuntimeError(f"importing {n.label} failed: {type(e).__name__}: {e}") from e
+                    raise RuntimeError(
+                        f"importing {n.label} failed: {type(e).__name__}: {e}"
+                    ) from e
                 reason = f"import failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 log.warning("gac onnx: %s falls back to onnxruntime: %s", n.label, reason)
         if outs is None:
@@ -133,37 +157,61 @@ def import_model(model: onnx.ModelProto, *, strict: bool = False, device: str = 
     if report.unsupported and strict:
         raise OnnxUnsupportedError(
             f"gac cannot map these ONNX ops (fallback=False; {len(report.unsupported)} kind(s)):\n"
-            + "\n".join(f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())),
-            report)
+            + "\n".join(
+                f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())
+            ),
+            report,
+        )
     outputs = [env[o.name] for o in graph.output]
     assert all(o is not None for o in outputs)
     g.output(outputs)  # type: ignore[arg-type]
     gm = _to_core_aten(g)
-    return ImportedGraph(gm, [i.name for i in user_inputs],
-                         [(tuple(g.shape(p)), g.dtype(p)) for p in g.inputs],
-                         list(g.params.values()), [o.name for o in graph.output], report)
+    return ImportedGraph(
+        gm,
+        [i.name for i in user_inputs],
+        [(tuple(g.shape(p)), g.dtype(p)) for p in g.inputs],
+        list(g.params.values()),
+        [o.name for o in graph.output],
+        report,
+    )
 
 
-def _add_inputs(g: GraphBuilder, env: dict, inputs: list[onnx.ValueInfoProto],
-                examples: Sequence[torch.Tensor] | None) -> None:
+def _add_inputs(
+    g: GraphBuilder,
+    env: dict,
+    inputs: list[onnx.ValueInfoProto],
+    examples: Sequence[torch.Tensor] | None,
+) -> None:
     if examples is not None and len(examples) != len(inputs):
-        raise OnnxLoadError(f"example_inputs: the model has {len(inputs)} inputs "
-                            f"({[i.name for i in inputs]}), got {len(examples)}")
+        raise OnnxLoadError(
+            f"example_inputs: the model has {len(inputs)} inputs "
+            f"({[i.name for i in inputs]}), got {len(examples)}"
+        )
     for k, vi in enumerate(inputs):
         tt = vi.type.tensor_type
         dtype = torch_dtype(tt.elem_type)
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        dims: list[int | None] = [
+            d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim
+        ]
         if examples is not None:
             ex = examples[k]
             ex_shape = list(ex.shape)
-            if len(ex_shape) != len(dims) or any(d is not None and d != e for d, e in zip(dims, ex_shape)):
-                raise OnnxLoadError(f"input {vi.name!r}: example shape {ex_shape} does not match "
-                                    f"the model's {['?' if d is None else d for d in dims]}")
-            dims = ex_shape
-        if None in dims:
-            raise OnnxLoadError(f"input {vi.name!r} has symbolic dims {[d.dim_param or '?' for d in tt.shape.dim]}; "
-                                f"gac compiles static shapes: pass example_inputs to fix them")
-        env[vi.name] = g.input(vi.name, dims, dtype)
+            if len(ex_shape) != len(dims) or any(
+                d is not None and d != e for d, e in zip(dims, ex_shape)
+            ):
+                raise OnnxLoadError(
+                    f"input {vi.name!r}: example shape {ex_shape} does not match "
+                    f"the model's {['?' if d is None else d for d in dims]}"
+                )
+            dims = list(ex_shape)
+        static = [d for d in dims if d is not None]
+        if len(static) != len(dims):
+            raise OnnxLoadError(
+                f"input {vi.name!r} has symbolic dims "
+                f"{[d.dim_param or '?' for d in tt.shape.dim]}; "
+                f"gac compiles static shapes: pass example_inputs to fix them"
+            )
+        env[vi.name] = g.input(vi.name, static, dtype)
 
 
 def _outputs(result, proto: onnx.NodeProto, used: set[str]) -> list:
@@ -171,22 +219,32 @@ def _outputs(result, proto: onnx.NodeProto, used: set[str]) -> list:
     for k, name in enumerate(proto.output):
         if k >= len(outs) and name and name in used:
             raise Unsupported(f"output {k} ({name!r}) is not supported")
-    return outs[:len(proto.output)] + [None] * (len(proto.output) - len(outs))
+    return outs[: len(proto.output)] + [None] * (len(proto.output) - len(outs))
 
 
-def _fallback(g: GraphBuilder, proto: onnx.NodeProto, n: OnnxNode, xs: list, model: onnx.ModelProto,
-              types: dict) -> list:
+def _fallback(
+    g: GraphBuilder,
+    proto: onnx.NodeProto,
+    n: OnnxNode,
+    xs: list,
+    model: onnx.ModelProto,
+    types: dict,
+) -> list:
     """The node as an onnxruntime call (or folded through onnxruntime if its inputs are known)."""
     present = [(name, x) for name, x in zip(proto.input, xs) if name]
     inputs = [(name, g.meta(x), g.is_const(x)) for name, x in present]
     try:
         key, entry = ort_fallback.register(proto, n.key, model, inputs, types)
     except ort_fallback.OrtUnavailable:
-        raise OnnxLoadError(f"{n.label}: gac has no mapping and its output shapes are unknown "
-                            f"without onnxruntime (pip install onnxruntime)") from None
+        raise OnnxLoadError(
+            f"{n.label}: gac has no mapping and its output shapes are unknown "
+            f"without onnxruntime (pip install onnxruntime)"
+        ) from None
     except Exception as e:  # onnxruntime could not build or run the node either
-        raise OnnxLoadError(f"{n.label}: gac has no mapping and onnxruntime cannot run it: "
-                            f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
+        raise OnnxLoadError(
+            f"{n.label}: gac has no mapping and onnxruntime cannot run it: "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        ) from e
     if all(g.is_const(x) for _, x in present) and ort_fallback.have_onnxruntime():
         return entry.run([])  # every input known: fold now
     dyn = [x for _, x in present if not g.is_const(x)]
@@ -199,7 +257,9 @@ def _to_core_aten(g: GraphBuilder) -> fx.GraphModule:
     """make_fx over the builder's graph: decomposes to the core ATen the registry covers and
     re-derives every meta["val"] (reusing the builder's fake mode)."""
     gm = fx.GraphModule(torch.nn.Module(), g.graph)
-    core = make_fx(gm, decomposition_table=decompositions(), tracing_mode="fake")(*g.placeholder_values())
+    core = make_fx(gm, decomposition_table=decompositions(), tracing_mode="fake")(
+        *g.placeholder_values()
+    )
     core.graph.eliminate_dead_code()
     core.recompile()
     return core

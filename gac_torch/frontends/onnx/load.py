@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -13,11 +13,16 @@ from onnx import external_data_helper, numpy_helper
 MIN_OPSET, MAX_OPSET = 13, 21
 
 DTYPES: dict[int, torch.dtype] = {
-    onnx.TensorProto.FLOAT: torch.float32, onnx.TensorProto.DOUBLE: torch.float64,
-    onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.BFLOAT16: torch.bfloat16,
-    onnx.TensorProto.INT8: torch.int8, onnx.TensorProto.INT16: torch.int16,
-    onnx.TensorProto.INT32: torch.int32, onnx.TensorProto.INT64: torch.int64,
-    onnx.TensorProto.UINT8: torch.uint8, onnx.TensorProto.BOOL: torch.bool,
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.INT8: torch.int8,
+    onnx.TensorProto.INT16: torch.int16,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.UINT8: torch.uint8,
+    onnx.TensorProto.BOOL: torch.bool,
 }
 ELEM_TYPES = {v: k for k, v in DTYPES.items()}
 
@@ -28,8 +33,10 @@ class OnnxLoadError(ValueError):
 
 def torch_dtype(elem_type: int) -> torch.dtype:
     if elem_type not in DTYPES:
-        raise OnnxLoadError(f"ONNX element type {onnx.TensorProto.DataType.Name(elem_type)} "
-                            f"is not supported (supported: {sorted(str(d) for d in DTYPES.values())})")
+        raise OnnxLoadError(
+            f"ONNX element type {onnx.TensorProto.DataType.Name(elem_type)} "
+            f"is not supported (supported: {sorted(str(d) for d in DTYPES.values())})"
+        )
     return DTYPES[elem_type]
 
 
@@ -65,7 +72,8 @@ def _load_external_data(model: onnx.ModelProto, base_dir: str) -> None:
         if os.path.isabs(location) or os.path.commonpath([root, path]) != root:
             raise OnnxLoadError(
                 f"tensor {t.name!r}: external data location {location!r} resolves outside the "
-                f"model's folder {root!r}; refusing to read it")
+                f"model's folder {root!r}; refusing to read it"
+            )
     external_data_helper.load_external_data_for_model(model, root)
 
 
@@ -75,8 +83,10 @@ def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
         proto = onnx.ModelProto()
         proto.CopyFrom(model)
         if any(external_data_helper.uses_external_data(t) for t in _tensors(proto.graph)):
-            raise OnnxLoadError("this ModelProto refers to external data; pass the model's path "
-                                "so the data can be read from the model's folder")
+            raise OnnxLoadError(
+                "this ModelProto refers to external data; pass the model's path "
+                "so the data can be read from the model's folder"
+            )
     else:
         path = os.fspath(model)
         if not os.path.isfile(path):
@@ -102,8 +112,10 @@ def default_opset(model: onnx.ModelProto) -> int:
 def check_opset(model: onnx.ModelProto) -> None:
     v = default_opset(model)
     if not MIN_OPSET <= v <= MAX_OPSET:
-        raise OnnxLoadError(f"opset {v} is outside the supported range {MIN_OPSET}-{MAX_OPSET}; "
-                            f"convert it with onnx.version_converter.convert_version(model, 17)")
+        raise OnnxLoadError(
+            f"opset {v} is outside the supported range {MIN_OPSET}-{MAX_OPSET}; "
+            f"convert it with onnx.version_converter.convert_version(model, 17)"
+        )
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, tuple[list[int | None] | None, int]]:

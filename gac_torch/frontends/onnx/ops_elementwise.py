@@ -16,23 +16,51 @@ from gac_torch.frontends.onnx.registry import OnnxNode, Unsupported, onnx_op
 aten = torch.ops.aten
 
 _UNARY = {
-    "Relu": aten.relu.default, "Sigmoid": aten.sigmoid.default, "Tanh": aten.tanh.default,
-    "Erf": aten.erf.default, "Exp": aten.exp.default, "Log": aten.log.default,
-    "Sqrt": aten.sqrt.default, "Neg": aten.neg.default, "Abs": aten.abs.default,
-    "Reciprocal": aten.reciprocal.default, "Floor": aten.floor.default, "Ceil": aten.ceil.default,
-    "Round": aten.round.default, "Sin": aten.sin.default, "Cos": aten.cos.default,
-    "Tan": aten.tan.default, "Asin": aten.asin.default, "Acos": aten.acos.default,
-    "Atan": aten.atan.default, "Sinh": aten.sinh.default, "Cosh": aten.cosh.default,
-    "Asinh": aten.asinh.default, "Acosh": aten.acosh.default, "Atanh": aten.atanh.default,
-    "Sign": aten.sign.default, "Not": aten.logical_not.default, "IsNaN": aten.isnan.default,
-    "BitwiseNot": aten.bitwise_not.default, "Softsign": None, "Mish": aten.mish.default,
+    "Relu": aten.relu.default,
+    "Sigmoid": aten.sigmoid.default,
+    "Tanh": aten.tanh.default,
+    "Erf": aten.erf.default,
+    "Exp": aten.exp.default,
+    "Log": aten.log.default,
+    "Sqrt": aten.sqrt.default,
+    "Neg": aten.neg.default,
+    "Abs": aten.abs.default,
+    "Reciprocal": aten.reciprocal.default,
+    "Floor": aten.floor.default,
+    "Ceil": aten.ceil.default,
+    "Round": aten.round.default,
+    "Sin": aten.sin.default,
+    "Cos": aten.cos.default,
+    "Tan": aten.tan.default,
+    "Asin": aten.asin.default,
+    "Acos": aten.acos.default,
+    "Atan": aten.atan.default,
+    "Sinh": aten.sinh.default,
+    "Cosh": aten.cosh.default,
+    "Asinh": aten.asinh.default,
+    "Acosh": aten.acosh.default,
+    "Atanh": aten.atanh.default,
+    "Sign": aten.sign.default,
+    "Not": aten.logical_not.default,
+    "IsNaN": aten.isnan.default,
+    "BitwiseNot": aten.bitwise_not.default,
+    "Softsign": None,
+    "Mish": aten.mish.default,
 }
 _BINARY = {
-    "Add": aten.add.Tensor, "Sub": aten.sub.Tensor, "Mul": aten.mul.Tensor,
-    "Equal": aten.eq.Tensor, "Less": aten.lt.Tensor, "LessOrEqual": aten.le.Tensor,
-    "Greater": aten.gt.Tensor, "GreaterOrEqual": aten.ge.Tensor,
-    "And": aten.logical_and.default, "Or": aten.logical_or.default, "Xor": aten.logical_xor.default,
-    "BitwiseAnd": aten.bitwise_and.Tensor, "BitwiseOr": aten.bitwise_or.Tensor,
+    "Add": aten.add.Tensor,
+    "Sub": aten.sub.Tensor,
+    "Mul": aten.mul.Tensor,
+    "Equal": aten.eq.Tensor,
+    "Less": aten.lt.Tensor,
+    "LessOrEqual": aten.le.Tensor,
+    "Greater": aten.gt.Tensor,
+    "GreaterOrEqual": aten.ge.Tensor,
+    "And": aten.logical_and.default,
+    "Or": aten.logical_or.default,
+    "Xor": aten.logical_xor.default,
+    "BitwiseAnd": aten.bitwise_and.Tensor,
+    "BitwiseOr": aten.bitwise_or.Tensor,
     "BitwiseXor": aten.bitwise_xor.Tensor,
 }
 
@@ -119,7 +147,9 @@ def isinf(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
 
 
 @onnx_op("Clip")
-def clip(g: GraphBuilder, n: OnnxNode, x: Value, lo: Value | None = None, hi: Value | None = None) -> Value:
+def clip(
+    g: GraphBuilder, n: OnnxNode, x: Value, lo: Value | None = None, hi: Value | None = None
+) -> Value:
     if (lo is None or g.is_const(lo)) and (hi is None or g.is_const(hi)):
         lo_s = None if lo is None else g.scalar(lo, "Clip min")
         hi_s = None if hi is None else g.scalar(hi, "Clip max")
@@ -145,8 +175,13 @@ def identity(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
 
 
 @onnx_op("Dropout")
-def dropout(g: GraphBuilder, n: OnnxNode, x: Value, ratio: Value | None = None,
-            training: Value | None = None) -> tuple[Value, Value]:
+def dropout(
+    g: GraphBuilder,
+    n: OnnxNode,
+    x: Value,
+    ratio: Value | None = None,
+    training: Value | None = None,
+) -> tuple[Value, Value]:
     if training is not None and g.scalar(training, "Dropout training_mode"):
         raise Unsupported("training_mode=True")
     return x, g.call(aten.full.default, g.shape(x), True, dtype=torch.bool)  # inference: identity
@@ -154,10 +189,15 @@ def dropout(g: GraphBuilder, n: OnnxNode, x: Value, ratio: Value | None = None,
 
 # --- activations with attributes --------------------------------------------------------------
 
+
 def _relu_plus(g: GraphBuilder, x: Value, neg_part) -> Value:
     """relu(x) + neg_part(min(x, 0)): piecewise activations without a bool mask (exact, since
     each side adds a zero)."""
-    return g.call(aten.add.Tensor, g.call(aten.relu.default, x), neg_part(g.call(aten.clamp.default, x, None, 0.0)))
+    return g.call(
+        aten.add.Tensor,
+        g.call(aten.relu.default, x),
+        neg_part(g.call(aten.clamp.default, x, None, 0.0)),
+    )
 
 
 @onnx_op("LeakyRelu")
@@ -181,7 +221,9 @@ def celu(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
 
 @onnx_op("HardSigmoid")
 def hard_sigmoid(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
-    y = g.call(aten.add.Scalar, g.call(aten.mul.Scalar, x, n.attr("alpha", 0.2)), n.attr("beta", 0.5))
+    y = g.call(
+        aten.add.Scalar, g.call(aten.mul.Scalar, x, n.attr("alpha", 0.2)), n.attr("beta", 0.5)
+    )
     return g.call(aten.clamp.default, y, 0.0, 1.0)
 
 
@@ -209,4 +251,6 @@ def prelu(g: GraphBuilder, n: OnnxNode, x: Value, slope: Value) -> Value:
 
 @onnx_op("Gelu")
 def gelu(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
-    return g.call(aten.gelu.default, x, approximate=n.only("approximate", "none", "tanh", default="none"))
+    return g.call(
+        aten.gelu.default, x, approximate=n.only("approximate", "none", "tanh", default="none")
+    )

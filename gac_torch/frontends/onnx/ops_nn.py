@@ -13,9 +13,10 @@ from gac_torch.frontends.onnx.registry import OnnxNode, Unsupported, onnx_op
 aten = torch.ops.aten
 
 
-def _pads(n: OnnxNode, spatial: list[int], kernel: list[int], strides: list[int],
-          dilations: list[int]) -> tuple[list[int], list[int]]:
-    """(begins, ends) per spatial dim, from `pads` or `auto_pad` (SAME_*: output = ceil(in/stride))."""
+def _pads(
+    n: OnnxNode, spatial: list[int], kernel: list[int], strides: list[int], dilations: list[int]
+) -> tuple[list[int], list[int]]:
+    """(begins, ends) per spatial dim, from `pads` or `auto_pad` (SAME_*: out = ceil(in/stride))."""
     k = len(spatial)
     auto = n.attr("auto_pad", "NOTSET")
     if auto == "NOTSET":
@@ -52,12 +53,24 @@ def conv(g: GraphBuilder, n: OnnxNode, x: Value, w: Value, b: Value | None = Non
     if begins != ends:  # asymmetric: pad explicitly, then convolve unpadded
         x = g.call(aten.constant_pad_nd.default, x, _torch_pad(begins, ends), 0.0)
         begins = [0] * len(kernel)
-    return g.call(aten.convolution.default, x, w, b, strides, begins, dilations, False,
-                  [0] * len(kernel), n.attr("group", 1))
+    return g.call(
+        aten.convolution.default,
+        x,
+        w,
+        b,
+        strides,
+        begins,
+        dilations,
+        False,
+        [0] * len(kernel),
+        n.attr("group", 1),
+    )
 
 
 @onnx_op("ConvTranspose")
-def conv_transpose(g: GraphBuilder, n: OnnxNode, x: Value, w: Value, b: Value | None = None) -> Value:
+def conv_transpose(
+    g: GraphBuilder, n: OnnxNode, x: Value, w: Value, b: Value | None = None
+) -> Value:
     kernel = g.shape(w)[2:]
     k = len(kernel)
     if n.attr("output_shape") is not None or n.attr("auto_pad", "NOTSET") != "NOTSET":
@@ -65,20 +78,39 @@ def conv_transpose(g: GraphBuilder, n: OnnxNode, x: Value, w: Value, b: Value | 
     pads = list(n.attr("pads") or [0] * 2 * k)
     if pads[:k] != pads[k:]:
         raise Unsupported("asymmetric pads")
-    return g.call(aten.convolution.default, x, w, b, list(n.attr("strides") or [1] * k), pads[:k],
-                  list(n.attr("dilations") or [1] * k), True,
-                  list(n.attr("output_padding") or [0] * k), n.attr("group", 1))
+    return g.call(
+        aten.convolution.default,
+        x,
+        w,
+        b,
+        list(n.attr("strides") or [1] * k),
+        pads[:k],
+        list(n.attr("dilations") or [1] * k),
+        True,
+        list(n.attr("output_padding") or [0] * k),
+        n.attr("group", 1),
+    )
 
 
 # --- normalizations ---------------------------------------------------------------------------
 
+
 @onnx_op("BatchNormalization")
-def batch_norm(g: GraphBuilder, n: OnnxNode, x: Value, scale: Value, bias: Value, mean: Value,
-               var: Value) -> Value:
+def batch_norm(
+    g: GraphBuilder, n: OnnxNode, x: Value, scale: Value, bias: Value, mean: Value, var: Value
+) -> Value:
     if n.attr("training_mode", 0):
         raise Unsupported("training_mode=1")
-    out = g.call(aten._native_batch_norm_legit_no_training.default, x, scale, bias, mean, var,
-                 n.attr("momentum", 0.9), n.attr("epsilon", 1e-5))
+    out = g.call(
+        aten._native_batch_norm_legit_no_training.default,
+        x,
+        scale,
+        bias,
+        mean,
+        var,
+        n.attr("momentum", 0.9),
+        n.attr("epsilon", 1e-5),
+    )
     return out[0]
 
 
@@ -90,15 +122,20 @@ def _channel(g: GraphBuilder, v: Value, rank: int) -> Value:
 def _normalize(g: GraphBuilder, x: Value, dims: list[int], eps: float) -> Value:
     mean = g.call(aten.mean.dim, x, dims, True)
     var = g.call(aten.var.correction, x, dims, correction=0, keepdim=True)
-    return g.call(aten.mul.Tensor, g.call(aten.sub.Tensor, x, mean),
-                  g.call(aten.rsqrt.default, g.call(aten.add.Scalar, var, eps)))
+    return g.call(
+        aten.mul.Tensor,
+        g.call(aten.sub.Tensor, x, mean),
+        g.call(aten.rsqrt.default, g.call(aten.add.Scalar, var, eps)),
+    )
 
 
 @onnx_op("InstanceNormalization")
 def instance_norm(g: GraphBuilder, n: OnnxNode, x: Value, scale: Value, bias: Value) -> Value:
     r = g.rank(x)
     y = _normalize(g, x, list(range(2, r)), n.attr("epsilon", 1e-5))
-    return g.call(aten.add.Tensor, g.call(aten.mul.Tensor, y, _channel(g, scale, r)), _channel(g, bias, r))
+    return g.call(
+        aten.add.Tensor, g.call(aten.mul.Tensor, y, _channel(g, scale, r)), _channel(g, bias, r)
+    )
 
 
 @onnx_op("GroupNormalization")
@@ -108,23 +145,40 @@ def group_norm(g: GraphBuilder, n: OnnxNode, x: Value, scale: Value, bias: Value
     y = g.call(aten.reshape.default, _normalize(g, y, [2], n.attr("epsilon", 1e-5)), shape)
     if n.opset < 21:  # opset 18: scale and bias are per group, not per channel
         per = shape[1] // groups
-        scale, bias = (g.call(aten.reshape.default, g.call(aten.expand.default, g.call(
-            aten.reshape.default, v, [groups, 1]), [groups, per]), [shape[1]]) for v in (scale, bias))
+        scale, bias = (
+            g.call(
+                aten.reshape.default,
+                g.call(
+                    aten.expand.default, g.call(aten.reshape.default, v, [groups, 1]), [groups, per]
+                ),
+                [shape[1]],
+            )
+            for v in (scale, bias)
+        )
     r = len(shape)
-    return g.call(aten.add.Tensor, g.call(aten.mul.Tensor, y, _channel(g, scale, r)), _channel(g, bias, r))
+    return g.call(
+        aten.add.Tensor, g.call(aten.mul.Tensor, y, _channel(g, scale, r)), _channel(g, bias, r)
+    )
 
 
 @onnx_op("LayerNormalization")
-def layer_norm(g: GraphBuilder, n: OnnxNode, x: Value, scale: Value, bias: Value | None = None) -> list[Value]:
+def layer_norm(
+    g: GraphBuilder, n: OnnxNode, x: Value, scale: Value, bias: Value | None = None
+) -> list[Value]:
     shape = g.shape(x)
     axis = n.attr("axis", -1) % len(shape)
     norm = shape[axis:]
-    scale, bias = (v if v is None or g.shape(v) == norm else g.call(aten.expand.default, v, norm)
-                   for v in (scale, bias))
-    return list(g.call(aten.native_layer_norm.default, x, norm, scale, bias, n.attr("epsilon", 1e-5)))
+    if g.shape(scale) != norm:  # ONNX allows a broadcastable scale/bias; ATen wants norm's shape
+        scale = g.call(aten.expand.default, scale, norm)
+    if bias is not None and g.shape(bias) != norm:
+        bias = g.call(aten.expand.default, bias, norm)
+    return list(
+        g.call(aten.native_layer_norm.default, x, norm, scale, bias, n.attr("epsilon", 1e-5))
+    )
 
 
 # --- pooling ----------------------------------------------------------------------------------
+
 
 def _pool_args(n: OnnxNode, g: GraphBuilder, x: Value, pad_value: float | None):
     kernel = list(n.attr("kernel_shape"))
@@ -172,6 +226,7 @@ def global_pool(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
 
 # --- padding ----------------------------------------------------------------------------------
 
+
 def _pad_indices(mode: str, size: int, begin: int, end: int) -> np.ndarray:
     """Source index of every output position along one axis, for the non-constant modes."""
     i = np.arange(-begin, size + end)
@@ -185,11 +240,21 @@ def _pad_indices(mode: str, size: int, begin: int, end: int) -> np.ndarray:
 
 
 @onnx_op("Pad")
-def pad(g: GraphBuilder, n: OnnxNode, x: Value, pads: Value, value: Value | None = None,
-        axes: Value | None = None) -> Value:
+def pad(
+    g: GraphBuilder,
+    n: OnnxNode,
+    x: Value,
+    pads: Value,
+    value: Value | None = None,
+    axes: Value | None = None,
+) -> Value:
     rank = g.rank(x)
     p = g.ints(pads, "Pad pads") or []
-    ax = [a % rank for a in g.ints(axes, "Pad axes") or []] if axes is not None else list(range(rank))
+    ax = (
+        [a % rank for a in g.ints(axes, "Pad axes") or []]
+        if axes is not None
+        else list(range(rank))
+    )
     begins, ends = [0] * rank, [0] * rank
     for i, a in enumerate(ax):
         begins[a], ends[a] = p[i], p[i + len(ax)]

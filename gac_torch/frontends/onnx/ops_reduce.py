@@ -55,8 +55,18 @@ def _reduce(g: GraphBuilder, n: OnnxNode, x: Value, dims: list[int], keep: bool)
     return g.call(aten.add.Tensor, g.call(aten.log.default, s), m)
 
 
-@onnx_op("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-         "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp")
+@onnx_op(
+    "ReduceSum",
+    "ReduceMean",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceSumSquare",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+)
 def reduce(g: GraphBuilder, n: OnnxNode, x: Value, axes: Value | None = None) -> Value:
     dims = _axes(g, n, x, axes)
     if dims is None:

@@ -9,6 +9,7 @@ import by ONNX's own coordinate formulas (every coordinate_transformation_mode a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -40,24 +41,30 @@ def _source_coords(n: OnnxNode, out: int, size: int, scale: float) -> np.ndarray
 
 def _cubic_weights(t: np.ndarray, a: float) -> list[np.ndarray]:
     """Keys' cubic convolution weights for the taps at floor(x) - 1 .. floor(x) + 2."""
+
     def near(d):  # |d| <= 1
         return ((a + 2) * d - (a + 3)) * d * d + 1
 
     def far(d):  # 1 < |d| < 2
         return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
     return [far(t + 1), near(t), near(1 - t), far(2 - t)]
+
+
+_ROUNDING: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "round_prefer_floor": lambda v: np.ceil(v - 0.5),  # ties go down
+    "round_prefer_ceil": lambda v: np.floor(v + 0.5),  # ties go up
+    "floor": np.floor,
+    "ceil": np.ceil,
+}
 
 
 def _taps(n: OnnxNode, out: int, size: int, scale: float) -> Taps:
     xo = _source_coords(n, out, size, scale)
     mode = n.attr("mode", "nearest")
     if mode == "nearest":
-        rounding = n.attr("nearest_mode", "round_prefer_floor")
-        pick = {"round_prefer_floor": lambda v: np.ceil(v - 0.5), "round_prefer_ceil": lambda v: np.floor(v + 0.5),
-                "floor": np.floor, "ceil": np.ceil}.get(rounding)
-        if pick is None:
-            raise Unsupported(f"nearest_mode={rounding!r}")
-        return [(np.clip(pick(xo), 0, size - 1).astype(np.int64), None)]
+        rounding = n.only("nearest_mode", *_ROUNDING, default="round_prefer_floor")
+        return [(np.clip(_ROUNDING[rounding](xo), 0, size - 1).astype(np.int64), None)]
     if mode == "linear":
         xo = np.clip(xo, 0, size - 1)
         i0 = np.floor(xo)
@@ -71,7 +78,10 @@ def _taps(n: OnnxNode, out: int, size: int, scale: float) -> Taps:
             ws = [np.where((i >= 0) & (i < size), w, 0) for i, w in zip(idx, ws)]
             total = sum(ws)
             ws = [w / total for w in ws]
-        return [(np.clip(i, 0, size - 1).astype(np.int64), w.astype(np.float32)) for i, w in zip(idx, ws)]
+        return [
+            (np.clip(i, 0, size - 1).astype(np.int64), w.astype(np.float32))
+            for i, w in zip(idx, ws)
+        ]
     raise Unsupported(f"mode={mode!r}")
 
 
@@ -84,26 +94,35 @@ def _is_identity(taps: Taps, out: int, size: int) -> bool:
 
 def _resize_axis(g: GraphBuilder, x: Value, axis: int, taps: Taps) -> Value:
     rank, dtype = g.rank(x), g.dtype(x)
-    acc = None
+    acc: Value | None = None
     for idx, w in taps:
         t = g.call(aten.index_select.default, x, axis, torch.from_numpy(idx))
         if w is not None:
             weight = torch.from_numpy(w).to(dtype).reshape([-1] + [1] * (rank - 1 - axis))
             t = g.call(aten.mul.Tensor, t, weight)
         acc = t if acc is None else g.call(aten.add.Tensor, acc, t)
+    assert acc is not None
     return acc
 
 
 @onnx_op("Resize")
-def resize(g: GraphBuilder, n: OnnxNode, x: Value, roi: Value | None = None, scales: Value | None = None,
-           sizes: Value | None = None) -> Value:
+def resize(
+    g: GraphBuilder,
+    n: OnnxNode,
+    x: Value,
+    roi: Value | None = None,
+    scales: Value | None = None,
+    sizes: Value | None = None,
+) -> Value:
     if n.attr("antialias", 0):
         raise Unsupported("antialias=1")
     if n.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
         raise Unsupported("keep_aspect_ratio_policy")
     shape = g.shape(x)
     axes = [a % len(shape) for a in n.attr("axes") or range(len(shape))]  # opset 18: per-axis
-    sc = g.floats(scales, "Resize scales") if scales is not None and g.shape(scales) != [0] else None
+    sc = (
+        g.floats(scales, "Resize scales") if scales is not None and g.shape(scales) != [0] else None
+    )
     if sc:
         plan = [(a, math.floor(shape[a] * s), s) for a, s in zip(axes, sc)]
     else:
@@ -128,8 +147,13 @@ def _unnormalize(g: GraphBuilder, c: Value, size: int, align: bool, padding: str
     if align:  # -1 and 1 are the centers of the corner pixels
         c = g.call(aten.mul.Scalar, g.call(aten.add.Scalar, c, 1), (size - 1) / 2)
     else:  # -1 and 1 are the outer edges of the corner pixels
-        c = g.call(aten.div.Scalar, g.call(aten.sub.Scalar, g.call(aten.mul.Scalar, g.call(
-            aten.add.Scalar, c, 1), size), 1), 2)
+        c = g.call(
+            aten.div.Scalar,
+            g.call(
+                aten.sub.Scalar, g.call(aten.mul.Scalar, g.call(aten.add.Scalar, c, 1), size), 1
+            ),
+            2,
+        )
     if padding == "reflection":
         lo, hi = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
         span = hi - lo
@@ -139,8 +163,15 @@ def _unnormalize(g: GraphBuilder, c: Value, size: int, align: bool, padding: str
         flips = g.call(aten.floor.default, g.call(aten.div.Scalar, d, span))
         extra = g.call(aten.fmod.Scalar, d, span)
         odd = g.call(aten.remainder.Scalar, flips, 2)  # 0 or 1: odd flips mirror the remainder
-        c = g.call(aten.add.Tensor, g.call(aten.add.Scalar, extra, lo),
-                   g.call(aten.mul.Tensor, odd, g.call(aten.rsub.Scalar, g.call(aten.mul.Scalar, extra, 2), span)))
+        c = g.call(
+            aten.add.Tensor,
+            g.call(aten.add.Scalar, extra, lo),
+            g.call(
+                aten.mul.Tensor,
+                odd,
+                g.call(aten.rsub.Scalar, g.call(aten.mul.Scalar, extra, 2), span),
+            ),
+        )
     if padding != "zeros":
         c = g.call(aten.clamp.default, c, 0, size - 1)
     return c
@@ -149,12 +180,21 @@ def _unnormalize(g: GraphBuilder, c: Value, size: int, align: bool, padding: str
 def _inside(g: GraphBuilder, c: Value, size: int) -> Value:
     """1.0 where the integer-valued coordinate c lies in [0, size - 1], else 0.0 — arithmetic,
     not a bool mask, so the four corners may share it freely."""
-    outside = g.call(aten.abs.default, g.call(aten.sub.Tensor, c, g.call(aten.clamp.default, c, 0, size - 1)))
+    outside = g.call(
+        aten.abs.default, g.call(aten.sub.Tensor, c, g.call(aten.clamp.default, c, 0, size - 1))
+    )
     return g.call(aten.rsub.Scalar, g.call(aten.clamp.default, outside, None, 1.0), 1)
 
 
-def _corner(g: GraphBuilder, flat: Value, xi: Value, yi: Value, w: Value, hw: tuple[int, int],
-            shape_ncq: list[int]) -> Value:
+def _corner(
+    g: GraphBuilder,
+    flat: Value,
+    xi: Value,
+    yi: Value,
+    w: Value,
+    hw: tuple[int, int],
+    shape_ncq: list[int],
+) -> Value:
     """flat[n, c, yi * W + xi] * w, zero where (xi, yi) is outside the image."""
     h, wd = hw
     w = g.call(aten.mul.Tensor, w, g.call(aten.mul.Tensor, _inside(g, xi, wd), _inside(g, yi, h)))
@@ -185,14 +225,27 @@ def grid_sample(g: GraphBuilder, n: OnnxNode, x: Value, grid: Value) -> Value:
     ncq = [nb, ch, ho * wo]
     if _GRID_MODES[mode] == 1:  # nearest: round half to even, like ATen and onnxruntime
         ones = g.call(aten.ones_like.default, ix)
-        y = _corner(g, flat, g.call(aten.round.default, ix), g.call(aten.round.default, iy), ones, (h, wd), ncq)
+        y = _corner(
+            g,
+            flat,
+            g.call(aten.round.default, ix),
+            g.call(aten.round.default, iy),
+            ones,
+            (h, wd),
+            ncq,
+        )
     else:
         x0, y0 = g.call(aten.floor.default, ix), g.call(aten.floor.default, iy)
         x1, y1 = g.call(aten.add.Scalar, x0, 1), g.call(aten.add.Scalar, y0, 1)
         wx1, wy1 = g.call(aten.sub.Tensor, ix, x0), g.call(aten.sub.Tensor, iy, y0)
         wx0, wy0 = g.call(aten.rsub.Scalar, wx1, 1), g.call(aten.rsub.Scalar, wy1, 1)
         y = None
-        for xi, yi, wa, wb in ((x0, y0, wx0, wy0), (x1, y0, wx1, wy0), (x0, y1, wx0, wy1), (x1, y1, wx1, wy1)):
+        for xi, yi, wa, wb in (
+            (x0, y0, wx0, wy0),
+            (x1, y0, wx1, wy0),
+            (x0, y1, wx0, wy1),
+            (x1, y1, wx1, wy1),
+        ):
             term = _corner(g, flat, xi, yi, g.call(aten.mul.Tensor, wa, wb), (h, wd), ncq)
             y = term if y is None else g.call(aten.add.Tensor, y, term)
     return g.call(aten.reshape.default, y, [nb, ch, ho, wo])

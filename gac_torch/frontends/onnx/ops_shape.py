@@ -30,8 +30,12 @@ def constant(g: GraphBuilder, n: OnnxNode) -> Value:
     a = n.attrs
     if "value" in a:
         return torch.from_numpy(a["value"].copy())
-    for key, dtype in (("value_float", torch.float32), ("value_floats", torch.float32),
-                       ("value_int", torch.int64), ("value_ints", torch.int64)):
+    for key, dtype in (
+        ("value_float", torch.float32),
+        ("value_floats", torch.float32),
+        ("value_int", torch.int64),
+        ("value_ints", torch.int64),
+    ):
         if key in a:
             return torch.tensor(a[key], dtype=dtype)
     raise Unsupported(f"attribute {next(iter(a), '?')} (string and sparse constants)")
@@ -46,7 +50,9 @@ def constant_of_shape(g: GraphBuilder, n: OnnxNode, shp: Value) -> Value:
 
 @onnx_op("Range")
 def range_(g: GraphBuilder, n: OnnxNode, start: Value, limit: Value, delta: Value) -> Value:
-    s, e, d = (g.scalar(v, f"Range {w}") for v, w in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    s, e, d = (
+        g.scalar(v, f"Range {w}") for v, w in ((start, "start"), (limit, "limit"), (delta, "delta"))
+    )
     return torch.arange(s, e, d, dtype=g.dtype(start))
 
 
@@ -54,7 +60,7 @@ def range_(g: GraphBuilder, n: OnnxNode, start: Value, limit: Value, delta: Valu
 def reshape(g: GraphBuilder, n: OnnxNode, x: Value, shp: Value) -> Value:
     dims, src = g.ints(shp, "Reshape shape"), g.shape(x)
     if not n.attr("allowzero", 0):  # 0 copies the input's dim
-        dims = [src[i] if d == 0 else d for i, d in enumerate(dims)]  # type: ignore[union-attr]
+        dims = [src[i] if d == 0 else d for i, d in enumerate(dims)]
     return g.call(aten.reshape.default, x, dims)
 
 
@@ -123,13 +129,20 @@ def tile(g: GraphBuilder, n: OnnxNode, x: Value, repeats: Value) -> Value:
 
 
 @onnx_op("Slice")
-def slice_(g: GraphBuilder, n: OnnxNode, x: Value, starts: Value, ends: Value,
-           axes: Value | None = None, steps: Value | None = None) -> Value:
+def slice_(
+    g: GraphBuilder,
+    n: OnnxNode,
+    x: Value,
+    starts: Value,
+    ends: Value,
+    axes: Value | None = None,
+    steps: Value | None = None,
+) -> Value:
     s, e = g.ints(starts, "Slice starts"), g.ints(ends, "Slice ends")
     dims = g.shape(x)
-    ax = g.ints(axes, "Slice axes") or list(range(len(s)))  # type: ignore[arg-type]
-    st = g.ints(steps, "Slice steps") or [1] * len(s)  # type: ignore[arg-type]
-    for start, end, a, step in zip(s, e, ax, st):  # type: ignore[arg-type]
+    ax = g.ints(axes, "Slice axes") or list(range(len(s)))
+    st = g.ints(steps, "Slice steps") or [1] * len(s)
+    for start, end, a, step in zip(s, e, ax, st):
         a %= len(dims)
         lo, hi, _ = slice(start, end, step).indices(dims[a])  # numpy's clamping, as ONNX
         if step > 0:
@@ -145,7 +158,9 @@ def _normalized_indices(g: GraphBuilder, idx: Value, size: int) -> Value:
     if g.is_const(idx):
         return torch.where(idx < 0, idx + size, idx).to(torch.int64)
     idx = g.cast(idx, torch.int64)
-    return g.call(aten.where.self, g.call(aten.lt.Scalar, idx, 0), g.call(aten.add.Scalar, idx, size), idx)
+    return g.call(
+        aten.where.self, g.call(aten.lt.Scalar, idx, 0), g.call(aten.add.Scalar, idx, size), idx
+    )
 
 
 @onnx_op("Gather")
@@ -158,7 +173,7 @@ def gather(g: GraphBuilder, n: OnnxNode, x: Value, idx: Value) -> Value:
         return g.call(aten.select.int, x, axis, int(idx))
     flat = g.call(aten.reshape.default, idx, [-1])
     y = g.call(aten.index_select.default, x, axis, flat)
-    return g.call(aten.reshape.default, y, dims[:axis] + ishape + dims[axis + 1:])
+    return g.call(aten.reshape.default, y, dims[:axis] + ishape + dims[axis + 1 :])
 
 
 @onnx_op("GatherElements")
@@ -177,7 +192,7 @@ def gather_nd(g: GraphBuilder, n: OnnxNode, x: Value, idx: Value) -> Value:
     linear: Value | None = None
     for i in range(k):
         col = _normalized_indices(g, g.call(aten.select.int, idx, -1, i), dims[i])
-        term = g.call(aten.mul.Scalar, col, math.prod(dims[i + 1:k]))
+        term = g.call(aten.mul.Scalar, col, math.prod(dims[i + 1 : k]))
         linear = term if linear is None else g.call(aten.add.Tensor, linear, term)
     flat = g.call(aten.reshape.default, x, [math.prod(dims[:k])] + dims[k:])
     y = g.call(aten.index_select.default, flat, 0, g.call(aten.reshape.default, linear, [-1]))
@@ -210,8 +225,11 @@ def depth_space(g: GraphBuilder, n: OnnxNode, x: Value) -> Value:
 @onnx_op("TopK")
 def topk(g: GraphBuilder, n: OnnxNode, x: Value, k: Value) -> list[Value]:
     axis = n.attr("axis", -1) % g.rank(x)
-    return list(g.call(aten.topk.default, x, int(g.scalar(k, "TopK k")), axis,
-                       bool(n.attr("largest", 1)), True))
+    return list(
+        g.call(
+            aten.topk.default, x, int(g.scalar(k, "TopK k")), axis, bool(n.attr("largest", 1)), True
+        )
+    )
 
 
 @onnx_op("NonZero")
@@ -229,5 +247,6 @@ def one_hot(g: GraphBuilder, n: OnnxNode, idx: Value, depth: Value, values: Valu
     classes = torch.arange(d).reshape([d] + [1] * (g.rank(idx) - axis))
     hit = g.call(aten.eq.Tensor, g.call(aten.unsqueeze.default, idx, axis), classes)
     dtype = g.dtype(values)
-    return g.call(aten.where.self, hit, torch.tensor(on, dtype=dtype), torch.tensor(off, dtype=dtype))
-
+    return g.call(
+        aten.where.self, hit, torch.tensor(on, dtype=dtype), torch.tensor(off, dtype=dtype)
+    )

@@ -9,8 +9,9 @@ graph still imports; the call raises OrtUnavailable, naming the op and the fix.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import onnx
 import torch
@@ -18,7 +19,7 @@ from onnx import helper
 
 from gac_torch.frontends.onnx.load import ELEM_TYPES, torch_dtype
 
-_NODES: dict[str, "OrtNode"] = {}
+_NODES: dict[str, OrtNode] = {}
 _ids = itertools.count()
 
 
@@ -49,13 +50,15 @@ class OrtNode:
             if not have_onnxruntime():
                 raise OrtUnavailable(
                     f"ONNX op {self.op} has no gac mapping and runs through onnxruntime, which is "
-                    f"not installed: pip install onnxruntime (or 'gac-torch[onnx]')")
+                    f"not installed: pip install onnxruntime (or 'gac-torch[onnx]')"
+                )
             import onnxruntime as ort
 
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
-            self._session = ort.InferenceSession(self.model.SerializeToString(), opts,
-                                                 providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(
+                self.model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+            )
         return self._session
 
     def run_numpy(self, arrays: Sequence[Any]) -> list[Any]:
@@ -78,8 +81,9 @@ def _ort_node_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty(s, dtype=d, device=device) for s, d in _NODES[key].out_specs]
 
 
-def make_node_model(node: onnx.NodeProto, model: onnx.ModelProto,
-                    inputs: Sequence[tuple[str, torch.Tensor, bool]]) -> tuple[onnx.ModelProto, list[str]]:
+def make_node_model(
+    node: onnx.NodeProto, model: onnx.ModelProto, inputs: Sequence[tuple[str, torch.Tensor, bool]]
+) -> tuple[onnx.ModelProto, list[str]]:
     """The node alone: (name, value or its fake, is_constant) per present input; constants
     become initializers. Returns the model and its graph-input names."""
     graph_inputs, inits, names = [], [], []
@@ -87,17 +91,25 @@ def make_node_model(node: onnx.NodeProto, model: onnx.ModelProto,
         if is_const:
             inits.append(onnx.numpy_helper.from_array(val.cpu().numpy(), name))
         else:
-            graph_inputs.append(helper.make_tensor_value_info(name, ELEM_TYPES[val.dtype], list(val.shape)))
+            graph_inputs.append(
+                helper.make_tensor_value_info(name, ELEM_TYPES[val.dtype], list(val.shape))
+            )
             names.append(name)
     outputs = [helper.make_value_info(o, onnx.TypeProto()) for o in node.output if o]
     graph = helper.make_graph([node], f"gac_fallback_{node.op_type}", graph_inputs, outputs, inits)
-    single = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    single = helper.make_model(
+        graph, opset_imports=list(model.opset_import), ir_version=model.ir_version
+    )
     return single, names
 
 
-def register(node: onnx.NodeProto, op: str, model: onnx.ModelProto,
-             inputs: Sequence[tuple[str, torch.Tensor, bool]],
-             known: dict[str, tuple[list[int | None] | None, int]]) -> tuple[str, OrtNode]:
+def register(
+    node: onnx.NodeProto,
+    op: str,
+    model: onnx.ModelProto,
+    inputs: Sequence[tuple[str, torch.Tensor, bool]],
+    known: dict[str, tuple[list[int | None] | None, int]],
+) -> tuple[str, OrtNode]:
     """Builds the node's model and finds its output specs: from shape inference when static,
     else by running it once on zeros (needs onnxruntime)."""
     single, names = make_node_model(node, model, inputs)
@@ -105,10 +117,12 @@ def register(node: onnx.NodeProto, op: str, model: onnx.ModelProto,
     outs = [o for o in node.output if o]
     specs = [known.get(o) for o in outs]
     if all(s is not None and s[0] is not None and None not in s[0] for s in specs):
-        entry.out_specs = [(tuple(s[0]), torch_dtype(s[1])) for s in specs]  # type: ignore[index,arg-type]
+        entry.out_specs = [(tuple(s[0]), torch_dtype(s[1])) for s in specs]  # type: ignore
     else:
         zeros = [torch.zeros(v.shape, dtype=v.dtype).numpy() for _, v, c in inputs if not c]
-        entry.out_specs = [(tuple(o.shape), torch.from_numpy(o).dtype) for o in entry.run_numpy(zeros)]
+        entry.out_specs = [
+            (tuple(o.shape), torch.from_numpy(o).dtype) for o in entry.run_numpy(zeros)
+        ]
     key = f"{node.op_type}_{next(_ids)}"
     _NODES[key] = entry
     return key, entry

@@ -14,14 +14,12 @@ does not map; the importer then treats the node like an unknown op (onnxruntime 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import onnx
 from onnx import helper, numpy_helper
-
-if TYPE_CHECKING:
-    from gac_torch.frontends.onnx.builder import GraphBuilder
 
 OpFn = Callable[..., Any]
 OPS: dict[str, OpFn] = {}  # op type in the default ONNX domain -> function
@@ -39,6 +37,7 @@ def onnx_op(*op_types: str) -> Callable[[OpFn], OpFn]:
                 raise ValueError(f"ONNX op {t} is registered twice")
             OPS[t] = fn
         return fn
+
     return register
 
 
@@ -59,7 +58,7 @@ class OnnxNode:
     attrs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, proto: onnx.NodeProto, opset: int) -> "OnnxNode":
+    def of(cls, proto: onnx.NodeProto, opset: int) -> OnnxNode:
         attrs = {}
         for a in proto.attribute:
             v = helper.get_attribute_value(a)
@@ -87,7 +86,11 @@ class OnnxNode:
 
     @property
     def label(self) -> str:
-        return f"{self.op_type} node {self.proto.name!r}" if self.proto.name else f"{self.op_type} node"
+        return (
+            f"{self.op_type} node {self.proto.name!r}"
+            if self.proto.name
+            else f"{self.op_type} node"
+        )
 
     def attr(self, name: str, default: Any = None) -> Any:
         return self.attrs.get(name, default)
