@@ -54,6 +54,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
     signature = Signature(_specs(placeholders), _specs(outs))
 
     stages: dict[str, str] = {}
+    binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
     ctx = make_context()
     module = gac_dce(build_module(gm, ctx))
     with ctx, ir.Location.unknown():
@@ -67,11 +68,17 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         for stage in target.stages(options):
             artifact = stage.run(artifact)
             stages[stage.name] = stage_text(artifact)
+            if isinstance(getattr(artifact, "binary", None), bytes):
+                binaries[stage.name] = artifact.binary
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         with open(os.path.join(dump_dir, f"{name}.fx.txt"), "w") as f:
             f.write(str(gm.graph))
         for stage, text in stages.items():
+            if stage in binaries:  # the dump holds the bytes; ir(stage) the description
+                with open(os.path.join(dump_dir, f"{name}.{stage}"), "wb") as fb:
+                    fb.write(binaries[stage])
+                continue
             with open(os.path.join(dump_dir, f"{name}.{stage}"), "w") as f:
                 f.write(text)
     try:

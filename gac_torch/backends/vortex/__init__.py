@@ -1,5 +1,7 @@
-"""Vortex RISC-V GPU target (lower half): C / LLVM IR -> .vxbin (toolchain), a functional
-simulator (funcsim) and one device API over it and the real SimX runtime (bridge).
+"""Vortex RISC-V GPU target. Upper half: `TARGET` (backend.py: linalg -> gpu -> llvm -> vxbin,
+run through runtime.py; `last_counters(compiled)` gives the last call's instructions/cycles).
+Lower half: C / LLVM IR -> .vxbin (toolchain), a functional simulator (funcsim) and one device
+API over it and the real SimX runtime (bridge).
 
 Exports resolve lazily so importing the package needs neither ziglang nor pyelftools."""
 
@@ -15,6 +17,7 @@ _EXPORTS = {
     "VortexDevice": "bridge", "SimxError": "bridge", "simx_available": "bridge",
     "VortexConfig": "target", "DEFAULT_CONFIG": "target", "HELPERS": "target",
     "pack_args": "target", "arg_offsets": "target",
+    "TARGET": "backend", "compile_flags": "backend", "last_counters": "runtime",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,0 +1,71 @@
+"""The vortex target: stages gpu -> llvm -> vxbin, a loader over SimX or the functional
+simulator, and what the compiler assumes about the device (the data block below).
+
+Tensors live on the host (device_type "cpu"); the executable copies them to the device.
+Options: `vortex_mode` ("simx" | "functional"; default simx when `vortex_home` or VORTEX_HOME
+is set, else functional) and `vortex_home` (a Vortex build with runtime/lib/libvortex.so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+from gac_torch.backends.base import Signature, Stage, Target
+from gac_torch.backends.vortex.target import DEFAULT_CONFIG
+
+# --- data block ------------------------------------------------------------------------------
+THREADS_PER_WARP = DEFAULT_CONFIG.threads        # SimX default build: 1 core x 4 warps x 4 threads
+WARPS_PER_CORE = DEFAULT_CONFIG.warps
+CTA_THREADS = THREADS_PER_WARP * WARPS_PER_CORE  # a CTA that synchronises must fit one core
+GEMM_THREADS = (4, 4)                            # tiled GEMM CTA: thread rows x columns
+LMEM_BYTES = DEFAULT_CONFIG.lmem_size            # local memory per core (shared by its CTAs)
+MAX_GRID = (2**31 - 1, 65535, 65535)
+# ----------------------------------------------------------------------------------------------
+
+_flags: Any = None   # pipeline.CompileFlags while compile_flags() is active
+
+
+@contextlib.contextmanager
+def compile_flags(**changes: bool) -> Iterator[None]:
+    """Internal switches for tests and benchmarks, e.g. `compile_flags(divergence=False)`
+    (no SPLIT/JOIN) or `compile_flags(tiled_gemm=False)` (the scalar matmul baseline)."""
+    from gac_torch.backends.vortex.pipeline import CompileFlags  # noqa: PLC0415
+
+    global _flags
+    saved, _flags = _flags, dataclasses.replace(_flags or CompileFlags(), **changes)
+    try:
+        yield
+    finally:
+        _flags = saved
+
+
+def _stages(options: dict) -> list[Stage]:
+    from gac_torch.backends.vortex import pipeline  # noqa: PLC0415 (MLIR only when compiling)
+    from gac_torch.backends.vortex.mapping import VortexLimits  # noqa: PLC0415
+
+    flags = _flags or pipeline.CompileFlags()
+    limits = VortexLimits(threads_per_warp=THREADS_PER_WARP, threads_per_block=CTA_THREADS,
+                          gemm_threads=GEMM_THREADS, lmem_bytes=LMEM_BYTES, max_grid=MAX_GRID)
+    return [
+        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, limits, flags)),
+        Stage("llvm", pipeline.lower_stage),
+        Stage("vxbin", pipeline.vxbin_stage),
+    ]
+
+
+def _load(program: Any, signature: Signature, options: dict) -> Any:
+    from gac_torch.backends.vortex import runtime  # noqa: PLC0415
+
+    mode, home = runtime.resolve_mode(options)
+    return runtime.VortexExecutable(program, signature, mode, home)
+
+
+TARGET = Target(
+    name="vortex",
+    device_type="cpu",
+    stages=_stages,
+    load=_load,
+    options={"vortex_home": None, "vortex_mode": None},
+)

@@ -1,0 +1,126 @@
+"""linalg on tensors -> one gpu.launch per op, for Vortex.
+
+The steps are the CUDA target's (gac_torch.backends.cuda.mapping, imported, not copied):
+elementwise fusion, bufferization, copy elision, one `linalg.generic` per kernel, the `loops`
+strategy (scf.parallel linearized onto a 1-D grid), `serial` kernels, global sinking, outlining.
+What differs is the choice of strategy, because a Vortex CTA must fit one core (its barrier
+waits for all of its warps) and warps are narrow:
+
+- `gemm`: f32 contractions -> the tiled local-memory template gac_torch.kernels.vortex_gemm,
+  a 4x4-thread CTA with a register tile per thread;
+- `loops`: everything else, reductions included (CUDA's `reduce` relies on gpu.all_reduce,
+  whose upstream lowering assumes 32-lane subgroups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mlir import ir
+
+from gac_torch.backends.cuda import mapping as cm
+from gac_torch.kernels import vortex_gemm
+
+
+@dataclass(frozen=True)
+class VortexLimits:
+    """What the mapping needs to know about the device (from the target's data block)."""
+
+    threads_per_warp: int
+    threads_per_block: int        # `loops` CTA size: one core's worth of threads
+    gemm_threads: tuple[int, int]  # (rows, cols) of the GEMM CTA; rows * cols <= one core
+    lmem_bytes: int               # local memory per core
+    max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+    tiled_gemm: bool = True       # False: matmuls use `loops` (the scalar baseline)
+
+    def cuda_limits(self) -> cm.MappingLimits:
+        return cm.MappingLimits(warp_size=self.threads_per_warp,
+                                max_threads_per_block=self.threads_per_block,
+                                max_static_shared_bytes=self.lmem_bytes, max_grid=self.max_grid,
+                                threads_per_block=self.threads_per_block)
+
+
+def gemm_shape(c: "cm._Contraction") -> Optional[vortex_gemm.GemmShape]:
+    """The template's view of a matched contraction, or None if it is not a plain f32 GEMM."""
+    g = c.g
+    elems = [str(ir.MemRefType(v.type).element_type) for v in (*g.inputs, g.outputs[0])]
+    if elems != ["f32"] * 3 or c.a_casts or c.b_casts or not c.is_float:
+        return None
+    dims = [cm._dims(m) for m in g.maps]
+    if any(d is None for d in dims):
+        return None
+    a, b, out = dims
+    return vortex_gemm.GemmShape(
+        M=g.ranges[c.m], N=g.ranges[c.n], K=g.ranges[c.k],
+        batch=tuple(g.ranges[d] for d in c.batch), a_dims=tuple(a), b_dims=tuple(b),  # type: ignore[arg-type]
+        c_dims=tuple(out), m=c.m, n=c.n, k=c.k, batch_dims=tuple(c.batch),  # type: ignore[arg-type]
+        a_type=str(g.inputs[0].type), b_type=str(g.inputs[1].type), c_type=str(g.outputs[0].type))
+
+
+def _emit_gemm(op: ir.Operation, name: str, limits: VortexLimits) -> bool:
+    g = cm._analyze(op)
+    c = cm._match_contraction(g) if g is not None else None
+    shape = gemm_shape(c) if c is not None else None
+    if shape is None or 0 in (shape.M, shape.N, shape.K):
+        return False
+    tiling = vortex_gemm.choose_tiling(shape.M, shape.N, shape.K, *limits.gemm_threads)
+    if tiling.lmem_bytes() > limits.lmem_bytes or any(
+            x > lim for x, lim in zip(vortex_gemm.grid(shape, tiling), limits.max_grid)):
+        return False
+    fill = cm._fill_before(op, g.outputs[0])  # type: ignore[union-attr]
+    text = vortex_gemm.gemm_template(shape, tiling, fused_fill=fill is not None)
+    cm._splice_template(text, op, [*g.inputs, g.outputs[0]],  # type: ignore[union-attr]
+                        fill[1] if fill is not None else None, "f32", name)
+    if fill is not None:
+        fill[0].erase()
+    op.erase()
+    return True
+
+
+def map_to_gpu(module: ir.Module, limits: VortexLimits) -> None:
+    """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels
+    (the same sequence as cuda.mapping.map_to_gpu, with Vortex's strategy choice)."""
+    cl = limits.cuda_limits()
+    fn = cm.main_func(module)
+    cm._generalize_elementwise_named_ops(module, fn)
+    cm.run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
+    cm.run_passes(module, "eliminate-empty-tensors, one-shot-bufferize, canonicalize, cse")
+    cm._elide_copies_into_outputs(fn)
+    cm._copies_to_linalg(fn)
+    cm.run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
+
+    counter = iter(range(1 << 30))
+    block = cm._block(fn)
+    for op in cm._ops(block):
+        if op.name != "linalg.generic":
+            continue
+        if limits.tiled_gemm and _emit_gemm(op, f"gac_k{next(counter)}_gemm", limits):
+            continue
+        cm._parallel_dims_first(op)   # one scf.parallel holding the reduction loops
+
+    cm.run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse")
+    ops = cm._ops(block)
+    serial: list[ir.Operation] = []
+    for i, op in enumerate(ops):
+        if op.name == "scf.parallel":
+            if serial:
+                cm._wrap_serial(serial, f"gac_k{next(counter)}_serial")
+                serial = []
+            if i + 1 < len(ops) and ops[i + 1].name == "scf.parallel" and cm._absorb_fill(op, ops[i + 1]):
+                continue
+            cm._linearize(op, f"gac_k{next(counter)}_loops", cl)
+        elif op.name in cm._HOST_OPS:
+            if serial and op.name != "arith.constant":
+                cm._wrap_serial(serial, f"gac_k{next(counter)}_serial")
+                serial = []
+        else:
+            serial.append(op)
+    if serial:
+        cm._wrap_serial(serial, f"gac_k{next(counter)}_serial")
+    cm._sink_globals(fn)
+    cm.run_passes(module, "gpu-launch-sink-index-computations, gpu-kernel-outlining, canonicalize, cse")
+    cm._number_kernels(module, fn)
+
+
+__all__ = ["VortexLimits", "map_to_gpu", "gemm_shape"]

@@ -1,0 +1,156 @@
+"""Run a VortexProgram on SimX or the functional simulator, over torch tensors on the host.
+
+Per call: inputs are copied to device buffers, the kernels are launched in order (grid, block,
+lmem_size from the program), outputs are copied back into the torch tensors. Device buffers
+(one per argument plus one workspace laid out by the static memory plan) are allocated once per
+executable. One device per (mode, VORTEX_HOME) is shared by every executable of the process;
+only one module is resident at a time (every image links at 0x80000000), so an executable
+reloads its .vxbin when another one ran in between.
+
+Counters of the last call: `executable.last_counters` (also `vortex.last_counters(compiled)`):
+summed `instructions` (warp instructions), `cycles` (SimX; None on the functional simulator),
+`divergent_branches` (functional: must be 0), and `kernels`, one entry per launch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any, Sequence
+
+import torch
+
+from gac_torch.backends.base import Signature, TargetUnavailable
+from gac_torch.backends.cuda.program import BufferRef
+from gac_torch.backends.vortex.bridge import (DeviceBuffer, FunctionalDevice, SimxDevice,
+                                              VortexDevice, VortexNotFound, find_vortex)
+from gac_torch.backends.vortex.pipeline import VortexProgram
+from gac_torch.backends.vortex.target import pack_args
+
+MODES = ("simx", "functional")
+_DEVICES: dict[tuple[str, str], VortexDevice] = {}
+_RESIDENT: dict[int, int] = {}          # id(device) -> id(executable) whose module is loaded
+_SUMMED = ("instructions", "thread_instructions", "divergent_branches", "divergent_splits",
+           "barriers", "ctas")
+
+
+def resolve_mode(options: dict) -> tuple[str, str | None]:
+    """(mode, vortex_home): default simx when a Vortex build is given or in VORTEX_HOME."""
+    home = options.get("vortex_home") or os.environ.get("VORTEX_HOME") or None
+    mode = options.get("vortex_mode") or ("simx" if home else "functional")
+    if mode not in MODES:
+        raise ValueError(f"option 'vortex_mode' must be one of {MODES}, not {mode!r}")
+    return mode, home
+
+
+def device(mode: str, vortex_home: str | None) -> VortexDevice:
+    key = (mode, str(vortex_home or ""))
+    dev = _DEVICES.get(key)
+    if dev is None:
+        if mode == "simx":
+            try:
+                find_vortex(vortex_home)
+            except VortexNotFound as e:
+                raise TargetUnavailable(f"vortex_mode='simx': {e}; or pass "
+                                        "options={'vortex_mode': 'functional'}") from e
+            dev = SimxDevice(vortex_home)
+        else:
+            dev = FunctionalDevice()
+        _DEVICES[key] = dev
+    return dev
+
+
+@atexit.register
+def _close_devices() -> None:
+    for dev in _DEVICES.values():
+        dev.close()
+    _DEVICES.clear()
+
+
+class VortexExecutable:
+    def __init__(self, program: VortexProgram, signature: Signature, mode: str,
+                 vortex_home: str | None) -> None:
+        specs = list(signature.inputs) + list(signature.outputs)
+        for i, (s, a) in enumerate(zip(specs, program.args)):
+            if tuple(s.shape) != a.shape or s.dtype.itemsize != a.itemsize:
+                raise ValueError(f"buffer {i}: signature {s} does not match compiled {a.elem}{list(a.shape)}")
+        self.program, self.signature, self.mode = program, signature, mode
+        self.device = device(mode, vortex_home)
+        cfg = self.device.config
+        for k in program.launches:
+            threads = k.block[0] * k.block[1] * k.block[2]
+            if k.shared_mem and threads > cfg.warps * cfg.threads:
+                raise TargetUnavailable(
+                    f"kernel {k.kernel} needs {threads} threads per CTA (it synchronises), the "
+                    f"device has {cfg.warps} warps x {cfg.threads} threads per core")
+        self.last_counters: dict[str, Any] | None = None
+        self._module: int | None = None
+        self._bufs: list[DeviceBuffer] = []
+        self._workspace: DeviceBuffer | None = None
+
+    def _prepare(self) -> None:
+        dev = self.device
+        if not self._bufs:
+            self._bufs = [dev.alloc(max(4, a.itemsize * _numel(a.shape))) for a in self.program.args]
+            size = self.program.plan.workspace_size
+            self._workspace = dev.alloc(size) if size else None
+        if _RESIDENT.get(id(dev)) != id(self) or self._module is None:
+            self._module = dev.load_module(self.program.vxbin)
+            _RESIDENT[id(dev)] = id(self)
+
+    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        prog = self.program
+        if not prog.launches:
+            self.last_counters = _total([])
+            return
+        self._prepare()
+        dev, n_in = self.device, len(inputs)
+        for t, buf in zip(inputs, self._bufs):
+            dev.write(buf, _host_bytes(t))
+        temps = [self._workspace.address + prog.plan.offsets[t.name]    # type: ignore[union-attr]
+                 for t in prog.temps]
+        per_launch = []
+        for k in prog.launches:
+            kinds = prog.kernels[k.kernel].params
+            values = [(self._bufs[a.index].address if a.kind == "arg" else temps[a.index])
+                      if isinstance(a, BufferRef) else a.value for a in k.args]
+            c = dev.launch(self._module, k.kernel, pack_args(kinds, values),  # type: ignore[arg-type]
+                           grid=k.grid, block=k.block, lmem_size=k.shared_mem)
+            per_launch.append(dict(c, kernel=k.kernel))
+        for t, buf in zip(outputs, self._bufs[n_in:]):
+            data = dev.read(buf, t.numel() * t.element_size())
+            t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
+        self.last_counters = _total(per_launch)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a contiguous tensor (bool is one byte per element, as the kernels expect)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _total(per_launch: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: sum(c.get(k) or 0 for c in per_launch) for k in _SUMMED}
+    cycles = [c.get("cycles") for c in per_launch]
+    out["cycles"] = sum(cycles) if cycles and None not in cycles else None  # type: ignore[arg-type]
+    out["launches"] = len(per_launch)
+    out["kernels"] = per_launch
+    return out
+
+
+def last_counters(compiled: Any) -> dict[str, Any]:
+    """Counters of the last call of a compiled program (gac_torch.compile's result, a
+    torch.compile'd graph's CompiledFx, or one partition), summed over its vortex partitions."""
+    parts = getattr(getattr(compiled, "compiled", compiled), "partitions", None)
+    graphs = list(parts.values()) if parts is not None else [compiled]
+    per = [g.executable.last_counters for g in graphs
+           if getattr(g.executable, "last_counters", None) is not None]
+    if not per:
+        raise ValueError("no vortex partition of this program has run yet")
+    return _total([k for c in per for k in c["kernels"]])
