@@ -28,15 +28,19 @@ def run_case(nodes: list, inputs: dict, inits: dict | None, target: str, opset: 
 def test_elementwise_float(target):
     unary = ["Relu", "Sigmoid", "Tanh", "Erf", "Exp", "Neg", "Abs", "Floor", "Ceil", "Round", "Sin",
              "Cos", "Atan", "Sign", "Softsign", "Softplus", "HardSwish", "HardSigmoid", "LeakyRelu",
-             "Elu", "Selu", "Celu", "Gelu", "Mish"]
+             "Elu", "Selu", "Celu", "Gelu", "Mish", "Asinh", "Sinh", "Cosh", "ThresholdedRelu",
+             "Identity"]
     nodes = [op(f"{u} x -> {u}") for u in unary]
-    nodes += [op(f"{u} p -> {u}") for u in ("Log", "Sqrt", "Reciprocal")]  # positive inputs
+    nodes += [op(f"{u} p -> {u}") for u in ("Log", "Sqrt", "Reciprocal", "Acosh")]  # positive inputs
+    nodes += [op(f"{u} unit -> {u}") for u in ("Asin", "Acos", "Atanh", "Tan")]  # inputs in (-1, 1)
     nodes += [op("Add x b -> Add"), op("Sub x b -> Sub"), op("Mul x b -> Mul"), op("Div x p -> Div"),
               op("Pow p b -> Pow"), op("Pow x two -> Pow2"), op("Clip x lo hi -> Clip"),
               op("Clip x _ hi -> ClipHi"), op("Min x b p -> Min"), op("Max x b -> Max"),
               op("Sum x b p -> Sum"), op("Mean x p -> Mean"), op("PRelu x slope -> PRelu"),
-              op("Where cond x b -> Where"), op("Mod x p -> Mod", fmod=1)]
-    inputs = {"x": rand(2, 3, 4), "b": rand(3, 4), "p": pos(2, 3, 4), "cond": rand(2, 1, 4) > 0}
+              op("Where cond x b -> Where"), op("Mod x p -> Mod", fmod=1), op("Dropout x -> Dropout"),
+              op("CastLike x p -> CastLike")]
+    inputs = {"x": rand(2, 3, 4), "b": rand(3, 4), "p": pos(2, 3, 4) + 1, "cond": rand(2, 1, 4) > 0,
+              "unit": rand(2, 3, 4, lo=-0.9, hi=0.9)}
     inits = {"two": np.array(2.0, np.float32), "lo": np.array(-0.5, np.float32),
              "hi": np.array(0.7, np.float32), "slope": rand(3, 1)}
     run_case(nodes, inputs, inits, target, opset=20)
@@ -53,7 +57,8 @@ def test_logic_int_cast(target):
              op("Div i j -> IntDiv"), op("Mod i j -> Mod"), op("Mod i j -> FMod", fmod=1),
              op("Cast x -> ToInt", to=T.INT32), op("Cast i -> ToFloat", to=T.FLOAT),
              op("Cast x -> ToBool", to=T.BOOL), op("Where c i j -> Where"),
-             op("BitwiseAnd i j -> BitwiseAnd"), op("Abs i -> IntAbs")]
+             op("BitwiseAnd i j -> BitwiseAnd"), op("BitwiseOr i j -> BitwiseOr"),
+             op("BitwiseXor i j -> BitwiseXor"), op("BitwiseNot i -> BitwiseNot"), op("Abs i -> IntAbs")]
     inputs = {"x": rand(3, 5) * 5, "z": rand(3, 5) * 5, "i": ints(3, 5), "j": nonzero(ints(5)),
               "c": rand(3, 1) > 0}
     run_case(nodes, inputs, None, target, opset=18)
@@ -189,3 +194,21 @@ def test_resize(target):
     inits = {"s2": np.array([1, 1, 2, 1.5], f32), "s_down": np.array([1, 1, 0.6, 0.5], f32),
              "size": i64(1, 2, 7, 4), "size_hw": i64(8, 3)}
     run_case(nodes, {"x": rand(1, 2, 5, 6)}, inits, target, opset=19)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ops_partly_eager(target):
+    """Mapped ONNX ops whose ATen ops the registry does not lower yet (transposed convolution,
+    cumsum, topk): the parity holds with those ATen nodes in eager; the rest compiles."""
+    nodes = [op("ConvTranspose x w -> ConvTranspose", strides=[2, 2], pads=[1, 1, 1, 1]),
+             op("CumSum x ax -> CumSum", reverse=1, exclusive=1), op("TopK x k -> TopK TopKIdx"),
+             op("OneHot idx depth onoff -> OneHot"), op("SpaceToDepth x -> SpaceToDepth", blocksize=2),
+             op("Size x -> sz"), op("Cast sz -> szf", to=T.FLOAT), op("Mul x szf -> SizeMul"),
+             op("NonZero mask -> nz"), op("Cast nz -> nzf", to=T.FLOAT), op("ReduceSum nzf -> nsum"),
+             op("Add x nsum -> NonZeroAdd"), op("Einsum x x -> Gram", equation="nchw,ndhw->ncd")]
+    inputs = {"x": rand(1, 2, 4, 6), "idx": ints(2, 3, lo=-3, hi=3)}
+    inits = {"w": rand(2, 3, 3, 3), "ax": np.array(3), "k": i64(2), "depth": np.array(4),
+             "onoff": np.array([-1.0, 2.0], np.float32), "mask": np.array([[1, 0, 2], [0, 3, 0]])}
+    model, refs = make(nodes, inputs, inits, outputs_of(nodes))
+    c = check(model, inputs, refs, target, strict=False)
+    assert c.onnx_report.folded == 5 and c.report.compiled > 0  # the Size and NonZero chains fold
