@@ -114,6 +114,14 @@ def _infer(cx: Cx, x, weight, bias, running_mean, running_var, eps):
     return y, outs
 
 
+def _eval_stats(cx: Cx, running_mean, running_var, eps, outs):
+    """The saved mean / inverse std of an eval-mode batch norm: empty on the CPU, the running
+    statistics (C,) on CUDA; never the normalized output."""
+    acc = _acc(outs[0].dtype)
+    rstd = _rstd(cx, cx.to(running_var, acc), eps, acc)
+    return _shaped(cx, cx.to(running_mean, acc), outs[1]), _shaped(cx, rstd, outs[2])
+
+
 def _mutates_stats(training_pos: int, stats_pos: int):
     """The non-functional overloads update running stats in place when training: a functional
     graph never contains those (functionalization rewrites them), so refuse them."""
@@ -128,14 +136,14 @@ def _mutates_stats(training_pos: int, stats_pos: int):
 @lower(aten._native_batch_norm_legit_no_training.default, dtypes=FLOATS)
 def lower_batch_norm_inference(cx: Cx, x, weight, bias, running_mean, running_var, momentum, eps):
     y, outs = _infer(cx, x, weight, bias, running_mean, running_var, eps)
-    return y, _shaped(cx, y, outs[1]), _shaped(cx, y, outs[2])
+    return y, *_eval_stats(cx, running_mean, running_var, eps, outs)
 
 
 @lower(aten.native_batch_norm.default, check=_mutates_stats(5, 3), dtypes=FLOATS)
 def lower_native_batch_norm(cx: Cx, x, weight, bias, running_mean, running_var, training, momentum, eps):
     if not training:
         y, outs = _infer(cx, x, weight, bias, running_mean, running_var, eps)
-        return y, _shaped(cx, y, outs[1]), _shaped(cx, y, outs[2])
+        return y, *_eval_stats(cx, running_mean, running_var, eps, outs)
     y, mean, _, rstd, _, outs = _train(cx, x, weight, bias, eps)
     return y, _shaped(cx, mean, outs[1]), _shaped(cx, rstd, outs[2])
 
@@ -151,7 +159,7 @@ def lower_batch_norm_legit(cx: Cx, x, weight, bias, running_mean, running_var, t
     if training:
         return lower_batch_norm_no_stats(cx, x, weight, bias, training, momentum, eps)
     y, outs = _infer(cx, x, weight, bias, running_mean, running_var, eps)
-    return y, _shaped(cx, y, outs[1]), _shaped(cx, y, outs[2])
+    return y, *_eval_stats(cx, running_mean, running_var, eps, outs)
 
 
 @lower(aten._native_batch_norm_legit_functional.default, dtypes=FLOATS)
@@ -159,7 +167,7 @@ def lower_batch_norm_functional(cx: Cx, x, weight, bias, running_mean, running_v
     """Also returns the updated running stats: (1 - m) * old + m * batch (unbiased variance)."""
     if not training:
         y, outs = _infer(cx, x, weight, bias, running_mean, running_var, eps)
-        return (y, _shaped(cx, y, outs[1]), _shaped(cx, y, outs[2]),
+        return (y, *_eval_stats(cx, running_mean, running_var, eps, outs),
                 cx.to(running_mean, outs[3].dtype), cx.to(running_var, outs[4].dtype))
     y, mean, var, rstd, count, outs = _train(cx, x, weight, bias, eps)
     acc = _acc(outs[0].dtype)
