@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 from collections import Counter
 
@@ -58,6 +59,8 @@ def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
     target = get_target(target_name)  # no silent fallback to another target: its errors surface
 
     drop_metadata_asserts(gm)
+    gm.graph.eliminate_dead_code()  # e.g. getitems of unused statistics (keeps impure nodes)
+    gm.recompile()
     decisions, report = analyze(gm)
     if report.unsupported and not options["fallback"]:
         raise GacUnsupportedError(
@@ -79,7 +82,8 @@ def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
         except Exception as e:  # never crash a user's model: this partition runs eagerly instead
             if not options["fallback"]:
                 raise
-            n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+            n_ops = sum(1 for n in sub.graph.nodes  # counted as analyze() counts them
+                        if n.op == "call_function" and n.target is not operator.getitem)
             report.compiled -= n_ops
             report.unsupported[(f"partition {name}", f"compile failed: {type(e).__name__}: "
                                 f"{str(e).splitlines()[0][:200]}")] += n_ops

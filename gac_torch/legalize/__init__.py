@@ -1,7 +1,7 @@
 """ATen -> gac legalization: the registry and one module per op family."""
 
 from gac_torch.legalize import (  # noqa: F401 (registers)
-    buckets, indexing, norm, pointwise, reduction, resample, shape, structured,
+    attention, buckets, indexing, norm, pointwise, reduction, resample, shape, structured,
 )
 from gac_torch.legalize.context import LegalizeError, build_module, node_support
 from gac_torch.legalize.registry import REGISTRY, decompositions, lowered_ops

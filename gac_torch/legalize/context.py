@@ -39,7 +39,7 @@ def node_support(node: fx.Node) -> str | None:
         return "no lowering"
     if entry.bucket != "lower":
         return entry.reason or f"bucket {entry.bucket}"
-    vals = [meta_val(a) for a in node.all_input_nodes] + _flat_outputs(meta_val(node))
+    vals = [meta_val(a) for a in node.all_input_nodes] + _used_outputs(node)
     for v in vals:
         if v is None:
             return "missing shape metadata"
@@ -53,6 +53,9 @@ def node_support(node: fx.Node) -> str | None:
     for v in [meta_val(a) for a in node.all_input_nodes]:
         if not isinstance(v, torch.Tensor):
             return "scalar graph input"
+    if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in vals):
+        # The runtime launches nothing for empty buffers; eager gives these for free.
+        return "zero-size tensor"
     primary = next((v for v in (meta_val(a) for a in node.all_input_nodes) if isinstance(v, torch.Tensor)),
                    None)
     if primary is None:
@@ -62,6 +65,16 @@ def node_support(node: fx.Node) -> str | None:
     if entry.check is not None:
         return entry.check(node)
     return None
+
+
+def _used_outputs(node: fx.Node) -> list:
+    """The output values the graph uses: unused tuple members (training statistics, RNG state)
+    do not decide whether a node compiles."""
+    v = meta_val(node)
+    if not isinstance(v, (list, tuple)):
+        return [v]
+    used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
+    return [x for i, x in enumerate(v) if x is not None and i in used]
 
 
 def _flat_outputs(v) -> list:

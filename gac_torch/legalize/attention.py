@@ -1,0 +1,69 @@
+"""Fused scaled-dot-product attention kernels that export picks on CUDA
+(`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to the math form,
+softmax(q @ k^T * scale + mask) @ v. Only the attention output may be used (the log-sum-exp and
+RNG outputs exist for training) and dropout must be off."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from gac_torch.legalize.context import Cx
+from gac_torch.legalize.registry import aten, lower
+
+
+def _inference_only(dropout_pos: int):
+    def check(node) -> str | None:
+        dropout = node.args[dropout_pos] if len(node.args) > dropout_pos else node.kwargs.get("dropout_p", 0.0)
+        if dropout:
+            return "attention dropout"
+        if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in node.users):
+            return "attention statistics are used (training)"
+        return None
+    return check
+
+
+def _attention(cx: Cx, q, k, v, bias, is_causal: bool, scale):
+    dt = cx.dtype_of(q)
+    qs, ks = cx.shape(q), cx.shape(k)
+    rank = len(qs)
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    kt = cx.b.transpose(k, perm=perm)
+    if ks[:-2] != qs[:-2]:  # grouped / broadcast batch dims
+        kt = cx.b.broadcast(kt, shape=qs[:-2] + [ks[-1], ks[-2]])
+        v = cx.b.broadcast(v, shape=qs[:-2] + cx.shape(v)[-2:])
+    scale = 1.0 / math.sqrt(qs[-1]) if scale is None else scale
+    scores = cx.b.binary(cx.b.matmul(q, kt), cx.to(float(scale), dt), kind="mul")
+    length, source = qs[-2], ks[-2]
+    if is_causal:
+        rows = cx.b.iota([length, source], 0, torch.int64)
+        cols = cx.b.iota([length, source], 1, torch.int64)
+        future = cx.b.binary(cols, rows, kind="gt")
+        scores = cx.b.select(future, cx.to(float("-inf"), dt), scores)
+    if bias is not None:
+        if cx.dtype_of(bias) == torch.bool:
+            scores = cx.b.select(bias, scores, cx.to(float("-inf"), dt))
+        else:
+            scores = cx.b.binary(scores, cx.to(bias, dt), kind="add")
+    probs = cx.b.softmax(scores, dim=rank - 1, log=0)
+    return cx.b.matmul(probs, v)
+
+
+@lower(aten._scaled_dot_product_efficient_attention.default, check=_inference_only(5))
+def lower_sdpa_efficient(cx: Cx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                         is_causal=False, *, scale=None):
+    return (_attention(cx, q, k, v, attn_bias, is_causal, scale), None, None, None)
+
+
+@lower(aten._scaled_dot_product_flash_attention.default, check=_inference_only(3))
+def lower_sdpa_flash(cx: Cx, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                     *, scale=None):
+    return (_attention(cx, q, k, v, None, is_causal, scale),) + (None,) * 8
+
+
+@lower(aten._scaled_dot_product_cudnn_attention.default, check=_inference_only(5))
+def lower_sdpa_cudnn(cx: Cx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                     is_causal=False, return_debug_mask=False, *, scale=None):
+    return (_attention(cx, q, k, v, attn_bias, is_causal, scale),) + (None,) * 8
