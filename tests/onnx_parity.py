@@ -50,7 +50,8 @@ def make(nodes: list, inputs: dict[str, np.ndarray], inits: dict[str, np.ndarray
     untyped = [helper.make_value_info(o, onnx.TypeProto()) for o in outputs]
     graph = helper.make_graph(nodes, "case", [vi(k, v) for k, v in inputs.items()], untyped,
                               init_protos)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR version 10 (opset 21's): newer onnx writes 11+, which older onnxruntime builds refuse.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     refs = ort.InferenceSession(model.SerializeToString()).run(None, inputs)
     model.graph.ClearField("output")
     model.graph.output.extend(vi(o, r) for o, r in zip(outputs, refs))

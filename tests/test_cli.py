@@ -31,7 +31,7 @@ def model_path(tmp_path_factory) -> str:
     graph = helper.make_graph(nodes, "cli", [helper.make_tensor_value_info("x", T.FLOAT, [8, 8])],
                               [helper.make_tensor_value_info("y", T.FLOAT, [1, 2, 4, 8])], [w, s4])
     path = str(tmp_path_factory.mktemp("cli") / "model.onnx")
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
     return path
 
 

@@ -107,11 +107,15 @@ def test_norms_softmax(target):
     run_case(nodes, inputs, inits, target, opset=21)
 
 
+# cuda target bug (reported): `(x.sum(2), (x * x).sum(2))` in one graph gives a wrong second sum
+# on the H200 (cpu is right); strict, so the fix shows up as an XPASS failure.
+REDUCE_TARGETS = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.xfail(
+    strict=True, reason="cuda: sum(x) and sum(x*x) in one graph, the second is wrong")])]
 REDUCE_OPS = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
               "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"]
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", REDUCE_TARGETS)
 @pytest.mark.parametrize("opset", [13, 18])
 def test_reductions(opset, target):
     """Opset 13: axes are attributes (ReduceSum: an input); opset 18: an input for every Reduce*."""
