@@ -35,22 +35,32 @@ import numpy as np
 
 @dataclass(frozen=True)
 class GemmShape:
-    """A contraction as the template sees it; indices name the iteration dims of the op."""
+    """A contraction as the template sees it; dims are the op's iteration dims. Rows and
+    columns may span several dims (x[b, s, :] @ w: rows (b, s), M = b * s), split last-fastest;
+    a subscript None is a unit dim (constant 0)."""
 
-    M: int
-    N: int
+    m_dims: tuple[int, ...]          # row dims (in A and C) and their extents
+    m_ext: tuple[int, ...]
+    n_dims: tuple[int, ...]          # column dims (in B and C)
+    n_ext: tuple[int, ...]
+    k: int                           # the reduction dim (in A and B)
     K: int
-    batch: tuple[int, ...]           # extents of the batch dims (grid z, last fastest)
-    a_dims: tuple[int, ...]          # iteration dim of each A subscript (A's indexing map)
-    b_dims: tuple[int, ...]
-    c_dims: tuple[int, ...]
-    m: int                           # which iteration dim is M, N, K, and the batch dims
-    n: int
-    k: int
-    batch_dims: tuple[int, ...]
+    batch_dims: tuple[int, ...]      # dims in A, B and C (grid z, last fastest)
+    batch: tuple[int, ...]
+    a_dims: tuple[int | None, ...]   # iteration dim of each subscript (the indexing maps)
+    b_dims: tuple[int | None, ...]
+    c_dims: tuple[int | None, ...]
     a_type: str                      # memref types, e.g. "memref<16x32xf32>"
     b_type: str
     c_type: str
+
+    @property
+    def M(self) -> int:
+        return math.prod(self.m_ext)
+
+    @property
+    def N(self) -> int:
+        return math.prod(self.n_ext)
 
 
 @dataclass(frozen=True)
@@ -111,25 +121,28 @@ def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
         rest = f"%bq{j}"
     if s.batch:
         w(f"%b0 = arith.addi {rest}, {c(0)} : index")
+    row_names = []
     for i in rows:
-        w(f"%rl{i} = arith.addi %ty, {c(t.ty * i)} : index", f"%row{i} = arith.addi %m0, %rl{i} : index",
-          f"%rok{i} = arith.cmpi ult, %row{i}, {c(s.M)} : index",
-          f"%rowc{i} = arith.minui %row{i}, {c(s.M - 1)} : index")
+        w(f"%rl{i} = arith.addi %ty, {c(t.ty * i)} : index", f"%row{i} = arith.addi %m0, %rl{i} : index")
+        if s.M % t.bm:      # clamped: a safe address where the tile overhangs the matrix
+            w(f"%rok{i} = arith.cmpi ult, %row{i}, {c(s.M)} : index",
+              f"%rowc{i} = arith.minui %row{i}, {c(s.M - 1)} : index")
+        row_names.append(_split(k, s.m_dims, s.m_ext, f"%rowc{i}" if s.M % t.bm else f"%row{i}"))
+    col_names = []
     for j in cols:
-        w(f"%cl{j} = arith.addi %tx, {c(t.tx * j)} : index", f"%col{j} = arith.addi %n0, %cl{j} : index",
-          f"%cok{j} = arith.cmpi ult, %col{j}, {c(s.N)} : index",
-          f"%colc{j} = arith.minui %col{j}, {c(s.N - 1)} : index")
+        w(f"%cl{j} = arith.addi %tx, {c(t.tx * j)} : index", f"%col{j} = arith.addi %n0, %cl{j} : index")
+        if s.N % t.bn:
+            w(f"%cok{j} = arith.cmpi ult, %col{j}, {c(s.N)} : index",
+              f"%colc{j} = arith.minui %col{j}, {c(s.N - 1)} : index")
+        col_names.append(_split(k, s.n_dims, s.n_ext, f"%colc{j}" if s.N % t.bn else f"%col{j}"))
 
-    def c_at(i: int, j: int, clamped: bool) -> str:
-        names = {**batch, s.m: f"%row{i}", s.n: f"%col{j}"}
-        if clamped:         # a safe address where the tile overhangs the matrix
-            names.update({s.m: f"%rowc{i}", s.n: f"%colc{j}"})
-        return f"%C[{', '.join(names[d] for d in s.c_dims)}]"
+    def c_at(i: int, j: int) -> str:       # stores where the tile overhangs are guarded
+        return f"%C[{_subscripts(k, s.c_dims, {**batch, **row_names[i], **col_names[j]})}]"
 
     # 2. init
     for i, j in acc:
         w(f"%init{i}_{j} = arith.addf %init, %zero : f32" if fused_fill else
-          f"%init{i}_{j} = memref.load {c_at(i, j, True)} : {s.c_type}")
+          f"%init{i}_{j} = memref.load {c_at(i, j)} : {s.c_type}")
     # 3. K stages
     w(f"%res:{len(acc)} = scf.for %k0 = {c(0)} to {c(s.K)} step {c(t.bk)} iter_args("
       + ", ".join(f"%acc{i}_{j} = %init{i}_{j}" for i, j in acc) + f") -> ({f32s}) {{")
@@ -146,7 +159,7 @@ def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
     w("scf.yield " + ", ".join(f"%part#{n}" for n in range(len(acc))) + f" : {f32s}", "}")
     # 4. store
     for n, (i, j) in enumerate(acc):
-        store = f"memref.store %res#{n}, {c_at(i, j, False)} : {s.c_type}"
+        store = f"memref.store %res#{n}, {c_at(i, j)} : {s.c_type}"
         guards = ([f"%rok{i}"] if s.M % t.bm else []) + ([f"%cok{j}"] if s.N % t.bn else [])
         if len(guards) == 2:
             w(f"%sok{i}_{j} = arith.andi %rok{i}, %cok{j} : i1")
@@ -188,9 +201,9 @@ def _stage(k: _Text, s: GemmShape, t: GemmTiling, which: str, tile: str,
     """3a for one operand: tile[kk][r] = X[base + r, k0 + kk] (0 outside), T threads at a time."""
     w, c = k.line, k.const
     if which == "A":
-        dims, ttype, rows, r_dim, extent, base = s.a_dims, s.a_type, t.bm, s.m, s.M, "%m0"
+        dims, ttype, rows, extent, base = s.a_dims, s.a_type, t.bm, s.M, "%m0"
     else:
-        dims, ttype, rows, r_dim, extent, base = s.b_dims, s.b_type, t.bn, s.n, s.N, "%n0"
+        dims, ttype, rows, extent, base = s.b_dims, s.b_type, t.bn, s.N, "%n0"
     k_fast = dims[-1] == s.k     # consecutive threads walk the operand's contiguous dim
     size = rows * t.bk
     r_over, k_over = extent % rows != 0, s.K % t.bk != 0
@@ -215,8 +228,9 @@ def _stage(k: _Text, s: GemmShape, t: GemmTiling, which: str, tile: str,
             w(f"{p}okk = arith.cmpi ult, {gk}, {c(s.K)} : index",
               f"{p}gkc = arith.minui {gk}, {c(s.K - 1)} : index")
             oks, gk = oks + [f"{p}okk"], f"{p}gkc"
-        names = {**batch, r_dim: gr, s.k: gk}
-        w(f"{p}x = memref.load %{which}[{', '.join(names[d] for d in dims)}] : {ttype}")
+        r_names = _split(k, s.m_dims, s.m_ext, gr) if which == "A" else _split(k, s.n_dims, s.n_ext, gr)
+        names = {**batch, **r_names, s.k: gk}
+        w(f"{p}x = memref.load %{which}[{_subscripts(k, dims, names)}] : {ttype}")
         v = f"{p}x"
         if oks:
             ok = oks[0]
@@ -226,6 +240,21 @@ def _stage(k: _Text, s: GemmShape, t: GemmTiling, which: str, tile: str,
             w(f"{p}v = arith.select {ok}, {p}x, %zero : f32")
             v = f"{p}v"
         w(f"memref.store {v}, %{which[0]}s[{p}k, {p}r] : {tile}")
+
+
+def _split(k: _Text, dims: tuple[int, ...], ext: tuple[int, ...], flat: str) -> dict[int, str]:
+    """Subscripts of the flat row (or column) index `flat` in `dims` (last fastest)."""
+    names, rest = {}, flat
+    for d, e in zip(reversed(dims[1:]), reversed(ext[1:])):
+        k.line(f"{flat}_d{d} = arith.remui {rest}, {k.const(e)} : index",
+               f"{flat}_q{d} = arith.divui {rest}, {k.const(e)} : index")
+        names[d], rest = f"{flat}_d{d}", f"{flat}_q{d}"
+    names[dims[0]] = rest
+    return names
+
+
+def _subscripts(k: _Text, dims: tuple[int | None, ...], names: dict[int, str]) -> str:
+    return ", ".join(k.const(0) if d is None else names[d] for d in dims)
 
 
 def reference(a: np.ndarray, b: np.ndarray, init: np.ndarray | float = 0.0) -> np.ndarray:

@@ -41,27 +41,59 @@ class VortexLimits:
                                 threads_per_block=self.threads_per_block)
 
 
-def gemm_shape(c: "cm._Contraction") -> Optional[vortex_gemm.GemmShape]:
-    """The template's view of a matched contraction, or None if it is not a plain f32 GEMM."""
-    g = c.g
-    elems = [str(ir.MemRefType(v.type).element_type) for v in (*g.inputs, g.outputs[0])]
-    if elems != ["f32"] * 3 or c.a_casts or c.b_casts or not c.is_float:
+def _subscript_dims(m: ir.AffineMap) -> Optional[list[Optional[int]]]:
+    """Dim of each result of a projected permutation; None for a constant-0 (unit) result."""
+    out: list[Optional[int]] = []
+    for e in m.results:
+        if isinstance(e, ir.AffineDimExpr):
+            out.append(e.position)
+        elif isinstance(e, ir.AffineConstantExpr) and e.value == 0:
+            out.append(None)
+        else:
+            return None
+    named = [d for d in out if d is not None]
+    return out if len(set(named)) == len(named) else None
+
+
+def match_gemm(g: "cm._Generic") -> Optional[vortex_gemm.GemmShape]:
+    """A plain f32 GEMM: out += a * b with one reduction dim k (in A and B), column dims
+    (B and C), row dims (A and C) and batch dims (A, B and C)."""
+    elems = [str(ir.MemRefType(v.type).element_type) if isinstance(v.type, ir.MemRefType) else ""
+             for v in (*g.inputs, *g.outputs)]
+    subs = [_subscript_dims(m) for m in g.maps]
+    if elems != ["f32"] * 3 or any(d is None for d in subs):
         return None
-    dims = [cm._dims(m) for m in g.maps]
-    if any(d is None for d in dims):
+    a, b, out = ({d for d in ds if d is not None} for ds in subs)  # type: ignore[union-attr]
+    red = [d for d, t in enumerate(g.iters) if t == "reduction"]
+    par = [d for d, t in enumerate(g.iters) if t == "parallel"]
+    if len(red) != 1 or red[0] not in a or red[0] not in b or red[0] in out:
         return None
-    a, b, out = dims
+    rows = [d for d in par if d in a and d not in b]
+    cols = [d for d in par if d in b and d not in a]
+    batch = [d for d in par if d in a and d in b]
+    if not rows or not cols or any(d not in out for d in par):
+        return None
+    # body: yield(addf(out, mulf(a, b))), operands in any order
+    ops = [op.operation for op in g.body.operations]
+    ba, bb, bc = g.body.arguments
+    if [op.name for op in ops] != ["arith.mulf", "arith.addf", "linalg.yield"]:
+        return None
+    mul, add, yld = ops
+    if (set(mul.operands) != {ba, bb} or set(add.operands) != {bc, mul.results[0]}
+            or yld.operands[0] != add.results[0]):
+        return None
+    ext = g.ranges
     return vortex_gemm.GemmShape(
-        M=g.ranges[c.m], N=g.ranges[c.n], K=g.ranges[c.k],
-        batch=tuple(g.ranges[d] for d in c.batch), a_dims=tuple(a), b_dims=tuple(b),  # type: ignore[arg-type]
-        c_dims=tuple(out), m=c.m, n=c.n, k=c.k, batch_dims=tuple(c.batch),  # type: ignore[arg-type]
+        m_dims=tuple(rows), m_ext=tuple(ext[d] for d in rows),
+        n_dims=tuple(cols), n_ext=tuple(ext[d] for d in cols), k=red[0], K=ext[red[0]],
+        batch_dims=tuple(batch), batch=tuple(ext[d] for d in batch),
+        a_dims=tuple(subs[0]), b_dims=tuple(subs[1]), c_dims=tuple(subs[2]),  # type: ignore[arg-type]
         a_type=str(g.inputs[0].type), b_type=str(g.inputs[1].type), c_type=str(g.outputs[0].type))
 
 
 def _emit_gemm(op: ir.Operation, name: str, limits: VortexLimits) -> bool:
     g = cm._analyze(op)
-    c = cm._match_contraction(g) if g is not None else None
-    shape = gemm_shape(c) if c is not None else None
+    shape = match_gemm(g) if g is not None and len(g.inputs) == 2 and len(g.outputs) == 1 else None
     if shape is None or 0 in (shape.M, shape.N, shape.K):
         return False
     tiling = vortex_gemm.choose_tiling(shape.M, shape.N, shape.K, *limits.gemm_threads)
@@ -123,4 +155,4 @@ def map_to_gpu(module: ir.Module, limits: VortexLimits) -> None:
     cm._number_kernels(module, fn)
 
 
-__all__ = ["VortexLimits", "map_to_gpu", "gemm_shape"]
+__all__ = ["VortexLimits", "map_to_gpu", "match_gemm"]

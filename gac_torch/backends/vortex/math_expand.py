@@ -180,7 +180,7 @@ def log1p(x: F) -> F:
 def expm1(x: F) -> F:
     u = exp(x)
     um1 = u - 1.0
-    res = sel(u.cmp("oeq", math.inf), u, um1 * x / log(u))
+    res = sel(u.cmp("oeq", math.inf), u, um1 * (x / log(u)))
     return sel(u.cmp("oeq", 1.0), x, sel(um1.cmp("oeq", -1.0), -1.0, res))
 
 

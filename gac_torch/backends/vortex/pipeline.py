@@ -4,7 +4,8 @@
            strategies); the host function left over is read into data (launch list + static
            buffer plan) by the CUDA pipeline's reader: it is target-neutral.
 - "llvm":  kernel_abi turns the kernels into func.funcs calling vx_* helpers; math is expanded
-           into polynomials (math_expand); divergent scf.ifs get SPLIT/JOIN (divergence);
+           into polynomials (math_expand), f16/bf16/i64 corner cases made branch-free or
+           lane-serial (numerics); divergent scf.ifs get SPLIT/JOIN (divergence);
            upstream passes lower to the LLVM dialect with 32-bit indices and bare-pointer
            memrefs; `mlirTranslateModuleToLLVMIRToString` gives LLVM IR text.
 - "vxbin": the toolchain (ziglang clang/lld) links the kernels into one .vxbin.
@@ -24,7 +25,7 @@ from mlir import ir, passmanager
 from gac_torch.backends.cuda import mapping as cm
 from gac_torch.backends.cuda import pipeline as cp
 from gac_torch.backends.cuda.program import ArgSpec, BufferRef, KernelLaunch, TempBuffer
-from gac_torch.backends.vortex import divergence, kernel_abi, mapping, math_expand
+from gac_torch.backends.vortex import divergence, kernel_abi, mapping, math_expand, numerics
 from gac_torch.backends.vortex.kernel_abi import KernelAbi
 from gac_torch.passes.memory_plan import MemoryPlan
 
@@ -139,6 +140,8 @@ def lower_stage(stage: GpuStage) -> LlvmStage:
         cm.run_passes(out, "func.func(math-extend-to-supported-types{target-type=f32}, "
                            f"math-expand-ops{{ops={math_expand.UPSTREAM_EXPANDED}}})")
         math_expand.expand_math(out.operation)
+        cm.run_passes(out, numerics.PASSES)      # f16/bf16 in f32, i64 division serialised
+        numerics.expand_numerics(out)
         splits = 0
         if stage.flags.divergence:
             divergence.declare_helpers(out, ["vx_split", "vx_join"])

@@ -153,18 +153,26 @@ SERIAL_LIBM = {"expf": (1, "exp"), "exp2f": (1, "exp2"), "logf": (1, "log"), "lo
                "fmodf": (2, None)}
 
 
+# compiler_rt's 64-bit integer division branches on its operands too; the MLIR side calls
+# `gac_serial_<name>` for i64 divisions (vortex/numerics.py). name -> C type
+SERIAL_I64 = {"__divdi3": "long long", "__moddi3": "long long",
+              "__udivdi3": "unsigned long long", "__umoddi3": "unsigned long long"}
+
+
 def device_runtime_c() -> str:
     """C source of the serialising wrappers: with one lane active every branch is uniform; the
     result goes through a volatile slot on the (per-thread) stack, so no register written under
     the narrowed mask has to survive for the other lanes."""
     out = ['#include "vx_gac.h"']
-    for fn, (arity, _) in SERIAL_LIBM.items():
-        params = ", ".join(f"float x{i}" for i in range(arity))
-        args = ", ".join(f"x{i}" for i in range(arity))
-        out.append(f"""float {fn}({params});
-__attribute__((noinline)) float gac_serial_{fn}({params}) {{
+    wrappers = [(fn, "float", ["float"] * arity) for fn, (arity, _) in SERIAL_LIBM.items()]
+    wrappers += [(fn, t, [t, t]) for fn, t in SERIAL_I64.items()]
+    for fn, ret, types in wrappers:
+        params = ", ".join(f"{t} x{i}" for i, t in enumerate(types))
+        args = ", ".join(f"x{i}" for i in range(len(types)))
+        out.append(f"""{ret} {fn}({params});
+__attribute__((noinline)) {ret} gac_serial_{fn}({params}) {{
   unsigned mask = vx_active_threads();
-  volatile float slot = 0.0f;
+  volatile {ret} slot = 0;
   for (unsigned m = mask; m; m &= m - 1) {{   /* uniform loop over the active lanes */
     vx_tmc(m & -m);
     slot = {fn}({args});

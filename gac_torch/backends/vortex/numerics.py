@@ -1,0 +1,136 @@
+"""Number formats the device has no instructions for, made branch-free (or lane-serial).
+
+Stock LLVM lowers them to compiler_rt calls that branch on the data (SimX would follow the last
+active thread): f16 <-> f32 conversions (`__extendhfsf2`, `__truncsfhf2`), bf16 truncation
+(`__truncsfbf2`, not even in our compiler_rt) and 64-bit division (`__divdi3`, ...). So, before
+the LLVM lowering:
+
+- arithmetic on f16/bf16 is done in f32 (`arith-emulate-unsupported-floats`), leaving only
+  extf/truncf; bf16 ones become integer ops (`arith-expand{include-bf16}`), f16 ones are
+  expanded here: extension by rescaling the shifted bits (denormals included), truncation
+  with round-to-nearest-even (F. Giesen's float_to_half_fast3_rtne), every case a select;
+- i64 <-> f32 conversions (`__floatdisf`, `__fixsfdi`) use 32-bit conversions: exact while
+  the value fits in i32; beyond, i64 -> f32 may round twice (1 ulp);
+- i64 divisions call `gac_serial_<compiler_rt name>` (simt_ir.SERIAL_I64): one lane at a time.
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import arith, func
+
+PASSES = ("func.func(arith-emulate-unsupported-floats{source-types=f16,bf16 target-type=f32}), "
+          "func.func(arith-expand{include-bf16=true})")
+_I64_DIVISIONS = {"arith.divsi": "__divdi3", "arith.remsi": "__moddi3",
+                  "arith.divui": "__udivdi3", "arith.remui": "__umoddi3"}
+_CONVERSIONS = ("arith.sitofp", "arith.uitofp", "arith.fptosi", "arith.fptoui")
+
+
+def _c(t: ir.Type, v: int) -> ir.Value:
+    return arith.constant(t, v)
+
+
+def _select(c: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    return arith.select(c, a, b)
+
+
+def _ult(a: ir.Value, b: ir.Value) -> ir.Value:
+    return arith.cmpi(arith.CmpIPredicate.ult, a, b)
+
+
+def f16_to_f32(h: ir.Value) -> ir.Value:
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    x = arith.extui(i32, arith.bitcast(ir.IntegerType.get_signless(16), h))
+    sign = arith.shli(arith.andi(x, _c(i32, 0x8000)), _c(i32, 16))
+    em = arith.andi(x, _c(i32, 0x7FFF))
+    shifted = arith.shli(em, _c(i32, 13))
+    # exponent 15 -> 127: scale by 2^112 (exact; half denormals become f32 normals)
+    finite = arith.bitcast(i32, arith.mulf(arith.bitcast(f32, shifted), arith.constant(f32, 2.0**112)))
+    special = arith.ori(shifted, _c(i32, 0x7F800000))             # inf / nan payload
+    bits = _select(_ult(em, _c(i32, 0x7C00)), finite, special)
+    return arith.bitcast(f32, arith.ori(bits, sign))
+
+
+def f32_to_f16(x: ir.Value) -> ir.Value:
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    f = arith.bitcast(i32, x)
+    sign = arith.andi(f, _c(i32, 0x80000000 - (1 << 32)))
+    a = arith.xori(f, sign)                                        # |x| bits
+    inf_or_nan = _select(arith.cmpi(arith.CmpIPredicate.ugt, a, _c(i32, 255 << 23)),
+                         _c(i32, 0x7E00), _c(i32, 0x7C00))
+    magic = _c(i32, ((127 - 15) + (23 - 10) + 1) << 23)            # denormal: let the FPU round
+    sub = arith.subi(arith.bitcast(i32, arith.addf(arith.bitcast(f32, a), arith.bitcast(f32, magic))), magic)
+    odd = arith.andi(arith.shrui(a, _c(i32, 13)), _c(i32, 1))      # normal: round half to even
+    norm = arith.shrui(arith.addi(arith.addi(a, _c(i32, ((15 - 127) << 23) + 0xFFF)), odd), _c(i32, 13))
+    o = _select(_ult(a, _c(i32, 113 << 23)), sub, norm)
+    o = _select(_ult(a, _c(i32, (127 + 16) << 23)), o, inf_or_nan)
+    o = arith.ori(o, arith.shrui(sign, _c(i32, 16)))
+    return arith.bitcast(ir.F16Type.get(), arith.trunci(ir.IntegerType.get_signless(16), o))
+
+
+def i64_to_f32(x: ir.Value, signed: bool) -> ir.Value:
+    i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
+    lo = arith.trunci(i32, x)
+    hi = arith.trunci(i32, (arith.shrsi if signed else arith.shrui)(x, _c(i64, 32)))
+    wide = arith.addf(arith.mulf((arith.sitofp if signed else arith.uitofp)(f32, hi),
+                                 arith.constant(f32, 2.0**32)), arith.uitofp(f32, lo))
+    fits = arith.cmpi(arith.CmpIPredicate.eq, (arith.extsi if signed else arith.extui)(i64, lo), x)
+    return _select(fits, (arith.sitofp if signed else arith.uitofp)(f32, lo), wide)
+
+
+def f32_to_i64(x: ir.Value, signed: bool) -> ir.Value:
+    i32, i64, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.F32Type.get()
+    narrow = (arith.extsi(i64, arith.fptosi(i32, x)) if signed else arith.extui(i64, arith.fptoui(i32, x)))
+    limit = 2.0**31 if signed else 2.0**32
+    small = arith.cmpf(arith.CmpFPredicate.OLT, _fabs(x) if signed else x, arith.constant(f32, limit))
+    # |x| >= 2^31 is an integer: x = hi * 2^32 + lo with lo in [0, 2^32), both exact
+    q = arith.mulf(x, arith.constant(f32, 2.0**-32))
+    qt = arith.sitofp(f32, arith.fptosi(i32, q))
+    hi_f = _select(arith.cmpf(arith.CmpFPredicate.OGT, qt, q), arith.subf(qt, arith.constant(f32, 1.0)), qt)
+    lo = arith.fptoui(i32, arith.subf(x, arith.mulf(hi_f, arith.constant(f32, 2.0**32))))
+    wide = arith.ori(arith.shli(arith.extsi(i64, arith.fptosi(i32, hi_f)), _c(i64, 32)), arith.extui(i64, lo))
+    return _select(small, narrow, wide)
+
+
+def _fabs(x: ir.Value) -> ir.Value:
+    from mlir.dialects import math as mmath  # noqa: PLC0415
+    return mmath.absf(x)
+
+
+def expand_numerics(module: ir.Module) -> None:
+    """f16 extf/truncf -> integer ops; i64 divisions -> serialised calls (module doc)."""
+    f16, f32, i64 = ir.F16Type.get(), ir.F32Type.get(), ir.IntegerType.get_signless(64)
+    found: list[ir.Operation] = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if op.name in ("arith.extf", "arith.truncf", *_CONVERSIONS, *_I64_DIVISIONS):
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
+    used: set[str] = set()
+    for op in found:
+        src, dst = op.operands[0].type, op.results[0].type
+        with ir.InsertionPoint(op), op.location:
+            if op.name == "arith.extf" and src == f16:
+                new = f16_to_f32(op.operands[0])
+                new = new if dst == f32 else arith.extf(dst, new)
+            elif op.name == "arith.truncf" and dst == f16:
+                if src != f32:
+                    raise NotImplementedError(f"vortex: truncf {src} -> f16")
+                new = f32_to_f16(op.operands[0])
+            elif op.name in ("arith.sitofp", "arith.uitofp") and src == i64 and dst == f32:
+                new = i64_to_f32(op.operands[0], signed=op.name == "arith.sitofp")
+            elif op.name in ("arith.fptosi", "arith.fptoui") and src == f32 and dst == i64:
+                new = f32_to_i64(op.operands[0], signed=op.name == "arith.fptosi")
+            elif op.name in _I64_DIVISIONS and dst == i64:
+                name = f"gac_serial_{_I64_DIVISIONS[op.name]}"
+                used.add(name)
+                new = func.CallOp([i64], name, list(op.operands)).result
+            else:
+                continue
+        op.results[0].replace_all_uses_with(new)
+        op.erase()
+    with ir.InsertionPoint.at_block_begin(module.body):
+        for name in sorted(used):
+            func.FuncOp(name, ir.FunctionType.get([i64, i64], [i64]), visibility="private")

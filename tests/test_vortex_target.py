@@ -1,0 +1,255 @@
+"""The vortex target end to end: op parity vs eager (a representative subset of test_ops.py),
+the test models at small sizes, divergence handling, the tiled GEMM, stages and errors.
+
+Every case runs on the functional simulator (CI) and, marked `simx`, on the real SimX runtime:
+    VORTEX_HOME=/path/to/vortex/install python -m pytest -m simx tests/test_vortex_target.py
+Sizes stay small: the simulators run ~40k-400k warp instructions per second.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("ziglang")
+pytest.importorskip("elftools")
+
+import gac_torch  # noqa: E402
+from gac_torch.backends import TargetUnavailable, vortex  # noqa: E402
+from models import MODEL_TOL, MLP, SmallCNN, randomize_bn, transformer_layer  # noqa: E402
+from parity import Fn, check_op  # noqa: E402
+from test_ops import CONVS, REDUCTIONS, SHAPE_OPS, UNARY, _nonzero, bools, ints, pos, r  # noqa: E402
+
+MODES = ["functional", pytest.param("simx", marks=pytest.mark.simx)]
+
+
+@pytest.fixture(params=MODES)
+def mode(request, monkeypatch):
+    """The vortex target's default mode follows VORTEX_HOME: drop it for the functional runs."""
+    if request.param == "functional":
+        monkeypatch.delenv("VORTEX_HOME", raising=False)
+    return request.param
+
+
+def check(fn, inputs, mode: str, what: str = ""):
+    """check_op on the vortex target, plus: no branch diverged without SPLIT/JOIN."""
+    compiled = check_op(fn, inputs, target="vortex", what=what)
+    counters = vortex.last_counters(compiled)
+    assert counters["instructions"] > 0 or counters["launches"] == 0
+    if mode == "functional":
+        assert counters["divergent_branches"] == 0, (what, counters["kernels"])
+    else:
+        assert counters["cycles"] is not None and counters["cycles"] > 0
+    return compiled, counters
+
+
+# --- op parity (cases from test_ops.py) --------------------------------------------------------
+POINTWISE = {
+    **{k: (UNARY[k], lambda: [r(3, 5)]) for k in
+       ("exp", "tanh", "erf", "sigmoid", "gelu_tanh", "sin", "atan", "asin", "round", "sign", "isinf")},
+    "log": (torch.log, lambda: [pos(3, 5)]), "rsqrt": (torch.rsqrt, lambda: [pos(3, 5)]),
+    "log1p": (torch.log1p, lambda: [pos(3, 5)]),
+    "atan2": (torch.atan2, lambda: [r(3, 5), r(3, 5)]),
+    "remainder": (torch.remainder, lambda: [r(2, 3, 4), _nonzero(r(4))]),
+    "div_floor": (lambda a, b: torch.div(a, b, rounding_mode="floor"), lambda: [r(3, 5), _nonzero(r(5))]),
+    "where": (lambda a, b: torch.where(a > b, a, b), lambda: [r(4, 1), r(1, 6)]),
+    "masked_fill": (lambda a, b: a.masked_fill(b > 0, -1.5), lambda: [r(3, 5), r(3, 5)]),
+    "logical_xor": (torch.logical_xor, lambda: [bools(2, 5), bools(5)]),
+    "scalar_ops": (lambda a, b: (a * 2.5 + 1) / 4 - b, lambda: [r(5), r()]),
+    "clamp": (lambda x, lo, hi: torch.clamp(x, lo, hi), lambda: [r(6, 3), r(6, 3) - 1, r(6, 3) + 1]),
+    "pow": (torch.pow, lambda: [pos(4, 5), r(4, 5)]),
+    "int_floordiv": (lambda a, b: torch.div(a, b, rounding_mode="floor"), lambda: [ints(3, 5), _nonzero(ints(5))]),
+    "int_bitwise": (lambda a, b: (a & b) ^ (a | 3), lambda: [ints(2, 4), ints(4)]),
+    "to_f16": (lambda x: x.to(torch.float16), lambda: [r(4, 6) * 10]),
+    "from_bf16": (lambda x: x.to(torch.float32) * 2, lambda: [(r(4, 6) * 10).to(torch.bfloat16)]),
+    "i64_to_f32": (lambda x: x.to(torch.float32) / 3, lambda: [ints(7, lo=-2**40, hi=2**40)]),
+    "arange": (lambda x: x + torch.arange(5, dtype=torch.float32), lambda: [r(3, 5)]),
+}
+REDUCE = {k: REDUCTIONS[k] for k in ("sum_dim", "mean", "amin", "argmax", "var", "any",
+                                     "softmax", "log_softmax", "logsumexp")}
+SHAPES = {k: SHAPE_OPS[k] for k in ("permute", "expand", "slice", "cat", "pad", "repeat", "split")}
+
+
+@pytest.mark.parametrize("name", sorted(POINTWISE))
+def test_pointwise(name, mode):
+    fn, inputs = POINTWISE[name]
+    check(fn, inputs(), mode, name)
+
+
+@pytest.mark.parametrize("name", sorted(REDUCE))
+def test_reductions(name, mode):
+    check(REDUCE[name], [r(2, 3, 6)], mode, name)
+
+
+def test_softmax_neg_inf_row(mode):
+    x = r(3, 5)
+    x[1] = float("-inf")
+    x[2, :2] = float("-inf")
+    check(lambda t: t.softmax(-1), [x], mode)
+
+
+def test_norms(mode):
+    check(lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5), [r(2, 5, 16), r(16), r(16)], mode, "layer_norm")
+    rm, rv = r(6), pos(6)
+    check(lambda x, w, b: F.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5), [r(2, 6, 3, 3), r(6), r(6)],
+          mode, "batch_norm")
+
+
+MATMULS = {
+    "mm": (lambda a, b: a @ b, lambda: [r(5, 7), r(7, 3)]),
+    "mm16": (lambda a, b: a @ b, lambda: [r(16, 16), r(16, 16)]),
+    "bmm": (torch.bmm, lambda: [r(2, 5, 7), r(2, 7, 3)]),
+    "addmm": (lambda a, b, c: torch.addmm(c, a, b, beta=0.5, alpha=2.0), lambda: [r(4, 6), r(6, 3), r(3)]),
+    "linear3d": (lambda x, w, b: F.linear(x, w, b), lambda: [r(2, 5, 8), r(3, 8), r(3)]),
+    "int": (lambda a, b: a @ b, lambda: [ints(3, 4), ints(4, 2)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATMULS))
+def test_matmuls(name, mode):
+    fn, inputs = MATMULS[name]
+    compiled, counters = check(fn, inputs(), mode, name)
+    if name != "int":  # f32 contractions take the tiled local-memory GEMM
+        assert any(k["kernel"].endswith("_gemm") for k in counters["kernels"]), counters["kernels"]
+
+
+@pytest.mark.parametrize("i", [1, 2, 3])
+def test_conv2d(i, mode):
+    c = CONVS[i]
+    fn = lambda x, w, b: F.conv2d(x, w, b, c["stride"], c["padding"], c["dilation"], c["groups"])  # noqa: E731
+    check(fn, [r(*c["x"]), r(*c["w"]) * 0.3, r(c["w"][0])], mode, str(c))
+
+
+def test_pooling(mode):
+    x = r(1, 2, 6, 12)
+    check(lambda t: F.max_pool2d(t, 3, 2, 1), [x], mode, "max_pool")
+    check(lambda t: F.avg_pool2d(t, 3, 2, 1, count_include_pad=False), [x], mode, "avg_pool")
+    check(lambda t: F.adaptive_avg_pool2d(t, 1), [x], mode, "adaptive")
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_shape_ops(name, mode):
+    check(SHAPES[name], [r(3, 4, 5)], mode, name)
+
+
+def test_gathers(mode):
+    emb = r(10, 4)
+    check(lambda i: F.embedding(i, emb), [ints(2, 3, lo=0, hi=10)], mode, "embedding")
+    check(lambda x, i: torch.gather(x, 1, i), [r(3, 6), ints(3, 4, lo=0, hi=6)], mode, "gather")
+    check(lambda x, i: x[i], [r(6, 3), ints(4, lo=-6, hi=6)], mode, "index")
+
+
+def test_math_special_values(mode):
+    """The polynomial expansions keep IEEE special cases (no libm on the device)."""
+    x = torch.tensor([0.0, -0.0, 1e-30, -1e-40, 1.0, -1.0, 0.5, 3.0, -7.5, 30.0, 88.0, -100.0,
+                      float("inf"), float("-inf"), float("nan"), 1e4])
+    check(lambda t: torch.stack([t.exp(), t.expm1(), t.sin(), t.cos(), t.atan(), t.erf(), t.tanh(),
+                                 torch.asinh(t)]), [x], mode, "special")
+    p = torch.tensor([0.0, 1e-42, 1e-30, 0.5, 1.0, 2.0, 1e30, float("inf"), -1.0, float("nan")])
+    check(lambda t: torch.stack([t.log(), t.log2(), t.log1p()]), [p], mode, "logs")
+
+
+# --- models ------------------------------------------------------------------------------------
+def _models():
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    return {
+        "mlp": (MLP().eval(), (torch.randn(8, 32, generator=g),)),
+        "cnn": (randomize_bn(SmallCNN()).eval(), (torch.randn(1, 3, 16, 16, generator=g),)),
+        "transformer": (transformer_layer().eval(), (torch.randn(1, 8, 64, generator=g),)),
+    }
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_models(name, mode):
+    model, inputs = _models()[name]
+    with torch.no_grad():
+        compiled = gac_torch.compile(torch.export.export(model, inputs), target="vortex")
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), **MODEL_TOL)
+    counters = vortex.last_counters(compiled)
+    if mode == "functional":
+        assert counters["divergent_branches"] == 0
+    assert compiled.report.compiled == compiled.report.total, compiled.report.summary()
+
+
+# --- divergence --------------------------------------------------------------------------------
+def _bounds_guard_program(divergence: bool):
+    # 7 elements in 2 warps of 4: lane 7 fails `i < 7`, lanes 4-6 pass. Without SPLIT/JOIN SimX
+    # follows the last active lane (7) and skips the whole body for the warp.
+    x = torch.arange(7, dtype=torch.float32)
+    with vortex.compile_flags(divergence=divergence):
+        compiled = gac_torch.compile(Fn(lambda t: t * 2 + 1), (x,), target="vortex")
+    return compiled, x
+
+
+@pytest.mark.parametrize("divergence", [True, False])
+def test_divergence_handling_is_needed(divergence, mode):
+    compiled, x = _bounds_guard_program(divergence)
+    assert ("vx_split" in compiled.ir("llvm")) == divergence
+    got = compiled(x)
+    counters = vortex.last_counters(compiled)
+    if divergence:
+        torch.testing.assert_close(got, x * 2 + 1)
+        assert counters["divergent_branches"] == 0
+    else:
+        assert not torch.equal(got, x * 2 + 1)          # lanes 4..6 never ran their store
+        if mode == "functional":
+            assert counters["divergent_branches"] > 0
+
+
+# --- target plumbing -----------------------------------------------------------------------------
+def test_stages_counters_and_dumps(tmp_path, monkeypatch):
+    monkeypatch.delenv("VORTEX_HOME", raising=False)
+    a, b = r(6, 16), r(16, 5)
+    compiled = gac_torch.compile(Fn(lambda x, y: x @ y), (a, b), target="vortex",
+                                 options={"dump_dir": str(tmp_path)})
+    assert compiled.stages == ["gac", "linalg", "gpu", "llvm", "vxbin"]
+    assert "gpu.func @gac_k0_gemm" in compiled.ir("gpu") and "workgroup" in compiled.ir("gpu")
+    assert 'target triple = "riscv32-unknown-elf"' in compiled.ir("llvm")
+    assert compiled.ir("vxbin").startswith("// .vxbin:")
+    (part,) = compiled.compiled.partitions.values()
+    assert part.executable.last_counters is None
+    torch.testing.assert_close(compiled(a, b), a @ b, rtol=1e-5, atol=1e-5)
+    counters = part.executable.last_counters
+    assert counters == vortex.last_counters(compiled)
+    assert counters["launches"] == 1 and counters["instructions"] > 0 and counters["cycles"] is None
+    (dumped_file,) = tmp_path.glob(f"*/{part.name}.vxbin")
+    dumped = dumped_file.read_bytes()
+    assert vortex.read_vxbin(dumped).kernels.keys() == {"gac_k0_gemm"}
+
+
+def test_simx_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("VORTEX_HOME", raising=False)
+    x = r(4)
+    compiled = gac_torch.compile(Fn(lambda t: t + 1), (x,), target="vortex",
+                                 options={"vortex_mode": "simx"})
+    with pytest.raises(TargetUnavailable, match="VORTEX_HOME"):
+        compiled(x)
+
+
+def test_default_mode_follows_vortex_home(monkeypatch):
+    from gac_torch.backends.vortex.runtime import resolve_mode
+
+    monkeypatch.delenv("VORTEX_HOME", raising=False)
+    assert resolve_mode({}) == ("functional", None)
+    assert resolve_mode({"vortex_home": "/v"}) == ("simx", "/v")
+    monkeypatch.setenv("VORTEX_HOME", "/w")
+    assert resolve_mode({}) == ("simx", "/w")
+    assert resolve_mode({"vortex_mode": "functional"}) == ("functional", "/w")
+
+
+@pytest.mark.simx
+def test_simx_counts_match_functional(monkeypatch):
+    """Same .vxbin, same warp-instruction count on both simulators; SimX adds cycles."""
+    a, b = r(12, 20), r(20, 9)
+    counts = {}
+    for m in ("functional", "simx"):
+        compiled = gac_torch.compile(Fn(lambda x, y: x @ y), (a, b), target="vortex",
+                                     options={"vortex_mode": m, "vortex_home": os.environ["VORTEX_HOME"]})
+        torch.testing.assert_close(compiled(a, b), a @ b, rtol=1e-5, atol=1e-5)
+        counts[m] = vortex.last_counters(compiled)
+    assert counts["simx"]["instructions"] == counts["functional"]["instructions"]
+    assert counts["simx"]["cycles"] > counts["simx"]["instructions"] // 4
