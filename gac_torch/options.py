@@ -17,6 +17,8 @@ TARGET_KEYS = {
     "arch": None,            # cuda: "sm_80", "sm_90", ...; default: the device's
     "vortex_home": None,     # vortex: a Vortex build with runtime/libvortex.so
     "vortex_mode": None,     # vortex: "simx" | "functional"; default: simx when available
+    "allow_tf32": None,      # cuda: f32 matmuls may use TF32; recorded from torch's flags at
+                             # compile time (False forbids it; True cannot override torch)
 }
 
 
@@ -32,6 +34,7 @@ def resolve(options: dict[str, Any] | None, **overrides) -> dict[str, Any]:
     if unknown:
         raise OptionError(f"unknown gac option(s) {unknown}; valid options: {sorted(opts)}")
     opts.update(given)
+    opts["allow_tf32"] = _allow_tf32(opts["allow_tf32"])
     if opts["dump_dir"] is None and os.environ.get("GAC_DUMP_DIR"):
         opts["dump_dir"] = os.environ["GAC_DUMP_DIR"]
     if opts["target"] is not None and opts["target"] not in ("cpu", "cuda", "vortex"):
@@ -41,3 +44,17 @@ def resolve(options: dict[str, Any] | None, **overrides) -> dict[str, Any]:
     if not isinstance(opts["min_block_size"], int) or opts["min_block_size"] < 1:
         raise OptionError("option 'min_block_size' must be a positive integer")
     return opts
+
+
+def torch_allows_tf32() -> bool:
+    """What torch itself would do for an f32 matmul on CUDA right now."""
+    import torch
+
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def _allow_tf32(given: Any) -> bool:
+    """TF32 only when torch's own flags allow it; an explicit False forbids it regardless."""
+    if given is not None and not isinstance(given, bool):
+        raise OptionError("option 'allow_tf32' must be True or False")
+    return torch_allows_tf32() and given is not False

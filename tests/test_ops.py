@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gac_torch
 from conftest import TARGETS
-from parity import check_op
+from parity import Fn, check_op, device_of
 
 G = torch.Generator().manual_seed(1234)
 
@@ -247,3 +248,169 @@ def test_constructors(target):
     check_op(lambda x: x + torch.full((3, 5), 2.5, device=x.device) + torch.ones(5, device=x.device)
              - torch.zeros_like(x), [r(3, 5)], target)
     check_op(lambda x: torch.where(x > 0, x, torch.tensor(0.25, device=x.device)), [r(3, 5)], target)
+
+
+# --- ops added with the OpInfo sweep: the cases OpInfo samples do not reach -----------------
+
+def _vs_eager(fn, inputs, target, what=""):
+    """Strict compile, compared with eager in the same dtype (no fp64 reference): for ops whose
+    edge-case semantics (non-finite coordinates, index tables) are defined by eager's kernel."""
+    dev = device_of(target)
+    inputs = [t.to(dev) for t in inputs]
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target=target, options={"fallback": False})
+    out, ref = compiled(*inputs), fn(*inputs)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5, equal_nan=True, msg=what or None)
+    return compiled
+
+
+def _grid_with_extremes():
+    """Sampling grid with in-range, out-of-range, huge (BEVFormer's ~1e9 for points behind a
+    camera), infinite and NaN coordinates, and exact corners."""
+    g = r(2, 5, 6, 2, lo=-1.3, hi=1.3)
+    g[0, 0, 0] = float("nan")
+    g[0, 0, 1, 0], g[0, 0, 2, 1] = float("inf"), -float("inf")
+    g[0, 1, 0], g[0, 1, 1], g[0, 1, 2, 0] = 1e9, -1e9, 3e9
+    g[1, 2, 3], g[1, 3, 3] = torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0])
+    return g
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [False, True])
+def test_grid_sample(mode, padding, align, target):
+    fn = lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align)  # noqa: E731
+    _vs_eager(fn, [r(2, 3, 5, 7), _grid_with_extremes()], target, f"{mode} {padding} {align}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_grid_sample_far_points_are_zero(target):
+    """Zero padding: every coordinate far outside the image (or non-finite) samples nothing."""
+    g = torch.full((1, 2, 3, 2), 1e9)
+    g[0, 1] = torch.tensor([[-1e9, 0.5], [0.5, 3e9], [-4e9, -4e9]])
+    c = _vs_eager(lambda x, g: F.grid_sample(x, g, align_corners=False), [r(1, 2, 4, 4), g], target)
+    assert torch.count_nonzero(c(r(1, 2, 4, 4), g)) == 0
+
+
+UPSAMPLE = {
+    "nearest_x2": lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
+    "nearest_size": lambda x: F.interpolate(x, size=(7, 5), mode="nearest"),
+    "nearest_frac": lambda x: F.interpolate(x, scale_factor=1.7, mode="nearest"),
+    "bilinear_size": lambda x: F.interpolate(x, size=(11, 9), mode="bilinear", align_corners=False),
+    "bilinear_align": lambda x: F.interpolate(x, size=(11, 9), mode="bilinear", align_corners=True),
+    "bilinear_scale": lambda x: F.interpolate(x, scale_factor=(1.5, 2.25), mode="bilinear"),
+    "bilinear_down": lambda x: F.interpolate(x, size=(3, 2), mode="bilinear"),
+    "nearest_default": lambda x: torch.ops.aten.upsample_nearest2d.default(x, [9, 4]),
+    "nearest_default_scales": lambda x: torch.ops.aten.upsample_nearest2d.default(x, [9, 14], 1.9, 2.9),
+    "bilinear_default": lambda x: torch.ops.aten.upsample_bilinear2d.default(x, [8, 10], False),
+    "bilinear_default_scales": lambda x: torch.ops.aten.upsample_bilinear2d.default(x, [9, 14], True, 1.9, 2.9),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(UPSAMPLE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_upsample(name, dtype, target):
+    c = check_op(UPSAMPLE[name], [r(2, 3, 5, 6, dtype=dtype)], target, name)
+    op = f"upsample_{'nearest' if 'nearest' in name else 'bilinear'}2d.{'default' if 'default' in name else 'vec'}"
+    assert op in str(c.exported_program.graph), f"{op} must reach gac"
+
+
+NEW_OPS = {
+    "cumsum": (lambda x: x.cumsum(1), [r(3, 37)]),
+    "cumsum_int": (lambda x: x.cumsum(0), [ints(9, 4)]),
+    "cumprod": (lambda x: x.cumprod(-1), [r(2, 3, 9, lo=0.5, hi=1.5)]),
+    "logcumsumexp": (lambda x: x.logcumsumexp(0), [r(17, 3) * 30]),
+    "sort": (lambda x: torch.sort(x, -1), [r(4, 33)]),
+    "sort_desc": (lambda x: torch.sort(x, 0, descending=True), [r(19, 3)]),
+    "topk": (lambda x: torch.topk(x, 5, dim=1), [r(3, 40)]),
+    "topk_smallest": (lambda x: torch.topk(x, 3, dim=0, largest=False), [r(12, 4)]),
+    "flip": (lambda x: x.flip(0, 2), [r(3, 4, 5)]),
+    "roll": (lambda x: x.roll((2, -1), (0, 2)), [r(3, 4, 5)]),
+    "diagonal": (lambda x: x.diagonal(1, 1, 2) * 2, [r(2, 4, 5)]),
+    "scatter": (lambda x, i, s: x.scatter(1, i, s), [r(3, 6), torch.stack([torch.randperm(6, generator=G)[:4] for _ in range(3)]), r(3, 4)]),
+    "scatter_add": (lambda x, i, s: x.scatter_add(0, i, s), [r(4, 3), ints(6, 3, lo=0, hi=4), r(6, 3)]),
+    "scatter_reduce_amax": (lambda x, i, s: x.scatter_reduce(0, i, s, "amax", include_self=False),
+                            [r(4, 3), ints(6, 3, lo=0, hi=4), r(6, 3)]),
+    "index_put_acc": (lambda x, i, v: x.index_put((i,), v, accumulate=True), [r(5, 3), ints(7, lo=-5, hi=5), r(7, 3)]),
+    "index_two": (lambda x, i, j: x[i, :, j], [r(4, 3, 5), ints(2, 6, lo=0, hi=4), ints(6, lo=-5, hi=5)]),
+    "index_adjacent": (lambda x, i, j: x[:, i, j], [r(2, 4, 5), ints(3, lo=0, hi=4), ints(3, lo=0, hi=5)]),
+    "select_scatter": (lambda x, s: torch.select_scatter(x, s, 1, 2), [r(3, 4, 2), r(3, 2)]),
+    "slice_scatter_step": (lambda x, s: torch.slice_scatter(x, s, 1, 1, 7, 3), [r(3, 8), r(3, 2)]),
+    "masked_scatter": (lambda x, m, s: x.masked_scatter(m, s), [r(3, 5), bools(3, 5), r(15)]),
+    "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1),
+                         [r(1, 4, 5, 5), r(4, 3, 3, 3)]),
+    "conv_transpose2d_groups": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=(2, 1), padding=(0, 2),
+                                                                   dilation=2, groups=2),
+                                [r(2, 4, 4, 6), r(4, 3, 2, 3), r(6)]),
+    "conv_transpose1d": (lambda x, w: F.conv_transpose1d(x, w, stride=3), [r(2, 3, 7), r(3, 2, 4)]),
+    "adaptive_avg_uneven": (lambda x: F.adaptive_avg_pool2d(x, (3, 4)), [r(2, 3, 7, 10)]),
+    "adaptive_max_uneven": (lambda x: F.adaptive_max_pool2d(x, (5, 3)), [r(2, 3, 7, 10)]),
+    "max_pool_indices": (lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True), [r(2, 3, 9, 8)]),
+    "reflection_pad": (lambda x: F.pad(x, (2, 1, 1, 3), mode="reflect"), [r(2, 3, 5, 6)]),
+    "replication_pad": (lambda x: F.pad(x, (2, 1, 1, 3), mode="replicate"), [r(2, 3, 5, 6)]),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 3, w, b), [r(2, 6, 4, 5), r(6), r(6)]),
+    "batch_norm_train": (lambda x, w, b: F.batch_norm(x, None, None, w, b, True), [r(4, 3, 5, 5), r(3), r(3)]),
+    "hardtanh": (lambda x: F.hardtanh(x, -0.5, 1.2), [r(5, 7)]),
+    "leaky_relu": (lambda x: F.leaky_relu(x, 0.2), [r(5, 7)]),
+    "elu": (lambda x: F.elu(x, 1.3), [r(5, 7)]),
+    "erfinv": (lambda x: torch.erfinv(x), [r(5, 7, lo=-0.999, hi=0.999)]),
+    "hardswish_decomposed": (lambda x: F.hardswish(x), [r(5, 7) * 4]),
+    "cdist": (lambda a, b: torch.cdist(a, b), [r(2, 5, 3), r(2, 4, 3)]),
+    "vector_norm": (lambda x: torch.linalg.vector_norm(x, 3, dim=1), [r(4, 6)]),
+    "var_mean": (lambda x: torch.var_mean(x, 1), [r(4, 6)]),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(NEW_OPS))
+def test_new_ops(name, target):
+    fn, inputs = NEW_OPS[name]
+    check_op(fn, inputs, target, name)
+
+
+# --- precision: f16/bf16 storage, f32 math and accumulation ----------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_reductions_accumulate_in_f32(dtype):
+    """A 4096-term sum and a K=4096 matmul: accumulating in the storage type would be off by
+    hundreds of ulps; f32 accumulation stays within one ulp of the fp64 result."""
+    x = r(2, 4096, dtype=dtype, lo=0.5, hi=1.5)
+    a, b = r(4, 4096, dtype=dtype, lo=0.0, hi=1.0), r(4096, 3, dtype=dtype, lo=0.0, hi=1.0)
+    for fn, args in [(lambda t: t.sum(-1), [x]), (lambda p, q: p @ q, [a, b]),
+                     (lambda t: t.mean(-1), [x]), (lambda t: t.cumsum(-1)[:, -1], [x])]:
+        c = gac_torch.compile(Fn(fn), tuple(args), options={"fallback": False})
+        out = c(*args).double()
+        ref = fn(*[t.double() for t in args])
+        ulp = torch.finfo(dtype).eps * ref.abs()
+        assert bool(((out - ref).abs() <= ulp).all()), (fn, (out - ref).abs().max())
+
+
+def test_half_math_runs_in_f32():
+    """Elementwise f16 math is one f32 computation rounded once: within one f16 ulp of fp64
+    everywhere (f16 arithmetic through gelu's expansion would be several ulps off), and the
+    linalg stage shows the widening; matmuls accumulate into an f32 tensor."""
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float16)
+    fn = lambda t: F.gelu(t) + torch.sigmoid(t)  # noqa: E731
+    c = gac_torch.compile(Fn(F.gelu), (x,), options={"fallback": False})
+    ref = F.gelu(x.double())
+    assert bool(((c(x).double() - ref).abs() <= torch.finfo(torch.float16).eps * ref.abs() + 1e-7).all())
+    text = gac_torch.compile(Fn(fn), (x,)).ir("linalg")
+    assert "arith.extf" in text and "f16 to f32" in text
+    mm = gac_torch.compile(Fn(lambda a, b: a @ b), (r(4, 8, dtype=torch.bfloat16), r(8, 2, dtype=torch.bfloat16)))
+    assert "outs(" in mm.ir("linalg") and "tensor<4x2xf32>" in mm.ir("linalg")
+
+
+def test_tf32_follows_torch_flags():
+    from gac_torch.options import resolve
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert resolve(None)["allow_tf32"] is False
+        assert resolve({"allow_tf32": True})["allow_tf32"] is False  # cannot override torch
+        torch.set_float32_matmul_precision("high")
+        assert resolve(None)["allow_tf32"] is True
+        assert resolve({"allow_tf32": False})["allow_tf32"] is False
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -274,3 +274,25 @@ def lower_diagonal(cx: Cx, x, offset=0, dim1=0, dim2=1):
     start = offset if offset >= 0 else -offset * n2
     table = torch.arange(length) * (n2 + 1) + start
     return cx.b.index_select(y, cx.b.constant(table, torch.int64, (length,)), dim=len(rest))
+
+
+@lower(aten.diagonal_scatter.default)
+def lower_diagonal_scatter(cx: Cx, x, src, offset=0, dim1=0, dim2=1):
+    """The inverse of diagonal: scatter src into the merged (dim1, dim2) plane."""
+    dt = cx.out_dtype
+    shape = cx.shape(x)
+    d1, d2 = dim1 % len(shape), dim2 % len(shape)
+    n1, n2 = shape[d1], shape[d2]
+    rest = [d for d in range(len(shape)) if d not in (d1, d2)]
+    perm = rest + [d1, d2]
+    outer = [shape[d] for d in rest]
+    y = cx.b.reshape(_perm_to(cx, cx.to(x, dt), perm), outer + [n1 * n2])
+    length = cx.shape(src)[-1]
+    if length == 0:
+        return cx.to(x, dt)
+    start = offset if offset >= 0 else -offset * n2
+    table = torch.arange(length) * (n2 + 1) + start
+    idx = cx.b.reshape(cx.b.constant(table, torch.int64, (length,)), [1] * len(outer) + [length])
+    idx = cx.b.broadcast(idx, shape=outer + [length]) if outer else idx
+    y = cx.b.scatter(y, idx, cx.to(src, dt), dim=len(outer), reduce="none")
+    return _perm_to(cx, cx.b.reshape(y, outer + [n1, n2]), _inverse(perm))

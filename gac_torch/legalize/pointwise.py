@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gac_torch.legalize.context import Cx, meta_val
-from gac_torch.legalize.registry import aten, lower
+from gac_torch.legalize.registry import ALL_DTYPES, FLOATS, NUMERIC, aten, lower
 
 
 def promoted(cx: Cx, *positions: int) -> torch.dtype:
@@ -24,9 +24,15 @@ def promoted(cx: Cx, *positions: int) -> torch.dtype:
     return out.dtype
 
 
+# Kinds that are the identity on bools (and whose integer form would misread an i1 as -1).
+_BOOL_IDENTITY = ("sign", "abs", "floor", "ceil", "round", "trunc")
+
+
 def _unary(kind: str, *overloads):
     @lower(*overloads)
     def fn(cx: Cx, x, *_):
+        if cx.dtype_of(x) == torch.bool and cx.out_dtype == torch.bool and kind in _BOOL_IDENTITY:
+            return x
         return cx.b.unary(cx.to(x, cx.out_dtype), kind=kind)
     fn.__name__ = f"lower_{kind}"
     return fn
@@ -77,9 +83,9 @@ def float_result(node) -> str | None:
     return None if meta_val(node).dtype.is_floating_point else "integer result"
 
 
-def _arith(kind: str, *overloads, check=None):
+def _arith(kind: str, *overloads, check=None, dtypes=ALL_DTYPES):
     """a kind b computed in the result dtype; `alpha` scales b (add/sub)."""
-    @lower(*overloads, check=check)
+    @lower(*overloads, check=check, dtypes=dtypes)
     def fn(cx: Cx, a, b, alpha=1):
         dt = cx.out_dtype
         rhs = cx.to(b, dt)
@@ -93,7 +99,7 @@ _arith("add", aten.add.Tensor, aten.add.Scalar)
 _arith("sub", aten.sub.Tensor, aten.sub.Scalar)
 _arith("mul", aten.mul.Tensor, aten.mul.Scalar)
 _arith("div", aten.div.Tensor, aten.div.Scalar)
-_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, check=float_result)
+_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, dtypes=NUMERIC)
 _arith("atan2", aten.atan2.default, check=float_result)
 _arith("maximum", aten.maximum.default)
 _arith("minimum", aten.minimum.default)
@@ -176,8 +182,8 @@ def _same_device(node) -> str | None:
 
 
 @lower(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default,
-       check=_same_device)
-def lower_copy(cx: Cx, x, **kwargs):
+       torch.ops.prims.convert_element_type.default, check=_same_device)
+def lower_copy(cx: Cx, x, *_args, **kwargs):
     # A copy in a functional graph is the value itself (memory format does not matter here:
     # gac tensors are dense, row-major).
     return cx.to(x, cx.out_dtype)
@@ -227,3 +233,40 @@ def lower_copy_into(cx: Cx, dst, src, non_blocking=False):
     """The functional copy: src, broadcast to dst's shape and cast to dst's dtype."""
     v = cx.to(src, cx.out_dtype)
     return cx.b.broadcast(v, shape=cx.out_shape) if cx.shape(v) != cx.out_shape else v
+
+
+@lower(aten.round.decimals, dtypes=FLOATS)
+def lower_round_decimals(cx: Cx, x, *, decimals=0):
+    dt = cx.out_dtype
+    scale = cx.to(10.0 ** abs(decimals), dt)
+    if decimals >= 0:
+        return cx.b.binary(cx.b.unary(cx.b.binary(x, scale, kind="mul"), kind="round"), scale, kind="div")
+    return cx.b.binary(cx.b.unary(cx.b.binary(x, scale, kind="div"), kind="round"), scale, kind="mul")
+
+
+@lower(aten.fmax.default, aten.fmin.default)
+def lower_fmax(cx: Cx, a, b):
+    """maximum/minimum that ignore a NaN operand."""
+    dt = cx.out_dtype
+    av, bv = cx.to(a, dt), cx.to(b, dt)
+    kind = "maximum" if cx.node.target is aten.fmax.default else "minimum"
+    m = cx.b.binary(av, bv, kind=kind)
+    if not dt.is_floating_point:
+        return m
+    m = cx.b.select(cx.b.unary(av, kind="isnan"), bv, m)
+    return cx.b.select(cx.b.unary(bv, kind="isnan"), av, m)
+
+
+def _deterministic_dropout(node) -> str | None:
+    p, train = node.args[1], node.args[2]
+    return None if not train or p in (0, 0.0, 1, 1.0) else "random dropout mask (training)"
+
+
+@lower(aten.native_dropout.default, check=_deterministic_dropout)
+def lower_native_dropout(cx: Cx, x, p, train):
+    """Without training (or p = 0 / 1) dropout is the identity (or zero) with a constant mask."""
+    dt = cx.out_dtype
+    keep = not train or p == 0
+    y = cx.to(x, dt) if keep else cx.b.broadcast(cx.to(0, dt), shape=cx.out_shape)
+    mask = cx.b.broadcast(cx.b.constant(keep, torch.bool), shape=cx.out_shape)
+    return y, mask

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gac_torch.legalize.context import Cx, meta_val
-from gac_torch.legalize.registry import aten, lower
+from gac_torch.legalize.registry import FLOATS, aten, lower
 
 
 def _dims(cx: Cx, x, dims) -> list[int]:
@@ -62,6 +64,11 @@ def lower_mean(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
     return cx.b.binary(s, cx.to(float(count), dt), kind="div")
 
 
+@lower(aten.var.dim, aten.std.dim)
+def lower_var_dim(cx: Cx, x, dims=None, unbiased=True, keepdim=False):
+    return lower_var(cx, x, dims, correction=1 if unbiased else 0, keepdim=keepdim)
+
+
 @lower(aten.var.correction, aten.std.correction)
 def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     dt = cx.out_dtype
@@ -71,17 +78,20 @@ def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     for d in ds:
         n *= cx.shape(x)[d]
     corr = 1 if correction is None else correction
+    std = cx.node.target in (aten.std.correction, aten.std.dim)
     mean = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(float(n), dt), kind="div")
     cent = cx.b.binary(xf, mean, kind="sub")
     ss = cx.b.reduce(cx.b.binary(cent, cent, kind="mul"), kind="sum", dims=ds, keepdim=bool(keepdim))
     var = cx.b.binary(ss, cx.to(float(max(n - corr, 0)), dt), kind="div")
-    return cx.b.unary(var, kind="sqrt") if cx.node.target is aten.std.correction else var
+    return cx.b.unary(var, kind="sqrt") if std else var
 
 
-@lower(aten.argmax.default, aten.argmin.default,
-       check=lambda n: None if len(n.args) > 1 and n.args[1] is not None else "argmax over all dims")
+@lower(aten.argmax.default, aten.argmin.default)
 def lower_argmax(cx: Cx, x, dim=None, keepdim=False):
     kind = "max" if cx.node.target is aten.argmax.default else "min"
+    if dim is None:  # over the flattened tensor
+        flat = cx.b.reshape(x, [math.prod(cx.shape(x))])
+        return cx.b.reshape(cx.b.arg_reduce(flat, kind=kind, dim=0, keepdim=False), cx.out_shape)
     return cx.b.arg_reduce(x, kind=kind, dim=dim, keepdim=bool(keepdim))
 
 
@@ -115,9 +125,9 @@ def lower_var_mean(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     return var, cx.b.reshape(mean_k, list(meta_val(cx.node)[1].shape))
 
 
-@lower(aten.cumsum.default, aten.cumprod.default)
+@lower(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
 def lower_cumsum(cx: Cx, x, dim, *, dtype=None):
-    kind = "sum" if cx.node.target is aten.cumsum.default else "prod"
+    kind = {aten.cumsum.default: "sum", aten.cumprod.default: "prod"}.get(cx.node.target, "logaddexp")
     xv = cx.to(x, cx.out_dtype)
     if not cx.shape(xv):
         return xv
@@ -144,3 +154,77 @@ def lower_sort_stable(cx: Cx, x, *, stable=None, dim=-1, descending=False):
 def lower_topk(cx: Cx, x, k, dim=-1, largest=True, sorted=True):
     # sorted=False lets any order through; the sorted order is one of them.
     return cx.b.sort(x, dim=_sort_dim(cx, x, dim), descending=int(largest), k=k)
+
+
+@lower(aten.linalg_vector_norm.default, dtypes=FLOATS)
+def lower_vector_norm(cx: Cx, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """sum(|x|^p)^(1/p) in f32 or wider (p = 0: the nonzero count, +-inf: max/min of |x|)."""
+    dt = cx.out_dtype
+    acc = torch.float64 if dt == torch.float64 else torch.float32
+    a = cx.b.unary(cx.to(x, acc), kind="abs")
+    ds, kd = _dims(cx, x, dim), bool(keepdim)
+    if ord in (math.inf, -math.inf):
+        r = cx.b.reduce(a, kind="max" if ord > 0 else "min", dims=ds, keepdim=kd)
+    elif ord == 0:
+        r = cx.b.reduce(cx.to(cx.b.binary(a, cx.to(0.0, acc), kind="ne"), acc), kind="sum", dims=ds, keepdim=kd)
+    elif ord == 1:
+        r = cx.b.reduce(a, kind="sum", dims=ds, keepdim=kd)
+    elif ord == 2:
+        r = cx.b.unary(cx.b.reduce(cx.b.binary(a, a, kind="mul"), kind="sum", dims=ds, keepdim=kd), kind="sqrt")
+    else:
+        p = cx.to(float(ord), acc)
+        s = cx.b.reduce(cx.b.binary(a, p, kind="pow"), kind="sum", dims=ds, keepdim=kd)
+        r = cx.b.binary(s, cx.to(1.0 / float(ord), acc), kind="pow")
+    return cx.to(r, dt)
+
+
+def _distances(cx: Cx, a, b, p: float, acc: torch.dtype):
+    """||a_i - b_j||_p for a (.., P, M), b (.., R, M): (.., P, R), from explicit differences
+    (more accurate than the |a|^2 + |b|^2 - 2ab matmul form)."""
+    sa, sb = cx.shape(a), cx.shape(b)
+    d = cx.b.binary(cx.b.reshape(cx.to(a, acc), sa[:-1] + [1, sa[-1]]),
+                    cx.b.reshape(cx.to(b, acc), sb[:-2] + [1] + sb[-2:]), kind="sub")
+    d = cx.b.unary(d, kind="abs")
+    last = len(cx.shape(d)) - 1
+    if p == math.inf:
+        return cx.b.reduce(d, kind="max", dims=[last], keepdim=False)
+    if p == 0:
+        return cx.b.reduce(cx.to(cx.b.binary(d, cx.to(0.0, acc), kind="ne"), acc), kind="sum", dims=[last],
+                           keepdim=False)
+    if p == 1:
+        return cx.b.reduce(d, kind="sum", dims=[last], keepdim=False)
+    if p == 2:
+        return cx.b.unary(cx.b.reduce(cx.b.binary(d, d, kind="mul"), kind="sum", dims=[last], keepdim=False),
+                          kind="sqrt")
+    s = cx.b.reduce(cx.b.binary(d, cx.to(float(p), acc), kind="pow"), kind="sum", dims=[last], keepdim=False)
+    return cx.b.binary(s, cx.to(1.0 / float(p), acc), kind="pow")
+
+
+def _acc(dt: torch.dtype) -> torch.dtype:
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+@lower(aten._cdist_forward.default, dtypes=FLOATS)
+def lower_cdist(cx: Cx, x1, x2, p, compute_mode=None):
+    return cx.to(_distances(cx, x1, x2, float(p), _acc(cx.out_dtype)), cx.out_dtype)
+
+
+@lower(aten._pdist_forward.default, dtypes=FLOATS)
+def lower_pdist(cx: Cx, x, p=2.0):
+    """The upper triangle (i < j, row-major) of the all-pairs distance matrix."""
+    n = cx.shape(x)[0]
+    full = cx.b.reshape(_distances(cx, x, x, float(p), _acc(cx.out_dtype)), [n * n])
+    pairs = torch.tensor([i * n + j for i in range(n) for j in range(i + 1, n)], dtype=torch.int64)
+    return cx.to(cx.b.index_select(full, cx.b.constant(pairs, torch.int64, (pairs.numel(),)), dim=0),
+                 cx.out_dtype)
+
+
+@lower(aten.dist.default, dtypes=FLOATS)
+def lower_dist(cx: Cx, a, b, p=2):
+    """||a - b||_p over every element (the operands broadcast)."""
+    acc = _acc(cx.out_dtype)
+    d = cx.b.binary(cx.to(a, acc), cx.to(b, acc), kind="sub")
+    n = math.prod(cx.shape(d))
+    flat = cx.b.reshape(d, [1, n])
+    zero = cx.b.broadcast(cx.to(0.0, acc), shape=[1, n])
+    return cx.to(cx.b.reshape(_distances(cx, flat, zero, float(p), acc), []), cx.out_dtype)

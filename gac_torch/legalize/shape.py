@@ -72,12 +72,14 @@ def lower_select(cx: Cx, x, dim, index):
 @lower(aten.cat.default)
 def lower_cat(cx: Cx, tensors, dim=0):
     dt = cx.out_dtype
-    parts = [cx.to(t, dt) for t in tensors if math.prod(cx.shape(t)) > 0 or len(cx.shape(t)) > 1]
-    if len(parts) == 1:
-        return parts[0]
+    d = dim % len(cx.out_shape)
+    # Pieces with nothing along dim add nothing (legacy 1-D empties may even have another rank).
+    parts = [cx.to(t, dt) for t in tensors if len(cx.shape(t)) == len(cx.out_shape) and cx.shape(t)[d] > 0]
+    if not parts:
+        return cx.b.broadcast(cx.b.constant(0, dt), shape=cx.out_shape)
     out = parts[0]
     for part in parts[1:]:
-        out = cx.b.concat(out, part, dim=dim % len(cx.out_shape))
+        out = cx.b.concat(out, part, dim=d)
     return out
 
 
@@ -114,8 +116,10 @@ def lower_embedding(cx: Cx, weight, indices, padding_idx=-1, scale_grad=False, s
 
 @lower(aten.index_select.default)
 def lower_index_select(cx: Cx, x, dim, index):
-    return cx.b.index_select(x, cx.b.reshape(index, [max(1, math.prod(cx.shape(index)))]) if not cx.shape(index) else index,
-                             dim=dim % max(len(cx.shape(x)), 1))
+    if not cx.shape(x):  # a 0-d tensor: the only valid index is 0
+        return x
+    flat = cx.b.reshape(index, [math.prod(cx.shape(index))]) if len(cx.shape(index)) != 1 else index
+    return cx.b.reshape(cx.b.index_select(x, flat, dim=dim % len(cx.shape(x))), cx.out_shape)
 
 
 @lower(aten.gather.default)
@@ -138,6 +142,13 @@ def lower_full_like(cx: Cx, x, fill_value=None, **kwargs):
     return cx.b.broadcast(c, shape=cx.out_shape) if cx.out_shape else c
 
 
+@lower(aten.eye.default, aten.eye.m)
+def lower_eye(cx: Cx, n, *args, **kwargs):
+    rows, cols = cx.out_shape
+    i = cx.b.iota([rows, cols], 0, torch.int64)
+    return cx.to(cx.b.binary(i, cx.b.iota([rows, cols], 1, torch.int64), kind="eq"), cx.out_dtype)
+
+
 @lower(aten.arange.start_step, aten.arange.default, aten.arange.start)
 def lower_arange(cx: Cx, *args, **kwargs):
     nums = [a for a in args if isinstance(a, (int, float))]
@@ -150,9 +161,8 @@ def lower_arange(cx: Cx, *args, **kwargs):
     return cx.to(y, dt)
 
 
-@lower(aten.empty.memory_format, aten.zeros.default, aten.ones.default,
-       check=lambda n: None)
-def lower_filled(cx: Cx, size, **kwargs):
+@lower(aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default)
+def lower_filled(cx: Cx, size, *_args, **kwargs):
     # empty: any content is valid; zeros keeps results deterministic.
     value = 1 if cx.node.target is aten.ones.default else 0
     c = cx.b.constant(value, cx.out_dtype)
@@ -169,3 +179,46 @@ def lower_repeat(cx: Cx, x, repeats):
     y = cx.b.reshape(x, [d for s in shape for d in (1, s)])
     y = cx.b.broadcast(y, shape=[d for r, s in zip(repeats, shape) for d in (r, s)])
     return cx.b.reshape(y, cx.out_shape)
+
+
+def _pad_nd(mode: str):
+    def fn(cx: Cx, x, padding):
+        rank = len(cx.shape(x))
+        low, high = [0] * rank, [0] * rank
+        for i in range(len(padding) // 2):  # pairs start from the last dim
+            low[rank - 1 - i], high[rank - 1 - i] = padding[2 * i], padding[2 * i + 1]
+        return cx.b.pad(x, low=low, high=high, mode=mode, value=0.0)
+    fn.__name__ = f"lower_{mode}_pad"
+    return fn
+
+
+lower(aten.reflection_pad1d.default, aten.reflection_pad2d.default,
+      aten.reflection_pad3d.default)(_pad_nd("reflect"))
+lower(aten.replication_pad1d.default, aten.replication_pad2d.default,
+      aten.replication_pad3d.default)(_pad_nd("replicate"))
+
+
+@lower(aten.stack.default)
+def lower_stack(cx: Cx, tensors, dim=0):
+    rank = len(cx.out_shape)
+    d = dim % rank
+    parts = [cx.b.reshape(cx.to(t, cx.out_dtype), cx.shape(t)[:d] + [1] + cx.shape(t)[d:]) for t in tensors]
+    out = parts[0]
+    for p in parts[1:]:
+        out = cx.b.concat(out, p, dim=d)
+    return out
+
+
+@lower(aten.unfold.default)
+def lower_unfold(cx: Cx, x, dim, size, step):
+    """Windows [i*step, i*step + size) along dim, as a new last dim."""
+    shape = cx.shape(x)
+    if not shape:
+        return cx.b.reshape(x, cx.out_shape)
+    d = dim % len(shape)
+    count = cx.out_shape[d]
+    table = torch.tensor([i * step + k for i in range(count) for k in range(size)], dtype=torch.int64)
+    y = cx.b.index_select(x, cx.b.constant(table, torch.int64, (table.numel(),)), dim=d)
+    y = cx.b.reshape(y, shape[:d] + [count, size] + shape[d + 1:])
+    perm = list(range(d + 1)) + list(range(d + 2, len(shape) + 1)) + [d + 1]
+    return cx.b.transpose(y, perm=perm)

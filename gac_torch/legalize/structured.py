@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gac_torch.legalize.context import Cx, meta_val
@@ -13,10 +15,27 @@ def lower_mm(cx: Cx, a, b):
     return cx.b.matmul(a, b)
 
 
+@lower(aten.addmv.default)
+def lower_addmv(cx: Cx, bias, mat, vec, *, beta=1, alpha=1):
+    col = cx.b.reshape(vec, [cx.shape(vec)[0], 1])
+    return lower_addmm(cx, bias, mat, col, beta=beta, alpha=alpha, out_shape=cx.out_shape)
+
+
+@lower(aten.addbmm.default)
+def lower_addbmm(cx: Cx, bias, a, b, *, beta=1, alpha=1):
+    """sum_i a_i @ b_i is one (n, B*k) @ (B*k, m) product."""
+    nb, n, k = cx.shape(a)
+    m = cx.shape(b)[-1]
+    a2 = cx.b.reshape(cx.b.transpose(a, perm=[1, 0, 2]), [n, nb * k])
+    return lower_addmm(cx, bias, a2, cx.b.reshape(b, [nb * k, m]), beta=beta, alpha=alpha)
+
+
 @lower(aten.addmm.default, aten.baddbmm.default)
-def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1):
+def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1, out_shape=None):
     dt = cx.out_dtype
     y = cx.b.matmul(a, b)
+    if out_shape is not None:
+        y = cx.b.reshape(y, out_shape)
     if alpha != 1:
         y = cx.b.binary(y, cx.to(alpha, dt), kind="mul")
     if beta == 0:
@@ -87,15 +106,47 @@ def _indices_unused(node) -> str | None:
     return "pooling indices are used" if users else None
 
 
-@lower(aten.max_pool2d_with_indices.default, check=_indices_unused)
+@lower(aten.max_pool2d_with_indices.default, dtypes=NUMERIC)
 def lower_max_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
     k, s, p, d = _pool_args(kernel, stride, padding, dilation)
-    y = cx.b.pool(x, kind="max", kernel=k, stride=s, padding=p, dilation=d,
-                  ceil_mode=int(ceil_mode), count_include_pad=1, divisor=0)
-    return y, None
+    if _indices_unused(cx.node) is None:
+        y = cx.b.pool(x, kind="max", kernel=k, stride=s, padding=p, dilation=d,
+                      ceil_mode=int(ceil_mode), count_include_pad=1, divisor=0)
+        return y, None
+    return _max_pool_with_indices(cx, x, k, s, p, d)
 
 
-@lower(aten.avg_pool2d.default)
+def _max_pool_with_indices(cx: Cx, x, k, s, p, d):
+    """Gather every window into a trailing axis (static index tables), then max and argmax it;
+    the argmax becomes a flat index into the unpadded H*W plane."""
+    shape = cx.shape(x)
+    h, w = shape[-2:]
+    oh, ow = cx.out_shape[-2:]
+    lead = shape[:-2]
+    need = [(o - 1) * st + (kk - 1) * dd + 1 for o, st, kk, dd in zip((oh, ow), s, k, d)]
+    high = [max(0, n - (size + pp)) for n, size, pp in zip(need, (h, w), p)]
+    lowest = -math.inf if cx.out_dtype.is_floating_point else torch.iinfo(cx.out_dtype).min
+    xp = cx.b.pad(x, low=[0] * len(lead) + p, high=[0] * len(lead) + [pp + hh for pp, hh in zip(p, high)],
+                  mode="constant", value=float(lowest))
+    rows = torch.tensor([o * s[0] + i * d[0] for o in range(oh) for i in range(k[0])])
+    cols = torch.tensor([o * s[1] + j * d[1] for o in range(ow) for j in range(k[1])])
+    g = cx.b.index_select(xp, cx.b.constant(rows, torch.int64, (rows.numel(),)), dim=len(lead))
+    g = cx.b.index_select(g, cx.b.constant(cols, torch.int64, (cols.numel(),)), dim=len(lead) + 1)
+    g = cx.b.reshape(g, lead + [oh, k[0], ow, k[1]])
+    n = len(lead)
+    g = cx.b.transpose(g, perm=list(range(n)) + [n, n + 2, n + 1, n + 3])
+    g = cx.b.reshape(g, lead + [oh, ow, k[0] * k[1]])
+    values = cx.b.reduce(g, kind="max", dims=[n + 2], keepdim=False)
+    arg = cx.b.arg_reduce(g, kind="max", dim=n + 2, keepdim=False)
+    offs = torch.tensor([i * d[0] * w + j * d[1] for i in range(k[0]) for j in range(k[1])])
+    base = torch.tensor([[(i * s[0] - p[0]) * w + (j * s[1] - p[1]) for j in range(ow)] for i in range(oh)])
+    flat = cx.b.reshape(arg, [math.prod(lead + [oh, ow])])
+    idx = cx.b.reshape(cx.b.index_select(cx.b.constant(offs, torch.int64, (offs.numel(),)), flat, dim=0),
+                       lead + [oh, ow])
+    return values, cx.b.binary(idx, cx.b.constant(base.flatten(), torch.int64, (oh, ow)), kind="add")
+
+
+@lower(aten.avg_pool2d.default, dtypes=FLOATS)
 def lower_avg_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), ceil_mode=False,
                      count_include_pad=True, divisor_override=None):
     k, s, p, d = _pool_args(kernel, stride, padding)

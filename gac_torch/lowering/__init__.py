@@ -74,10 +74,15 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
                     _lower_op(op, opname, values)
         module.operation.verify()
         # Fuse elementwise chains here, once for every target: fewer loops and temporaries, and
-        # the bool conversions above disappear into their users.
-        passmanager.PassManager.parse(
-            "builtin.module(canonicalize, cse, func.func(linalg-fuse-elementwise-ops), canonicalize, cse)"
-        ).run(module.operation)
+        # the bool conversions above disappear into their users. Fusion only moves single-use
+        # producers, so it runs before CSE would merge two users' private i8 -> i1 conversions;
+        # it can also move a reshape onto an i1 value, which a second round fuses through.
+        fuse = passmanager.PassManager.parse(
+            "builtin.module(func.func(linalg-fuse-elementwise-ops), canonicalize, cse)")
+        for _ in range(3):
+            fuse.run(module.operation)
+            if not _bool_tensors(module):
+                break
         _check_no_bool_buffers(module)
     return module
 
@@ -102,10 +107,8 @@ def _lower_op(op, opname: str, values: dict) -> None:
         values[r] = new
 
 
-def _check_no_bool_buffers(module: ir.Module) -> None:
-    """An i1 tensor that survived fusion would become an i1 buffer, which LLVM lowering cannot
-    store (it aborts the process): refuse it here with an error instead."""
-    bad = []
+def _bool_tensors(module: ir.Module) -> list[str]:
+    bad: list[str] = []
 
     def visit(op):
         for r in op.results:
@@ -115,6 +118,13 @@ def _check_no_bool_buffers(module: ir.Module) -> None:
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit)
+    return bad
+
+
+def _check_no_bool_buffers(module: ir.Module) -> None:
+    """An i1 tensor that survived fusion would become an i1 buffer, which LLVM lowering cannot
+    store (it aborts the process): refuse it here with an error instead."""
+    bad = _bool_tensors(module)
     if bad:
         raise LoweringError(f"bool tensor would be materialized by {sorted(set(bad))}")
 

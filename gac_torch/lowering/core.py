@@ -199,12 +199,16 @@ def reshape(v: ir.Value, new_shape: Sequence[int]) -> ir.Value:
 
 
 def extract_slice(v: ir.Value, offsets, sizes, strides) -> ir.Value:
+    # An empty slice may start at the end; MLIR wants every offset in bounds.
+    offsets = [0 if n == 0 else o for o, n in zip(offsets, sizes)]
     return tensor.ExtractSliceOp(tensor_t(sizes, elem(v)), v, [], [], [], list(offsets),
                                  list(sizes), list(strides)).result
 
 
 def insert_slice(src: ir.Value, dest: ir.Value, offsets, strides=None) -> ir.Value:
     sizes = shape(src)
+    if 0 in sizes:
+        return dest
     strides = strides or [1] * len(sizes)
     return tensor.InsertSliceOp(src, dest, [], [], [], list(offsets), sizes, list(strides)).result
 

@@ -98,6 +98,23 @@ def _shift(left: bool):
     return build
 
 
+def _ipow(a, b):
+    """Integer power by squaring over every exponent bit (wrapping like ATen); a negative
+    exponent gives 1 for a = 1, +-1 for a = -1 and 0 otherwise, as ATen does."""
+    t = a.type
+    one, zero = const(1, t), const(0, t)
+    result, base = one, a
+    for k in range(ir.IntegerType(t).width - 1):
+        bit = arith.andi(arith.shrsi(b, const(k, t)), one)
+        result = arith.select(arith.cmpi(I.ne, bit, zero), arith.muli(result, base), result)
+        base = arith.muli(base, base)
+    odd = arith.cmpi(I.ne, arith.andi(b, one), zero)
+    minus_one = arith.select(odd, const(-1, t), one)
+    negative = arith.select(arith.cmpi(I.eq, a, one), one,
+                            arith.select(arith.cmpi(I.eq, a, const(-1, t)), minus_one, zero))
+    return arith.select(arith.cmpi(I.slt, b, zero), negative, result)
+
+
 FLOAT_UNARY = {
     "neg": arith.negf, "abs": mmath.absf, "exp": mmath.exp, "exp2": mmath.exp2,
     "expm1": mmath.expm1, "log": mmath.log, "log2": mmath.log2, "log10": mmath.log10,
@@ -178,7 +195,7 @@ FLOAT_BINARY = {
 
 INT_BINARY = {
     "add": arith.addi, "sub": arith.subi, "mul": arith.muli, "truncdiv": arith.divsi,
-    "floordiv": arith.floordivsi, "remainder": _remainder_i, "fmod": arith.remsi,
+    "floordiv": arith.floordivsi, "remainder": _remainder_i, "fmod": arith.remsi, "pow": _ipow,
     "maximum": arith.maxsi, "minimum": arith.minsi,
     "bitwise_and": arith.andi, "bitwise_or": arith.ori, "bitwise_xor": arith.xori,
     "shl": _shift(True), "shr": _shift(False),

@@ -60,12 +60,14 @@ def lower_reduce(op, operands):
     dims = {d % max(rank, 1) for d in attrs["dims"]} if rank else set()
     kind = attrs["kind"]
     out_t = op.results[0].type
-    if kind in ("any", "all"):
+    if kind in ("any", "all") or is_bool(elem(x)):
         # Accumulate 0/1 in i8, the storage type of bools: a reduction's i1 result could not be
-        # fused into a later conversion and i1 buffers cannot be stored.
-        i8, i1 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(1)
-        x8 = elementwise([x], shape(x), [i8], lambda v: [convert(convert(v, i1), i8)])[0]
-        return [reshape(reduce_dims(x8, dims, "max" if kind == "any" else "min", i8), shape(op.results[0]))]
+        # fused into a later conversion and i1 buffers cannot be stored. On 0/1, any/max/sum
+        # (bool or) is max and all/min/prod (bool and) is min.
+        i8 = ir.IntegerType.get_signless(8)
+        x8 = _as_bytes(x)
+        as_max = kind in ("any", "max", "sum")
+        return [reshape(reduce_dims(x8, dims, "max" if as_max else "min", i8), shape(op.results[0]))]
     acc = accumulator_type(elem(x))
     r = reduce_dims(x, dims, kind, acc)
     if str(elem(r)) != str(elem(out_t)):
@@ -73,10 +75,20 @@ def lower_reduce(op, operands):
     return [reshape(r, shape(op.results[0]))]
 
 
+def _as_bytes(x: ir.Value) -> ir.Value:
+    """Any tensor as 0/1 bytes (x != 0)."""
+    i8, i1 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(1)
+    return elementwise([x], shape(x), [i8], lambda v: [convert(convert(v, i1), i8)])[0]
+
+
 @lowers("arg_reduce")
 def lower_arg_reduce(op, operands):
     """First index of the max/min along dim; NaN counts as the extreme (as in ATen)."""
     (x,) = operands
+    if not shape(x):  # a 0-d tensor is its own max at index 0
+        return [full(shape(op.results[0]), 0, ir.IntegerType.get_signless(64))]
+    if is_bool(elem(x)):  # compare bools as unsigned bytes (a signed i1 true is -1)
+        x = _as_bytes(x)
     attrs = op_attrs(op)
     in_shape = shape(x)
     rank = len(in_shape)
@@ -162,7 +174,15 @@ def lower_layer_norm(op, operands):
 __all__ = ["reduce_dims", "broadcast_map", "empty"]
 
 
-_SCAN_IDENTITY = {"sum": lambda e: 0, "prod": lambda e: 1, "max": lowest, "min": highest}
+_SCAN_IDENTITY = {"sum": lambda e: 0, "prod": lambda e: 1, "max": lowest, "min": highest,
+                  "logaddexp": lowest}
+
+
+def _logaddexp(a: ir.Value, b: ir.Value) -> ir.Value:
+    """log(exp(a) + exp(b)) = max + log1p(exp(-|a - b|)); -inf (the identity) stays exact."""
+    hi, lo = arith.maximumf(a, b), arith.minimumf(a, b)
+    r = arith.addf(hi, mmath.log1p(mmath.exp(arith.subf(lo, hi))))
+    return arith.select(arith.cmpf(F.OEQ, lo, const(float("-inf"), a.type)), hi, r)
 
 
 @lowers("scan")
@@ -187,7 +207,8 @@ def lower_scan(op, operands):
         low = [0] * len(xs)
         low[dim] = step
         shifted = pad_constant(head, low, [0] * len(xs), _SCAN_IDENTITY[kind](acc))
-        y = elementwise([y, shifted], xs, [acc], lambda a, b: [_combine(kind, a, b)])[0]
+        combine = _logaddexp if kind == "logaddexp" else (lambda a, b: _combine(kind, a, b))
+        y = elementwise([y, shifted], xs, [acc], lambda a, b: [combine(a, b)])[0]
         step *= 2
     if str(e) != str(acc):
         y = elementwise([y], xs, [e], lambda v: [convert(v, e)])[0]

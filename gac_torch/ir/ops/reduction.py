@@ -59,7 +59,7 @@ define("layer_norm", ["x", "weight", "bias"], results=("y", "mean", "rstd"),
        doc="normalize over the last normalized_rank dims; mean/rstd keep dims")
 
 
-SCAN_KINDS = ("sum", "prod", "max", "min")
+SCAN_KINDS = ("sum", "prod", "max", "min", "logaddexp")
 
 
 def _infer_scan(types, attrs):
