@@ -1,0 +1,100 @@
+"""BEVFormer at full size on one GPU: gac parity vs eager (fp32) and latency eager / Inductor / gac.
+
+    python benchmarks/bench_bevformer.py --configs tiny base --out results.md
+
+Two frames per config (frame 0 without prev_bev, frame 1 with it) checked against eager; then
+frame-1 latency: warm-up, CUDA events, medians of interleaved rounds (METHOD.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import gac_torch
+from gac_torch.models.bevformer import build_bevformer, make_test_inputs
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def time_ms(fn, args, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def run(config: str, rounds: int, iters: int, inductor: bool) -> dict:
+    row: dict = {"config": config}
+    model = build_bevformer(config, seed=0).cuda()
+    frame0 = [t.cuda() for t in make_test_inputs(model.cfg, frame=0)]
+    with torch.no_grad():
+        ref0 = model(*frame0)
+        frame1 = [t.cuda() for t in make_test_inputs(model.cfg, frame=1, prev_bev=ref0[2].cpu())]
+        ref1 = model(*frame1)
+        t0 = time.time()
+        ep = torch.export.export(model, tuple(frame0))
+        compiled = gac_torch.compile(ep, target="cuda")
+        row["compile_s"] = time.time() - t0
+        row["coverage"] = compiled.report.summary()
+        out0, out1 = compiled(*frame0), compiled(*frame1)
+        row["rel_err"] = {name: max(rel_err(a, b), rel_err(c, d)) for name, a, b, c, d in zip(
+            ("cls", "bbox", "bev"), out0, ref0, out1, ref1)}
+        variants = {"eager": model, "gac": compiled}
+        if inductor:
+            t0 = time.time()
+            variants["inductor"] = torch.compile(model)
+            variants["inductor"](*frame1)
+            row["inductor_compile_s"] = time.time() - t0
+        for fn in variants.values():
+            fn(*frame1)
+        torch.cuda.synchronize()
+        samples: dict = {k: [] for k in variants}
+        for _ in range(rounds):
+            for k, fn in variants.items():
+                samples[k].append(time_ms(fn, frame1, iters))
+    row["ms"] = {k: statistics.median(v) for k, v in samples.items()}
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", nargs="+", default=["tiny", "base"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = [run(c, args.rounds, args.iters, not args.no_inductor) for c in args.configs]
+    lines = [f"# BEVFormer on the GPU ({datetime.date.today()}, {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__})", "",
+             f"Command: `python benchmarks/bench_bevformer.py --configs {' '.join(args.configs)}`"
+             f"{' --no-inductor' if args.no_inductor else ''}; fp32, batch 1, frame 1 (with prev_bev); "
+             f"medians of {args.rounds} interleaved rounds x {args.iters} calls, CUDA events.", "",
+             "| config | eager ms | inductor ms | gac ms | eager/gac | gac compile s | rel.err cls / bbox / bev (2 frames) | coverage |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["ms"]
+        e = r["rel_err"]
+        lines.append(f"| {r['config']} | {ms['eager']:.2f} | {ms.get('inductor', float('nan')):.2f} | {ms['gac']:.2f} | "
+                     f"{ms['eager'] / ms['gac']:.2f} | {r['compile_s']:.0f} | {e['cls']:.1e} / {e['bbox']:.1e} / {e['bev']:.1e} | "
+                     f"{r['coverage']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
