@@ -8,8 +8,8 @@ from gac_torch.ir.builder import infer_result_types, op_attrs
 from gac_torch.ir.ops._infer import GacTypeError
 
 
-def gac_ops(module: ir.Module):
-    """Every gac op of the module, in order."""
+def gac_ops(module: ir.Module | ir.Operation):
+    """Every gac op of the module (or of any op holding gac ops), in order."""
     found = []
 
     def visit(op):
@@ -17,11 +17,11 @@ def gac_ops(module: ir.Module):
             found.append(op)
         return ir.WalkResult.ADVANCE
 
-    module.operation.walk(visit)
+    getattr(module, "operation", module).walk(visit)
     return found
 
 
-def verify_gac(module: ir.Module) -> None:
+def verify_gac(module: ir.Module | ir.Operation) -> None:
     """Raises GacTypeError naming the first op that breaks its rules."""
     for op in gac_ops(module):
         name = op.operation.name.removeprefix("gac.")
@@ -36,13 +36,6 @@ def add_verify_pass(pm: passmanager.PassManager) -> None:
     """Runs gac-verify inside a pass pipeline (after IRDL's own op verification)."""
 
     def run(op, pass_=None):
-        verify_gac(_as_module(op))
+        verify_gac(op)
 
     pm.add(run, name="gac-verify", argument="gac-verify")
-
-
-def _as_module(op) -> ir.Module:
-    class _M:  # a thin adapter: gac_ops only needs `.operation.walk`
-        operation = op.operation if hasattr(op, "operation") else op
-
-    return _M()  # type: ignore[return-value]
