@@ -17,11 +17,12 @@ import torch.nn.functional as F
 pytest.importorskip("ziglang")
 pytest.importorskip("elftools")
 
-import gac_torch  # noqa: E402
-from gac_torch.backends import TargetUnavailable, vortex  # noqa: E402
-from models import MODEL_TOL, MLP, SmallCNN, randomize_bn, transformer_layer  # noqa: E402
-from parity import Fn, check_op  # noqa: E402
-from test_ops import CONVS, REDUCTIONS, SHAPE_OPS, UNARY, _nonzero, bools, ints, pos, r  # noqa: E402
+from models import MLP, MODEL_TOL, SmallCNN, randomize_bn, transformer_layer
+from parity import Fn, check_op
+from test_ops import CONVS, REDUCTIONS, SHAPE_OPS, UNARY, _nonzero, bools, ints, pos, r
+
+import gac_torch
+from gac_torch.backends import TargetUnavailable, vortex
 
 MODES = ["functional", pytest.param("simx", marks=pytest.mark.simx)]
 
@@ -47,109 +48,85 @@ def check(fn, inputs, mode: str, what: str = ""):
 
 
 # --- op parity (cases from test_ops.py) --------------------------------------------------------
-POINTWISE = {
-    **{k: (UNARY[k], lambda: [r(3, 5)]) for k in
-       ("exp", "tanh", "erf", "sigmoid", "gelu_tanh", "sin", "atan", "asin", "round", "sign", "isinf")},
-    "log": (torch.log, lambda: [pos(3, 5)]), "rsqrt": (torch.rsqrt, lambda: [pos(3, 5)]),
-    "log1p": (torch.log1p, lambda: [pos(3, 5)]),
-    "atan2": (torch.atan2, lambda: [r(3, 5), r(3, 5)]),
-    "remainder": (torch.remainder, lambda: [r(2, 3, 4), _nonzero(r(4))]),
-    "div_floor": (lambda a, b: torch.div(a, b, rounding_mode="floor"), lambda: [r(3, 5), _nonzero(r(5))]),
-    "where": (lambda a, b: torch.where(a > b, a, b), lambda: [r(4, 1), r(1, 6)]),
-    "masked_fill": (lambda a, b: a.masked_fill(b > 0, -1.5), lambda: [r(3, 5), r(3, 5)]),
-    "logical_xor": (torch.logical_xor, lambda: [bools(2, 5), bools(5)]),
-    "scalar_ops": (lambda a, b: (a * 2.5 + 1) / 4 - b, lambda: [r(5), r()]),
-    "clamp": (lambda x, lo, hi: torch.clamp(x, lo, hi), lambda: [r(6, 3), r(6, 3) - 1, r(6, 3) + 1]),
-    "pow": (torch.pow, lambda: [pos(4, 5), r(4, 5)]),
-    "int_floordiv": (lambda a, b: torch.div(a, b, rounding_mode="floor"), lambda: [ints(3, 5), _nonzero(ints(5))]),
-    "int_bitwise": (lambda a, b: (a & b) ^ (a | 3), lambda: [ints(2, 4), ints(4)]),
-    "to_f16": (lambda x: x.to(torch.float16), lambda: [r(4, 6) * 10]),
-    "from_bf16": (lambda x: x.to(torch.float32) * 2, lambda: [(r(4, 6) * 10).to(torch.bfloat16)]),
-    "i64_to_f32": (lambda x: x.to(torch.float32) / 3, lambda: [ints(7, lo=-2**40, hi=2**40)]),
-    "arange": (lambda x: x + torch.arange(5, dtype=torch.float32), lambda: [r(3, 5)]),
-}
-REDUCE = {k: REDUCTIONS[k] for k in ("sum_dim", "mean", "amin", "argmax", "var", "any",
-                                     "softmax", "log_softmax", "logsumexp")}
-SHAPES = {k: SHAPE_OPS[k] for k in ("permute", "expand", "slice", "cat", "pad", "repeat", "split")}
-
-
-@pytest.mark.parametrize("name", sorted(POINTWISE))
-def test_pointwise(name, mode):
-    fn, inputs = POINTWISE[name]
-    check(fn, inputs(), mode, name)
-
-
-@pytest.mark.parametrize("name", sorted(REDUCE))
-def test_reductions(name, mode):
-    check(REDUCE[name], [r(2, 3, 6)], mode, name)
-
-
-def test_softmax_neg_inf_row(mode):
+def _cases() -> dict:
+    """name -> (fn, inputs factory): a representative subset of test_ops.py (also used by
+    benchmarks/vortex_simx_parity.py to record counters)."""
+    cases = {f"pointwise/{k}": (UNARY[k], lambda: [r(3, 5)]) for k in
+             ("exp", "tanh", "erf", "sigmoid", "gelu_tanh", "sin", "atan", "asin", "round", "sign", "isinf")}
+    rm, rv, emb = r(6), pos(6), r(10, 4)
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-40, 1.0, -1.0, 0.5, 3.0, -7.5, 30.0, 88.0, -100.0,
+                            float("inf"), float("-inf"), float("nan"), 1e4])
+    positive = torch.tensor([0.0, 1e-42, 1e-30, 0.5, 1.0, 2.0, 1e30, float("inf"), -1.0, float("nan")])
+    cases.update({
+        "pointwise/log": (torch.log, lambda: [pos(3, 5)]),
+        "pointwise/rsqrt": (torch.rsqrt, lambda: [pos(3, 5)]),
+        "pointwise/log1p": (torch.log1p, lambda: [pos(3, 5)]),
+        "pointwise/atan2": (torch.atan2, lambda: [r(3, 5), r(3, 5)]),
+        "pointwise/clamp": (torch.clamp, lambda: [r(6, 3), r(6, 3) - 1, r(6, 3) + 1]),
+        "pointwise/pow": (torch.pow, lambda: [pos(4, 5), r(4, 5)]),
+        "pointwise/arange": (lambda x: x + torch.arange(5, dtype=torch.float32), lambda: [r(3, 5)]),
+        "broadcast/remainder": (torch.remainder, lambda: [r(2, 3, 4), _nonzero(r(4))]),
+        "broadcast/div_floor": (lambda a, b: torch.div(a, b, rounding_mode="floor"),
+                                lambda: [r(3, 5), _nonzero(r(5))]),
+        "broadcast/where": (lambda a, b: torch.where(a > b, a, b), lambda: [r(4, 1), r(1, 6)]),
+        "broadcast/masked_fill": (lambda a, b: a.masked_fill(b > 0, -1.5), lambda: [r(3, 5), r(3, 5)]),
+        "broadcast/logical_xor": (torch.logical_xor, lambda: [bools(2, 5), bools(5)]),
+        "broadcast/scalar_ops": (lambda a, b: (a * 2.5 + 1) / 4 - b, lambda: [r(5), r()]),
+        "int/floordiv": (lambda a, b: torch.div(a, b, rounding_mode="floor"),
+                         lambda: [ints(3, 5), _nonzero(ints(5))]),
+        "int/bitwise": (lambda a, b: (a & b) ^ (a | 3), lambda: [ints(2, 4), ints(4)]),
+        "cast/to_f16": (lambda x: x.to(torch.float16), lambda: [r(4, 6) * 10]),
+        "cast/from_bf16": (lambda x: x.to(torch.float32) * 2, lambda: [(r(4, 6) * 10).to(torch.bfloat16)]),
+        "cast/i64_to_f32": (lambda x: x.to(torch.float32) / 3, lambda: [ints(7, lo=-2**40, hi=2**40)]),
+        "math/special": (lambda t: torch.stack([t.exp(), t.expm1(), t.sin(), t.cos(), t.atan(), t.erf(),
+                                                t.tanh(), torch.asinh(t)]), lambda: [special]),
+        "math/logs": (lambda t: torch.stack([t.log(), t.log2(), t.log1p()]), lambda: [positive]),
+        "norm/layer_norm": (lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5),
+                            lambda: [r(2, 5, 16), r(16), r(16)]),
+        "norm/batch_norm": (lambda x, w, b: F.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5),
+                            lambda: [r(2, 6, 3, 3), r(6), r(6)]),
+        "matmul/mm": (lambda a, b: a @ b, lambda: [r(5, 7), r(7, 3)]),
+        "matmul/mm16": (lambda a, b: a @ b, lambda: [r(16, 16), r(16, 16)]),
+        "matmul/bmm": (torch.bmm, lambda: [r(2, 5, 7), r(2, 7, 3)]),
+        "matmul/addmm": (lambda a, b, c: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+                         lambda: [r(4, 6), r(6, 3), r(3)]),
+        "matmul/linear3d": (F.linear, lambda: [r(2, 5, 8), r(3, 8), r(3)]),
+        "matmul/int": (lambda a, b: a @ b, lambda: [ints(3, 4), ints(4, 2)]),
+        "pool/max": (lambda t: F.max_pool2d(t, 3, 2, 1), lambda: [r(1, 2, 6, 12)]),
+        "pool/avg_nopad": (lambda t: F.avg_pool2d(t, 3, 2, 1, count_include_pad=False),
+                           lambda: [r(1, 2, 6, 12)]),
+        "pool/adaptive": (lambda t: F.adaptive_avg_pool2d(t, 1), lambda: [r(1, 2, 6, 12)]),
+        "gather/embedding": (lambda i: F.embedding(i, emb), lambda: [ints(2, 3, lo=0, hi=10)]),
+        "gather/gather": (lambda x, i: torch.gather(x, 1, i), lambda: [r(3, 6), ints(3, 4, lo=0, hi=6)]),
+        "gather/index": (lambda x, i: x[i], lambda: [r(6, 3), ints(4, lo=-6, hi=6)]),
+    })
+    cases.update({f"reduce/{k}": (REDUCTIONS[k], lambda: [r(2, 3, 6)]) for k in
+                  ("sum_dim", "mean", "amin", "argmax", "var", "any", "softmax", "log_softmax", "logsumexp")})
     x = r(3, 5)
     x[1] = float("-inf")
     x[2, :2] = float("-inf")
-    check(lambda t: t.softmax(-1), [x], mode)
+    cases["reduce/softmax_neg_inf"] = (lambda t: t.softmax(-1), lambda: [x])
+    cases.update({f"shape/{k}": (SHAPE_OPS[k], lambda: [r(3, 4, 5)]) for k in
+                  ("permute", "expand", "slice", "cat", "pad", "repeat", "split")})
+    cases.update({f"conv2d/{i}": _conv_case(CONVS[i]) for i in (1, 2, 3)})
+    return cases
 
 
-def test_norms(mode):
-    check(lambda x, w, b: F.layer_norm(x, (16,), w, b, 1e-5), [r(2, 5, 16), r(16), r(16)], mode, "layer_norm")
-    rm, rv = r(6), pos(6)
-    check(lambda x, w, b: F.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5), [r(2, 6, 3, 3), r(6), r(6)],
-          mode, "batch_norm")
+def _conv_case(c: dict):
+    def fn(x, w, b):
+        return F.conv2d(x, w, b, c["stride"], c["padding"], c["dilation"], c["groups"])
+    return fn, lambda: [r(*c["x"]), r(*c["w"]) * 0.3, r(c["w"][0])]
 
 
-MATMULS = {
-    "mm": (lambda a, b: a @ b, lambda: [r(5, 7), r(7, 3)]),
-    "mm16": (lambda a, b: a @ b, lambda: [r(16, 16), r(16, 16)]),
-    "bmm": (torch.bmm, lambda: [r(2, 5, 7), r(2, 7, 3)]),
-    "addmm": (lambda a, b, c: torch.addmm(c, a, b, beta=0.5, alpha=2.0), lambda: [r(4, 6), r(6, 3), r(3)]),
-    "linear3d": (lambda x, w, b: F.linear(x, w, b), lambda: [r(2, 5, 8), r(3, 8), r(3)]),
-    "int": (lambda a, b: a @ b, lambda: [ints(3, 4), ints(4, 2)]),
-}
+CASES = _cases()
 
 
-@pytest.mark.parametrize("name", sorted(MATMULS))
-def test_matmuls(name, mode):
-    fn, inputs = MATMULS[name]
-    compiled, counters = check(fn, inputs(), mode, name)
-    if name != "int":  # f32 contractions take the tiled local-memory GEMM
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op(name, mode):
+    fn, inputs = CASES[name]
+    _, counters = check(fn, inputs(), mode, name)
+    if name.startswith("matmul/") and name != "matmul/int":   # f32: the tiled local-memory GEMM
         assert any(k["kernel"].endswith("_gemm") for k in counters["kernels"]), counters["kernels"]
-
-
-@pytest.mark.parametrize("i", [1, 2, 3])
-def test_conv2d(i, mode):
-    c = CONVS[i]
-    fn = lambda x, w, b: F.conv2d(x, w, b, c["stride"], c["padding"], c["dilation"], c["groups"])  # noqa: E731
-    check(fn, [r(*c["x"]), r(*c["w"]) * 0.3, r(c["w"][0])], mode, str(c))
-
-
-def test_pooling(mode):
-    x = r(1, 2, 6, 12)
-    check(lambda t: F.max_pool2d(t, 3, 2, 1), [x], mode, "max_pool")
-    check(lambda t: F.avg_pool2d(t, 3, 2, 1, count_include_pad=False), [x], mode, "avg_pool")
-    check(lambda t: F.adaptive_avg_pool2d(t, 1), [x], mode, "adaptive")
-
-
-@pytest.mark.parametrize("name", sorted(SHAPES))
-def test_shape_ops(name, mode):
-    check(SHAPES[name], [r(3, 4, 5)], mode, name)
-
-
-def test_gathers(mode):
-    emb = r(10, 4)
-    check(lambda i: F.embedding(i, emb), [ints(2, 3, lo=0, hi=10)], mode, "embedding")
-    check(lambda x, i: torch.gather(x, 1, i), [r(3, 6), ints(3, 4, lo=0, hi=6)], mode, "gather")
-    check(lambda x, i: x[i], [r(6, 3), ints(4, lo=-6, hi=6)], mode, "index")
-
-
-def test_math_special_values(mode):
-    """The polynomial expansions keep IEEE special cases (no libm on the device)."""
-    x = torch.tensor([0.0, -0.0, 1e-30, -1e-40, 1.0, -1.0, 0.5, 3.0, -7.5, 30.0, 88.0, -100.0,
-                      float("inf"), float("-inf"), float("nan"), 1e4])
-    check(lambda t: torch.stack([t.exp(), t.expm1(), t.sin(), t.cos(), t.atan(), t.erf(), t.tanh(),
-                                 torch.asinh(t)]), [x], mode, "special")
-    p = torch.tensor([0.0, 1e-42, 1e-30, 0.5, 1.0, 2.0, 1e30, float("inf"), -1.0, float("nan")])
-    check(lambda t: torch.stack([t.log(), t.log2(), t.log1p()]), [p], mode, "logs")
 
 
 # --- models ------------------------------------------------------------------------------------

@@ -170,12 +170,12 @@ def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
             w(store)
 
     head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, %init: f32) {{",
-            f"%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
+            "%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
             f"%gy = arith.constant {gy} : index", f"%gz = arith.constant {gz} : index",
             f"%nt = arith.constant {t.threads} : index",
-            "gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-            "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-            f"workgroup(%As : {sa}, %Bs : {sb}) {{", "%zero = arith.constant 0.0 : f32"]
+            ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+             "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+             f"workgroup(%As : {sa}, %Bs : {sb}) {{"), "%zero = arith.constant 0.0 : f32"]
     return "\n".join(head + k.constants() + k.lines + ["gpu.terminator", "}", "return", "}"])
 
 
@@ -219,7 +219,8 @@ def _stage(k: _Text, s: GemmShape, t: GemmTiling, which: str, tile: str,
         else:
             w(f"{p}k = arith.divui {p}e, {c(rows)} : index", f"{p}r = arith.remui {p}e, {c(rows)} : index")
         w(f"{p}gr = arith.addi {base}, {p}r : index", f"{p}gk = arith.addi %k0, {p}k : index")
-        oks, gr, gk = [], f"{p}gr", f"{p}gk"
+        oks: list[str] = []
+        gr, gk = f"{p}gr", f"{p}gk"
         if r_over:
             w(f"{p}okr = arith.cmpi ult, {gr}, {c(extent)} : index",
               f"{p}grc = arith.minui {gr}, {c(extent - 1)} : index")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from gac_torch.backends.base import Signature, Stage, Target
 from gac_torch.backends.vortex.target import DEFAULT_CONFIG
@@ -31,7 +32,7 @@ _flags: Any = None   # pipeline.CompileFlags while compile_flags() is active
 def compile_flags(**changes: bool) -> Iterator[None]:
     """Internal switches for tests and benchmarks, e.g. `compile_flags(divergence=False)`
     (no SPLIT/JOIN) or `compile_flags(tiled_gemm=False)` (the scalar matmul baseline)."""
-    from gac_torch.backends.vortex.pipeline import CompileFlags  # noqa: PLC0415
+    from gac_torch.backends.vortex.pipeline import CompileFlags
 
     global _flags
     saved, _flags = _flags, dataclasses.replace(_flags or CompileFlags(), **changes)
@@ -42,8 +43,8 @@ def compile_flags(**changes: bool) -> Iterator[None]:
 
 
 def _stages(options: dict) -> list[Stage]:
-    from gac_torch.backends.vortex import pipeline  # noqa: PLC0415 (MLIR only when compiling)
-    from gac_torch.backends.vortex.mapping import VortexLimits  # noqa: PLC0415
+    from gac_torch.backends.vortex import pipeline
+    from gac_torch.backends.vortex.mapping import VortexLimits
 
     flags = _flags or pipeline.CompileFlags()
     limits = VortexLimits(threads_per_warp=THREADS_PER_WARP, threads_per_block=CTA_THREADS,
@@ -56,7 +57,7 @@ def _stages(options: dict) -> list[Stage]:
 
 
 def _load(program: Any, signature: Signature, options: dict) -> Any:
-    from gac_torch.backends.vortex import runtime  # noqa: PLC0415
+    from gac_torch.backends.vortex import runtime
 
     mode, home = runtime.resolve_mode(options)
     return runtime.VortexExecutable(program, signature, mode, home)

@@ -15,7 +15,6 @@ waits for all of its warps) and warps are narrow:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from mlir import ir
 
@@ -41,9 +40,9 @@ class VortexLimits:
                                 threads_per_block=self.threads_per_block)
 
 
-def _subscript_dims(m: ir.AffineMap) -> Optional[list[Optional[int]]]:
+def _subscript_dims(m: ir.AffineMap) -> list[int | None] | None:
     """Dim of each result of a projected permutation; None for a constant-0 (unit) result."""
-    out: list[Optional[int]] = []
+    out: list[int | None] = []
     for e in m.results:
         if isinstance(e, ir.AffineDimExpr):
             out.append(e.position)
@@ -55,7 +54,7 @@ def _subscript_dims(m: ir.AffineMap) -> Optional[list[Optional[int]]]:
     return out if len(set(named)) == len(named) else None
 
 
-def match_gemm(g: "cm._Generic") -> Optional[vortex_gemm.GemmShape]:
+def match_gemm(g: cm._Generic) -> vortex_gemm.GemmShape | None:
     """A plain f32 GEMM: out += a * b with one reduction dim k (in A and B), column dims
     (B and C), row dims (A and C) and batch dims (A, B and C)."""
     elems = [str(ir.MemRefType(v.type).element_type) if isinstance(v.type, ir.MemRefType) else ""

@@ -23,7 +23,8 @@ precision beyond |x| ~ 1e4 (no Payne-Hanek reduction).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 from mlir import ir
 from mlir.dialects import arith
@@ -40,34 +41,34 @@ class F:
         self.v = v
 
     @staticmethod
-    def of(x: Num) -> "F":
+    def of(x: Num) -> F:
         return x if isinstance(x, F) else F(arith.constant(ir.F32Type.get(), float(x)))
 
-    def __add__(self, o: Num) -> "F":
+    def __add__(self, o: Num) -> F:
         return F(arith.addf(self.v, F.of(o).v))
 
-    def __radd__(self, o: Num) -> "F":
+    def __radd__(self, o: Num) -> F:
         return F.of(o) + self
 
-    def __sub__(self, o: Num) -> "F":
+    def __sub__(self, o: Num) -> F:
         return F(arith.subf(self.v, F.of(o).v))
 
-    def __rsub__(self, o: Num) -> "F":
+    def __rsub__(self, o: Num) -> F:
         return F.of(o) - self
 
-    def __mul__(self, o: Num) -> "F":
+    def __mul__(self, o: Num) -> F:
         return F(arith.mulf(self.v, F.of(o).v))
 
-    def __rmul__(self, o: Num) -> "F":
+    def __rmul__(self, o: Num) -> F:
         return F.of(o) * self
 
-    def __truediv__(self, o: Num) -> "F":
+    def __truediv__(self, o: Num) -> F:
         return F(arith.divf(self.v, F.of(o).v))
 
-    def __rtruediv__(self, o: Num) -> "F":
+    def __rtruediv__(self, o: Num) -> F:
         return F.of(o) / self
 
-    def __neg__(self) -> "F":
+    def __neg__(self) -> F:
         return F(arith.negf(self.v))
 
     def cmp(self, pred: str, o: Num) -> ir.Value:

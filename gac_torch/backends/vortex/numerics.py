@@ -93,7 +93,7 @@ def f32_to_i64(x: ir.Value, signed: bool) -> ir.Value:
 
 
 def _fabs(x: ir.Value) -> ir.Value:
-    from mlir.dialects import math as mmath  # noqa: PLC0415
+    from mlir.dialects import math as mmath
     return mmath.absf(x)
 
 

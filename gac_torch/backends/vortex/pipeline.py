@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mlir import ir, passmanager
+from mlir import ir
 
 from gac_torch.backends.cuda import mapping as cm
 from gac_torch.backends.cuda import pipeline as cp
@@ -56,8 +56,8 @@ class VortexProgram:
         return self.vxbin
 
     def describe(self) -> str:
-        lines = [f"workspace {self.plan.workspace_size} B; {len(self.launches)} launches; "
-                 f"{self.split_joins} divergent branches bracketed with split/join"]
+        lines = [(f"workspace {self.plan.workspace_size} B; {len(self.launches)} launches; "
+                  f"{self.split_joins} divergent branches bracketed with split/join")]
         lines += [f"temp{i} {t.name}: {t.nbytes} B at +{self.plan.offsets[t.name]}"
                   for i, t in enumerate(self.temps)]
         lines += [f"arg{i}: {a.elem}{list(a.shape)}" for i, a in enumerate(self.args)]
@@ -86,7 +86,8 @@ class GpuStage:
 
     @property
     def text(self) -> str:
-        return "\n".join("// " + ln for ln in self.program.describe().splitlines()) + f"\n{self.module}"
+        host = "\n".join("// " + ln for ln in self.program.describe().splitlines())
+        return f"{host}\n{self.module}"
 
 
 @dataclass
@@ -158,7 +159,7 @@ def lower_stage(stage: GpuStage) -> LlvmStage:
 
 
 def vxbin_stage(stage: LlvmStage) -> VortexProgram:
-    from gac_torch.backends.vortex.toolchain import KernelSpec, build  # noqa: PLC0415 (ziglang)
+    from gac_torch.backends.vortex.toolchain import KernelSpec, build
 
     prog = stage.program
     if not prog.launches:
@@ -170,7 +171,7 @@ def vxbin_stage(stage: LlvmStage) -> VortexProgram:
 # --------------------------------------------------------------------------------------------
 def translate_to_llvm_ir(module: ir.Module) -> str:
     """LLVM IR text of an LLVM-dialect module, through the bindings' C API (docs/stack.md)."""
-    import mlir._mlir_libs as libs  # noqa: PLC0415
+    import mlir._mlir_libs as libs
 
     global _TRANSLATE
     if _TRANSLATE is None:

@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from gac_torch.backends.base import Signature, TargetUnavailable
 from gac_torch.backends.cuda.program import BufferRef
-from gac_torch.backends.vortex.bridge import (DeviceBuffer, FunctionalDevice, SimxDevice,
-                                              VortexDevice, VortexNotFound, find_vortex)
+from gac_torch.backends.vortex.bridge import (
+    DeviceBuffer,
+    FunctionalDevice,
+    SimxDevice,
+    VortexDevice,
+    VortexNotFound,
+    find_vortex,
+)
 from gac_torch.backends.vortex.pipeline import VortexProgram
 from gac_torch.backends.vortex.target import pack_args
 
