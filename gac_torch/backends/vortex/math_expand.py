@@ -17,7 +17,8 @@ the math ops our lowering emits into polynomials, in place, every special case a
 tanh, sinh, cosh, tan, acosh, atanh, powf, fpowi, rsqrt, roundeven go through upstream's
 `math-expand-ops` first (into exp/log/sqrt/round); sqrt, abs, floor, fma... map to instructions
 or the toolchain's branch-free rewrites. Accuracy: a few ulp for normal arguments; sin/cos lose
-precision beyond |x| ~ 1e4 (no Payne-Hanek reduction).
+precision beyond |x| ~ 1e4 (no Payne-Hanek reduction). Math on f64 is evaluated in f32
+(demote_f64_math): the device has no double-precision unit or libm.
 """
 
 from __future__ import annotations
@@ -294,8 +295,36 @@ EXPANSIONS: dict[str, Callable[..., F]] = {
 }
 
 
+# f64 math has no instructions either (soft double): evaluated in f32, exact ones excepted.
+F64_EXACT = ("math.absf", "math.copysign")
+
+
+def demote_f64_math(root: ir.Operation) -> int:
+    """math ops on f64 -> the same op on f32 between truncf/extf (f32 precision, documented in
+    the vortex README); returns how many."""
+    f32, f64 = ir.F32Type.get(), ir.F64Type.get()
+    found: list[ir.Operation] = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if (op.name.startswith("math.") and op.name not in F64_EXACT and len(op.results) == 1
+                and op.results[0].type == f64):
+            found.append(op)
+        return ir.WalkResult.ADVANCE
+
+    root.walk(visit, ir.WalkOrder.PRE_ORDER)
+    for op in found:
+        with ir.InsertionPoint(op), op.location:
+            args = [arith.truncf(f32, v) if v.type == f64 else v for v in op.operands]
+            narrow = ir.Operation.create(op.name, results=[f32], operands=args,
+                                         attributes={k: op.attributes[k] for k in op.attributes})
+            op.results[0].replace_all_uses_with(arith.extf(f64, narrow.results[0]))
+        op.erase()
+    return len(found)
+
+
 def expand_math(root: ir.Operation) -> int:
     """Replace the f32 math ops of EXPANSIONS under `root` in place; returns how many."""
+    demote_f64_math(root)
     found: list[ir.Operation] = []
 
     def visit(op: ir.Operation) -> ir.WalkResult:

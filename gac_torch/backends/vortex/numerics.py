@@ -2,8 +2,9 @@
 
 Stock LLVM lowers them to compiler_rt calls that branch on the data (SimX would follow the last
 active thread): f16 <-> f32 conversions (`__extendhfsf2`, `__truncsfhf2`), bf16 truncation
-(`__truncsfbf2`, not even in our compiler_rt) and 64-bit division (`__divdi3`, ...). So, before
-the LLVM lowering:
+(`__truncsfbf2`, not even in our compiler_rt), 64-bit division (`__divdi3`, ...) and all
+double-precision arithmetic (`__adddf3`, ...: the device has no D extension). So, before the
+LLVM lowering:
 
 - arithmetic on f16/bf16 is done in f32 (`arith-emulate-unsupported-floats`), leaving only
   extf/truncf; bf16 ones become integer ops (`arith-expand{include-bf16}`), f16 ones are
@@ -11,7 +12,9 @@ the LLVM lowering:
   with round-to-nearest-even (F. Giesen's float_to_half_fast3_rtne), every case a select;
 - i64 <-> f32 conversions (`__floatdisf`, `__fixsfdi`) use 32-bit conversions: exact while
   the value fits in i32; beyond, i64 -> f32 may round twice (1 ulp);
-- i64 divisions call `gac_serial_<compiler_rt name>` (simt_ir.SERIAL_I64): one lane at a time.
+- i64 divisions and all f64 arithmetic, comparisons and conversions call
+  `gac_serial_<compiler_rt name>` (simt_ir.SERIAL_RT): compiler_rt one lane at a time.
+  Correct, ~T times slower; f64 appears in scalar bookkeeping, not in hot loops.
 """
 
 from __future__ import annotations
@@ -97,40 +100,130 @@ def _fabs(x: ir.Value) -> ir.Value:
     return mmath.absf(x)
 
 
-def expand_numerics(module: ir.Module) -> None:
-    """f16 extf/truncf -> integer ops; i64 divisions -> serialised calls (module doc)."""
-    f16, f32, i64 = ir.F16Type.get(), ir.F32Type.get(), ir.IntegerType.get_signless(64)
+_F64_BINARY = {"arith.addf": "__adddf3", "arith.subf": "__subdf3", "arith.mulf": "__muldf3",
+               "arith.divf": "__divdf3"}
+# arith.cmpf predicate (enum value) -> (compiler_rt comparison, integer test of its result vs 0)
+_F64_CMP = {1: ("__eqdf2", "eq"), 2: ("__gtdf2", "sgt"), 3: ("__gedf2", "sge"), 4: ("__ltdf2", "slt"),
+            5: ("__ledf2", "sle"), 7: ("__unorddf2", "eq"), 9: ("__ledf2", "sgt"),
+            10: ("__ltdf2", "sge"), 11: ("__gedf2", "slt"), 12: ("__gtdf2", "sle"),
+            13: ("__nedf2", "ne"), 14: ("__unorddf2", "ne")}
+_C_TYPES = {"double": "f64", "float": "f32", "int": "i32", "unsigned": "i32", "long long": "i64",
+            "unsigned long long": "i64"}
+
+
+class _Runtime:
+    """Calls of lane-serialised compiler_rt routines, declared once per module."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+    def call(self, fn: str, *args: ir.Value) -> ir.Value:
+        from gac_torch.backends.vortex.simt_ir import SERIAL_RT
+
+        ret, _ = SERIAL_RT[fn]
+        self.used.add(fn)
+        return func.CallOp([ir.Type.parse(_C_TYPES[ret])], f"gac_serial_{fn}", list(args)).result
+
+    def declare(self, module: ir.Module) -> None:
+        from gac_torch.backends.vortex.simt_ir import SERIAL_RT
+
+        with ir.InsertionPoint.at_block_begin(module.body):
+            for fn in sorted(self.used):
+                ret, params = SERIAL_RT[fn]
+                ftype = ir.FunctionType.get([ir.Type.parse(_C_TYPES[p]) for p in params],
+                                            [ir.Type.parse(_C_TYPES[ret])])
+                func.FuncOp(f"gac_serial_{fn}", ftype, visibility="private")
+
+
+def _walk(module: ir.Module, names: tuple[str, ...]) -> list[ir.Operation]:
     found: list[ir.Operation] = []
 
     def visit(op: ir.Operation) -> ir.WalkResult:
-        if op.name in ("arith.extf", "arith.truncf", *_CONVERSIONS, *_I64_DIVISIONS):
+        if op.name in names:
             found.append(op)
         return ir.WalkResult.ADVANCE
 
     module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
-    used: set[str] = set()
-    for op in found:
+    return found
+
+
+def _width(t: ir.Type) -> int:
+    return ir.IntegerType(t).width
+
+
+def _f64_op(op: ir.Operation, rt: _Runtime) -> ir.Value | None:
+    """The serialised replacement of an f64 op, or None if `op` does not involve f64."""
+    f32, f64, i32 = ir.F32Type.get(), ir.F64Type.get(), ir.IntegerType.get_signless(32)
+    name, src, dst = op.name, op.operands[0].type, op.results[0].type
+    if name in _F64_BINARY and dst == f64:
+        return rt.call(_F64_BINARY[name], *op.operands)
+    if name == "arith.cmpf" and src == f64:
+        pred = ir.IntegerAttr(op.attributes["predicate"]).value
+        if pred in (6, 8):                           # one = ord & une, ueq = uno | oeq
+            a, b = (_f64_cmp(p, op.operands, rt) for p in ((7, 13) if pred == 6 else (14, 1)))
+            return arith.andi(a, b) if pred == 6 else arith.ori(a, b)
+        if pred in (0, 15):
+            return arith.constant(ir.IntegerType.get_signless(1), int(pred == 15))
+        return _f64_cmp(pred, op.operands, rt)
+    if name == "arith.extf" and dst == f64:
+        return rt.call("__extendsfdf2", op.operands[0] if src == f32 else arith.extf(f32, op.operands[0]))
+    if name == "arith.truncf" and src == f64:
+        narrow = rt.call("__truncdfsf2", op.operands[0])
+        return narrow if dst == f32 else arith.truncf(dst, narrow)
+    if name in ("arith.sitofp", "arith.uitofp") and dst == f64:
+        signed, x = name == "arith.sitofp", op.operands[0]
+        if _width(src) < 32:
+            x = arith.extsi(i32, x) if signed else arith.extui(i32, x)
+        wide = _width(src) > 32
+        fn = {(True, False): "__floatsidf", (False, False): "__floatunsidf",
+              (True, True): "__floatdidf", (False, True): "__floatundidf"}[(signed, wide)]
+        return rt.call(fn, x)
+    if name in ("arith.fptosi", "arith.fptoui") and src == f64:
+        signed, wide = name == "arith.fptosi", _width(dst) > 32
+        fn = {(True, False): "__fixdfsi", (False, False): "__fixunsdfsi",
+              (True, True): "__fixdfdi", (False, True): "__fixunsdfdi"}[(signed, wide)]
+        r = rt.call(fn, op.operands[0])
+        return r if _width(dst) in (32, 64) else arith.trunci(dst, r)
+    if name == "arith.remf" and dst == f64:
+        raise NotImplementedError("vortex: remainder on f64")
+    return None
+
+
+def _f64_cmp(pred: int, operands, rt: _Runtime) -> ir.Value:
+    fn, test = _F64_CMP[pred]
+    r = rt.call(fn, *operands)
+    return arith.cmpi(getattr(arith.CmpIPredicate, test), r, _c(ir.IntegerType.get_signless(32), 0))
+
+
+def expand_numerics(module: ir.Module) -> None:
+    """f16 and i64<->f32 conversions -> integer ops; i64 division and f64 ops -> serialised
+    compiler_rt calls (module doc)."""
+    f16, f32, i64 = ir.F16Type.get(), ir.F32Type.get(), ir.IntegerType.get_signless(64)
+    rt = _Runtime()
+    for op in _walk(module, ("arith.extf", "arith.truncf", *_CONVERSIONS, *_I64_DIVISIONS)):
         src, dst = op.operands[0].type, op.results[0].type
         with ir.InsertionPoint(op), op.location:
             if op.name == "arith.extf" and src == f16:
                 new = f16_to_f32(op.operands[0])
-                new = new if dst == f32 else arith.extf(dst, new)
+                new = new if dst == f32 else arith.extf(dst, new)      # f64: serialised below
             elif op.name == "arith.truncf" and dst == f16:
-                if src != f32:
-                    raise NotImplementedError(f"vortex: truncf {src} -> f16")
-                new = f32_to_f16(op.operands[0])
+                narrow = op.operands[0] if src == f32 else arith.truncf(f32, op.operands[0])
+                new = f32_to_f16(narrow)
             elif op.name in ("arith.sitofp", "arith.uitofp") and src == i64 and dst == f32:
                 new = i64_to_f32(op.operands[0], signed=op.name == "arith.sitofp")
             elif op.name in ("arith.fptosi", "arith.fptoui") and src == f32 and dst == i64:
                 new = f32_to_i64(op.operands[0], signed=op.name == "arith.fptosi")
             elif op.name in _I64_DIVISIONS and dst == i64:
-                name = f"gac_serial_{_I64_DIVISIONS[op.name]}"
-                used.add(name)
-                new = func.CallOp([i64], name, list(op.operands)).result
+                new = rt.call(_I64_DIVISIONS[op.name], *op.operands)
             else:
                 continue
         op.results[0].replace_all_uses_with(new)
         op.erase()
-    with ir.InsertionPoint.at_block_begin(module.body):
-        for name in sorted(used):
-            func.FuncOp(name, ir.FunctionType.get([i64, i64], [i64]), visibility="private")
+    f64_ops = ("arith.extf", "arith.truncf", "arith.cmpf", "arith.remf", *_CONVERSIONS, *_F64_BINARY)
+    for op in _walk(module, f64_ops):
+        with ir.InsertionPoint(op), op.location:
+            new = _f64_op(op, rt)
+        if new is not None:
+            op.results[0].replace_all_uses_with(new)
+            op.erase()
+    rt.declare(module)

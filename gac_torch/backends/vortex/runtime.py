@@ -95,6 +95,13 @@ class VortexExecutable:
         self._bufs: list[DeviceBuffer] = []
         self._workspace: DeviceBuffer | None = None
 
+    def __del__(self) -> None:
+        try:                       # give SimX its memory back (a no-op on the functional device)
+            for buf in [*self._bufs, *([self._workspace] if self._workspace else [])]:
+                self.device.free(buf)
+        except Exception:  # noqa: BLE001 (the device may be closed already at exit)
+            pass
+
     def _prepare(self) -> None:
         dev = self.device
         if not self._bufs:

@@ -153,10 +153,20 @@ SERIAL_LIBM = {"expf": (1, "exp"), "exp2f": (1, "exp2"), "logf": (1, "log"), "lo
                "fmodf": (2, None)}
 
 
-# compiler_rt's 64-bit integer division branches on its operands too; the MLIR side calls
-# `gac_serial_<name>` for i64 divisions (vortex/numerics.py). name -> C type
-SERIAL_I64 = {"__divdi3": "long long", "__moddi3": "long long",
-              "__udivdi3": "unsigned long long", "__umoddi3": "unsigned long long"}
+# compiler_rt's 64-bit integer division and soft-double routines branch on their operands too;
+# the MLIR side calls `gac_serial_<name>` instead (vortex/numerics.py). name -> (ret, params)
+_D, _LL, _ULL = "double", "long long", "unsigned long long"
+SERIAL_RT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "__divdi3": (_LL, (_LL, _LL)), "__moddi3": (_LL, (_LL, _LL)),
+    "__udivdi3": (_ULL, (_ULL, _ULL)), "__umoddi3": (_ULL, (_ULL, _ULL)),
+    **{f"__{op}df3": (_D, (_D, _D)) for op in ("add", "sub", "mul", "div")},
+    **{f"__{op}df2": ("int", (_D, _D)) for op in ("eq", "ne", "lt", "le", "gt", "ge", "unord")},
+    "__extendsfdf2": (_D, ("float",)), "__truncdfsf2": ("float", (_D,)),
+    "__floatsidf": (_D, ("int",)), "__floatunsidf": (_D, ("unsigned",)),
+    "__floatdidf": (_D, (_LL,)), "__floatundidf": (_D, (_ULL,)),
+    "__fixdfsi": ("int", (_D,)), "__fixunsdfsi": ("unsigned", (_D,)),
+    "__fixdfdi": (_LL, (_D,)), "__fixunsdfdi": (_ULL, (_D,)),
+}
 
 
 def device_runtime_c() -> str:
@@ -165,7 +175,7 @@ def device_runtime_c() -> str:
     the narrowed mask has to survive for the other lanes."""
     out = ['#include "vx_gac.h"']
     wrappers = [(fn, "float", ["float"] * arity) for fn, (arity, _) in SERIAL_LIBM.items()]
-    wrappers += [(fn, t, [t, t]) for fn, t in SERIAL_I64.items()]
+    wrappers += [(fn, ret, list(params)) for fn, (ret, params) in SERIAL_RT.items()]
     for fn, ret, types in wrappers:
         params = ", ".join(f"{t} x{i}" for i, t in enumerate(types))
         args = ", ".join(f"x{i}" for i in range(len(types)))
