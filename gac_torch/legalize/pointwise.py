@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gac_torch.legalize.context import Cx, meta_val
-from gac_torch.legalize.registry import ALL_DTYPES, FLOATS, NUMERIC, aten, lower
+from gac_torch.legalize.registry import ALL_DTYPES, FLOATS, aten, lower
 
 
 def promoted(cx: Cx, *positions: int) -> torch.dtype:
@@ -99,7 +99,7 @@ _arith("add", aten.add.Tensor, aten.add.Scalar)
 _arith("sub", aten.sub.Tensor, aten.sub.Scalar)
 _arith("mul", aten.mul.Tensor, aten.mul.Scalar)
 _arith("div", aten.div.Tensor, aten.div.Scalar)
-_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, dtypes=NUMERIC)
+_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
 _arith("atan2", aten.atan2.default, check=float_result)
 _arith("maximum", aten.maximum.default)
 _arith("minimum", aten.minimum.default)
@@ -128,10 +128,9 @@ def lower_rsub(cx: Cx, a, b, alpha=1):
 @lower(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def lower_div_mode(cx: Cx, a, b, rounding_mode=None):
     dt = cx.out_dtype
+    if rounding_mode == "trunc" and dt.is_floating_point:
+        return cx.b.unary(cx.b.binary(cx.to(a, dt), cx.to(b, dt), kind="div"), kind="trunc")
     kind = {None: "div", "trunc": "truncdiv", "floor": "floordiv"}[rounding_mode]
-    if kind != "div" and dt.is_floating_point:
-        q = cx.b.binary(cx.to(a, dt), cx.to(b, dt), kind="div")
-        return cx.b.unary(q, kind="trunc" if kind == "truncdiv" else "floor")
     return cx.b.binary(cx.to(a, dt), cx.to(b, dt), kind=kind)
 
 

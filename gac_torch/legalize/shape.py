@@ -161,7 +161,8 @@ def lower_arange(cx: Cx, *args, **kwargs):
     return cx.to(y, dt)
 
 
-@lower(aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default)
+@lower(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default, aten.zeros.default,
+       aten.ones.default)
 def lower_filled(cx: Cx, size, *_args, **kwargs):
     # empty: any content is valid; zeros keeps results deterministic.
     value = 1 if cx.node.target is aten.ones.default else 0

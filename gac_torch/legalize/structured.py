@@ -117,8 +117,7 @@ def lower_max_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), dilation=(1,), 
 
 
 def _max_pool_with_indices(cx: Cx, x, k, s, p, d):
-    """Gather every window into a trailing axis (static index tables), then max and argmax it;
-    the argmax becomes a flat index into the unpadded H*W plane."""
+    """Pad with the lowest value, then take each window's max and argmax (see _window_max)."""
     shape = cx.shape(x)
     h, w = shape[-2:]
     oh, ow = cx.out_shape[-2:]
@@ -128,22 +127,35 @@ def _max_pool_with_indices(cx: Cx, x, k, s, p, d):
     lowest = -math.inf if cx.out_dtype.is_floating_point else torch.iinfo(cx.out_dtype).min
     xp = cx.b.pad(x, low=[0] * len(lead) + p, high=[0] * len(lead) + [pp + hh for pp, hh in zip(p, high)],
                   mode="constant", value=float(lowest))
-    rows = torch.tensor([o * s[0] + i * d[0] for o in range(oh) for i in range(k[0])])
-    cols = torch.tensor([o * s[1] + j * d[1] for o in range(ow) for j in range(k[1])])
-    g = cx.b.index_select(xp, cx.b.constant(rows, torch.int64, (rows.numel(),)), dim=len(lead))
-    g = cx.b.index_select(g, cx.b.constant(cols, torch.int64, (cols.numel(),)), dim=len(lead) + 1)
-    g = cx.b.reshape(g, lead + [oh, k[0], ow, k[1]])
+    rows = torch.tensor([[o * s[0] + i * d[0] for i in range(k[0])] for o in range(oh)])
+    cols = torch.tensor([[o * s[1] + j * d[1] for j in range(k[1])] for o in range(ow)])
+    return _window_max(cx, xp, rows, cols, rows - p[0], cols - p[1], w)
+
+
+def _window_max(cx: Cx, x, rows: torch.Tensor, cols: torch.Tensor, flat_rows: torch.Tensor,
+                flat_cols: torch.Tensor, width: int):
+    """Max and argmax over windows given as static tables: window (o, q) covers rows[o, :] x
+    cols[q, :] of x's last two dims. The argmax becomes flat_rows * width + flat_cols (a flat
+    index into the unpadded H x W plane, like ATen's)."""
+    lead = cx.shape(x)[:-2]
+    (oh, kh), (ow, kw) = rows.shape, cols.shape
     n = len(lead)
-    g = cx.b.transpose(g, perm=list(range(n)) + [n, n + 2, n + 1, n + 3])
-    g = cx.b.reshape(g, lead + [oh, ow, k[0] * k[1]])
+    g = cx.b.index_select(x, cx.b.constant(rows.flatten(), torch.int64, (oh * kh,)), dim=n)
+    g = cx.b.index_select(g, cx.b.constant(cols.flatten(), torch.int64, (ow * kw,)), dim=n + 1)
+    g = cx.b.transpose(cx.b.reshape(g, lead + [oh, kh, ow, kw]), perm=list(range(n)) + [n, n + 2, n + 1, n + 3])
+    g = cx.b.reshape(g, lead + [oh, ow, kh * kw])
     values = cx.b.reduce(g, kind="max", dims=[n + 2], keepdim=False)
-    arg = cx.b.arg_reduce(g, kind="max", dim=n + 2, keepdim=False)
-    offs = torch.tensor([i * d[0] * w + j * d[1] for i in range(k[0]) for j in range(k[1])])
-    base = torch.tensor([[(i * s[0] - p[0]) * w + (j * s[1] - p[1]) for j in range(ow)] for i in range(oh)])
-    flat = cx.b.reshape(arg, [math.prod(lead + [oh, ow])])
-    idx = cx.b.reshape(cx.b.index_select(cx.b.constant(offs, torch.int64, (offs.numel(),)), flat, dim=0),
-                       lead + [oh, ow])
-    return values, cx.b.binary(idx, cx.b.constant(base.flatten(), torch.int64, (oh, ow)), kind="add")
+    arg = cx.b.reshape(cx.b.arg_reduce(g, kind="max", dim=n + 2, keepdim=False), lead + [oh, ow, 1])
+    i64 = torch.int64
+
+    def pick(table: torch.Tensor, which, shape3: list[int]):
+        t = cx.b.broadcast(cx.b.constant(table.flatten(), i64, tuple(shape3)), shape=lead + [oh, ow, shape3[-1]])
+        return cx.b.gather(t, which, dim=n + 2)
+
+    r = pick(flat_rows, cx.b.binary(arg, cx.to(kw, i64), kind="floordiv"), [oh, 1, kh])
+    c = pick(flat_cols, cx.b.binary(arg, cx.to(kw, i64), kind="remainder"), [1, ow, kw])
+    index = cx.b.binary(cx.b.binary(r, cx.to(width, i64), kind="mul"), c, kind="add")
+    return values, cx.b.reshape(index, lead + [oh, ow])
 
 
 @lower(aten.avg_pool2d.default, dtypes=FLOATS)
@@ -196,6 +208,11 @@ def lower_adaptive_avg_pool2d(cx: Cx, x, output_size):
     return cx.to(_adaptive(cx, cx.to(x, acc), output_size, "avg"), cx.out_dtype)
 
 
-@lower(aten.adaptive_max_pool2d.default, check=_indices_unused, dtypes=NUMERIC)
+@lower(aten.adaptive_max_pool2d.default, dtypes=NUMERIC)
 def lower_adaptive_max_pool2d(cx: Cx, x, output_size):
-    return _adaptive(cx, x, output_size, "max"), None
+    if _indices_unused(cx.node) is None:
+        return _adaptive(cx, x, output_size, "max"), None
+    h, w = cx.shape(x)[-2:]
+    rows, _, _ = _windows(h, output_size[0])
+    cols, _, _ = _windows(w, output_size[1])
+    return _window_max(cx, x, rows, cols, rows, cols, w)

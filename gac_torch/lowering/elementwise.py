@@ -153,7 +153,19 @@ INT_UNARY = {
 
 
 def _floordiv_f(a, b):
-    return mmath.floor(arith.divf(a, b))
+    """ATen's div_floor_floating: floor of the exact quotient, from fmod (floor(a / b) can be
+    one off when a / b rounds up to an integer)."""
+    t = a.type
+    zero, one = const(0.0, t), const(1.0, t)
+    mod = arith.remf(a, b)
+    div = arith.divf(arith.subf(a, mod), b)
+    fix = arith.andi(arith.cmpf(F.UNE, mod, zero),
+                     arith.xori(arith.cmpf(F.OLT, b, zero), arith.cmpf(F.OLT, mod, zero)))
+    div = arith.select(fix, arith.subf(div, one), div)
+    fl = mmath.floor(div)
+    fl = arith.select(arith.cmpf(F.OGT, arith.subf(div, fl), const(0.5, t)), arith.addf(fl, one), fl)
+    fl = arith.select(arith.cmpf(F.OEQ, div, zero), mmath.copysign(zero, arith.divf(a, b)), fl)
+    return arith.select(arith.cmpf(F.OEQ, b, zero), arith.divf(a, b), fl)
 
 
 def _remainder_f(a, b):

@@ -75,6 +75,8 @@ def lower_pad(op, operands):
     a = op_attrs(op)
     low, high = list(a["low"]), list(a["high"])
     xs = shape(x)
+    if a["mode"] == "replicate":  # out[i] = x[clamp(i - low)], negative low/high included (ATen)
+        return [_gather_padded(x, shape(op.results[0]), low, high, "replicate")]
     # Negative padding crops first.
     crop_lo = [max(0, -v) for v in low]
     crop_hi = [max(0, -v) for v in high]
@@ -85,7 +87,11 @@ def lower_pad(op, operands):
     low, high = [max(0, v) for v in low], [max(0, v) for v in high]
     if a["mode"] == "constant":
         return [pad_constant(x, low, high, a["value"])]
-    out_shape = shape(op.results[0])
+    return [_gather_padded(x, shape(op.results[0]), low, high, a["mode"])]
+
+
+def _gather_padded(x, out_shape, low, high, mode: str):
+    xs = shape(x)
     rank = len(out_shape)
 
     def body(_out):
@@ -94,11 +100,11 @@ def lower_pad(op, operands):
         for d in range(rank):
             i = arith.subi(index(d), const(low[d], i64))
             if low[d] or high[d]:
-                i = _clamp_index(i, xs[d], a["mode"])
+                i = _clamp_index(i, xs[d], mode)
             idx.append(arith.index_cast(index_type(), i))
         return [tensor.ExtractOp(x, idx).result]
 
-    return generic([], [], [empty(out_shape, elem(x))], [identity_map(rank)], [PARALLEL] * rank, body)
+    return generic([], [], [empty(out_shape, elem(x))], [identity_map(rank)], [PARALLEL] * rank, body)[0]
 
 
 def _wrap(i, size):

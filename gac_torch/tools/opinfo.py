@@ -21,7 +21,7 @@ import contextlib
 import copy
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -57,6 +57,7 @@ class _Sample:
     fn: Callable
     inputs: list[torch.Tensor]
     eager: list[torch.Tensor] | None = None
+    uid: int = 0  # position in the merged graph
     gm: fx.GraphModule | None = None
     n_user: int = 0  # the graph's last n_user outputs are the op's outputs
     out_slots: list[int] = field(default_factory=list)
@@ -191,10 +192,10 @@ def _merge(samples: list[_Sample]) -> tuple[fx.GraphModule, dict[fx.Node, int]]:
         env: dict[fx.Node, Any] = {}
         for n in s.gm.graph.nodes:
             if n.op == "placeholder":
-                new = graph.placeholder(f"s{s.index}_{n.name}")
+                new = graph.placeholder(f"s{s.uid}_{n.name}")
                 new.meta = copy.copy(n.meta)
             elif n.op == "get_attr":
-                name = f"s{s.index}_{n.target.replace('.', '_')}"
+                name = f"s{s.uid}_{n.target.replace('.', '_')}"
                 setattr(root, name, getattr(s.gm, n.target))
                 new = graph.get_attr(name)
                 new.meta = copy.copy(n.meta)
@@ -206,7 +207,7 @@ def _merge(samples: list[_Sample]) -> tuple[fx.GraphModule, dict[fx.Node, int]]:
             else:
                 new = graph.node_copy(n, lambda a: env[a])
             env[n] = new
-            owner[new] = s.index
+            owner[new] = s.uid
     graph.output(tuple(outs))
     return fx.GraphModule(root, graph), owner
 
@@ -238,76 +239,100 @@ def compare(out: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) ->
 
 
 Checker = Callable[[Any, Sequence[torch.Tensor], Sequence[torch.Tensor]], "str | None"]
+Key = tuple[torch.dtype, int]  # (dtype, sample index)
 
 
-def run_opinfo(op, dtype: torch.dtype, *, target: str = "cpu", max_samples: int | None = None,
-               seed: int = 0, check: Checker | None = None) -> list[SampleResult]:
-    """Runs the (op, dtype) case; one SampleResult per chosen sample. `check(sample, outs,
-    eager_outs)` replaces the comparison with eager (ops whose result is not unique)."""
-    from gac_torch.frontends.fx import compile_graph
-    from gac_torch.options import resolve
-    from gac_torch.passes.partition import analyze, drop_metadata_asserts, op_name
-
-    device = "cuda" if target == "cuda" else "cpu"
+def _collect(op, dtype: torch.dtype, device: str, max_samples: int | None, seed: int,
+             results: dict[Key, SampleResult]) -> list[_Sample]:
+    """The case's samples with eager outputs and traced graphs. With a limit, samples are taken
+    in a spread order (first, last, middle, ...) skipping those eager rejects or that touch no
+    data (an empty input or output: those always run eagerly), up to max_samples."""
     torch.manual_seed(seed)  # OpInfo samples draw from the global generator
     all_samples = list(op.sample_inputs(device, dtype, requires_grad=False))
-    results: dict[int, SampleResult] = {}
-    samples: list[_Sample] = []
-    for i in pick(len(all_samples), max_samples):
+    first = pick(len(all_samples), max_samples)
+    order = first + sorted(set(range(len(all_samples))) - set(first))
+    chosen: list[_Sample] = []
+    for i in order:
+        if max_samples is not None and len(chosen) >= max_samples:
+            break
         fn, inputs = _sample_fn(op, all_samples[i])
         s = _Sample(i, all_samples[i], fn, inputs)
         try:
             s.eager = _tensor_leaves(fn(*[t.clone() for t in inputs]))
         except Exception as e:
-            results[i] = SampleResult(i, "skipped", f"eager raises {type(e).__name__}")
+            if max_samples is None:
+                results[(dtype, i)] = SampleResult(i, "skipped", f"eager raises {type(e).__name__}")
+            continue
+        if max_samples is not None and any(t.numel() == 0 for t in list(inputs) + s.eager):
             continue
         try:
             s.gm, s.n_user = _trace(fn, inputs)
         except Exception as e:
-            results[i] = SampleResult(i, "skipped", f"untraceable: {type(e).__name__}: {str(e)[:80]}")
+            results[(dtype, i)] = SampleResult(i, "skipped", f"untraceable: {type(e).__name__}: {str(e)[:80]}")
             continue
-        samples.append(s)
-    if not samples:
-        return [results[i] for i in sorted(results)]
+        chosen.append(s)
+    return chosen
 
-    merged, owner = _merge(samples)
+
+def run_cases(op, plan: dict[torch.dtype, int | None], *, target: str = "cpu", seed: int = 0,
+              check: Checker | None = None) -> dict[torch.dtype, list[SampleResult]]:
+    """Runs every dtype of `plan` (dtype -> how many samples; None: all) for one OpInfo in one
+    compile; one SampleResult per sample. `check(sample, outs, eager_outs)` replaces the
+    comparison with eager (for ops whose result is not unique)."""
+    from gac_torch.frontends.fx import compile_graph
+    from gac_torch.options import resolve
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts, op_name
+
+    device = "cuda" if target == "cuda" else "cpu"
+    results: dict[Key, SampleResult] = {}
+    samples: list[tuple[torch.dtype, _Sample]] = []
+    for dt, k in plan.items():
+        samples += [(dt, s) for s in _collect(op, dt, device, k, seed, results)]
+
+    def done() -> dict[torch.dtype, list[SampleResult]]:
+        return {dt: [results[k] for k in sorted((k for k in results if k[0] == dt), key=lambda k: k[1])]
+                for dt in plan}
+
+    if not samples:
+        return done()
+    for n, (_, s) in enumerate(samples):
+        s.uid = n
+    merged, owner = _merge([s for _, s in samples])
     drop_metadata_asserts(merged)  # as compile_graph does
     decisions, _ = analyze(merged)
-    for s in samples:
-        nodes = [n for n in merged.graph.nodes if owner.get(n) == s.index and n.op == "call_function"
-                 and n.target is not operator.getitem]
-        ops = {op_name(n) for n in nodes}
+    by_uid: dict[int, list[fx.Node]] = {}
+    for node, uid in owner.items():
+        if node.op == "call_function" and node.target is not operator.getitem:
+            by_uid.setdefault(uid, []).append(node)
+    for dt, s in samples:
+        nodes = by_uid.get(s.uid, [])
         falls = sorted({f"{op_name(n)}: {decisions[n]}" for n in nodes if decisions.get(n)})
-        results[s.index] = SampleResult(s.index, "fallback" if falls else "pass", "; ".join(falls), ops)
-
-    opts = resolve({"fallback": True}, target=target)
-    inputs = [t.clone() for s in samples for t in s.inputs]
+        results[(dt, s.index)] = SampleResult(s.index, "fallback" if falls else "pass", "; ".join(falls),
+                                              {op_name(n) for n in nodes})
     try:
-        compiled = compile_graph(merged, opts)
-        failed = [f"{why}" for (name, why), _ in compiled.report.unsupported.items()
-                  if name.startswith("partition ")]
+        compiled = compile_graph(merged, resolve({"fallback": True}, target=target))
+        failed = [why for (name, why), _ in compiled.report.unsupported.items() if name.startswith("partition ")]
         if failed:
             raise RuntimeError(failed[0])
-        outs = compiled(*inputs)
+        outs = compiled(*[t.clone() for _, s in samples for t in s.inputs])
     except Exception as e:
-        if len(samples) == 1:
-            r = results[samples[0].index]
-            r.status, r.detail = "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            return [results[i] for i in sorted(results)]
-        # Blame: rerun each sample on its own.
-        for s in samples:
-            sub = run_one(s, target, check)
-            results[s.index].status, results[s.index].detail = sub
-        return [results[i] for i in sorted(results)]
+        for dt, s in samples:  # blame: each sample on its own
+            r = results[(dt, s.index)]
+            r.status, r.detail = run_one(s, target, check) if len(samples) > 1 else \
+                ("error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return done()
+    for dt, s in samples:
+        r = results[(dt, s.index)]
+        bad = _check(s, [outs[k] for k in s.out_slots], check)
+        if bad is not None:
+            r.status, r.detail = "mismatch", bad + (f"; with fallback {r.detail}" if r.detail else "")
+    return done()
 
-    for s in samples:
-        r = results[s.index]
-        status = _check(s, [outs[k] for k in s.out_slots], check)
-        if status is not None and r.status == "pass":
-            r.status, r.detail = "mismatch", status
-        elif status is not None:
-            r.status, r.detail = "mismatch", f"{status}; with fallback {r.detail}"
-    return [results[i] for i in sorted(results)]
+
+def run_opinfo(op, dtype: torch.dtype, *, target: str = "cpu", max_samples: int | None = None,
+               seed: int = 0, check: Checker | None = None) -> list[SampleResult]:
+    """One (OpInfo, dtype) case (see run_cases)."""
+    return run_cases(op, {dtype: max_samples}, target=target, seed=seed, check=check)[dtype]
 
 
 def run_one(s: _Sample, target: str, check: Checker | None = None) -> tuple[str, str]:
@@ -355,14 +380,10 @@ def _check(s: _Sample, outs: Sequence[torch.Tensor], check: Checker | None = Non
     return None
 
 
-def iter_cases(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> Iterator[tuple[Any, torch.dtype]]:
-    db = opinfo_db()
-    for name in names:
-        op = db[name]
-        supported = op.supported_dtypes("cpu")
-        for dt in dtypes:
-            if dt in supported:
-                yield op, dt
+def supported(op, dtypes: Sequence[torch.dtype] = DTYPES) -> list[torch.dtype]:
+    """The dtypes of `dtypes` the OpInfo takes on cpu."""
+    ok = op.supported_dtypes("cpu")
+    return [dt for dt in dtypes if dt in ok]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -375,20 +396,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = p.parse_args(argv)
     dtypes = [getattr(torch, d) for d in a.dtype] if a.dtype else list(DTYPES)
     names = a.ops or sorted(opinfo_db())
-    for op, dt in iter_cases(names, dtypes):
+    db = opinfo_db()
+    for name in names:
+        op = db[name]
         try:
-            res = run_opinfo(op, dt, target=a.target, max_samples=a.max_samples)
+            by_dtype = run_cases(op, {dt: a.max_samples for dt in supported(op, dtypes)}, target=a.target)
         except Exception as e:
-            print(f"{full_name(op):40s} {str(dt):16s} HARNESS ERROR {type(e).__name__}: {str(e)[:200]}")
+            print(f"{name:40s} HARNESS ERROR {type(e).__name__}: {str(e)[:200]}")
             continue
-        counts: dict[str, int] = {}
-        for r in res:
-            counts[r.status] = counts.get(r.status, 0) + 1
-        print(f"{full_name(op):40s} {str(dt).removeprefix('torch.'):9s} "
-              + " ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
-        for r in res:
-            if a.verbose or r.status in ("mismatch", "error", "fallback"):
-                print(f"    {r}  [{', '.join(sorted(r.aten_ops))}]")
+        for dt, res in by_dtype.items():
+            counts: dict[str, int] = {}
+            for r in res:
+                counts[r.status] = counts.get(r.status, 0) + 1
+            print(f"{name:40s} {str(dt).removeprefix('torch.'):9s} "
+                  + " ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+            for r in res:
+                if a.verbose or r.status in ("mismatch", "error", "fallback"):
+                    print(f"    {r}  [{', '.join(sorted(r.aten_ops))}]")
 
 
 if __name__ == "__main__":
