@@ -8,17 +8,23 @@ against a float64 torch reference on fresh random inputs, with poisoned outputs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import pytest
 import torch
 
 from gac_torch.backends.base import Signature, TensorSpec
 from gac_torch.backends.cuda import ptxas
-from gac_torch.backends.cuda.program import CudaProgram
+from gac_torch.backends.cuda.program import (
+    ArgSpec,
+    BufferRef,
+    CudaProgram,
+    KernelLaunch,
+    TempBuffer,
+)
 from gac_torch.backends.cuda.target import TARGET, compile_options
-from gac_torch.passes.memory_plan import BufferUse, check_plan, plan_memory
+from gac_torch.passes.memory_plan import BufferUse, MemoryPlan, check_plan, plan_memory
 
 _MLIR = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
          torch.bool: "i1", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
@@ -39,8 +45,8 @@ class Case:
     body: str  # uses %t0.. (input tensors), defines %r0.. (results)
     reference: Callable[..., list[torch.Tensor]]  # float64/int CPU tensors in, results out
     strategies: set[str] = field(default_factory=set)  # expected among the kernels
-    make_input: Optional[Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor]] = None
-    tol: Optional[float] = None
+    make_input: Callable[[int, tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+    tol: float | None = None
 
     def mlir(self) -> str:
         args = [f"%in{i}: {_tt(s, d, 'memref')}" for i, (s, d) in enumerate(self.inputs)]
@@ -529,6 +535,122 @@ def _scalars() -> Case:
                 lambda a, b: [a * 3 + 1, b + a], {"serial", "loops"})
 
 
+# ------------------------------------------------------------------------------------------------
+# Several outputs derived from one buffer: what the shared lowering emits after CSE. These once
+# went wrong: two reductions sharing one (CSE-merged) zero fill returned output 1 in output 2.
+
+
+_SUM_SQ = """
+  ^bb0(%a: f32, %o: f32):
+    %sq = arith.mulf %a, %a : f32
+    %s = arith.addf %sq, %o : f32
+    linalg.yield %s : f32"""
+_SUM = """
+  ^bb0(%a: f32, %o: f32):
+    %s = arith.addf %a, %o : f32
+    linalg.yield %s : f32"""
+_MAX = """
+  ^bb0(%a: f32, %o: f32):
+    %s = arith.maximumf %a, %o : f32
+    linalg.yield %s : f32"""
+
+
+def _two_reductions_shared_fill(R: int = 50) -> Case:
+    # x.sum(2), (x*x).sum(2): one fill is the init of both reductions.
+    B, M = 3, 4
+    red = (f'{{indexing_maps = [{ID3}, affine_map<(d0, d1, d2) -> (d0, d1)>], '
+           f'iterator_types = ["parallel", "parallel", "reduction"]}}')
+    body = f"""
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<{B}x{M}xf32>
+  %f = linalg.fill ins(%zero : f32) outs(%e : tensor<{B}x{M}xf32>) -> tensor<{B}x{M}xf32>
+  %r0 = linalg.generic {red} ins(%t0 : tensor<{B}x{M}x{R}xf32>) outs(%f : tensor<{B}x{M}xf32>) {{{_SUM}
+  }} -> tensor<{B}x{M}xf32>
+  %r1 = linalg.generic {red} ins(%t0 : tensor<{B}x{M}x{R}xf32>) outs(%f : tensor<{B}x{M}xf32>) {{{_SUM_SQ}
+  }} -> tensor<{B}x{M}xf32>"""
+    return Case(f"multi_two_reductions_shared_fill_r{R}", [((B, M, R), torch.float32)],
+                [((B, M), torch.float32)] * 2, body, lambda x: [x.sum(2), (x * x).sum(2)],
+                {"reduce"} if R >= 128 else {"loops"})
+
+
+def _three_reductions_shared_fills() -> Case:
+    # sum, sum of squares and max of one input; the two zero fills are one value, the max has
+    # its own -inf fill; the sum is also consumed by a fourth output (mean = sum / N).
+    M, N = 37, 300
+    red = f'{{indexing_maps = [{ID2}, affine_map<(d0, d1) -> (d0)>], iterator_types = ["parallel", "reduction"]}}'
+    body = f"""
+  %zero = arith.constant 0.0 : f32
+  %ninf = arith.constant 0xFF800000 : f32
+  %n = arith.constant {float(N)} : f32
+  %e = tensor.empty() : tensor<{M}xf32>
+  %f = linalg.fill ins(%zero : f32) outs(%e : tensor<{M}xf32>) -> tensor<{M}xf32>
+  %g = linalg.fill ins(%ninf : f32) outs(%e : tensor<{M}xf32>) -> tensor<{M}xf32>
+  %r0 = linalg.generic {red} ins(%t0 : tensor<{M}x{N}xf32>) outs(%f : tensor<{M}xf32>) {{{_SUM}
+  }} -> tensor<{M}xf32>
+  %r1 = linalg.generic {red} ins(%t0 : tensor<{M}x{N}xf32>) outs(%f : tensor<{M}xf32>) {{{_SUM_SQ}
+  }} -> tensor<{M}xf32>
+  %r2 = linalg.generic {red} ins(%t0 : tensor<{M}x{N}xf32>) outs(%g : tensor<{M}xf32>) {{{_MAX}
+  }} -> tensor<{M}xf32>
+  %r3 = linalg.generic {{indexing_maps = [affine_map<(d0) -> (d0)>, affine_map<(d0) -> (d0)>], iterator_types = ["parallel"]}}
+      ins(%r0 : tensor<{M}xf32>) outs(%e : tensor<{M}xf32>) {{
+  ^bb0(%a: f32, %o: f32):
+    %d = arith.divf %a, %n : f32
+    linalg.yield %d : f32
+  }} -> tensor<{M}xf32>"""
+    return Case("multi_three_reductions_and_mean", [((M, N), torch.float32)], [((M,), torch.float32)] * 4,
+                body, lambda x: [x.sum(1), (x * x).sum(1), x.amax(1), x.sum(1) / N], {"reduce"})
+
+
+def _output_feeds_output() -> Case:
+    # h = x @ w is output 0 and the input of output 1 (relu(h).sum(1)); the matmul's zero fill is
+    # also the reduction's init.
+    M, K, N = 40, 24, 36
+    body = f"""
+  %zero = arith.constant 0.0 : f32
+  %e = tensor.empty() : tensor<{M}x{N}xf32>
+  %f = linalg.fill ins(%zero : f32) outs(%e : tensor<{M}x{N}xf32>) -> tensor<{M}x{N}xf32>
+  %r0 = linalg.matmul ins(%t0, %t1 : tensor<{M}x{K}xf32>, tensor<{K}x{N}xf32>) outs(%f : tensor<{M}x{N}xf32>) -> tensor<{M}x{N}xf32>
+  %e1 = tensor.empty() : tensor<{M}xf32>
+  %f1 = linalg.fill ins(%zero : f32) outs(%e1 : tensor<{M}xf32>) -> tensor<{M}xf32>
+  %r1 = linalg.generic {{indexing_maps = [{ID2}, affine_map<(d0, d1) -> (d0)>], iterator_types = ["parallel", "reduction"]}}
+      ins(%r0 : tensor<{M}x{N}xf32>) outs(%f1 : tensor<{M}xf32>) {{
+  ^bb0(%a: f32, %o: f32):
+    %p = arith.maximumf %a, %zero : f32
+    %s = arith.addf %p, %o : f32
+    linalg.yield %s : f32
+  }} -> tensor<{M}xf32>"""
+    return Case("multi_output_feeds_output", [((M, K), torch.float32), ((K, N), torch.float32)],
+                [((M, N), torch.float32), ((M,), torch.float32)], body,
+                lambda x, w: [x @ w, (x @ w).relu().sum(1)], {"matmul"})
+
+
+def _same_value_and_input_returned() -> Case:
+    # One value returned twice, an input returned as is, and an output that accumulates into a
+    # buffer another output also starts from (two matmuls of one shared zero fill).
+    M, K, N = 16, 32, 8
+    body = f"""
+  %zero = arith.constant 0.0 : f32
+  %two = arith.constant 2.0 : f32
+  %e = tensor.empty() : tensor<{M}x{N}xf32>
+  %f = linalg.fill ins(%zero : f32) outs(%e : tensor<{M}x{N}xf32>) -> tensor<{M}x{N}xf32>
+  %a = linalg.matmul ins(%t0, %t1 : tensor<{M}x{K}xf32>, tensor<{K}x{N}xf32>) outs(%f : tensor<{M}x{N}xf32>) -> tensor<{M}x{N}xf32>
+  %b = linalg.matmul ins(%t0, %t2 : tensor<{M}x{K}xf32>, tensor<{K}x{N}xf32>) outs(%f : tensor<{M}x{N}xf32>) -> tensor<{M}x{N}xf32>
+  %r0 = linalg.generic {{indexing_maps = [{ID2}, {ID2}, {ID2}], iterator_types = [{PP}]}}
+      ins(%a, %b : tensor<{M}x{N}xf32>, tensor<{M}x{N}xf32>) outs(%e : tensor<{M}x{N}xf32>) {{
+  ^bb0(%x: f32, %y: f32, %o: f32):
+    %s = arith.addf %x, %y : f32
+    %t = arith.mulf %s, %two : f32
+    linalg.yield %t : f32
+  }} -> tensor<{M}x{N}xf32>
+  %r1 = tensor.cast %r0 : tensor<{M}x{N}xf32> to tensor<{M}x{N}xf32>
+  %r2 = tensor.cast %b : tensor<{M}x{N}xf32> to tensor<{M}x{N}xf32>
+  %r3 = tensor.cast %t0 : tensor<{M}x{K}xf32> to tensor<{M}x{K}xf32>"""
+    return Case("multi_same_value_twice_and_input", [((M, K), torch.float32), ((K, N), torch.float32),
+                                                      ((K, N), torch.float32)],
+                [((M, N), torch.float32)] * 3 + [((M, K), torch.float32)], body,
+                lambda x, w, v: [(x @ w + x @ v) * 2, (x @ w + x @ v) * 2, x @ v, x], {"matmul"})
+
+
 def all_cases() -> list[Case]:
     return [
         _elementwise(torch.float32), _elementwise(torch.float16), _elementwise(torch.bfloat16),
@@ -544,6 +666,8 @@ def all_cases() -> list[Case]:
         _transpose(), _slices(), _reshapes(), _mlp_softmax(), _ints(), _f64(), _index_and_const(),
         _half_reduce_elementwise(torch.float16), _half_reduce_elementwise(torch.bfloat16),
         _scalars(),
+        _two_reductions_shared_fill(50), _two_reductions_shared_fill(300),
+        _three_reductions_shared_fills(), _output_feeds_output(), _same_value_and_input_returned(),
         # Larger shapes for the tuned paths: coarsened elementwise with a tail, block-per-row
         # reductions (rows > 1024), 128x128 matmul tiles with ragged edges.
         _elementwise(torch.float32, 1031, 1021), _reduce_last("max", 20, 5000, torch.bfloat16),
@@ -576,8 +700,10 @@ def test_compiles_and_ptxas_accepts(name: str) -> None:
         assert program.ptx.startswith("//") and f".target {arch}" in program.ptx
         kinds = {k.strategy for k in program.launches}
         assert case.strategies <= kinds, (case.strategies, program.describe())
-        assert {k.kernel for k in program.launches} <= set(
-            line.split("(")[0].split()[-1] for line in program.ptx.splitlines() if ".entry" in line)
+        assert all(len(k.access) == len(k.args) for k in program.launches)
+        assert program.dataflow_errors(len(case.inputs)) == [], program.describe()
+        assert {k.kernel for k in program.launches} <= {
+            line.split("(")[0].split()[-1] for line in program.ptx.splitlines() if ".entry" in line}
         if _PTXAS is None:
             pytest.skip("ptxas not found (pip install nvidia-cuda-nvcc-cu12)")
         result = ptxas.assemble(program.ptx, arch, _PTXAS)
@@ -613,6 +739,69 @@ def test_memory_plan_reuses_intermediates() -> None:
                 steps.setdefault(a.index, []).append(i)
     uses = [BufferUse(t.name, t.nbytes, min(steps[i]), max(steps[i])) for i, t in enumerate(program.temps)]
     check_plan(uses, program.plan)
+
+
+def _writers(program: CudaProgram, arg: int) -> list[int]:
+    return [i for i, k in enumerate(program.launches)
+            for a, m in zip(k.args, k.access) if a == BufferRef("arg", arg) and "w" in m.lower()]
+
+
+def test_two_reductions_of_one_input_write_their_own_outputs() -> None:
+    # Regression: CSE merged the zero fills of x.sum(2) and (x*x).sum(2); bufferization then
+    # computed the second sum in output 1's buffer and copied it to output 2 after output 1's
+    # own copy had overwritten it (output 2 returned output 1). Each output must now be written
+    # by one kernel that reads only the input.
+    for r in (50, 300):
+        case = CASES[f"multi_two_reductions_shared_fill_r{r}"]
+        program = _compile(case, "sm_90")
+        assert not program.temps, program.describe()
+        for out in (1, 2):
+            (w,) = _writers(program, out)
+            k = program.launches[w]
+            reads = {a for a, m in zip(k.args, k.access) if "r" in m and a != BufferRef("arg", out)}
+            assert reads == {BufferRef("arg", 0)}, program.describe()
+        assert _writers(program, 1) != _writers(program, 2)
+
+
+def test_dataflow_checker_flags_a_clobbered_output() -> None:
+    # The launch list the bug produced (fill; copy; two sums; copy temp -> out1; copy out1 -> out2).
+    def k(i: int, *args: tuple[str, int, str]) -> KernelLaunch:
+        return KernelLaunch(f"k{i}", (1, 1, 1), (32, 1, 1), 0,
+                            tuple(BufferRef(kind, n) for kind, n, _ in args), "loops",  # type: ignore[arg-type]
+                            tuple(m for _, _, m in args))
+
+    plan = plan_memory([BufferUse("t0", 48, 1, 4)])
+    args = [ArgSpec((3, 4, 50), "f32"), ArgSpec((3, 4), "f32"), ArgSpec((3, 4), "f32")]
+    bad = CudaProgram("sm_90", "", [
+        k(0, ("arg", 1, "W")), k(1, ("arg", 1, "r"), ("temp", 0, "W")),
+        k(2, ("arg", 0, "r"), ("temp", 0, "rW")), k(3, ("arg", 0, "r"), ("arg", 1, "rW")),
+        k(4, ("temp", 0, "r"), ("arg", 1, "W")), k(5, ("arg", 1, "r"), ("arg", 2, "W"))],
+        [TempBuffer("t0", 48)], plan, args)
+    errors = bad.dataflow_errors(1)
+    assert any("overwrites arg1" in e and "launch 3" in e for e in errors), errors
+    good = CudaProgram("sm_90", "", [k(0, ("arg", 0, "r"), ("arg", 1, "W")),
+                                     k(1, ("arg", 0, "r"), ("arg", 2, "W"))], [], plan_memory([]), args)
+    assert good.dataflow_errors(1) == []
+    # inputs written, outputs never written, reads of unwritten temps, temps sharing bytes
+    odd = CudaProgram("sm_90", "", [k(0, ("temp", 0, "r"), ("arg", 0, "W")), k(1, ("temp", 1, "W")),
+                                    k(2, ("temp", 0, "W"), ("temp", 1, "r"), ("arg", 1, "W"))],
+                      [TempBuffer("a", 64), TempBuffer("b", 64)],
+                      MemoryPlan({"a": 0, "b": 0}, 256, 512), args)
+    text = "\n".join(odd.dataflow_errors(1))
+    for what in ("writes input arg0", "reads temp0 before any write", "output arg2 is never written",
+                 "share workspace bytes"):
+        assert what in text, text
+
+
+def test_unsafe_bufferization_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without the fix (memref destinations + eliminate-empty-tensors on shared fills) the
+    # compile must fail loudly instead of returning a wrong program.
+    from gac_torch.backends.cuda import mapping
+
+    monkeypatch.setattr(mapping, "_tensor_destinations", lambda fn: None)
+    monkeypatch.setattr(mapping, "_unshare_fills", lambda fn: None)
+    with pytest.raises(RuntimeError, match="dataflow invariants"):
+        _compile(CASES["multi_two_reductions_shared_fill_r50"], "sm_90")
 
 
 def test_memory_planner_unit() -> None:
@@ -656,7 +845,7 @@ def _poison(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
     return torch.full(shape, 0x5A if dtype != torch.bool else True, dtype=dtype, device=device)
 
 
-def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Optional[float]) -> str:
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float | None) -> str:
     got = got.cpu()
     if not got.dtype.is_floating_point:
         bad = (got != ref.to(got.dtype)).sum().item()

@@ -33,8 +33,8 @@ Order of work (all in one MLIR module, in place):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 from mlir import ir, passmanager
 from mlir.dialects import arith, gpu, linalg, memref, scf
@@ -99,7 +99,7 @@ def _ops(block: ir.Block) -> list[ir.Operation]:
     return [op.operation for op in block.operations]
 
 
-def _const_int(v: ir.Value) -> Optional[int]:
+def _const_int(v: ir.Value) -> int | None:
     owner = v.owner
     if isinstance(owner, ir.Block):
         return None
@@ -110,7 +110,7 @@ def _const_int(v: ir.Value) -> Optional[int]:
     return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else None
 
 
-def _defining_op(v: ir.Value) -> Optional[ir.Operation]:
+def _defining_op(v: ir.Value) -> ir.Operation | None:
     owner = v.owner
     return None if isinstance(owner, ir.Block) else owner.operation
 
@@ -225,6 +225,97 @@ def _generalize_elementwise_named_ops(module: ir.Module, fn: ir.Operation) -> No
 
 
 # --------------------------------------------------------------------------------------------
+# bufferization
+
+
+def _tensor_destinations(fn: ir.Operation) -> None:
+    """Rewrite the ABI's `materialize_in_destination %r in restrict writable %out` (a memref
+    destination) into the tensor form `materialize_in_destination %r in %d` with
+    `%d = to_tensor %out restrict writable` at the function entry.
+
+    Why: with a memref destination the write into `%out` is invisible to One-Shot Analysis.
+    `eliminate-empty-tensors` then moves the `restrict` onto a `to_tensor %out` that replaces the
+    tensor.empty at the root of the result's chain, so other values can be computed in `%out`'s
+    buffer (e.g. when CSE merged the zero fills of two reductions: one reduction accumulates in
+    place in output 1's buffer and is then copied to output 2 -- after output 1's own copy
+    already overwrote it). With a tensor destination the write is a tensor write the analysis
+    sees (the op must bufferize in place on `%d`), so such conflicts are resolved by allocating.
+    """
+    from mlir.dialects import bufferization
+
+    block = _block(fn)
+    ops = [op for op in _ops(block) if op.name == "bufferization.materialize_in_destination"
+           and isinstance(op.operands[1].type, ir.MemRefType)]
+    dests = [op.operands[1] for op in ops]
+    first = _ops(block)[0]
+    for op in ops:
+        src, dst = op.operands[0], op.operands[1]
+        if not isinstance(dst.owner, ir.Block) or dests.count(dst) != 1:
+            continue  # only whole function arguments, each materialized once
+        with ir.InsertionPoint(first), op.location:
+            d = bufferization.ToTensorOp(src.type, dst, restrict=True, writable=True).result
+        with ir.InsertionPoint(op), op.location:
+            bufferization.MaterializeInDestinationOp(src.type, src, d)
+        op.erase()
+
+
+def _is_fill(op: ir.Operation) -> bool:
+    """A linalg op (named fill or generic) that sets every element of its one init to a value
+    from outside the body, reading nothing."""
+    if op.name == "linalg.fill":
+        return True
+    if op.name != "linalg.generic" or len(op.results) != 1:
+        return False
+    g = op.opview
+    if any(isinstance(v.type, ir.ShapedType) for v in g.inputs) or len(g.outputs) != 1:
+        return False
+    body = op.regions[0].blocks[0]
+    ops = _ops(body)
+    if len(ops) != 1 or any(list(a.uses) for a in body.arguments[len(g.inputs):]):
+        return False
+    m = ir.AffineMapAttr(op.attributes["indexing_maps"][len(g.inputs)]).value
+    return _dims(m) == list(range(m.n_dims))
+
+
+def _unshare_fills(fn: ir.Operation) -> None:
+    """Give each consumer of a fill its own copy of the fill (and of its tensor.empty), right
+    before it.
+
+    CSE merges identical fills (the zero init of two reductions, two matmuls); bufferization
+    must then copy the shared filled buffer for all but one consumer (a fill + copy kernel, and
+    a matmul that loads its init instead of starting from zero). A private fill per consumer
+    bufferizes into the consumer's own buffer and folds into its kernel."""
+    for op in _ops(_block(fn)):
+        if not _is_fill(op):
+            continue
+        uses = [(u.owner.operation if hasattr(u.owner, "operation") else u.owner, u.operand_number)
+                for u in op.results[0].uses]
+        if any(user.block != op.block for user, _ in uses):
+            continue
+        if len(uses) == 1:  # next to its consumer, where the kernel strategies fold it in
+            op.move_before(uses[0][0])
+            continue
+        for user, idx in uses:  # each consumer gets a fill right before it
+            with ir.InsertionPoint(user), user.location:
+                init_def = _defining_op(op.operands[len(op.operands) - 1])
+                empty = init_def.clone() if init_def is not None and init_def.name == "tensor.empty" else None
+                clone = op.clone()
+                if empty is not None:
+                    clone.operands[len(clone.operands) - 1] = empty.results[0]
+            user.operands[idx] = clone.results[0]
+        op.erase()
+
+
+def bufferize(module: ir.Module, fn: ir.Operation) -> None:
+    """Tensors -> memrefs with results written straight into the output arguments where that is
+    safe; any remaining `alloc A ... copy A -> out` with A dead afterwards is retargeted."""
+    _unshare_fills(fn)
+    _tensor_destinations(fn)
+    run_passes(module, "eliminate-empty-tensors, one-shot-bufferize, canonicalize, cse")
+    _elide_copies_into_outputs(fn)
+
+
+# --------------------------------------------------------------------------------------------
 # memref level clean-up
 
 
@@ -283,13 +374,13 @@ class _Generic:
         return self.op.regions[0].blocks[0]
 
 
-def _analyze(op: ir.Operation) -> Optional[_Generic]:
+def _analyze(op: ir.Operation) -> _Generic | None:
     g = op.opview
     maps = [ir.AffineMapAttr(a).value for a in op.attributes["indexing_maps"]]
     iters = ["reduction" if "reduction" in str(a) else "parallel"
              for a in op.attributes["iterator_types"]]
     operands = list(g.inputs) + list(g.outputs)
-    ranges: list[Optional[int]] = [None] * len(iters)
+    ranges: list[int | None] = [None] * len(iters)
     for v, m in zip(operands, maps):
         if not isinstance(v.type, ir.MemRefType):
             continue  # scalar operand (e.g. a fill value)
@@ -302,13 +393,13 @@ def _analyze(op: ir.Operation) -> Optional[_Generic]:
     return _Generic(op, maps, iters, ranges, list(g.inputs), list(g.outputs))  # type: ignore[arg-type]
 
 
-def _dims(m: ir.AffineMap) -> Optional[list[int]]:
+def _dims(m: ir.AffineMap) -> list[int] | None:
     """Dim positions of a projected permutation map, or None."""
     out = [e.position for e in m.results if isinstance(e, ir.AffineDimExpr)]
     return out if len(out) == len(m.results) and len(set(out)) == len(out) else None
 
 
-def _fill_before(op: ir.Operation, out: ir.Value) -> Optional[tuple[ir.Operation, ir.Value]]:
+def _fill_before(op: ir.Operation, out: ir.Value) -> tuple[ir.Operation, ir.Value] | None:
     """(fill op, scalar) if the op right before `op` sets every element of `out` to one scalar."""
     ops = _ops(op.block)
     i = ops.index(op)
@@ -353,7 +444,7 @@ class _Contraction:
     is_float: bool
 
 
-def _cast_chain(v: ir.Value, arg: ir.Value) -> Optional[list[tuple[str, str]]]:
+def _cast_chain(v: ir.Value, arg: ir.Value) -> list[tuple[str, str]] | None:
     chain: list[tuple[str, str]] = []
     while v != arg:
         op = _defining_op(v)
@@ -364,7 +455,7 @@ def _cast_chain(v: ir.Value, arg: ir.Value) -> Optional[list[tuple[str, str]]]:
     return chain[::-1]
 
 
-def _match_contraction(g: _Generic) -> Optional[_Contraction]:
+def _match_contraction(g: _Generic) -> _Contraction | None:
     if len(g.inputs) != 2 or len(g.outputs) != 1:
         return None
     dims = [_dims(m) for m in g.maps]
@@ -574,7 +665,7 @@ def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
 
 
 def _splice_template(text: str, before: ir.Operation, args: list[ir.Value],
-                     init: Optional[ir.Value], acc: str, name: str) -> None:
+                     init: ir.Value | None, acc: str, name: str) -> None:
     """Parse a `func.func @tmpl(args..., %init)` holding one gpu.launch and move the launch
     before `before`, wiring the template's arguments to `args` (and `init`)."""
     tmpl = ir.Module.parse(text, before.context)
@@ -788,7 +879,7 @@ def _clone_body(ops: list[ir.Operation], skip: ir.Operation, mapping: dict[ir.Va
 # strategy: loops (fallback for every op) and serial
 
 
-def _parallel_bounds(p: ir.Operation) -> Optional[list[tuple[int, int, int]]]:
+def _parallel_bounds(p: ir.Operation) -> list[tuple[int, int, int]] | None:
     po = p.opview
     out = []
     for lb, ub, st in zip(po.lowerBound, po.upperBound, po.step):
@@ -799,7 +890,7 @@ def _parallel_bounds(p: ir.Operation) -> Optional[list[tuple[int, int, int]]]:
     return out
 
 
-def _fill_loop(p: ir.Operation) -> Optional[tuple[ir.Value, ir.Value, list[ir.Value]]]:
+def _fill_loop(p: ir.Operation) -> tuple[ir.Value, ir.Value, list[ir.Value]] | None:
     """(value, buffer, indices) if scf.parallel `p` only stores one outside value per point."""
     body = p.regions[0].blocks[0]
     ops = _ops(body)
@@ -988,7 +1079,7 @@ def _parallel_dims_first(op: ir.Operation) -> None:
         body_op.walk(renumber, ir.WalkOrder.PRE_ORDER)
 
 
-def _strategy(g: Optional[_Generic], limits: MappingLimits) -> str:
+def _strategy(g: _Generic | None, limits: MappingLimits) -> str:
     if g is None:
         return "loops"
     if _match_contraction(g) is not None:
@@ -1007,8 +1098,7 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits) -> None:
     fn = main_func(module)
     _generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
-    run_passes(module, "eliminate-empty-tensors, one-shot-bufferize, canonicalize, cse")
-    _elide_copies_into_outputs(fn)
+    bufferize(module, fn)
     _copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
 

@@ -16,14 +16,21 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from mlir import ir
 from mlir.dialects import gpu
 
 from gac_torch.backends.cuda import mapping
 from gac_torch.backends.cuda.program import (
-    ArgSpec, BufferRef, CudaProgram, KernelArg, KernelLaunch, ScalarArg, TempBuffer)
+    ArgSpec,
+    BufferRef,
+    CudaProgram,
+    KernelArg,
+    KernelLaunch,
+    ScalarArg,
+    TempBuffer,
+)
 from gac_torch.passes.memory_plan import BufferUse, plan_memory
 
 _ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "i32": 4,
@@ -59,7 +66,7 @@ class GpuStage:
 # stage "gpu"
 
 
-def _as_module(artifact: Union[str, ir.Module, ir.Operation, Any]) -> ir.Module:
+def _as_module(artifact: str | ir.Module | ir.Operation | Any) -> ir.Module:
     """A private copy in a fresh context: stages must not mutate the driver's artifact."""
     text = artifact if isinstance(artifact, str) else str(artifact)
     return ir.Module.parse(text, ir.Context())
@@ -79,10 +86,25 @@ def map_stage(artifact: Any, options: CudaOptions) -> GpuStage:
         fn = mapping.main_func(module)
         args = [ArgSpec(tuple(ir.MemRefType(a.type).shape), _elem_name(ir.MemRefType(a.type).element_type))
                 for a in mapping._block(fn).arguments]
+        n_inputs = _count_inputs(fn)
         mapping.map_to_gpu(module, options.limits)
         _annotate_noalias(module)
         program = _read_host_program(module, args, options.arch)
+    errors = program.dataflow_errors(n_inputs)
+    if errors:  # a wrong program must not run: fail the compile, naming what is wrong
+        raise RuntimeError("cuda target: the compiled launch list violates its dataflow "
+                           "invariants (a compiler bug):\n  " + "\n  ".join(errors)
+                           + "\n" + program.describe())
     return GpuStage(module, program, options)
+
+
+def _count_inputs(fn: ir.Operation) -> int:
+    """Inputs precede outputs in the ABI; outputs are the materialize_in_destination targets."""
+    block = mapping._block(fn)
+    params = list(block.arguments)
+    outs = [params.index(op.operands[1]) for op in mapping._ops(block)
+            if op.name == "bufferization.materialize_in_destination" and op.operands[1] in params]
+    return min(outs, default=len(params))
 
 
 def _kernel_funcs(module: ir.Module) -> dict[str, ir.Operation]:
@@ -122,17 +144,73 @@ def _kernel_name(launch_func: ir.Operation) -> str:
     return text.rsplit("::@", 1)[-1].strip('"')
 
 
+# How kernel-body ops touch memref operands: operand positions read / written.
+_READS = {"memref.load": (0,), "vector.load": (0,), "vector.transfer_read": (0,),
+          "vector.maskedload": (0,), "nvgpu.ldmatrix": (0,), "memref.copy": (0,),
+          "nvgpu.device_async_copy": (1,)}
+_WRITES = {"memref.store": (1,), "vector.store": (1,), "vector.transfer_write": (1,),
+           "vector.maskedstore": (0,), "memref.copy": (1,), "nvgpu.device_async_copy": (0,)}
+
+
+def _kernel_access(kfunc: ir.Operation) -> list[str]:
+    """Per kernel parameter: "r" if the body loads from it, "w" if it stores to it (through
+    in-kernel views too); any other op using a parameter counts as both."""
+    body = kfunc.regions[0].blocks[0]
+    params = list(body.arguments)
+    acc = [set() for _ in params]
+
+    def param_of(v: ir.Value) -> int | None:
+        root = mapping.buffer_root(v)
+        return params.index(root) if root in params else None
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if op.name in mapping._VIEW_OPS:
+            return ir.WalkResult.ADVANCE
+        for pos, v in enumerate(op.operands):
+            if not isinstance(v.type, ir.MemRefType):
+                continue
+            p = param_of(v)
+            if p is None:
+                continue
+            r, w = pos in _READS.get(op.name, ()), pos in _WRITES.get(op.name, ())
+            if not r and not w:
+                r = w = True  # unknown: assume both
+            if r:
+                acc[p].add("r")
+            if w:
+                acc[p].add("w")
+        return ir.WalkResult.ADVANCE
+
+    kfunc.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return [("r" if "r" in a else "") + ("w" if "w" in a else "") for a in acc]
+
+
+def _whole(v: ir.Value) -> bool:
+    """`v` covers its whole allocation: only reshaping views, no subviews or offsets."""
+    root = mapping.buffer_root(v)
+    if v == root:
+        return True
+    t, rt = ir.MemRefType(v.type), ir.MemRefType(root.type)
+    op = mapping._defining_op(v)
+    while op is not None and op.name in mapping._VIEW_OPS:
+        if op.name not in ("memref.expand_shape", "memref.collapse_shape", "memref.cast"):
+            return False
+        op = mapping._defining_op(op.operands[0])
+    return math.prod(t.shape) == math.prod(rt.shape)
+
+
 def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> CudaProgram:
     """Turn the host function (constants, allocs, views, launch_funcs) into data."""
     fn = mapping.main_func(module)
     block = mapping._block(fn)
+    funcs = _kernel_funcs(module)
     arg_index = {a: i for i, a in enumerate(block.arguments)}
     temps: dict[ir.Value, int] = {}
     temp_list: list[TempBuffer] = []
     live: dict[int, list[int]] = {}
     launches: list[KernelLaunch] = []
 
-    def const(v: ir.Value) -> Union[int, float]:
+    def const(v: ir.Value) -> int | float:
         op = mapping._defining_op(v)
         if op is None or op.name != "arith.constant":
             raise NotImplementedError(f"kernel argument is not a constant: {v}")
@@ -148,6 +226,15 @@ def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> Cud
         elif name == "gpu.launch_func":
             lf = op.opview
             kargs: list[KernelArg] = []
+            body_access = _kernel_access(funcs[_kernel_name(op)])
+            access: list[str] = []
+            for v, m in zip(lf.kernelOperands, body_access):
+                if (isinstance(v.type, ir.MemRefType) and "w" in m and _whole(v)
+                        and not _kernel_name(op).endswith("_serial")):
+                    # a kernel mapped from a linalg op writes each element of its output; a
+                    # serial kernel (host scalar code) may store single elements
+                    m = m.replace("w", "W")
+                access.append(m if isinstance(v.type, ir.MemRefType) else "")
             for v in lf.kernelOperands:
                 if isinstance(v.type, ir.MemRefType):
                     root = mapping.buffer_root(v)
@@ -166,7 +253,7 @@ def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> Cud
             smem = int(const(lf.dynamicSharedMemorySize)) if lf.dynamicSharedMemorySize else 0
             kname = _kernel_name(op)
             launches.append(KernelLaunch(kname, grid, blk, smem, tuple(kargs),  # type: ignore[arg-type]
-                                         kname.rsplit("_", 1)[-1]))
+                                         kname.rsplit("_", 1)[-1], tuple(access)))
         elif name in ("arith.constant", "ub.poison", "memref.dealloc", "func.return") or name in mapping._VIEW_OPS:
             continue
         else:
@@ -268,7 +355,7 @@ def _store_i1_as_bytes(kernel: ir.Operation) -> None:
 # stage "ptx"
 
 
-def find_cuda_toolkit() -> Optional[str]:
+def find_cuda_toolkit() -> str | None:
     """A directory holding nvvm/libdevice/libdevice.10.bc (needed to link math functions):
     $GAC_CUDA_TOOLKIT, $CUDA_HOME, $CUDA_PATH, the nvidia-cuda-nvcc wheel, /usr/local/cuda."""
     candidates = [os.environ.get(k) for k in ("GAC_CUDA_TOOLKIT", "CUDA_HOME", "CUDA_PATH")]

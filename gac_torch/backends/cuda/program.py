@@ -32,7 +32,7 @@ class BufferRef:
 @dataclass(frozen=True)
 class ScalarArg:
     ctype: Literal["i8", "i16", "i32", "i64", "f16", "bf16", "f32", "f64"]
-    value: Union[int, float]
+    value: int | float
 
 
 KernelArg = Union[BufferRef, ScalarArg]
@@ -46,6 +46,10 @@ class KernelLaunch:
     shared_mem: int  # dynamic shared memory bytes (static shared memory is declared in the PTX)
     args: tuple[KernelArg, ...]
     strategy: str = ""  # how the op was mapped (for dumps and tests)
+    # Per argument, how the kernel touches the buffer (from its body): "" (scalar or unused),
+    # "r" reads, "w" writes some elements, "W" writes every element of the whole buffer, or a
+    # read letter followed by a write letter ("rw", "rW"). Empty tuple: unknown.
+    access: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,79 @@ class CudaProgram:
         for i, a in enumerate(self.args):
             lines.append(f"arg{i}: {a.elem}{list(a.shape)}")
         for k in self.launches:
+            acc = k.access or ("",) * len(k.args)
             lines.append(f"launch {k.kernel} grid={k.grid} block={k.block} smem={k.shared_mem} "
-                         f"[{k.strategy}] ({', '.join(arg(a) for a in k.args)})")
+                         f"[{k.strategy}] ({', '.join(arg(a) + (':' + m if m else '') for a, m in zip(k.args, acc))})")
         return "\n".join(lines)
+
+    def dataflow_errors(self, n_inputs: int) -> list[str]:
+        """Check the launch list's buffer dataflow (needs `access`); returns what is wrong.
+
+        Invariants of a correct straight-line program over the function's buffers and temps:
+        - inputs (the first `n_inputs` args) are never written;
+        - every output is written, and nothing reads a buffer before anything wrote it;
+        - no write is lost: a kernel that overwrites a whole buffer ("W" without "r") may only
+          do so once every earlier write into that buffer has been read, unless the buffer is a
+          temp no one reads (a value computed and then discarded is a bug in the copy/aliasing
+          logic, e.g. an output's final value clobbered by another output's copy);
+        - a temp's last write is read (values are computed for a reason);
+        - temps sharing workspace bytes are never live in the same step.
+        """
+        errs: list[str] = []
+        unread: dict[tuple[str, int], int] = {}  # buffer -> earliest unread write (launch index)
+        written: set[tuple[str, int]] = set()
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        n_args = len(self.args)
+
+        def side_output(step: int) -> bool:
+            # A kernel writing several buffers (a multi-result op, e.g. max + argmax) may leave
+            # one of them unused; only a kernel whose single result is lost is an error.
+            k = self.launches[step]
+            return sum("w" in m.lower() for a, m in zip(k.args, k.access)
+                       if isinstance(a, BufferRef)) > 1
+
+        for step, k in enumerate(self.launches):
+            if len(k.access) != len(k.args):
+                errs.append(f"launch {step} {k.kernel}: no access information")
+                continue
+            bufs = [(a, m) for a, m in zip(k.args, k.access) if isinstance(a, BufferRef)]
+            for a, m in bufs:  # reads happen before this kernel's writes
+                key = (a.kind, a.index)
+                if a.kind == "temp":
+                    first.setdefault(a.index, step)
+                    last[a.index] = step
+                if "r" in m:
+                    # (a kernel that also writes the buffer may initialize it itself: absorbed fill)
+                    if key not in written and "w" not in m.lower() and not (
+                            a.kind == "arg" and a.index < n_inputs):
+                        errs.append(f"launch {step} {k.kernel} reads {a.kind}{a.index} before any write")
+                    unread.pop(key, None)
+            for a, m in bufs:
+                key = (a.kind, a.index)
+                if "w" not in m.lower():
+                    continue
+                if a.kind == "arg" and a.index < n_inputs:
+                    errs.append(f"launch {step} {k.kernel} writes input arg{a.index}")
+                if "W" in m and "r" not in m:
+                    if key in unread and not side_output(unread[key]):
+                        errs.append(f"launch {step} {k.kernel} overwrites {a.kind}{a.index} whose "
+                                    f"value from launch {unread[key]} was never read")
+                    unread[key] = step
+                else:
+                    unread.setdefault(key, step)
+                written.add(key)
+        for i in range(n_inputs, n_args):
+            if ("arg", i) not in written:
+                errs.append(f"output arg{i} is never written")
+        for (kind, i), step in unread.items():
+            if kind == "temp" and not side_output(step):
+                errs.append(f"temp{i} written by launch {step} is never read")
+        names = [t.name for t in self.temps]
+        for i, fi in first.items():
+            for j, fj in first.items():
+                if i < j and fi <= last[j] and fj <= last[i]:
+                    oi, oj = self.plan.offsets[names[i]], self.plan.offsets[names[j]]
+                    if oi < oj + self.temps[j].nbytes and oj < oi + self.temps[i].nbytes:
+                        errs.append(f"temps {i} and {j} share workspace bytes while both live")
+        return errs

@@ -12,7 +12,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class PtxasResult:
     log: str  # ptxas's verbose output: registers, shared memory, spills per kernel
 
 
-def find_ptxas() -> Optional[str]:
+def find_ptxas() -> str | None:
     spec = importlib.util.find_spec("nvidia")
     roots = [Path(p) / "cuda_nvcc" for p in (spec.submodule_search_locations or [])] if spec else []
     roots += [Path(os.environ[k]) for k in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(k)]
@@ -33,7 +32,7 @@ def find_ptxas() -> Optional[str]:
     return shutil.which("ptxas")
 
 
-def assemble(ptx: str, arch: str, ptxas: Optional[str] = None) -> PtxasResult:
+def assemble(ptx: str, arch: str, ptxas: str | None = None) -> PtxasResult:
     """Run `ptxas -arch=<arch> -v` on `ptx`; ok is False (with the error log) if it rejects it."""
     exe = ptxas or find_ptxas()
     if exe is None:

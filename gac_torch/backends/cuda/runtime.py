@@ -14,7 +14,8 @@ import ctypes
 import os
 import struct
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
