@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import gac_torch
 from conftest import TARGETS
-from parity import Fn, check_op, device_of
+from parity import Fn, assert_close, check_op, device_of, reference
 
 G = torch.Generator().manual_seed(1234)
 
@@ -307,18 +307,37 @@ UPSAMPLE = {
 }
 
 
+def _check_fx(fn, inputs, target, what=""):
+    """Strict compile of fn's plain ATen graph (make_fx, no decomposition): how a default
+    upsample overload reaches gac (export and AOTAutograd expand it through its Autograd kernel)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gac_torch.frontends.fx import compile_graph
+    from gac_torch.options import resolve
+
+    inputs = [t.to(device_of(target)) for t in inputs]
+    gm = make_fx(fn)(*inputs)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    compiled = compile_graph(gm, resolve({"fallback": False}, target=target))
+    assert_close(compiled(*inputs), reference(fn, inputs), what)
+    return targets
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(UPSAMPLE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_upsample(name, dtype, target):
     x = r(2, 3, 5, 6, dtype=dtype)
+    op = f"aten.upsample_{'nearest' if 'nearest' in name else 'bilinear'}2d"
+    if "default" in name:
+        assert f"{op}.default" in _check_fx(UPSAMPLE[name], [x], target, name)
+        return
     check_op(UPSAMPLE[name], [x], target, name)
     if dtype == torch.float32:  # the overload under test is what gac compiled
         from gac_torch.legalize import decompositions
 
-        op = f"upsample_{'nearest' if 'nearest' in name else 'bilinear'}2d.{'default' if 'default' in name else 'vec'}"
         graph = torch.export.export(Fn(UPSAMPLE[name]), (x,)).run_decompositions(decompositions()).graph
-        assert op in str(graph), f"{op} must reach gac"
+        assert f"{op.removeprefix('aten.')}.vec" in str(graph), f"{op}.vec must reach gac"
 
 
 NEW_OPS = {
@@ -419,3 +438,13 @@ def test_tf32_follows_torch_flags():
         assert resolve({"allow_tf32": False})["allow_tf32"] is False
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_f64_to_half_rounds_like_aten(dtype):
+    """f64 -> f16/bf16 goes through f32 exactly as ATen's cast does (double rounding included):
+    bit-identical on halfway cases."""
+    halfway = torch.arange(-2**15, 2**15 - 1).to(torch.int16).view(torch.float16).double() + 1e-12
+    x = torch.cat([torch.linspace(-7e4, 7e4, 20001, dtype=torch.float64), halfway])
+    c = gac_torch.compile(Fn(lambda t: t.to(dtype)), (x,), options={"fallback": False})
+    torch.testing.assert_close(c(x), x.to(dtype), rtol=0, atol=0, equal_nan=True)

@@ -211,7 +211,9 @@ def lower_slice_scatter(cx: Cx, x, src, dim=0, start=None, end=None, step=1):
     hit = [lo <= p < hi and (p - lo) % step == 0 for p in range(n)]
     table = torch.tensor([min(max((p - lo) // step, 0), count - 1) for p in range(n)])
     picked = cx.b.index_select(sv, cx.b.constant(table, torch.int64, (n,)), dim=dim)
-    mask = cx.b.reshape(cx.b.constant(torch.tensor(hit), torch.bool, (n,)), [n] + [1] * (len(shape) - dim - 1))
+    hits = cx.b.binary(cx.b.constant(torch.tensor(hit, dtype=torch.int64), torch.int64, (n,)), cx.to(0, torch.int64),
+                       kind="ne")
+    mask = cx.b.reshape(hits, [n] + [1] * (len(shape) - dim - 1))
     return cx.b.select(mask, picked, xv)
 
 

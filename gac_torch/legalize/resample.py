@@ -9,8 +9,6 @@ select, not a multiply, so NaN/inf/1e9 coordinates give exactly what ATen's CPU 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from mlir import ir
@@ -65,13 +63,6 @@ def _pick(cx: Cx, x, table: torch.Tensor, dim: int):
     if n == cx.shape(x)[dim] and torch.equal(table, torch.arange(n)):
         return x
     return cx.b.index_select(x, cx.b.constant(table, torch.int64, (n,)), dim=dim)
-
-
-def _sizes(cx: Cx, x, output_size, scale_factors):
-    """Output size and per-dim scales of the .vec overloads (or the explicit ones)."""
-    out = cx.out_shape[-2:]
-    scales = list(scale_factors) if scale_factors else [None, None]
-    return out, scales
 
 
 def _nonempty(node) -> str | None:
@@ -203,7 +194,7 @@ def lower_grid_sampler_2d(cx: Cx, x, grid, mode, padding, align_corners):
     else:
         x_w, y_n = m("floor", ix), m("floor", iy)
         x_e, y_s = m("add", x_w, 1), m("add", y_n, 1)
-        we, ww = m("sub", ix, x_w), None
+        we = m("sub", ix, x_w)
         ww = m("sub", m.c(1), we)
         ns = m("sub", iy, y_n)
         nn_ = m("sub", m.c(1), ns)
@@ -214,5 +205,3 @@ def lower_grid_sampler_2d(cx: Cx, x, grid, mode, padding, align_corners):
         y = m("add", y, m("mul", tap(x_e, y_s), m("mul", ns, we)))
     return cx.to(cx.b.reshape(y, [n, c, oh, ow]), dt)
 
-
-__all__ = ["math"]

@@ -89,6 +89,10 @@ def convert(x: ir.Value, to: ir.Type) -> ir.Value:
         return (arith.cmpf(arith.CmpFPredicate.UNE, x, zero) if is_float(src)
                 else arith.cmpi(arith.CmpIPredicate.ne, x, zero))
     if is_float(src) and is_float(to):
+        if str(src) == "f64" and str(to) in ("f16", "bf16"):
+            # Through f32, as ATen converts (static_cast<float> first); a direct f64 -> 16-bit
+            # truncation would also need a runtime helper the JIT lacks (__truncdfhf2).
+            return arith.truncf(to, arith.truncf(f32(), x))
         wider = _float_bits(to) > _float_bits(src)
         if {str(src), str(to)} == {"f16", "bf16"}:  # no direct ext/trunc between the two
             return arith.truncf(to, arith.extf(f32(), x))

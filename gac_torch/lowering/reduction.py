@@ -178,6 +178,10 @@ _SCAN_IDENTITY = {"sum": lambda e: 0, "prod": lambda e: 1, "max": lowest, "min":
                   "logaddexp": lowest}
 
 
+def _scan_combine(kind: str, a: ir.Value, b: ir.Value) -> ir.Value:
+    return _logaddexp(a, b) if kind == "logaddexp" else _combine(kind, a, b)
+
+
 def _logaddexp(a: ir.Value, b: ir.Value) -> ir.Value:
     """log(exp(a) + exp(b)) = max + log1p(exp(-|a - b|)); -inf (the identity) stays exact."""
     hi, lo = arith.maximumf(a, b), arith.minimumf(a, b)
@@ -207,8 +211,7 @@ def lower_scan(op, operands):
         low = [0] * len(xs)
         low[dim] = step
         shifted = pad_constant(head, low, [0] * len(xs), _SCAN_IDENTITY[kind](acc))
-        combine = _logaddexp if kind == "logaddexp" else (lambda a, b: _combine(kind, a, b))
-        y = elementwise([y, shifted], xs, [acc], lambda a, b: [combine(a, b)])[0]
+        y = elementwise([y, shifted], xs, [acc], lambda a, b: [_scan_combine(kind, a, b)])[0]
         step *= 2
     if str(e) != str(acc):
         y = elementwise([y], xs, [e], lambda v: [convert(v, e)])[0]

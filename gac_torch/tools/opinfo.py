@@ -275,28 +275,33 @@ def _collect(op, dtype: torch.dtype, device: str, max_samples: int | None, seed:
 
 
 def run_cases(op, plan: dict[torch.dtype, int | None], *, target: str = "cpu", seed: int = 0,
-              check: Checker | None = None) -> dict[torch.dtype, list[SampleResult]]:
-    """Runs every dtype of `plan` (dtype -> how many samples; None: all) for one OpInfo in one
-    compile; one SampleResult per sample. `check(sample, outs, eager_outs)` replaces the
-    comparison with eager (for ops whose result is not unique)."""
-    from gac_torch.frontends.fx import compile_graph
-    from gac_torch.options import resolve
-    from gac_torch.passes.partition import analyze, drop_metadata_asserts, op_name
+              check: Checker | None = None, group: int = 2) -> dict[torch.dtype, list[SampleResult]]:
+    """Runs every dtype of `plan` (dtype -> how many samples; None: all) for one OpInfo, `group`
+    samples per compiled graph; one SampleResult per sample. `check(sample, outs, eager_outs)`
+    replaces the comparison with eager (for ops whose result is not unique).
 
+    Grouping saves the per-module JIT set-up, but LLVM's optimizer is superlinear in function
+    size, so large groups cost more than they save (measured: 2 to 3 is best)."""
     device = "cuda" if target == "cuda" else "cpu"
     results: dict[Key, SampleResult] = {}
     samples: list[tuple[torch.dtype, _Sample]] = []
     for dt, k in plan.items():
         samples += [(dt, s) for s in _collect(op, dt, device, k, seed, results)]
-
-    def done() -> dict[torch.dtype, list[SampleResult]]:
-        return {dt: [results[k] for k in sorted((k for k in results if k[0] == dt), key=lambda k: k[1])]
-                for dt in plan}
-
-    if not samples:
-        return done()
     for n, (_, s) in enumerate(samples):
         s.uid = n
+    for start in range(0, len(samples), max(group, 1)):
+        _run_group(samples[start:start + max(group, 1)], target, check, results)
+    return {dt: [results[k] for k in sorted((k for k in results if k[0] == dt), key=lambda k: k[1])]
+            for dt in plan}
+
+
+def _run_group(samples: list[tuple[torch.dtype, _Sample]], target: str, check: Checker | None,
+               results: dict[Key, SampleResult]) -> None:
+    """Merges, compiles (with eager fallback), runs and checks some samples, into `results`."""
+    from gac_torch.frontends.fx import compile_graph
+    from gac_torch.options import resolve
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts, op_name
+
     merged, owner = _merge([s for _, s in samples])
     drop_metadata_asserts(merged)  # as compile_graph does
     decisions, _ = analyze(merged)
@@ -320,13 +325,12 @@ def run_cases(op, plan: dict[torch.dtype, int | None], *, target: str = "cpu", s
             r = results[(dt, s.index)]
             r.status, r.detail = run_one(s, target, check) if len(samples) > 1 else \
                 ("error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        return done()
+        return
     for dt, s in samples:
         r = results[(dt, s.index)]
         bad = _check(s, [outs[k] for k in s.out_slots], check)
         if bad is not None:
             r.status, r.detail = "mismatch", bad + (f"; with fallback {r.detail}" if r.detail else "")
-    return done()
 
 
 def run_opinfo(op, dtype: torch.dtype, *, target: str = "cpu", max_samples: int | None = None,
@@ -339,9 +343,7 @@ def run_one(s: _Sample, target: str, check: Checker | None = None) -> tuple[str,
     """Compiles and checks one sample alone (after a failed merged compile)."""
     from gac_torch.frontends.fx import compile_graph
     from gac_torch.options import resolve
-    from gac_torch.passes.partition import analyze
-
-    from gac_torch.passes.partition import drop_metadata_asserts
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts
 
     merged, _ = _merge([s])
     drop_metadata_asserts(merged)
