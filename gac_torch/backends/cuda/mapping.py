@@ -40,6 +40,8 @@ from mlir import ir, passmanager
 from mlir.dialects import arith, gpu, linalg, memref, scf
 from mlir.dialects.transform import interpreter
 
+from gac_torch.kernels import cuda_mma
+
 KERNEL_MODULE = "gac_kernels"
 
 # Named ops kept named through elementwise fusion: fusing a producer into them would recompute
@@ -72,6 +74,8 @@ class MappingLimits:
     reduce_threads: int = 256  # `reduce` strategy: threads per block
     warp_reduce_max: int = 1024  # reductions up to this extent get one warp per output
     reduce_min_extent: int = 128  # smaller reductions stay sequential per thread
+    mma: bool = False  # tensor cores with mma.sync m16n8k16 / m16n8k8 (sm_80 and later)
+    allow_tf32: bool = False  # f32 matmuls may run on tensor cores in TF32 (numerics option)
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,7 +516,44 @@ def _convert(x: str, src: str, dst: str, is_float: bool, out: str) -> tuple[str,
     return f"{out} = {op} {x} : {src} to {dst}\n", out
 
 
+def _mma_operand(v: ir.Value, m: ir.AffineMap) -> cuda_mma.Operand:
+    t = ir.MemRefType(v.type)
+    strides, offset = t.get_strides_and_offset()
+    return cuda_mma.Operand(str(t), str(t.element_type), tuple(_dims(m) or ()), tuple(t.shape),
+                            tuple(strides), offset)
+
+
+def _emit_mma(c: _Contraction, name: str, limits: MappingLimits) -> bool:
+    """Tensor-core template (gac_torch/kernels/cuda_mma.py) when the element types allow it."""
+    if not limits.mma or not c.is_float:
+        return False
+    g = c.g
+    ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
+    ec = str(ir.MemRefType(g.outputs[0].type).element_type)
+    widen = [("arith.extf", "f32")]
+    casts_ok = (c.a_casts in ([], widen) and c.b_casts in ([], widen)
+                and (ec == "f32" or (not c.a_casts and not c.b_casts)))
+    kind = cuda_mma.mma_kind(ea, eb, ec, casts_ok, limits.allow_tf32)
+    if kind is None:
+        return False
+    fill = _fill_before(g.op, g.outputs[0])
+    spec = cuda_mma.Spec(kind, c.m, c.n, c.k, tuple(c.batch), tuple(g.ranges),
+                         _mma_operand(g.inputs[0], g.maps[0]), _mma_operand(g.inputs[1], g.maps[1]),
+                         _mma_operand(g.outputs[0], g.maps[2]), fill is not None)
+    plan = cuda_mma.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
+    if plan is None:
+        return False
+    _splice_template(cuda_mma.template(spec, plan), g.op, [*g.inputs, g.outputs[0]],
+                     fill[1] if fill is not None else None, ec, name.rsplit("_", 1)[0] + "_mma")
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
+    return True
+
+
 def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
+    if _emit_mma(c, name, limits):
+        return True
     g = c.g
     M, N, K = g.ranges[c.m], g.ranges[c.n], g.ranges[c.k]
     batch_ext = [g.ranges[d] for d in c.batch]

@@ -27,6 +27,7 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_STATIC_SHARED_BYTES = 48 * 1024  # static __shared__ limit on every arch; more needs opt-in
 MAX_GRID = (2**31 - 1, 65535, 65535)
 DEFAULT_ARCH = "sm_90"  # when no GPU is visible (CI compiles for the H200)
+MMA_MIN_ARCH = 80  # mma.sync m16n8k16 f16/bf16 and m16n8k8 tf32 with f32 accumulators
 OPT_LEVEL = 3
 ARCHS = {
     "sm_70": CudaArch("+ptx60", 96 * 1024),
@@ -57,9 +58,15 @@ def compile_options(options: dict | None) -> Any:
     arch = (options or {}).get("arch") or default_arch()
     if arch not in ARCHS:
         raise ValueError(f"unsupported cuda arch {arch!r}; known: {', '.join(ARCHS)}")
+    allow_tf32 = (options or {}).get("allow_tf32")
+    if allow_tf32 is None:  # not resolved by gac_torch.options: what torch would do right now
+        from gac_torch.options import torch_allows_tf32
+
+        allow_tf32 = torch_allows_tf32()
     limits = mapping.MappingLimits(
         warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
-        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
+        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
+        mma=int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH, allow_tf32=bool(allow_tf32))
     return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits)
 
 
@@ -84,5 +91,5 @@ TARGET = Target(
     stages=_stages,
     load=_load,
     check_available=runtime.check_available,
-    options={"arch": None},
+    options={"arch": None, "allow_tf32": None},
 )
