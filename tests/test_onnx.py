@@ -107,10 +107,7 @@ def test_norms_softmax(target):
     run_case(nodes, inputs, inits, target, opset=21)
 
 
-# cuda target bug (reported): `(x.sum(2), (x * x).sum(2))` in one graph gives a wrong second sum
-# on the H200 (cpu is right); strict, so the fix shows up as an XPASS failure.
-REDUCE_TARGETS = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.xfail(
-    strict=True, reason="cuda: sum(x) and sum(x*x) in one graph, the second is wrong")])]
+REDUCE_TARGETS = TARGETS  # several reductions of one input in one graph (a former cuda bug)
 REDUCE_OPS = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
               "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"]
 
