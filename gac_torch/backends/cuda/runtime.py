@@ -3,18 +3,29 @@ torch's current stream, buffers from torch's caching allocator.
 
 - Tensors arrive through DLPack (`__dlpack__`), so any producer works; torch tensors pass as is.
 - The PTX module is loaded once per CUDA context (torch uses the device's primary context).
-- Intermediates live in one workspace sized by the static memory plan, allocated per run from
-  torch's caching allocator on the launch stream (so reuse across runs is stream-ordered).
+- Intermediates live in one workspace sized by the static memory plan: one allocation per
+  (device, stream), kept with the executable and reused by every call on that stream (calls on
+  one stream are ordered, so reuse is safe; another stream gets its own workspace).
+- The per-call host work is a short loop: for each distinct set of buffer pointers (inputs,
+  outputs, workspace) the kernels' argument arrays (`void **kernelParams`, pointing at packed
+  pointer and scalar bytes) are built once and cached (LRU); a call with pointers seen before
+  only issues the launches. With GAC_CUDA_GRAPHS=1 a pointer set seen GRAPH_AFTER times is
+  captured once into a CUDA graph (stream capture on a private stream), and later calls
+  launch the whole sequence with one cuGraphLaunch; any failure while building it falls back
+  to plain launches for that executable.
 - Every driver call is checked; errors name the kernel and the call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +40,8 @@ except ImportError:  # pragma: no cover - depends on the installed cuda-python
         from cuda import cuda as _driver  # type: ignore[no-redef]
     except ImportError:
         _driver = None
+
+log = logging.getLogger("gac_torch")
 
 
 def check_available() -> None:
@@ -46,16 +59,27 @@ class CudaError(RuntimeError):
 
 # GAC_CUDA_SYNC=1: synchronize after every launch so a fault names its kernel (slow).
 SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
+# GAC_CUDA_GRAPHS=1: replay repeated calls as CUDA graphs (see the module docstring).
+USE_GRAPHS = os.environ.get("GAC_CUDA_GRAPHS", "0") not in ("", "0")
+GRAPH_AFTER = 2  # calls with one pointer set before it is captured
+CACHE_ENTRIES = 16  # pointer sets remembered per executable
 
 
 def _check(result: Any, what: str) -> Any:
     """cuda-python returns (CUresult, *values); raise with the error's name on failure."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
+        raise CudaError(f"{what}: {_error_text(err)}")
+    return values[0] if len(values) == 1 else (values or None)
+
+
+def _error_text(err: Any) -> str:
+    try:
         _, name = _driver.cuGetErrorName(err)
         _, desc = _driver.cuGetErrorString(err)
-        raise CudaError(f"{what}: {name.decode() if name else int(err)} ({desc.decode() if desc else ''})")
-    return values[0] if len(values) == 1 else values
+        return f"{name.decode() if name else int(err)} ({desc.decode() if desc else ''})"
+    except Exception:  # noqa: BLE001  # pragma: no cover - error while reporting an error
+        return str(int(err))
 
 
 _SCALAR_PACK = {"i8": "b", "i16": "h", "i32": "i", "i64": "q", "f32": "f", "f64": "d"}
@@ -77,6 +101,65 @@ def _as_tensor(x: Any) -> torch.Tensor:
     raise TypeError(f"expected a tensor or a DLPack producer, got {type(x).__name__}")
 
 
+# --------------------------------------------------------------------------------------------
+# argument arrays (pure ctypes: testable without a GPU)
+
+
+class ArgTable:
+    """The `void **kernelParams` of every launch for one set of buffer pointers.
+
+    One contiguous block of 8-byte slots holds every pointer and scalar argument of every
+    launch (scalars are packed once, little-endian, into their slot's first bytes); each launch
+    has a `void *[n]` array pointing at its slots. `argv[i]` is the address to pass to
+    cuLaunchKernel for launch i. Building costs a few microseconds per launch, once per
+    distinct pointer set."""
+
+    def __init__(self, launches: Sequence[KernelLaunch], arg_ptrs: Sequence[int],
+                 temp_ptrs: Sequence[int]):
+        n_slots = sum(len(k.args) for k in launches)
+        self.slots = (ctypes.c_uint64 * max(1, n_slots))()
+        base = ctypes.addressof(self.slots)
+        self.arrays = []
+        self.argv: list[int] = []
+        s = 0
+        for k in launches:
+            arr = (ctypes.c_void_p * max(1, len(k.args)))()
+            for j, a in enumerate(k.args):
+                if isinstance(a, BufferRef):
+                    self.slots[s] = arg_ptrs[a.index] if a.kind == "arg" else temp_ptrs[a.index]
+                else:
+                    raw = _pack_scalar(a.ctype, a.value)
+                    ctypes.memmove(base + 8 * s, raw, len(raw))
+                arr[j] = base + 8 * s
+                s += 1
+            self.arrays.append(arr)
+            self.argv.append(ctypes.addressof(arr))
+
+    def param(self, launch: int, arg: int) -> bytes:
+        """The 8 bytes launch `launch`'s argument `arg` points at (for tests)."""
+        addr = ctypes.cast(self.arrays[launch], ctypes.POINTER(ctypes.c_void_p))[arg]
+        return ctypes.string_at(addr, 8)
+
+
+@dataclass
+class _Entry:
+    table: ArgTable
+    hits: int = 0
+    graph: Any = None  # (CUgraph, CUgraphExec) once captured
+
+
+@dataclass
+class _Context:
+    """What one CUDA context (device) needs: the loaded functions, per-stream workspaces and
+    the argument tables by pointer set."""
+
+    funcs: list[Any]  # CUfunction per launch, in launch order
+    module: Any
+    workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # stream handle -> buffer
+    tables: OrderedDict = field(default_factory=OrderedDict)  # pointer tuple -> _Entry
+    streams: dict[int, Any] = field(default_factory=dict)  # stream handle -> CUstream
+
+
 class CudaExecutable:
     """Replays the program's launches. One instance may serve several devices/contexts."""
 
@@ -91,82 +174,175 @@ class CudaExecutable:
         self.program = program
         self.signature = signature
         self.n_inputs = len(signature.inputs)
-        self._modules: dict[int, dict[str, Any]] = {}  # context handle -> kernel name -> CUfunction
+        self._expect = [(torch.Size(a.shape), a.itemsize) for a in program.args]
+        self._launches = [(k.grid, k.block, k.shared_mem) for k in program.launches]
+        self._contexts: dict[int, _Context] = {}  # CUcontext handle -> state
+        self._ready = threading.local()  # per thread: device index -> _Context
         self._lock = threading.Lock()
         self._ptx = program.ptx.encode() + b"\0"
+        self.use_graphs = USE_GRAPHS
+        # calls launched kernel by kernel / as one graph; argument tables and graphs built
+        self.stats = {"direct_calls": 0, "graph_calls": 0, "tables_built": 0, "graphs_built": 0}
 
-    def _functions(self, device: torch.device) -> dict[str, Any]:
+    # -- per context ----------------------------------------------------------------------------
+
+    def _context(self, device: torch.device) -> _Context:
+        ready = getattr(self._ready, "by_device", None)
+        if ready is None:
+            ready = self._ready.by_device = {}
+        ctx_state = ready.get(device.index)
+        if ctx_state is not None:
+            return ctx_state
+        # First call on this thread for this device: make sure a context is current (torch
+        # uses the primary context), load the module once per context.
         ctx = _check(_driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(ctx) == 0:  # this thread made no runtime call yet: use torch's primary context
+        if int(ctx) == 0:
             dev = _check(_driver.cuDeviceGet(device.index), "cuDeviceGet")
             ctx = _check(_driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
             _check(_driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        key = int(ctx)
         with self._lock:
-            funcs = self._modules.get(key)
-            if funcs is None:
+            ctx_state = self._contexts.get(int(ctx))
+            if ctx_state is None:
                 module = _check(_driver.cuModuleLoadData(self._ptx), "cuModuleLoadData (PTX JIT)")
-                funcs = {}
+                by_name: dict[str, Any] = {}
                 for k in self.program.launches:
-                    if k.kernel not in funcs:
-                        funcs[k.kernel] = _check(_driver.cuModuleGetFunction(module, k.kernel.encode()),
-                                                 f"cuModuleGetFunction({k.kernel})")
-                funcs["__module__"] = module
-                self._modules[key] = funcs
-        return funcs
+                    if k.kernel not in by_name:
+                        by_name[k.kernel] = _check(_driver.cuModuleGetFunction(module, k.kernel.encode()),
+                                                   f"cuModuleGetFunction({k.kernel})")
+                ctx_state = _Context([by_name[k.kernel] for k in self.program.launches], module)
+                self._contexts[int(ctx)] = ctx_state
+        ready[device.index] = ctx_state
+        return ctx_state
+
+    # -- per call -------------------------------------------------------------------------------
 
     def run(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
-        ins = [_as_tensor(x) for x in inputs]
-        outs = [_as_tensor(x) for x in outputs]
-        tensors = ins + outs
+        tensors = [x if isinstance(x, torch.Tensor) else _as_tensor(x) for x in (*inputs, *outputs)]
         if len(tensors) != len(self.program.args):
             raise ValueError(f"expected {self.n_inputs} inputs and "
                              f"{len(self.program.args) - self.n_inputs} outputs")
         if not self.program.launches:
             return  # nothing to compute (all outputs empty)
-        device = next((t.device for t in tensors if t.device.type == "cuda"),
-                      torch.device("cuda", torch.cuda.current_device()))
-        bufs: list[torch.Tensor] = []
+        device = None
+        for t in tensors:
+            if t.is_cuda:
+                device = t.device
+                break
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, (t, spec) in enumerate(zip(tensors, self.program.args)):
+        ptrs = []
+        for i, t in enumerate(tensors):
+            shape, itemsize = self._expect[i]
             if t.device != device:
                 raise ValueError(f"buffer {i} is on {t.device}, expected {device}")
-            if tuple(t.shape) != spec.shape or t.element_size() != spec.itemsize:
+            if t.shape != shape or t.element_size() != itemsize:
+                spec = self.program.args[i]
                 raise ValueError(f"buffer {i}: got {t.dtype}{list(t.shape)}, compiled for {spec.elem}{list(spec.shape)}")
             if not t.is_contiguous():
                 c = t.contiguous()
                 if i >= self.n_inputs:
                     copy_back.append((t, c))
                 t = c
-            bufs.append(t)
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device)
-            funcs = self._functions(device)
-            plan = self.program.plan
-            ws = (torch.empty(plan.workspace_size, dtype=torch.uint8, device=device)
-                  if plan.workspace_size else None)
-            arg_ptrs = [b.data_ptr() for b in bufs]
-            temp_ptrs = [ws.data_ptr() + plan.offsets[t.name] for t in self.program.temps] if ws is not None else []
-            handle = _driver.CUstream(stream.cuda_stream)
-            for k in self.program.launches:
-                self._launch(funcs[k.kernel], k, arg_ptrs, temp_ptrs, handle)
-                if SYNC_AFTER_LAUNCH:  # debugging: pin asynchronous faults on their kernel
-                    _check(_driver.cuStreamSynchronize(handle), f"kernel {k.kernel}")
+                tensors[i] = c  # keep it alive until the launches are issued
+            ptrs.append(t.data_ptr())
+        if device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                self._launch_all(device, ptrs)
+        else:
+            self._launch_all(device, ptrs)
         for dst, src in copy_back:
             dst.copy_(src)
 
+    def _launch_all(self, device: torch.device, ptrs: list[int]) -> None:
+        state = self._context(device)
+        handle = torch.cuda.current_stream(device).cuda_stream
+        stream = state.streams.get(handle)
+        if stream is None:
+            stream = state.streams[handle] = _driver.CUstream(handle)
+        ws_ptr = 0
+        size = self.program.plan.workspace_size
+        if size:
+            ws = state.workspaces.get(handle)
+            if ws is None:  # allocated on this stream; later calls on it reuse it in order
+                ws = state.workspaces[handle] = torch.empty(size, dtype=torch.uint8, device=device)
+            ws_ptr = ws.data_ptr()
+        key = (*ptrs, ws_ptr)
+        entry = state.tables.get(key)
+        if entry is None:
+            offsets = self.program.plan.offsets
+            table = ArgTable(self.program.launches, ptrs,
+                             [ws_ptr + offsets[t.name] for t in self.program.temps])
+            entry = state.tables[key] = _Entry(table)
+            self.stats["tables_built"] += 1
+            if len(state.tables) > CACHE_ENTRIES:
+                _, old = state.tables.popitem(last=False)
+                self._drop_graph(old)
+        else:
+            state.tables.move_to_end(key)
+        entry.hits += 1
+        if self.use_graphs and not SYNC_AFTER_LAUNCH:
+            if entry.graph is None and entry.hits == GRAPH_AFTER:
+                self._capture(state, entry)
+            if entry.graph is not None:
+                _check(_driver.cuGraphLaunch(entry.graph[1], stream), "cuGraphLaunch")
+                self.stats["graph_calls"] += 1
+                return
+        self._launch(state, entry.table, stream)
+        self.stats["direct_calls"] += 1
+
+    def _launch(self, state: _Context, table: ArgTable, stream: Any) -> None:
+        launch = _driver.cuLaunchKernel
+        ok = _driver.CUresult.CUDA_SUCCESS
+        for i, (f, (grid, block, smem), argv) in enumerate(zip(state.funcs, self._launches, table.argv)):
+            err = launch(f, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                         argv, 0)[0]
+            if err != ok:
+                k = self.program.launches[i]
+                raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): "
+                                f"{_error_text(err)}")
+            if SYNC_AFTER_LAUNCH:  # debugging: pin asynchronous faults on their kernel
+                _check(_driver.cuStreamSynchronize(stream), f"kernel {self.program.launches[i].kernel}")
+
+    def _capture(self, state: _Context, entry: _Entry) -> None:
+        """Record the launch sequence for this pointer set as a CUDA graph (captured on a
+        private stream: nothing runs while capturing)."""
+        side = None
+        graph = None
+        try:
+            side = _check(_driver.cuStreamCreate(_driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                          "cuStreamCreate")
+            _check(_driver.cuStreamBeginCapture(
+                side, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "cuStreamBeginCapture")
+            try:
+                self._launch(state, entry.table, side)
+            finally:
+                graph = _check(_driver.cuStreamEndCapture(side), "cuStreamEndCapture")
+            exe = _check(_driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            entry.graph = (graph, exe)
+            self.stats["graphs_built"] += 1
+        except (CudaError, RuntimeError, TypeError) as e:
+            log.warning("cuda: CUDA graph capture failed (%s); launching kernels one by one", e)
+            self.use_graphs = False
+            if graph is not None:
+                _driver.cuGraphDestroy(graph)
+        finally:
+            if side is not None:
+                _check(_driver.cuStreamDestroy(side), "cuStreamDestroy")
+
     @staticmethod
-    def _launch(func: Any, k: KernelLaunch, arg_ptrs: list[int], temp_ptrs: list[int], stream: Any) -> None:
-        # kernelParams is a void** array; each entry points at the argument's bytes.
-        storage = []
-        for a in k.args:
-            if isinstance(a, BufferRef):
-                ptr = arg_ptrs[a.index] if a.kind == "arg" else temp_ptrs[a.index]
-                storage.append(ctypes.c_uint64(ptr))
-            else:
-                raw = _pack_scalar(a.ctype, a.value)
-                storage.append(ctypes.create_string_buffer(raw, len(raw)))
-        argv = (ctypes.c_void_p * max(1, len(storage)))(*[ctypes.addressof(s) for s in storage])
-        _check(_driver.cuLaunchKernel(func, *k.grid, *k.block, k.shared_mem, stream,
-                                      ctypes.addressof(argv), 0),
-               f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block})")
+    def _drop_graph(entry: _Entry) -> None:
+        if entry.graph is not None and _driver is not None:
+            graph, exe = entry.graph
+            entry.graph = None
+            _driver.cuGraphExecDestroy(exe)
+            _driver.cuGraphDestroy(graph)
+
+    def __del__(self) -> None:
+        try:
+            for state in self._contexts.values():
+                for entry in state.tables.values():
+                    self._drop_graph(entry)
+        except Exception:  # noqa: BLE001, S110  # pragma: no cover - interpreter shutdown
+            pass
