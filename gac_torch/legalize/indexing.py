@@ -18,6 +18,7 @@ from gac_torch.legalize.registry import aten, lower
 
 
 def _no_masks(node) -> str | None:
+    """boolean-mask indices (data-dependent shape)"""
     for i in node.args[1]:
         if i is not None and meta_val(i).dtype in (torch.bool, torch.uint8):
             return "boolean mask index (data-dependent shape)"

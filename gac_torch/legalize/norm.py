@@ -126,6 +126,7 @@ def _mutates_stats(training_pos: int, stats_pos: int):
     """The non-functional overloads update running stats in place when training: a functional
     graph never contains those (functionalization rewrites them), so refuse them."""
     def check(node) -> str | None:
+        """running statistics updated in place (training)"""
         training = node.args[training_pos] if len(node.args) > training_pos else False
         if training and node.args[stats_pos] is not None:
             return "batch norm updating running statistics in place"

@@ -80,6 +80,7 @@ def lower_signbit(cx: Cx, x):
 
 
 def float_result(node) -> str | None:
+    """integer results"""
     return None if meta_val(node).dtype.is_floating_point else "integer result"
 
 
@@ -176,6 +177,7 @@ def lower_lerp(cx: Cx, start, end, weight):
 
 
 def _same_device(node) -> str | None:
+    """device transfers"""
     src, out = meta_val(node.args[0]), meta_val(node)
     return None if src.device == out.device else "device transfer"
 
@@ -257,6 +259,7 @@ def lower_fmax(cx: Cx, a, b):
 
 
 def _deterministic_dropout(node) -> str | None:
+    """random masks (training with 0 < p < 1)"""
     p, train = node.args[1], node.args[2]
     return None if not train or p in (0, 0.0, 1, 1.0) else "random dropout mask (training)"
 

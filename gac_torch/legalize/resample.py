@@ -66,6 +66,7 @@ def _pick(cx: Cx, x, table: torch.Tensor, dim: int):
 
 
 def _nonempty(node) -> str | None:
+    """empty tensors"""
     return "empty tensor" if meta_val(node.args[0]).numel() == 0 or meta_val(node).numel() == 0 else None
 
 
@@ -112,6 +113,7 @@ def lower_upsample_bilinear2d(cx: Cx, x, output_size, align_corners, *rest):
 # grid_sampler_2d ---------------------------------------------------------------------------
 
 def _grid_check(node) -> str | None:
+    """bicubic mode; empty tensors"""
     mode = node.args[2]
     if mode not in (0, 1):
         return "bicubic grid sampling"

@@ -47,6 +47,7 @@ def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1, out_shape=None):
 
 
 def _conv_check(node) -> str | None:
+    """3-d convolution; empty tensors"""
     x = meta_val(node.args[0])
     if x.dim() not in (3, 4):
         return f"{x.dim() - 2}-d convolution"

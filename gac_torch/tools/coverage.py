@@ -102,7 +102,8 @@ def render() -> str:
         f"- {len(decomposed)} ops decomposed by torch into lowered ops, {len(fallen)} ops always "
         "run in eager (with a reason)",
         "- dtype columns: the dtypes a lowering takes (checked on the node's first tensor input); "
-        "a lowering may still refuse particular arguments (last column), which then run in eager",
+        "a lowering may still refuse particular arguments (last column), which then run in eager; every "
+        "op also runs in eager on zero-size tensors, dynamic shapes and dtypes gac lacks (uint8, complex)",
         "- target columns: every lowered op goes through the shared gac -> linalg lowering; the "
         "OpInfo parity suite (`tests/test_opinfo.py`) checks cpu in CI and cuda on a GPU machine",
         "",
