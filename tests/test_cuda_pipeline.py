@@ -840,6 +840,9 @@ def test_mma_instructions_in_ptx(name: str, kind: str) -> None:
         assert mma == {_MMA_PTX[kind]}, mma
         if kind == "tf32":
             assert "cvt.rna.tf32.f32" in program.ptx
+        # 16-byte shared-memory stores need 16-byte aligned buffers
+        shared = [line for line in program.ptx.splitlines() if ".shared" in line and "__wg_" in line]
+        assert shared and all(".align 16" in line for line in shared), shared
         if _PTXAS is not None:
             result = ptxas.assemble(program.ptx, arch, _PTXAS)
             assert result.ok and " 0 bytes spill stores" in result.log, result.log
@@ -1256,6 +1259,29 @@ def test_gpu_dlpack_noncontiguous_and_stream() -> None:
     stream.synchronize()
     ref = torch.tanh(a * b[None, :] + c[:, None]) * 0.5
     torch.testing.assert_close(out_t, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_gpu_misaligned_buffers_are_staged() -> None:
+    # Views whose data pointer is not 16-byte aligned (the tensor-core kernel loads 16-byte
+    # vectors from buffer bases): inputs are copied, outputs written back.
+    from gac_torch.backends.cuda.runtime import CudaExecutable
+
+    TARGET.check_available()
+    case = CASES["matmul_96x64x80_f16"]
+    exe = CudaExecutable(_compile(case, compile_options({}).arch), case.signature())
+    a, b = _inputs(case, torch.Generator().manual_seed(5))
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:]
+        flat.copy_(t.flatten().cuda())
+        return flat.view(t.shape)
+
+    out = shifted(torch.full((96, 80), float("nan"), dtype=torch.float16))
+    assert out.data_ptr() % 16 and shifted(a).data_ptr() % 16
+    exe.run([shifted(a), shifted(b)], [out])
+    torch.cuda.synchronize()
+    _check("misaligned", out, a.double() @ b.double(), None)
 
 
 @pytest.mark.cuda

@@ -297,6 +297,7 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             return GpuStage(module, stage.program, opts)
         for f in _kernel_funcs(module).values():
             _store_i1_as_bytes(f)
+            _align_workgroup_buffers(f)
         mapping.run_passes(
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
@@ -306,6 +307,20 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
     return GpuStage(module, stage.program, opts)
+
+
+SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores
+
+
+def _align_workgroup_buffers(kernel: ir.Operation) -> None:
+    """Static shared-memory buffers are otherwise aligned only to their element type."""
+    if "workgroup_attributions" not in kernel.attributes:
+        return
+    n = ir.IntegerAttr(kernel.attributes["workgroup_attributions"]).value
+    if n:
+        align = ir.DictAttr.get({"llvm.align": ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
+                                                                   SHARED_ALIGN)})
+        kernel.attributes["workgroup_attrib_attrs"] = ir.ArrayAttr.get([align] * n)
 
 
 def _store_i1_as_bytes(kernel: ir.Operation) -> None:

@@ -62,6 +62,7 @@ SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
 # GAC_CUDA_GRAPHS=1: replay repeated calls as CUDA graphs (see the module docstring).
 USE_GRAPHS = os.environ.get("GAC_CUDA_GRAPHS", "0") not in ("", "0")
 GRAPH_AFTER = 2  # calls with one pointer set before it is captured
+BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
 CACHE_ENTRIES = 16  # pointer sets remembered per executable
 
 
@@ -239,13 +240,17 @@ class CudaExecutable:
             if t.shape != shape or t.element_size() != itemsize:
                 spec = self.program.args[i]
                 raise ValueError(f"buffer {i}: got {t.dtype}{list(t.shape)}, compiled for {spec.elem}{list(spec.shape)}")
-            if not t.is_contiguous():
-                c = t.contiguous()
+            ptr = t.data_ptr()
+            if ptr % BUFFER_ALIGN or not t.is_contiguous():
+                # kernels load 16-byte vectors from buffer bases (a view's offset can break that)
+                c = torch.empty(t.shape, dtype=t.dtype, device=device)
                 if i >= self.n_inputs:
                     copy_back.append((t, c))
-                t = c
+                else:
+                    c.copy_(t)
                 tensors[i] = c  # keep it alive until the launches are issued
-            ptrs.append(t.data_ptr())
+                ptr = c.data_ptr()
+            ptrs.append(ptr)
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 self._launch_all(device, ptrs)
