@@ -5,12 +5,20 @@ Order of work (all in one MLIR module, in place):
 1. Tensor level: elementwise named ops (add, exp, transpose, broadcast, ...) are generalized and
    fused into their consumers (`linalg-fuse-elementwise-ops`); matmul/conv/pooling stay named so
    no producer is fused (and recomputed) into them.
-2. One-shot bufferization. The ABI's `to_tensor restrict` / `materialize_in_destination restrict
-   writable` let results be written straight into the output buffers; intermediates become
-   `memref.alloc`. Copies into an output from a buffer that dies right after are elided
-   (the producer writes the output directly). Remaining copies become `linalg.copy`, then every
-   named op is generalized, so each op left is one `linalg.generic` on memrefs = one kernel.
+2. Bufferization (`bufferize`). Fills are un-shared (CSE merges the zero inits of several
+   reductions/matmuls; each consumer gets its own fill right before it). The ABI's
+   `materialize_in_destination ... restrict writable %out` (memref destination, a write One-Shot
+   Analysis cannot see) is rewritten to the tensor form on `to_tensor %out restrict writable`, so
+   `eliminate-empty-tensors` + one-shot-bufferize write results straight into the output
+   buffers only where that is safe; intermediates become `memref.alloc`. Copies into an output
+   from a buffer that dies right after are elided (the producer writes the output directly).
+   Remaining copies become `linalg.copy`, then every named op is generalized, so each op left is
+   one `linalg.generic` on memrefs = one kernel. (pipeline.py checks the resulting launch list's
+   dataflow: a lost or clobbered value fails the compile.)
 3. Each generic picks a strategy (the kernel name records it):
+   - `mma`: a matmul-like contraction (below) on f16/bf16 operands, or f32 ones when TF32 is
+     allowed, on sm_80+: tensor cores with mma.sync (gac_torch/kernels/cuda_mma.py), f32
+     accumulators.
    - `matmul`: a contraction with one M, one N, one K dim (+ batch dims) whose body is
      `out + cast(a) * cast(b)`: a 16x16-thread block computes a (16*TM)x(16*TN) tile (TM, TN up
      to 8 when the grid still has ~2 waves), K is staged through shared memory 16 deep, each
