@@ -57,7 +57,10 @@ fallback("data-dependent output shape", aten.nonzero.default, aten.masked_select
          aten.unique_consecutive.default, aten._unique2.default)
 fallback("reads a tensor value on the host (data-dependent control flow)", aten._local_scalar_dense.default)
 fallback("symbolic shape query (dynamic shapes)", aten.sym_size.int, aten.sym_stride.int,
-         aten.sym_numel.default, aten.sym_storage_offset.default)
+         aten.sym_numel.default, aten.sym_storage_offset.default,
+         # newer torch only
+         *[p.default for p in (getattr(aten, "sym_is_contiguous", None),) if p is not None])
+fallback("in-place resize: functional graphs never contain it", aten.resize_.default)
 fallback("complex numbers (FFT)", aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default)
 fallback("backward op: training graphs run it in eager",
          aten.convolution_backward.default, aten.embedding_dense_backward.default,

@@ -30,16 +30,18 @@ def _base(ov: OpOverload) -> str:
 
 
 def core_aten_ops() -> list[OpOverload]:
-    """Every overload torch tags `core` (the core ATen opset), sorted by name."""
+    """Every overload torch tags `core` (the core ATen opset), sorted by name. Ops are listed from
+    the dispatcher: `dir(torch.ops.aten)` only shows packets some code has touched already."""
     found = []
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        if not hasattr(packet, "overloads"):
+    for full in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = full.partition("::")
+        if namespace != "aten":
             continue
-        for ov_name in packet.overloads():
-            ov = getattr(packet, ov_name, None)
-            if isinstance(ov, OpOverload) and torch.Tag.core in ov.tags:
-                found.append(ov)
+        name, _, overload = rest.partition(".")
+        packet = getattr(torch.ops.aten, name, None)
+        ov = getattr(packet, overload or "default", None) if packet is not None else None
+        if isinstance(ov, OpOverload) and torch.Tag.core in ov.tags:
+            found.append(ov)
     return sorted(set(found), key=str)
 
 
