@@ -29,6 +29,7 @@ from parity import check_op
 from test_vortex_target import CASES, _models
 
 MODES = ("functional", "simx")
+os.environ.setdefault("GAC_VORTEX_SIMX_TIMEOUT", "120")   # a lost SimX launch: rerun (runtime.py)
 
 
 def _run_case(name: str, inputs: list) -> dict:
@@ -93,6 +94,8 @@ def main() -> None:
         f"* passed: SimX {passed['simx']}/{len(rows)}, functional {passed['functional']}/{len(rows)}",
         f"* identical warp-instruction counts on both simulators: {same}/{len(rows)}",
         f"* divergent branches (functional): {sum(r['functional'].get('divergent_branches') or 0 for r in rows)}",
+        f"* SimX restarts after a launch SimX never reported finished (rerun, see runtime.py): "
+        f"{sum(r['simx'].get('simx_restarts') or 0 for r in rows)}",
         f"* SimX totals: {total_i} warp instructions, {total_c} cycles "
         f"(IPC {total_i / max(total_c, 1):.2f})", "",
         "| case | ok (SimX / func.) | launches | warp instructions | SimX cycles | IPC | SimX wall s |",

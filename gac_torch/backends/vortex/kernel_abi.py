@@ -62,15 +62,14 @@ def kernels_to_funcs(module: ir.Module) -> tuple[ir.Module, list[KernelAbi]]:
                     abis.append(_convert(op.operation, out, helpers))
                 else:                                   # memref.global constants
                     out.body.append(op.operation)
+        # declarations only: the toolchain substitutes each helper's inline-asm definition
         with ir.InsertionPoint.at_block_begin(out.body):
-            i32, ptr = ir.IntegerType.get_signless(32), ir.Type.parse("!llvm.ptr")
+            types = {"i32": ir.IntegerType.get_signless(32), "ptr": ir.Type.parse("!llvm.ptr")}
             for name in sorted(helpers):
                 h = vt.HELPERS[name]
-                types = {"i32": i32, "ptr": ptr}
                 res = [] if h.ret == "void" else [types[h.ret]]
-                f = func.FuncOp(name, ir.FunctionType.get([types[p] for p in h.params], res),
-                                visibility="private")
-                del f  # a declaration: the toolchain substitutes the inline-asm definition
+                func.FuncOp(name, ir.FunctionType.get([types[p] for p in h.params], res),
+                            visibility="private")
     return out, abis
 
 

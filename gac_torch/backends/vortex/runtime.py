@@ -3,13 +3,15 @@
 Per call: inputs are copied to device buffers, the kernels are launched in order (grid, block,
 lmem_size from the program), outputs are copied back into the torch tensors. Device buffers
 (one per argument plus one workspace laid out by the static memory plan) are allocated once per
-executable. One device per (mode, VORTEX_HOME) is shared by every executable of the process;
+executable and kept (releasing them on SimX made later launches hang here). One device per
+(mode, VORTEX_HOME) is shared by every executable of the process;
 only one module is resident at a time (every image links at 0x80000000), so an executable
 reloads its .vxbin when another one ran in between.
 
 Counters of the last call: `executable.last_counters` (also `vortex.last_counters(compiled)`):
 summed `instructions` (warp instructions), `cycles` (SimX; None on the functional simulator),
-`divergent_branches` (functional: must be 0), and `kernels`, one entry per launch.
+`divergent_branches` (functional: must be 0), `simx_restarts` (see SIMX_RETRIES) and
+`kernels`, one entry per launch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gac_torch.backends.vortex.bridge import (
     DeviceBuffer,
     FunctionalDevice,
     SimxDevice,
+    SimxError,
     VortexDevice,
     VortexNotFound,
     find_vortex,
@@ -37,6 +40,11 @@ from gac_torch.backends.vortex.target import pack_args
 MODES = ("simx", "functional")
 _DEVICES: dict[tuple[str, str], VortexDevice] = {}
 _RESIDENT: dict[int, int] = {}          # id(device) -> id(executable) whose module is loaded
+# SimX (the build here) now and then never reports a launch as finished — at random, about once
+# per 100-200 launches issued after an idle gap; the simulated kernel had completed. A launch
+# that exceeds the timeout kills the worker; the call is then rerun on a fresh SimX.
+SIMX_TIMEOUT_ENV = "GAC_VORTEX_SIMX_TIMEOUT"   # seconds per device request; default 300
+SIMX_RETRIES = 2
 _SUMMED = ("instructions", "thread_instructions", "divergent_branches", "divergent_splits",
            "barriers", "ctas")
 
@@ -60,11 +68,22 @@ def device(mode: str, vortex_home: str | None) -> VortexDevice:
             except VortexNotFound as e:
                 raise TargetUnavailable(f"vortex_mode='simx': {e}; or pass "
                                         "options={'vortex_mode': 'functional'}") from e
-            dev = SimxDevice(vortex_home)
+            dev = SimxDevice(vortex_home, timeout=float(os.environ.get(SIMX_TIMEOUT_ENV, "300")))
         else:
             dev = FunctionalDevice()
         _DEVICES[key] = dev
     return dev
+
+
+def _drop_device(dev: VortexDevice) -> None:
+    for key, d in list(_DEVICES.items()):
+        if d is dev:
+            del _DEVICES[key]
+    _RESIDENT.pop(id(dev), None)
+    try:
+        dev.close()
+    except (SimxError, OSError):
+        pass
 
 
 @atexit.register
@@ -81,7 +100,7 @@ class VortexExecutable:
         for i, (s, a) in enumerate(zip(specs, program.args)):
             if tuple(s.shape) != a.shape or s.dtype.itemsize != a.itemsize:
                 raise ValueError(f"buffer {i}: signature {s} does not match compiled {a.elem}{list(a.shape)}")
-        self.program, self.signature, self.mode = program, signature, mode
+        self.program, self.signature, self.mode, self.vortex_home = program, signature, mode, vortex_home
         self.device = device(mode, vortex_home)
         cfg = self.device.config
         for k in program.launches:
@@ -95,15 +114,10 @@ class VortexExecutable:
         self._bufs: list[DeviceBuffer] = []
         self._workspace: DeviceBuffer | None = None
 
-    def __del__(self) -> None:
-        try:                       # give SimX its memory back (a no-op on the functional device)
-            for buf in [*self._bufs, *([self._workspace] if self._workspace else [])]:
-                self.device.free(buf)
-        except Exception:  # noqa: BLE001 (the device may be closed already at exit)
-            pass
-
     def _prepare(self) -> None:
-        dev = self.device
+        dev = device(self.mode, self.vortex_home)
+        if dev is not self.device:                  # the previous SimX was restarted
+            self.device, self._bufs, self._workspace, self._module = dev, [], None, None
         if not self._bufs:
             self._bufs = [dev.alloc(max(4, a.itemsize * _numel(a.shape))) for a in self.program.args]
             size = self.program.plan.workspace_size
@@ -113,10 +127,20 @@ class VortexExecutable:
             _RESIDENT[id(dev)] = id(self)
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        prog = self.program
-        if not prog.launches:
+        if not self.program.launches:
             self.last_counters = _total([])
             return
+        for attempt in range(SIMX_RETRIES + 1):
+            try:
+                self.last_counters = dict(self._run_once(inputs, outputs), simx_restarts=attempt)
+                return
+            except SimxError:
+                if self.mode != "simx" or attempt == SIMX_RETRIES:
+                    raise
+                _drop_device(self.device)
+
+    def _run_once(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> dict[str, Any]:
+        prog = self.program
         self._prepare()
         dev, n_in = self.device, len(inputs)
         for t, buf in zip(inputs, self._bufs):
@@ -134,7 +158,7 @@ class VortexExecutable:
         for t, buf in zip(outputs, self._bufs[n_in:]):
             data = dev.read(buf, t.numel() * t.element_size())
             t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
-        self.last_counters = _total(per_launch)
+        return _total(per_launch)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -167,4 +191,5 @@ def last_counters(compiled: Any) -> dict[str, Any]:
            if getattr(g.executable, "last_counters", None) is not None]
     if not per:
         raise ValueError("no vortex partition of this program has run yet")
-    return _total([k for c in per for k in c["kernels"]])
+    return dict(_total([k for c in per for k in c["kernels"]]),
+                simx_restarts=sum(c.get("simx_restarts", 0) for c in per))
