@@ -854,18 +854,23 @@ def test_mma_instructions_in_ptx(name: str, kind: str) -> None:
         assert "mma.sync" not in program.ptx and {k.strategy for k in program.launches} == {"matmul"}
 
 
-def test_allow_tf32_follows_torch_at_compile_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    torch.set_float32_matmul_precision("highest")
-    assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is False
+def test_allow_tf32_follows_torch_at_compile_time() -> None:
+    # Saved and restored by hand: the flag is a property of a module object (no instance
+    # attribute), which some pytest versions' monkeypatch cannot undo.
+    saved_flag, saved_precision = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
     try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is False
         torch.set_float32_matmul_precision("high")
         assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is True
         assert compile_options({"arch": "sm_90", "allow_tf32": False}).limits.allow_tf32 is False
-    finally:
         torch.set_float32_matmul_precision("highest")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_flag
+        torch.set_float32_matmul_precision(saved_precision)
     assert compile_options({"arch": "sm_75"}).limits.mma is False
     assert compile_options({"arch": "sm_80"}).limits.mma is True
 
