@@ -116,11 +116,7 @@ def map_to_gpu(module: ir.Module, limits: VortexLimits) -> None:
     fn = cm.main_func(module)
     cm._generalize_elementwise_named_ops(module, fn)
     cm.run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
-    if hasattr(cm, "bufferize"):   # the cuda mapping's bufferization step, once it has one
-        cm.bufferize(module, fn)
-    else:
-        cm.run_passes(module, "eliminate-empty-tensors, one-shot-bufferize, canonicalize, cse")
-        cm._elide_copies_into_outputs(fn)
+    cm.bufferize(module, fn)
     cm._copies_to_linalg(fn)
     cm.run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
 
