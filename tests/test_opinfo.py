@@ -80,9 +80,16 @@ EXPECTED: list[Expect] = [
     Expect("nn.functional.avg_pool1d", "skip", "integer average pooling is not lowered", dtypes=(I64,)),
     Expect("nn.functional.avg_pool2d", "skip", "integer average pooling is not lowered", dtypes=(I64,)),
     Expect("nn.functional.local_response_norm", "skip", "integer average pooling is not lowered", dtypes=(I64,)),
-    Expect("addbmm", "xfail", "f16: the product is rounded to f16 before the bias is added (gac.matmul "
-           "returns the storage type), 2 ulps from eager on one element", match="1/50 elements off",
-           dtypes=(F16,)),
+    Expect("_native_batch_norm_legit", "xfail", "training=False with f16/bf16 running stats: the op "
+           "falls back (it returns empty statistics) and eager gives the new running stats in the "
+           "input dtype where its meta kernel says f32; the compiled consumer's input check refuses",
+           match="expected dtype torch.float32", dtypes=(F16, BF16)),
+    Expect("nn.functional.dropout", "xfail", "training-mode dropout draws a random mask (it runs in eager, "
+           "but two draws differ)", match="random dropout mask (training)"),
+    *[Expect(n, "xfail", "torch's decomposition (compiled by gac) rounds differently from its own eager "
+             "kernel; gac equals the decomposed graph run in eager",
+             match="as torch's decomposition gives", dtypes=(F16, BF16, I32, I64))
+      for n in ("linspace", "linspace.tensor_overload", "logspace", "logspace.tensor_overload")],
 ]
 
 

@@ -35,7 +35,7 @@ def _attention(cx: Cx, q, k, v, bias, is_causal: bool, scale):
         kt = cx.b.broadcast(kt, shape=qs[:-2] + [ks[-1], ks[-2]])
         v = cx.b.broadcast(v, shape=qs[:-2] + cx.shape(v)[-2:])
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else scale
-    scores = cx.b.binary(cx.b.matmul(q, kt), cx.to(float(scale), dt), kind="mul")
+    scores = cx.b.binary(cx.matmul(q, kt), cx.to(float(scale), dt), kind="mul")
     length, source = qs[-2], ks[-2]
     if is_causal:
         rows = cx.b.iota([length, source], 0, torch.int64)
@@ -48,7 +48,7 @@ def _attention(cx: Cx, q, k, v, bias, is_causal: bool, scale):
         else:
             scores = cx.b.binary(scores, cx.to(bias, dt), kind="add")
     probs = cx.b.softmax(scores, dim=rank - 1, log=0)
-    return cx.b.matmul(probs, v)
+    return cx.matmul(probs, v)
 
 
 @lower(aten._scaled_dot_product_efficient_attention.default, check=_inference_only(5))

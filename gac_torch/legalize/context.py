@@ -117,6 +117,19 @@ class Cx:
     def shape(self, v: ir.Value) -> list[int]:
         return list(shape_of(v))
 
+    def matmul(self, a: ir.Value, b: ir.Value, wide: bool = False) -> ir.Value:
+        """gac.matmul of (..., M, K) and (..., K, N); `wide` keeps an f16/bf16 product as its f32
+        accumulator (so an epilogue rounds once, like ATen's addmm)."""
+        dt = self.dtype_of(a)
+        out = torch.float32 if wide and dt in (torch.float16, torch.bfloat16) else dt
+        shape = self.shape(a)[:-1] + self.shape(b)[-1:]
+        return self.b.matmul(a, b, result_type=tensor_type(shape, out))
+
+    @staticmethod
+    def compute_dtype(dt: torch.dtype) -> torch.dtype:
+        """Where multi-step math on dt runs: f32 for f16/bf16 (ATen's opmath type)."""
+        return torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+
 
 def build_module(gm: fx.GraphModule, ctx: ir.Context) -> ir.Module:
     """Legalizes every node of gm (all must be supported) into `func.func @main`."""

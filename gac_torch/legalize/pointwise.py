@@ -170,10 +170,15 @@ def lower_clamp(cx: Cx, x, lo=None, hi=None):
 
 @lower(aten.lerp.Scalar, aten.lerp.Tensor)
 def lower_lerp(cx: Cx, start, end, weight):
+    """ATen's form, in f32 for f16/bf16: |w| < 0.5 ? s + w * (e - s) : e - (e - s) * (1 - w)."""
     dt = cx.out_dtype
-    s, e = cx.to(start, dt), cx.to(end, dt)
-    return cx.b.binary(s, cx.b.binary(cx.to(weight, dt), cx.b.binary(e, s, kind="sub"), kind="mul"),
-                       kind="add")
+    ct = cx.compute_dtype(dt)
+    s, e, w = cx.to(start, ct), cx.to(end, ct), cx.to(weight, ct)
+    diff = cx.b.binary(e, s, kind="sub")
+    low = cx.b.binary(s, cx.b.binary(w, diff, kind="mul"), kind="add")
+    high = cx.b.binary(e, cx.b.binary(diff, cx.b.binary(cx.to(1.0, ct), w, kind="sub"), kind="mul"), kind="sub")
+    small = cx.b.binary(cx.b.unary(w, kind="abs"), cx.to(0.5, ct), kind="lt")
+    return cx.to(cx.b.select(small, low, high), dt)
 
 
 def _same_device(node) -> str | None:
@@ -216,11 +221,12 @@ def lower_leaky_relu(cx: Cx, x, negative_slope=0.01):
 def lower_elu(cx: Cx, x, alpha=1.0, scale=1.0, input_scale=1.0):
     """x > 0 ? scale * x : scale * alpha * expm1(input_scale * x)."""
     dt = cx.out_dtype
-    xv = cx.to(x, dt)
-    neg = cx.b.unary(cx.b.binary(xv, cx.to(float(input_scale), dt), kind="mul"), kind="expm1")
-    neg = cx.b.binary(neg, cx.to(float(alpha) * float(scale), dt), kind="mul")
-    pos = cx.b.binary(xv, cx.to(float(scale), dt), kind="mul")
-    return cx.b.select(cx.b.binary(xv, cx.to(0, dt), kind="gt"), pos, neg)
+    ct = cx.compute_dtype(dt)
+    xv = cx.to(x, ct)
+    neg = cx.b.unary(cx.b.binary(xv, cx.to(float(input_scale), ct), kind="mul"), kind="expm1")
+    neg = cx.b.binary(neg, cx.to(float(alpha) * float(scale), ct), kind="mul")
+    pos = cx.b.binary(xv, cx.to(float(scale), ct), kind="mul")
+    return cx.to(cx.b.select(cx.b.binary(xv, cx.to(0, ct), kind="gt"), pos, neg), dt)
 
 
 @lower(aten.fill.Scalar, aten.fill.Tensor)
@@ -239,10 +245,13 @@ def lower_copy_into(cx: Cx, dst, src, non_blocking=False):
 @lower(aten.round.decimals, dtypes=FLOATS)
 def lower_round_decimals(cx: Cx, x, *, decimals=0):
     dt = cx.out_dtype
-    scale = cx.to(10.0 ** abs(decimals), dt)
+    ct = cx.compute_dtype(dt)
+    xv, scale = cx.to(x, ct), cx.to(10.0 ** abs(decimals), ct)
     if decimals >= 0:
-        return cx.b.binary(cx.b.unary(cx.b.binary(x, scale, kind="mul"), kind="round"), scale, kind="div")
-    return cx.b.binary(cx.b.unary(cx.b.binary(x, scale, kind="div"), kind="round"), scale, kind="mul")
+        y = cx.b.binary(cx.b.unary(cx.b.binary(xv, scale, kind="mul"), kind="round"), scale, kind="div")
+    else:
+        y = cx.b.binary(cx.b.unary(cx.b.binary(xv, scale, kind="div"), kind="round"), scale, kind="mul")
+    return cx.to(y, dt)
 
 
 @lower(aten.fmax.default, aten.fmin.default)

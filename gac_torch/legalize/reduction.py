@@ -56,12 +56,13 @@ def lower_prod_dim(cx: Cx, x, dim, keepdim=False, *, dtype=None):
 @lower(aten.mean.dim, aten.mean.default)
 def lower_mean(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
     dt = cx.out_dtype
+    ct = cx.compute_dtype(dt)  # sum and divide before the one rounding to f16/bf16
     ds = _dims(cx, x, dims)
     count = 1
     for d in ds:
         count *= cx.shape(x)[d]
-    s = cx.b.reduce(cx.to(x, dt), kind="sum", dims=ds, keepdim=bool(keepdim))
-    return cx.b.binary(s, cx.to(float(count), dt), kind="div")
+    s = cx.b.reduce(cx.to(x, ct), kind="sum", dims=ds, keepdim=bool(keepdim))
+    return cx.to(cx.b.binary(s, cx.to(float(count), ct), kind="div"), dt)
 
 
 @lower(aten.var.dim, aten.std.dim)
@@ -71,7 +72,8 @@ def lower_var_dim(cx: Cx, x, dims=None, unbiased=True, keepdim=False):
 
 @lower(aten.var.correction, aten.std.correction)
 def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
-    dt = cx.out_dtype
+    out = cx.out_dtype
+    dt = cx.compute_dtype(out)
     xf = cx.to(x, dt)
     ds = _dims(cx, x, dims)
     n = 1
@@ -83,7 +85,7 @@ def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     cent = cx.b.binary(xf, mean, kind="sub")
     ss = cx.b.reduce(cx.b.binary(cent, cent, kind="mul"), kind="sum", dims=ds, keepdim=bool(keepdim))
     var = cx.b.binary(ss, cx.to(float(max(n - corr, 0)), dt), kind="div")
-    return cx.b.unary(var, kind="sqrt") if std else var
+    return cx.to(cx.b.unary(var, kind="sqrt") if std else var, out)
 
 
 @lower(aten.argmax.default, aten.argmin.default)
@@ -111,7 +113,8 @@ def lower_max_dim(cx: Cx, x, dim, keepdim=False):
 
 @lower(aten.var_mean.correction)
 def lower_var_mean(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
-    dt = meta_val(cx.node)[0].dtype
+    out = meta_val(cx.node)[0].dtype
+    dt = cx.compute_dtype(out)
     ds = _dims(cx, x, dims)
     n = 1
     for d in ds:
@@ -122,7 +125,7 @@ def lower_var_mean(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     ss = cx.b.reduce(cx.b.binary(cent, cent, kind="mul"), kind="sum", dims=ds, keepdim=bool(keepdim))
     corr = 1 if correction is None else correction
     var = cx.b.binary(ss, cx.to(float(max(n - corr, 0)), dt), kind="div")
-    return var, cx.b.reshape(mean_k, list(meta_val(cx.node)[1].shape))
+    return cx.to(var, out), cx.to(cx.b.reshape(mean_k, list(meta_val(cx.node)[1].shape)), out)
 
 
 @lower(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)

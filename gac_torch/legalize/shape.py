@@ -124,7 +124,11 @@ def lower_index_select(cx: Cx, x, dim, index):
 
 @lower(aten.gather.default)
 def lower_gather(cx: Cx, x, dim, index, *, sparse_grad=False):
-    return cx.b.gather(x, index, dim=dim % max(len(cx.shape(x)), 1))
+    if not cx.shape(x) or not cx.shape(index):  # 0-d operands: a 1-D gather on dim 0
+        flat_x = cx.b.reshape(x, [max(1, math.prod(cx.shape(x)))])
+        flat_i = cx.b.reshape(index, [math.prod(cx.shape(index))])
+        return cx.b.reshape(cx.b.gather(flat_x, flat_i, dim=0), cx.out_shape)
+    return cx.b.gather(x, index, dim=dim % len(cx.shape(x)))
 
 
 # Constructors: values that only depend on static shapes.

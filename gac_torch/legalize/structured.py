@@ -12,7 +12,7 @@ from gac_torch.legalize.registry import FLOATS, NUMERIC, aten, lower
 
 @lower(aten.mm.default, aten.bmm.default)
 def lower_mm(cx: Cx, a, b):
-    return cx.b.matmul(a, b)
+    return cx.matmul(a, b)
 
 
 @lower(aten.addmv.default)
@@ -32,18 +32,21 @@ def lower_addbmm(cx: Cx, bias, a, b, *, beta=1, alpha=1):
 
 @lower(aten.addmm.default, aten.baddbmm.default)
 def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1, out_shape=None):
+    """beta * bias + alpha * (a @ b), from the unrounded f32 product for f16/bf16 (one rounding,
+    as ATen's kernels do)."""
     dt = cx.out_dtype
-    y = cx.b.matmul(a, b)
+    ct = cx.compute_dtype(dt)
+    y = cx.matmul(a, b, wide=True)
     if out_shape is not None:
         y = cx.b.reshape(y, out_shape)
     if alpha != 1:
-        y = cx.b.binary(y, cx.to(alpha, dt), kind="mul")
-    if beta == 0:
-        return y
-    bias = cx.to(bias, dt)
-    if beta != 1:
-        bias = cx.b.binary(bias, cx.to(beta, dt), kind="mul")
-    return cx.b.binary(y, bias, kind="add")
+        y = cx.b.binary(y, cx.to(alpha, ct), kind="mul")
+    if beta != 0:
+        bias = cx.to(bias, ct)
+        if beta != 1:
+            bias = cx.b.binary(bias, cx.to(beta, ct), kind="mul")
+        y = cx.b.binary(y, bias, kind="add")
+    return cx.to(y, dt)
 
 
 def _conv_check(node) -> str | None:

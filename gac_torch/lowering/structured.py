@@ -36,7 +36,7 @@ def lower_matmul(op, operands):
     else:
         a3, b3 = reshape(a, [nb, m, k]), reshape(b, [nb, k, n])
         out = reshape(linalg.batch_matmul(a3, b3, outs=[full([nb, m, n], 0, acc)]), batch + [m, n])
-    return [_narrow(out, e)]
+    return [_narrow(out, elem(op.results[0].type))]
 
 
 @lowers("conv")

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from mlir import ir
+
 from gac_torch.ir.dialect import define
 from gac_torch.ir.ops._infer import GacTypeError, same_elem, shape_of, tensor
 
 
-def _infer_matmul(types, attrs):
+def _check_matmul(types, attrs, results):
+    """The result is (..., M, N) in the operands' element type, or f32 for f16/bf16 operands
+    (the unrounded accumulator, for epilogues that must round once)."""
     a, b = map(shape_of, types)
     elem = same_elem(types, "gac.matmul")
     if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
         raise GacTypeError(f"gac.matmul: cannot multiply {list(a)} by {list(b)} "
                            "(needs (..., M, K) x (..., K, N) with equal batch dims)")
-    return [tensor(a[:-1] + (b[-1],), elem)]
+    out = results[0]
+    if shape_of(out) != a[:-1] + (b[-1],):
+        raise GacTypeError(f"gac.matmul: result shape {list(shape_of(out))} != {list(a[:-1] + (b[-1],))}")
+    wide = str(elem) in ("f16", "bf16") and str(ir.RankedTensorType(out).element_type) == "f32"
+    if str(ir.RankedTensorType(out).element_type) != str(elem) and not wide:
+        raise GacTypeError(f"gac.matmul: result element type {ir.RankedTensorType(out).element_type} "
+                           f"for {elem} operands")
 
 
 def window_out(size, k, s, p_lo, p_hi, d, ceil_mode=False) -> int:
@@ -53,8 +63,9 @@ def _infer_pool(types, attrs):
     return [tensor(shape[: len(shape) - nsp] + tuple(spatial), types[0].element_type)]
 
 
-define("matmul", ["lhs", "rhs"], infer=_infer_matmul,
-       doc="(..., M, K) @ (..., K, N); floats accumulate in f32 or wider")
+define("matmul", ["lhs", "rhs"], check=_check_matmul,
+       doc="(..., M, K) @ (..., K, N); floats accumulate in f32 or wider; the result is in the "
+           "operand type, or the f32 accumulator itself for f16/bf16")
 define("conv", ["x", "weight"],
        attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int"},
        infer=_infer_conv, doc="N-d cross-correlation, NC<spatial> x FC<spatial>, symmetric padding")
