@@ -457,3 +457,16 @@ def test_f64_to_half_rounds_like_aten(dtype):
     x = torch.cat([torch.linspace(-7e4, 7e4, 20001, dtype=torch.float64), halfway])
     c = gac_torch.compile(Fn(lambda t: t.to(dtype)), (x,), options={"fallback": False})
     torch.testing.assert_close(c(x), x.to(dtype), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_addmm_rounds_once(dtype):
+    """bias + a @ b where the bias nearly cancels the product: rounding the product to the
+    storage type first would be off by half an ulp of the product, far more than the result's."""
+    a, b = r(6, 64, dtype=dtype, lo=0.0, hi=1.0), r(64, 5, dtype=dtype, lo=0.0, hi=1.0)
+    bias = (-(a.double() @ b.double()) + r(6, 5, dtype=torch.float64, lo=-0.01, hi=0.01)).to(dtype)
+    fn = lambda c, p, q: torch.addmm(c, p, q)  # noqa: E731
+    out = gac_torch.compile(Fn(fn), (bias, a, b), options={"fallback": False})(bias, a, b).double()
+    ref = fn(bias.double(), a.double(), b.double())
+    ulp = torch.finfo(dtype).eps * ref.abs() + torch.finfo(dtype).eps * 1e-2
+    assert bool(((out - ref).abs() <= ulp).all()), (out - ref).abs().max()
