@@ -1,17 +1,21 @@
 """Per-op parity against eager PyTorch over the OpInfo database's sample inputs.
 
-For one (OpInfo, dtype): every sample is traced like the dynamo front-end does (functionalized
-make_fx with our decomposition table), the per-sample graphs are merged into one graph (one
-compile and one JIT per case instead of one per sample), compiled by gac with eager fallback,
-run, and each sample's outputs are compared with eager. Every sample gets a status:
+For one OpInfo and some dtypes: every sample is traced as the dynamo front-end traces a graph
+(AOTAutograd's functional inference graph with our decomposition table), a few samples are
+merged into one graph (one compile and JIT for them), compiled by gac with eager fallback, run,
+and each sample's outputs are compared with eager. Every sample gets a status:
 
     pass       compiled entirely by gac and matches eager
     fallback   some of its ATen nodes run eagerly (the reasons are kept)
-    mismatch   compiled, but differs from eager beyond tolerance
+    mismatch   compiled, but differs from eager beyond tolerance (the detail says when gac
+               equals torch's decomposition run in eager: then torch's decomposition and
+               torch's kernel disagree)
     error      gac raised while compiling or running it
     skipped    eager itself rejects the sample, or it cannot be traced (data-dependent shapes)
 
-    python -m gac_torch.tools.opinfo add nn.functional.grid_sample --dtype float16
+This is the per-op blame tool: run it on one op to see which samples and dtypes fail and why.
+
+    python -m gac_torch.tools.opinfo add nn.functional.grid_sample --dtype float16 -v
 """
 
 from __future__ import annotations
