@@ -81,5 +81,6 @@ def test_builder_infers_and_rejects():
             with pytest.raises(GacTypeError, match="do not broadcast"):
                 b.binary(x, b.cast(b.reshape(h, [10]), torch.float32), kind="add")
             with pytest.raises(GacTypeError, match="cannot multiply"):
-                b.matmul(b.reshape(x, [4, 5]), b.reshape(x, [4, 5]))
+                flat = b.reshape(x, [4, 5])
+                b.matmul(flat, flat, result_type=tensor_type((4, 5), torch.float32))
             func.ReturnOp([])
