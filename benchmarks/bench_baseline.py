@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from timing import time_ms
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -50,16 +51,6 @@ def workloads():
     yield "MLP b=512", MLP().eval().cuda(), (rnd(512, 32),)
     yield "SmallCNN b=32 64x64", randomize_bn(SmallCNN()).eval().cuda(), (rnd(32, 3, 64, 64),)
     yield "TransformerEncoderLayer(64,4) 8x128", transformer_layer().eval().cuda(), (rnd(8, 128, 64),)
-
-
-def time_ms(fn, args, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:

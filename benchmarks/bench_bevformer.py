@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import time_ms
 
 import gac_torch
 from gac_torch.models.bevformer import build_bevformer, make_test_inputs
@@ -22,16 +23,6 @@ from gac_torch.models.bevformer import build_bevformer, make_test_inputs
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def time_ms(fn, args, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def run(config: str, rounds: int, iters: int, inductor: bool) -> dict:
