@@ -84,6 +84,8 @@ EXPECTED: list[Expect] = [
            "falls back (it returns empty statistics) and eager gives the new running stats in the "
            "input dtype where its meta kernel says f32; the compiled consumer's input check refuses",
            match="expected dtype torch.float32", dtypes=(F16, BF16)),
+    Expect("repeat_interleave", "fallback", "repeats given as a tensor: the output size is data-dependent",
+           match="data-dependent output shape"),
     Expect("nn.functional.dropout", "xfail", "training-mode dropout draws a random mask (it runs in eager, "
            "but two draws differ)", match="random dropout mask (training)"),
     *[Expect(n, "xfail", "torch's decomposition (compiled by gac) rounds differently from its own eager "

@@ -54,7 +54,7 @@ fallback("random numbers: eager's generator state decides them",
          aten.bernoulli.p, aten.normal.Tensor_Tensor, aten.uniform.default, aten.exponential.default,
          aten.multinomial.default)
 fallback("data-dependent output shape", aten.nonzero.default, aten.masked_select.default,
-         aten.unique_consecutive.default, aten._unique2.default)
+         aten.unique_consecutive.default, aten._unique2.default, aten.repeat_interleave.Tensor)
 fallback("reads a tensor value on the host (data-dependent control flow)", aten._local_scalar_dense.default)
 fallback("symbolic shape query (dynamic shapes)", aten.sym_size.int, aten.sym_stride.int,
          aten.sym_numel.default, aten.sym_storage_offset.default,

@@ -18,6 +18,12 @@ def _dims(cx: Cx, x, dims) -> list[int]:
     return [d % max(rank, 1) for d in dims]
 
 
+def _count(cx: Cx, x, dims: list[int]) -> int:
+    """How many elements a reduction over dims combines (1 for a 0-d tensor)."""
+    shape = cx.shape(x)
+    return math.prod(shape[d] for d in dims) if shape else 1
+
+
 def _reduce(kind: str, *overloads):
     @lower(*overloads)
     def fn(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
@@ -58,9 +64,7 @@ def lower_mean(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
     dt = cx.out_dtype
     ct = cx.compute_dtype(dt)  # sum and divide before the one rounding to f16/bf16
     ds = _dims(cx, x, dims)
-    count = 1
-    for d in ds:
-        count *= cx.shape(x)[d]
+    count = _count(cx, x, ds)
     s = cx.b.reduce(cx.to(x, ct), kind="sum", dims=ds, keepdim=bool(keepdim))
     return cx.to(cx.b.binary(s, cx.to(float(count), ct), kind="div"), dt)
 
@@ -76,9 +80,7 @@ def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     dt = cx.compute_dtype(out)
     xf = cx.to(x, dt)
     ds = _dims(cx, x, dims)
-    n = 1
-    for d in ds:
-        n *= cx.shape(x)[d]
+    n = _count(cx, x, ds)
     corr = 1 if correction is None else correction
     std = cx.node.target in (aten.std.correction, aten.std.dim)
     mean = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(float(n), dt), kind="div")
@@ -116,9 +118,7 @@ def lower_var_mean(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     out = meta_val(cx.node)[0].dtype
     dt = cx.compute_dtype(out)
     ds = _dims(cx, x, dims)
-    n = 1
-    for d in ds:
-        n *= cx.shape(x)[d]
+    n = _count(cx, x, ds)
     xf = cx.to(x, dt)
     mean_k = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(float(n), dt), kind="div")
     cent = cx.b.binary(xf, mean_k, kind="sub")

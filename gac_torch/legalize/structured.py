@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from gac_torch.ir.types import tensor_type
 from gac_torch.legalize.context import Cx, meta_val
 from gac_torch.legalize.registry import FLOATS, NUMERIC, aten, lower
 
@@ -66,10 +67,14 @@ def lower_convolution(cx: Cx, x, w, bias, stride, padding, dilation, transposed,
     if transposed:
         x, w = _as_direct_conv(cx, x, w, rep(stride), rep(padding), rep(dilation), rep(output_padding), groups)
         stride, padding = [1] * nsp, [0] * nsp
-    y = cx.b.conv(x, w, stride=rep(stride), padding=rep(padding), dilation=rep(dilation), groups=groups)
+    # With a bias, f16/bf16 keep the f32 accumulator until after the add: one rounding, as ATen.
+    dt = cx.out_dtype
+    ct = cx.compute_dtype(dt) if bias is not None else dt
+    y = cx.b.conv(x, w, stride=rep(stride), padding=rep(padding), dilation=rep(dilation), groups=groups,
+                  result_type=tensor_type(cx.out_shape, ct))
     if bias is not None:
-        y = cx.b.binary(y, cx.b.reshape(cx.to(bias, cx.out_dtype), [cx.out_shape[1]] + [1] * nsp), kind="add")
-    return y
+        y = cx.b.binary(y, cx.b.reshape(cx.to(bias, ct), [cx.out_shape[1]] + [1] * nsp), kind="add")
+    return cx.to(y, dt)
 
 
 def _as_direct_conv(cx: Cx, x, w, stride, padding, dilation, output_padding, groups):

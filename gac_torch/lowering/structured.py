@@ -68,7 +68,7 @@ def lower_conv(op, operands):
         x5, w5, outs=[init],
         strides=_i64_elements(stride),
         dilations=_i64_elements(dilation))
-    return [_narrow(reshape(y, out_shape), e)]
+    return [_narrow(reshape(y, out_shape), elem(op.results[0].type))]
 
 
 def _i64_elements(values) -> list[int]:

@@ -19,8 +19,7 @@ def _check_matmul(types, attrs, results):
     out = results[0]
     if shape_of(out) != a[:-1] + (b[-1],):
         raise GacTypeError(f"gac.matmul: result shape {list(shape_of(out))} != {list(a[:-1] + (b[-1],))}")
-    wide = str(elem) in ("f16", "bf16") and str(ir.RankedTensorType(out).element_type) == "f32"
-    if str(ir.RankedTensorType(out).element_type) != str(elem) and not wide:
+    if not _wide_ok(elem, out):
         raise GacTypeError(f"gac.matmul: result element type {ir.RankedTensorType(out).element_type} "
                            f"for {elem} operands")
 
@@ -32,6 +31,18 @@ def window_out(size, k, s, p_lo, p_hi, d, ceil_mode=False) -> int:
     if ceil_mode and (out - 1) * s >= size + p_lo:
         out -= 1
     return out
+
+
+def _wide_ok(elem, out) -> bool:
+    """A contraction's result element type: the operands', or f32 for f16/bf16 operands."""
+    res = str(ir.RankedTensorType(out).element_type)
+    return res == str(elem) or (str(elem) in ("f16", "bf16") and res == "f32")
+
+
+def _check_conv(types, attrs, results):
+    inferred = _infer_conv(types, attrs)[0]
+    if shape_of(results[0]) != shape_of(inferred) or not _wide_ok(inferred.element_type, results[0]):
+        raise GacTypeError(f"gac.conv: result {results[0]} for operands {[str(t) for t in types]}")
 
 
 def _infer_conv(types, attrs):
@@ -68,7 +79,9 @@ define("matmul", ["lhs", "rhs"], check=_check_matmul,
            "operand type, or the f32 accumulator itself for f16/bf16")
 define("conv", ["x", "weight"],
        attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int"},
-       infer=_infer_conv, doc="N-d cross-correlation, NC<spatial> x FC<spatial>, symmetric padding")
+       check=_check_conv,
+       doc="N-d cross-correlation, NC<spatial> x FC<spatial>, symmetric padding; the result is in "
+           "the operand type, or the f32 accumulator itself for f16/bf16")
 define("pool", ["x"],
        attrs={"kind": ("max", "avg"), "kernel": "ints", "stride": "ints", "padding": "ints",
               "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int"},
