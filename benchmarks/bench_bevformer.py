@@ -25,8 +25,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def log(config: str, what: str, t_start: float) -> None:
+    """Progress (a guarded run cut short by `timeout` still shows how far it got)."""
+    print(f"[{config} +{time.time() - t_start:.0f}s] {what}", flush=True)
+
+
 def run(config: str, rounds: int, iters: int, inductor: bool) -> dict:
     row: dict = {"config": config}
+    t_run = time.time()
     model = build_bevformer(config, seed=0).cuda()
     frame0 = [t.cuda() for t in make_test_inputs(model.cfg, frame=0)]
     with torch.no_grad():
@@ -38,15 +44,18 @@ def run(config: str, rounds: int, iters: int, inductor: bool) -> dict:
         compiled = gac_torch.compile(ep, target="cuda")
         row["compile_s"] = time.time() - t0
         row["coverage"] = compiled.report.summary()
+        log(config, f"gac compiled in {row['compile_s']:.0f}s: {row['coverage']}", t_run)
         out0, out1 = compiled(*frame0), compiled(*frame1)
         row["rel_err"] = {name: max(rel_err(a, b), rel_err(c, d)) for name, a, b, c, d in zip(
             ("cls", "bbox", "bev"), out0, ref0, out1, ref1)}
+        log(config, f"parity over 2 frames: {row['rel_err']}", t_run)
         variants = {"eager": model, "gac": compiled}
         if inductor:
             t0 = time.time()
             variants["inductor"] = torch.compile(model)
             variants["inductor"](*frame1)
             row["inductor_compile_s"] = time.time() - t0
+            log(config, f"Inductor compiled (and ran once) in {row['inductor_compile_s']:.0f}s", t_run)
         for fn in variants.values():
             fn(*frame1)
         torch.cuda.synchronize()
@@ -54,6 +63,7 @@ def run(config: str, rounds: int, iters: int, inductor: bool) -> dict:
         for _ in range(rounds):
             for k, fn in variants.items():
                 samples[k].append(time_ms(fn, frame1, iters))
+            log(config, "round: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in samples.items()), t_run)
     row["ms"] = {k: statistics.median(v) for k, v in samples.items()}
     print(row, flush=True)
     return row
@@ -81,6 +91,8 @@ def main() -> None:
         lines.append(f"| {r['config']} | {ms['eager']:.2f} | {ms.get('inductor', float('nan')):.2f} | {ms['gac']:.2f} | "
                      f"{ms['eager'] / ms['gac']:.2f} | {r['compile_s']:.0f} | {e['cls']:.1e} / {e['bbox']:.1e} / {e['bev']:.1e} | "
                      f"{r['coverage']} |")
+    lines += [f"\n{r['config']}: Inductor compile + first call {r['inductor_compile_s']:.0f} s"
+              for r in rows if "inductor_compile_s" in r]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
