@@ -39,17 +39,18 @@ CI_SAMPLES = {torch.float32: 3, torch.float16: 2, torch.bfloat16: 2, torch.int32
 class Expect:
     """One skip/xfail. kind: "skip" (the case does not run), "fallback" (samples may run in
     eager when the reason contains `match`), "xfail" (a mismatch or error whose detail contains
-    `match`). op "*" applies to every OpInfo; dtypes () to every dtype."""
+    `match`). op "*" applies to every OpInfo; dtypes () to every dtype; targets () to every target."""
 
     op: str
     kind: str
     reason: str
     match: str = ""
     dtypes: tuple[torch.dtype, ...] = ()
+    targets: tuple[str, ...] = ()
 
-    def covers(self, op: str, dtype: torch.dtype, kind: str, detail: str = "") -> bool:
+    def covers(self, op: str, dtype: torch.dtype, kind: str, target: str, detail: str = "") -> bool:
         return (self.op in ("*", op) and self.kind == kind and (not self.dtypes or dtype in self.dtypes)
-                and self.match in detail)
+                and (not self.targets or target in self.targets) and self.match in detail)
 
 
 F16, BF16, I32, I64, BOOL = torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool
@@ -92,7 +93,14 @@ EXPECTED: list[Expect] = [
              "kernel; gac equals the decomposed graph run in eager",
              match="as torch's decomposition gives", dtypes=(F16, BF16, I32, I64))
       for n in ("linspace", "linspace.tensor_overload", "logspace", "logspace.tensor_overload")],
+    # cuda only.
+    Expect("native_layer_norm", "skip", "gac bug (cuda): ATen's CUDA kernel returns f32 mean/rstd for "
+           "f16/bf16 input (its CPU kernel the input dtype); gac.layer_norm types its statistics like x, "
+           "so gac rounds them to f16/bf16 before widening (every sample off by that rounding). The fix "
+           "belongs in legalize/norm.py (normalize in f32 when the statistics are f32); "
+           "benchmarks/results/opinfo_2026-11-30_h200_cuda.md", dtypes=(F16, BF16), targets=("cuda",)),
 ]
+TARGET_NAMES = ("cpu", "cuda", "vortex")
 
 
 def _ties_any_order(dim_pos: int):
@@ -150,15 +158,16 @@ def _shard(names: list[str]) -> list[str]:
 
 NAMES = _shard(_claimed())
 _USED: set[int] = set()
+_TARGETS_RUN: set[str] = set()
 
 
-def _explained(op: str, dtype: torch.dtype, r: SampleResult) -> Expect | None:
+def _explained(op: str, dtype: torch.dtype, target: str, r: SampleResult) -> Expect | None:
     kind = "fallback" if r.status == "fallback" else "xfail"
     if kind == "fallback":  # every "op: reason" part must be covered
         parts = r.detail.split("; ")
-        hits = [next((e for e in EXPECTED if e.covers(op, dtype, kind, part)), None) for part in parts]
+        hits = [next((e for e in EXPECTED if e.covers(op, dtype, kind, target, part)), None) for part in parts]
         return hits[0] if hits and all(hits) else None
-    return next((e for e in EXPECTED if e.covers(op, dtype, kind, r.detail)), None)
+    return next((e for e in EXPECTED if e.covers(op, dtype, kind, target, r.detail)), None)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -166,16 +175,18 @@ def _explained(op: str, dtype: torch.dtype, r: SampleResult) -> Expect | None:
 def test_opinfo(name, target):
     """All dtypes of one OpInfo in one compiled graph (one JIT instead of one per dtype)."""
     op = opinfo_db()[name]
+    _TARGETS_RUN.add(target)
     plan = {dt: None if FULL else CI_SAMPLES[dt] for dt in supported(op)
-            if not any(e.covers(name, dt, "skip") for e in EXPECTED)}
+            if not any(e.covers(name, dt, "skip", target) for e in EXPECTED)}
     if not plan:
-        pytest.skip("; ".join(e.reason for e in EXPECTED if e.op == name and e.kind == "skip"))
+        pytest.skip("; ".join(e.reason for e in EXPECTED if e.op == name and e.kind == "skip"
+                              and (not e.targets or target in e.targets)))
     problems = []
     for dtype, results in run_cases(op, plan, target=target, check=CHECKS.get(op.name)).items():
         for r in results:
             if r.status in ("pass", "skipped"):
                 continue
-            e = _explained(name, dtype, r)
+            e = _explained(name, dtype, target, r)
             if e is None:
                 problems.append(f"{dtype}: {r}")
             else:
@@ -192,6 +203,7 @@ def test_expected_table_is_consistent():
     for e in EXPECTED:
         assert e.reason, e
         assert e.kind in ("skip", "fallback", "xfail"), e
+        assert set(e.targets) <= set(TARGET_NAMES), e
         assert e.op == "*" or e.op in claimed, f"{e.op} is not swept (not claimed by the registry)"
 
 
@@ -199,5 +211,6 @@ def test_expected_table_is_consistent():
 def test_zz_every_expectation_is_used():
     """After a full sweep (this test runs last), an entry that covered nothing is stale."""
     stale = [e for i, e in enumerate(EXPECTED)
-             if i not in _USED and e.kind != "skip" and e.op in NAMES]
+             if i not in _USED and e.kind != "skip" and e.op in NAMES
+             and (not e.targets or set(e.targets) & _TARGETS_RUN)]
     assert not stale, "stale EXPECTED entries:\n" + "\n".join(map(str, stale))
