@@ -10,10 +10,11 @@ import torch
 import torch.fx as fx
 from mlir import ir, passmanager
 
-from gac_torch.backends import Signature, Target, TargetUnavailable, TensorSpec
+from gac_torch.backends import SizeSpec, Signature, Target, TargetUnavailable, TensorSpec
 from gac_torch.ir.dialect import make_context
 from gac_torch.ir.verifier import verify_gac
 from gac_torch.legalize import build_module
+from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.dce import gac_dce
 from gac_torch.passes.fusion import annotate_kernels
 from gac_torch.lowering import lower_to_linalg
@@ -40,8 +41,16 @@ class _Unavailable:
         raise TargetUnavailable(str(self.error))
 
 
-def _specs(nodes) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(tuple(int(s) for s in n.meta["val"].shape), n.meta["val"].dtype) for n in nodes)
+def _spec(node: fx.Node) -> TensorSpec | SizeSpec:
+    v = node.meta["val"]
+    if isinstance(v, torch.SymInt):
+        return SizeSpec(size_expr(v))
+    dims = tuple(s if isinstance(s, int) else size_expr(s) for s in v.shape)
+    return TensorSpec(tuple(int(d) if getattr(d, "is_Integer", False) else d for d in dims), v.dtype)
+
+
+def _specs(nodes) -> tuple:
+    return tuple(_spec(n) for n in nodes)
 
 
 def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: dict,
@@ -52,6 +61,8 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
     tuple_output = isinstance(outs, (list, tuple))
     outs = list(outs) if tuple_output else [outs]
     signature = Signature(_specs(placeholders), _specs(outs))
+    if signature.dynamic and not target.dynamic_shapes:
+        raise ValueError(f"target {target.name} compiles static shapes only (this partition has run-time sizes)")
 
     stages: dict[str, str] = {}
     binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)

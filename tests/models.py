@@ -39,6 +39,26 @@ def transformer_layer() -> nn.Module:
                                       batch_first=True)
 
 
+class AttentionBlock(nn.Module):
+    """A pre-LN-free transformer block written with plain ops (linear, view/permute, matmul,
+    softmax, layer norm, GELU): every size follows the input's (batch, sequence)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5).softmax(-1)
+        x = self.norm(x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c)))
+        return x + self.ff(x)
+
+
 class WithUnsupported(nn.Module):
     """A model with an op gac does not compile (nonzero has a data-dependent shape in eager,
     so we use a deterministic stand-in: torch.special.i0, which has no lowering)."""
@@ -77,6 +97,8 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         return transformer_layer().eval(), (torch.randn(2, 12, 64, generator=g),)
     if name == "unsupported":
         return WithUnsupported().eval(), (torch.randn(4, 16, generator=g),)
+    if name == "attention":
+        return AttentionBlock().eval(), (torch.randn(2, 9, 64, generator=g),)
     raise KeyError(name)
 
 

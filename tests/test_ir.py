@@ -84,3 +84,52 @@ def test_builder_infers_and_rejects():
                 flat = b.reshape(x, [4, 5])
                 b.matmul(flat, flat, result_type=tensor_type((4, 5), torch.float32))
             func.ReturnOp([])
+
+
+DYNAMIC = """
+func.func @main(%x: tensor<?x64xf32>, %n: index) -> tensor<?x4x16xf32> {
+  %d = "gac.dim"(%x) {dim = 0} : (tensor<?x64xf32>) -> index
+  %0 = "gac.reshape"(%x, %d) : (tensor<?x64xf32>, index) -> tensor<?x4x16xf32>
+  %b = "gac.binary"(%0, %0) {kind = "add"} : (tensor<?x4x16xf32>, tensor<?x4x16xf32>) -> tensor<?x4x16xf32>
+  return %b : tensor<?x4x16xf32>
+}
+"""
+
+
+def test_run_time_sizes_verify():
+    """`?` dims: gac.dim reads a size, reshape/broadcast take one index operand per `?`."""
+    with make_context(), ir.Location.unknown():
+        m = ir.Module.parse(DYNAMIC)
+        assert m.operation.verify()
+        verify_gac(m)
+        missing = ir.Module.parse(DYNAMIC.replace('"gac.reshape"(%x, %d) : (tensor<?x64xf32>, index)',
+                                                  '"gac.reshape"(%x) : (tensor<?x64xf32>)'))
+        with pytest.raises(GacTypeError, match="0 size operand.*1 run-time size"):
+            verify_gac(missing)
+        with pytest.raises(Exception, match="index"):  # IRDL: sizes are index values
+            ir.Module.parse(DYNAMIC.replace("%x: tensor<?x64xf32>, %n: index", "%x: tensor<?x64xf32>, %n: i64")
+                            .replace('"gac.reshape"(%x, %d) : (tensor<?x64xf32>, index)',
+                                     '"gac.reshape"(%x, %n) : (tensor<?x64xf32>, i64)'))
+
+
+def test_run_time_sizes_in_shape_rules():
+    from gac_torch.ir.ops._infer import broadcast_shapes
+    from gac_torch.ir.types import DYN
+
+    assert broadcast_shapes((DYN, 1), (DYN, 64)) == (DYN, 64)
+    assert broadcast_shapes((DYN, 3), (3,)) == (DYN, 3)
+    assert broadcast_shapes((DYN,), (5,)) == (5,)  # a static size pins a run-time one
+    with pytest.raises(GacTypeError):
+        broadcast_shapes((4, DYN), (5, DYN))
+    with make_context(), ir.Location.unknown():
+        m = ir.Module.create()
+        with ir.InsertionPoint(m.body):
+            fn = func.FuncOp("f", ir.FunctionType.get([tensor_type([DYN, 8], torch.float32)], []))
+            block = fn.add_entry_block()
+        with ir.InsertionPoint(block):
+            b = GacBuilder()
+            x = block.arguments[0]
+            whole = b.slice(x, starts=[0, 2], limits=[DYN, 6], strides=[1, 1])
+            assert ir.RankedTensorType(whole.type).shape == [DYN, 4]
+            with pytest.raises(GacTypeError, match="only a whole run-time dim"):
+                b.slice(x, starts=[1, 0], limits=[DYN, 8], strides=[1, 1])

@@ -93,12 +93,6 @@ EXPECTED: list[Expect] = [
              "kernel; gac equals the decomposed graph run in eager",
              match="as torch's decomposition gives", dtypes=(F16, BF16, I32, I64))
       for n in ("linspace", "linspace.tensor_overload", "logspace", "logspace.tensor_overload")],
-    # cuda only.
-    Expect("native_layer_norm", "skip", "gac bug (cuda): ATen's CUDA kernel returns f32 mean/rstd for "
-           "f16/bf16 input (its CPU kernel the input dtype); gac.layer_norm types its statistics like x, "
-           "so gac rounds them to f16/bf16 before widening (every sample off by that rounding). The fix "
-           "belongs in legalize/norm.py (normalize in f32 when the statistics are f32); "
-           "benchmarks/results/opinfo_2026-11-30_h200_cuda.md", dtypes=(F16, BF16), targets=("cuda",)),
 ]
 TARGET_NAMES = ("cpu", "cuda", "vortex")
 

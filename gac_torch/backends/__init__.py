@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from gac_torch.backends.base import Signature, Stage, Target, TargetUnavailable, TensorSpec
+from gac_torch.backends.base import SizeSpec, Signature, Stage, Target, TargetUnavailable, TensorSpec
 
 TARGET_NAMES = ("cpu", "cuda", "vortex")
 
@@ -15,4 +15,4 @@ def get_target(name: str) -> Target:
     return importlib.import_module(f"gac_torch.backends.{name}").TARGET
 
 
-__all__ = ["get_target", "Target", "Stage", "Signature", "TensorSpec", "TargetUnavailable", "TARGET_NAMES"]
+__all__ = ["get_target", "Target", "Stage", "Signature", "TensorSpec", "SizeSpec", "TargetUnavailable", "TARGET_NAMES"]

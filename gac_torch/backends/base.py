@@ -13,8 +13,11 @@ The `linalg` stage ABI that every target receives (built by lowering/):
       bufferization.materialize_in_destination %r0 in restrict writable %out0
       return
 
-Inputs and outputs are dense, contiguous (identity layout), statically shaped; outputs are
-allocated by the runtime (torch) on the target's device and written in place.
+Inputs and outputs are dense, contiguous (identity layout); outputs are allocated by the runtime
+(torch) on the target's device and written in place. A graph with sizes known only at run time
+(targets with `dynamic_shapes`) has `?` dims in its memref types, and takes one `index` argument
+per size input (a SymInt placeholder), in placeholder order among the inputs; the runtime binds
+the sizes from the actual tensors and computes the output shapes (see runtime/compiled.py).
 """
 
 from __future__ import annotations
@@ -27,17 +30,35 @@ import torch
 
 @dataclass(frozen=True)
 class TensorSpec:
-    shape: tuple[int, ...]
+    shape: tuple  # ints; a sympy expression over size symbols where known only at run time
     dtype: torch.dtype
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
 
+    @property
+    def static(self) -> bool:
+        return all(isinstance(s, int) for s in self.shape)
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """A size passed as a scalar argument (a SymInt graph input): its sympy expression."""
+
+    expr: Any
+
+    def __str__(self) -> str:
+        return f"size {self.expr}"
+
 
 @dataclass(frozen=True)
 class Signature:
-    inputs: tuple[TensorSpec, ...]
+    inputs: tuple  # TensorSpec | SizeSpec, in argument order
     outputs: tuple[TensorSpec, ...]
+
+    @property
+    def dynamic(self) -> bool:
+        return any(not isinstance(s, TensorSpec) or not s.static for s in self.inputs + self.outputs)
 
 
 @dataclass
@@ -63,6 +84,7 @@ class Target:
     stages: Callable[[dict], list[Stage]]  # options -> stages after "linalg"
     load: Callable[[Any, Signature, dict], Executable]  # last artifact -> executable
     check_available: Callable[[], None] = lambda: None  # raises TargetUnavailable with a fix
+    dynamic_shapes: bool = False  # compiles graphs with run-time sizes (else: one per shape)
     options: dict[str, Any] = field(default_factory=dict)  # target-specific option defaults
 
 

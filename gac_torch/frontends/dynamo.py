@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from gac_torch.frontends.fx import compile_graph
-from gac_torch.frontends.specialize import ShapeSpecializing, has_symbolic_shapes
+from gac_torch.frontends.fx import compile_graph, specialization_reason
+from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import resolve
@@ -35,8 +35,11 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         return compiled.gm
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):
-        if has_symbolic_shapes(graph):
-            return make_boxed_func(ShapeSpecializing(graph, compile_static))
+        # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
+        reason = specialization_reason(graph, opts)
+        if reason:
+            log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
+            return make_boxed_func(ShapeSpecializing(graph, compile_static, reason=reason))
         return make_boxed_func(compile_static(graph))
 
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,

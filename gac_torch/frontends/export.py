@@ -10,8 +10,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from gac_torch.backends import get_target
-from gac_torch.frontends.fx import CompiledFx, compile_graph
+from gac_torch.frontends.fx import CompiledFx, compile_graph, specialization_reason
+from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
+from gac_torch.legalize.sizes import size_expr
 from gac_torch.runtime.compiled import GacInputError
 
 
@@ -25,13 +27,44 @@ def _lifted_value(ep: ExportedProgram, spec) -> torch.Tensor:
     raise TypeError(f"unsupported exported input kind {spec.kind}")
 
 
-class CompiledProgram:
-    """A compiled ExportedProgram: call it like the original module."""
+class SpecializedFx:
+    """A program whose symbolic sizes gac compiles per shape (specialization_reason): the
+    CompiledFx interface over the most recent specialization."""
 
-    def __init__(self, ep: ExportedProgram, compiled: CompiledFx):
+    def __init__(self, gm, options: dict, reason: str):
+        self.target = options["target"]
+        self.dynamic = False
+        self.reason = reason
+        self.specializing = ShapeSpecializing(gm, lambda g: compile_graph(g, options), reason=reason)
+
+    def __call__(self, *args):
+        return self.specializing(*args)
+
+    def _latest(self) -> CompiledFx:
+        if self.specializing.latest is None:
+            raise KeyError(f"compiled per input shape ({self.reason}): call the program first")
+        return self.specializing.latest
+
+    @property
+    def report(self):
+        return self._latest().report
+
+    @property
+    def partitions(self):
+        return self._latest().partitions
+
+    def ir(self, stage: str) -> str:
+        return self._latest().ir(stage)
+
+
+class CompiledProgram:
+    """A compiled ExportedProgram: call it like the original module. Inputs with export `Dim`s
+    take any size in the Dim's range; `dynamic` says whether one compilation serves them all."""
+
+    def __init__(self, ep: ExportedProgram, compiled: CompiledFx | SpecializedFx):
         self.exported_program = ep
         self.compiled = compiled
-        self.report = compiled.report
+        self.dynamic = compiled.dynamic
         specs = ep.graph_signature.input_specs
         self._lifted = [(i, _lifted_value(ep, s)) for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT]
         self._user_positions = [i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT]
@@ -43,6 +76,12 @@ class CompiledProgram:
                               if s.kind == OutputKind.USER_OUTPUT]
         self._device = get_target(compiled.target).device_type
         self._on_device = False  # parameters move to the target's device on the first call
+        self._ranges = {sym: (int(r.lower), int(r.upper) if r.upper.is_finite else None)
+                        for sym, r in ep.range_constraints.items()}
+
+    @property
+    def report(self):
+        return self.compiled.report
 
     def ir(self, stage: str) -> str:
         return self.compiled.ir(stage)
@@ -51,7 +90,25 @@ class CompiledProgram:
     def stages(self) -> list[str]:
         return list(next(iter(self.compiled.partitions.values())).stages) if self.compiled.partitions else []
 
+    def _check_shape(self, name: str, got: torch.Tensor, want: torch.Tensor, sizes: dict) -> None:
+        expected = [s if isinstance(s, int) else size_expr(s) for s in want.shape]
+        shown = "[" + ", ".join(map(str, expected)) + "]"
+        if got.dim() != len(expected):
+            raise GacInputError(f"input {name!r}: expected shape {shown}, got {list(got.shape)}")
+        for s, n in zip(expected, got.shape):
+            if isinstance(s, int):
+                if s != n:
+                    raise GacInputError(f"input {name!r}: expected shape {shown}, got {list(got.shape)}")
+            elif s.is_Symbol:
+                lo, hi = self._ranges.get(s, (0, None))
+                if n < lo or (hi is not None and n > hi):
+                    raise GacInputError(f"input {name!r}: size {s} = {n} is outside the exported range "
+                                        f"[{lo}, {hi if hi is not None else 'inf'}]")
+                if sizes.setdefault(s, n) != n:
+                    raise GacInputError(f"input {name!r}: size {s} = {n} here, but {sizes[s]} in an earlier input")
+
     def _check(self, flat: Sequence[Any]) -> None:
+        sizes: dict = {}
         if len(flat) != len(self._user_meta):
             raise GacInputError(f"expected {len(self._user_meta)} inputs, got {len(flat)}")
         for name, got, want in zip(self._user_names, flat, self._user_meta):
@@ -61,8 +118,7 @@ class CompiledProgram:
                 raise GacInputError(f"input {name!r}: expected a tensor, got {type(got).__name__}")
             if got.dtype != want.dtype:
                 raise GacInputError(f"input {name!r}: expected dtype {want.dtype}, got {got.dtype}")
-            if tuple(got.shape) != tuple(want.shape):
-                raise GacInputError(f"input {name!r}: expected shape {list(want.shape)}, got {list(got.shape)}")
+            self._check_shape(name, got, want, sizes)
             if got.device.type != self._device:
                 raise GacInputError(f"input {name!r}: compiled for {self._device} tensors, got one on {got.device}")
 
@@ -103,6 +159,9 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
         ep = move_to_device_pass(ep, device)
     ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
+    reason = specialization_reason(gm, options)
+    if reason:
+        return CompiledProgram(ep, SpecializedFx(gm, options, reason))
     return CompiledProgram(ep, compile_graph(gm, options))
 
 

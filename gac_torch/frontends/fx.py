@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from gac_torch.backends import get_target
 from gac_torch.driver import compile_partition
+from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
 from gac_torch.runtime.compiled import CompiledGraph
 
@@ -32,15 +33,42 @@ def default_target(gm: fx.GraphModule) -> str:
     return "cpu"
 
 
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt):
+            return True
+        if isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape):
+            return True
+    return False
+
+
+def specialization_reason(gm: fx.GraphModule, options: dict) -> str | None:
+    """Why a graph with symbolic sizes must be compiled once per concrete shape, or None when gac
+    compiles it once, with kernels that take the sizes at run time."""
+    if not has_symbolic_shapes(gm):
+        return None
+    target = get_target(options["target"] or default_target(gm))
+    if not target.dynamic_shapes:
+        return f"the {target.name} target compiles static shapes only"
+    _, report = analyze(gm)
+    static_only = sorted({op for (op, why) in report.unsupported if why.startswith(NEEDS_STATIC)})
+    if static_only:
+        return "lowered for static sizes only: " + ", ".join(static_only)
+    return None
+
+
 class CompiledFx:
-    """The result of compiling one graph: a callable GraphModule plus what happened to it."""
+    """The result of compiling one graph: a callable GraphModule plus what happened to it.
+    `dynamic`: the graph has sizes known only at run time, compiled once for all of them."""
 
     def __init__(self, gm: fx.GraphModule, report: GraphReport, partitions: dict[str, CompiledGraph],
-                 target: str):
+                 target: str, dynamic: bool = False):
         self.gm = gm
         self.report = report
         self.partitions = partitions
         self.target = target
+        self.dynamic = dynamic
 
     def __call__(self, *args):
         return self.gm(*args)
@@ -94,7 +122,7 @@ def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
     report.partitions = len(compiled)
     fused.recompile()
     log.info("gac: graph %d on %s: %s", graph_id, target_name, report.summary())
-    return CompiledFx(fused, report, compiled, target_name)
+    return CompiledFx(fused, report, compiled, target_name, dynamic=has_symbolic_shapes(gm))
 
 
-__all__ = ["compile_graph", "CompiledFx", "GacUnsupportedError", "Counter"]
+__all__ = ["compile_graph", "CompiledFx", "GacUnsupportedError", "Counter", "specialization_reason"]

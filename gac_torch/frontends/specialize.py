@@ -1,10 +1,11 @@
-"""Graphs with symbolic sizes (dynamo `dynamic=True` / automatic dynamic shapes).
+"""Graphs with symbolic sizes that gac cannot compile once for all sizes.
 
-gac kernels are compiled for static shapes. A graph whose sizes are symbolic is therefore
-compiled once per distinct concrete input signature seen at run time: the symbolic graph is
-re-traced with the call's real shapes (make_fx in fake mode: no data is touched), and that static
-graph goes through compile_graph. Dynamo compiles (and guards) once; gac keeps a small LRU of
-specializations. (Kernels that take sizes at run time would remove the per-shape compile.)
+gac compiles a graph with symbolic sizes (dynamo `dynamic=True` / `mark_dynamic`, export `Dim`s)
+once, with kernels that take the sizes at run time, when its target and every op's lowering
+handle run-time sizes (frontends/fx.py specialization_reason). Otherwise it is compiled once per
+distinct concrete input signature seen at run time: the symbolic graph is re-traced with the
+call's real shapes (make_fx in fake mode: no data is touched), and that static graph goes through
+compile_graph. Dynamo compiles (and guards) once; gac keeps a small LRU of specializations.
 """
 
 from __future__ import annotations
@@ -17,16 +18,6 @@ import torch
 import torch.fx as fx
 
 log = logging.getLogger("gac_torch")
-
-
-def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.SymInt):
-            return True
-        if isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape):
-            return True
-    return False
 
 
 def _signature(args) -> tuple:
@@ -47,11 +38,13 @@ class ShapeSpecializing:
     """Callable over the graph's flat inputs; compiles and caches one static graph per shape."""
 
     def __init__(self, gm: fx.GraphModule, compile_static: Callable[[fx.GraphModule], Any],
-                 max_entries: int = 16):
+                 max_entries: int = 16, reason: str = ""):
         self.gm = gm
         self.compile_static = compile_static  # static GraphModule -> CompiledFx
         self.max_entries = max_entries
+        self.reason = reason  # why the sizes are not left to run time
         self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.latest: Any = None
 
     def specialize(self, args) -> Any:
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -64,11 +57,13 @@ class ShapeSpecializing:
             static = make_fx(self.gm, tracing_mode="fake")(*args)
         _drop_detach(static)
         compiled = self.compile_static(static)
-        log.info("gac: specialized a dynamic-shape graph for %s", [k[0] for k in key if isinstance(k, tuple)])
+        log.info("gac: specialized a dynamic-shape graph for %s (%s)",
+                 [k[0] for k in key if isinstance(k, tuple)], self.reason)
         self.cache[key] = compiled
         if len(self.cache) > self.max_entries:
             self.cache.popitem(last=False)
         return compiled
 
     def __call__(self, *args):
-        return self.specialize(args)(*args)
+        self.latest = self.specialize(args)
+        return self.latest(*args)

@@ -11,7 +11,20 @@ from mlir import ir
 
 from gac_torch.ir.dialect import OPS
 from gac_torch.ir.ops._infer import GacTypeError
-from gac_torch.ir.types import element_type, tensor_type
+from gac_torch.ir.types import DYN, element_type, tensor_type
+
+
+def split_sizes(shape: Sequence) -> tuple[list[int], list[ir.Value]]:
+    """A shape of ints and run-time sizes (index Values) -> the type-level shape (DYN for each
+    Value) and the Values in order: what reshape/broadcast take as attribute/type and operands."""
+    static, dynamic = [], []
+    for s in shape:
+        if isinstance(s, ir.Value):
+            static.append(DYN)
+            dynamic.append(s)
+        else:
+            static.append(int(s))
+    return static, dynamic
 
 
 def encode_attr(value) -> ir.Attribute:
@@ -94,11 +107,21 @@ class GacBuilder:
         t = ir.RankedTensorType.get(list(ir.RankedTensorType(x.type).shape), elem)
         return self.emit("cast", [x], {}, [t]).results[0]
 
-    def reshape(self, x: ir.Value, shape: Sequence[int]) -> ir.Value:
+    def reshape(self, x: ir.Value, shape: Sequence) -> ir.Value:
+        """Row-major reshape; `shape` may hold run-time sizes (index Values)."""
         t = ir.RankedTensorType(x.type)
-        if list(t.shape) == list(shape):
+        static, sizes = split_sizes(shape)
+        if not sizes and list(t.shape) == static:
             return x
-        return self.emit("reshape", [x], {}, [ir.RankedTensorType.get(list(shape), t.element_type)]).results[0]
+        return self.emit("reshape", [x, *sizes], {}, [ir.RankedTensorType.get(static, t.element_type)]).results[0]
+
+    def broadcast(self, x: ir.Value, shape: Sequence) -> ir.Value:
+        """torch.expand; `shape` may hold run-time sizes (index Values)."""
+        static, sizes = split_sizes(shape)
+        return self.emit("broadcast", [x, *sizes], {"shape": static}).results[0]
+
+    def dim(self, x: ir.Value, dim: int) -> ir.Value:
+        return self.emit("dim", [x], {"dim": dim}).results[0]
 
     def constant(self, value, dtype: torch.dtype, shape: Sequence[int] = ()) -> ir.Value:
         """A splat constant (python scalar) or a small tensor of values."""

@@ -22,14 +22,16 @@ _ATTR_BASE = {
 }
 
 _TENSOR = 'irdl.base "!builtin.tensor"'
+_INDEX = "irdl.is index"  # run-time sizes (`name:index`): gac.dim results, reshape/broadcast sizes
 InferFn = Callable[[list[ir.Type], dict], list[ir.Type]]
 CheckFn = Callable[[list[ir.Type], dict, list[ir.Type]], None]
 
 
 @dataclass(frozen=True)
 class OpDef:
-    """One gac op. operands: names, a trailing '*' marks a variadic one. attrs: name -> kind,
-    where kind is a key of _ATTR_BASE, "any", or a tuple of allowed strings (an enum)."""
+    """One gac op. operands/results: names, tensors unless suffixed `:index`; a '*' after the name
+    marks a variadic one. attrs: name -> kind, where kind is a key of _ATTR_BASE, "any", or a
+    tuple of allowed strings (an enum)."""
 
     name: str
     operands: tuple[str, ...]
@@ -64,9 +66,10 @@ def _irdl_operation(op: OpDef) -> str:
     def tensors(names) -> str:
         # One constraint value per operand: an IRDL value binds a single type per op instance.
         parts = []
-        for nm in names:
+        for spec in names:
+            nm, _, kind = spec.partition(":")
             var = "variadic " if nm.endswith("*") else ""
-            parts.append(f"{nm.rstrip('*')}: {var}{fresh(_TENSOR)}")
+            parts.append(f"{nm.rstrip('*')}: {var}{fresh(_INDEX if kind == 'index' else _TENSOR)}")
         return ", ".join(parts)
 
     if op.operands:

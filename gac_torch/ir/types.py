@@ -41,9 +41,31 @@ def torch_dtype(t: ir.Type) -> torch.dtype:
     raise UnsupportedDtype(f"MLIR element type {s} has no torch dtype")
 
 
+# A size known only at run time: `?` in a tensor type. Shape tuples read back from types hold it
+# as this int; shapes handed to the builder may hold anything non-int (an SSA index value, a
+# torch.SymInt) in its place.
+DYN = -9223372036854775808  # == ir.ShapedType.get_dynamic_size()
+
+
+def static_dim(s) -> int:
+    """The type-level size: the int itself, DYN for a size known only at run time."""
+    if isinstance(s, bool):
+        return int(s)
+    if isinstance(s, int):
+        return s
+    if isinstance(s, torch.SymInt):
+        expr = s.node.expr
+        return int(expr) if expr.is_number else DYN
+    return DYN
+
+
+def is_dynamic(shape) -> bool:
+    return any(static_dim(s) == DYN for s in shape)
+
+
 def tensor_type(shape, dtype: torch.dtype | ir.Type) -> ir.RankedTensorType:
     elem = dtype if isinstance(dtype, ir.Type) else element_type(dtype)
-    return ir.RankedTensorType.get([int(s) for s in shape], elem)
+    return ir.RankedTensorType.get([static_dim(s) for s in shape], elem)
 
 
 def shape_of(v: ir.Value | ir.Type) -> tuple[int, ...]:

@@ -25,22 +25,25 @@ def _acc(dt: torch.dtype) -> torch.dtype:
 
 def _shaped(cx: Cx, v: ir.Value, meta: torch.Tensor) -> ir.Value:
     """v reshaped and cast to what ATen returns for this output (may be an empty tensor)."""
-    if meta.numel() == 0:
+    if all(isinstance(s, int) for s in meta.shape) and meta.numel() == 0:
         return cx.b.constant(0, meta.dtype, tuple(meta.shape))
-    return cx.to(cx.b.reshape(v, list(meta.shape)), meta.dtype)
+    return cx.to(cx.b.reshape(v, cx.dims(meta.shape)), meta.dtype)
 
 
-@lower(aten.native_layer_norm.default, dtypes=FLOATS)
+@lower(aten.native_layer_norm.default, dtypes=FLOATS, dynamic=True)
 def lower_native_layer_norm(cx: Cx, x, normalized_shape, weight, bias, eps):
     outs = _outs(cx)
     dt = outs[0].dtype
+    # gac.layer_norm types its statistics like x; ATen's CUDA kernel returns f32 ones for f16/bf16
+    # input (its CPU kernel the input dtype): then normalize in f32 so they are not rounded first.
+    ct = outs[1].dtype if outs[1].dtype.itemsize > dt.itemsize else dt
     shape = list(normalized_shape)
-    w = cx.to(weight if weight is not None else 1.0, dt)
-    b = cx.to(bias if bias is not None else 0.0, dt)
+    w = cx.to(weight if weight is not None else 1.0, ct)
+    b = cx.to(bias if bias is not None else 0.0, ct)
     w = cx.b.broadcast(w, shape=shape) if cx.shape(w) != shape else w
     b = cx.b.broadcast(b, shape=shape) if cx.shape(b) != shape else b
-    y, mean, rstd = cx.b.layer_norm(x, w, b, normalized_rank=len(shape), eps=float(eps))
-    return y, _shaped(cx, mean, outs[1]), _shaped(cx, rstd, outs[2])
+    y, mean, rstd = cx.b.layer_norm(cx.to(x, ct), w, b, normalized_rank=len(shape), eps=float(eps))
+    return cx.to(y, dt), _shaped(cx, mean, outs[1]), _shaped(cx, rstd, outs[2])
 
 
 @lower(aten.native_group_norm.default, dtypes=FLOATS)
@@ -134,7 +137,7 @@ def _mutates_stats(training_pos: int, stats_pos: int):
     return check
 
 
-@lower(aten._native_batch_norm_legit_no_training.default, dtypes=FLOATS)
+@lower(aten._native_batch_norm_legit_no_training.default, dtypes=FLOATS, dynamic=True)
 def lower_batch_norm_inference(cx: Cx, x, weight, bias, running_mean, running_var, momentum, eps):
     y, outs = _infer(cx, x, weight, bias, running_mean, running_var, eps)
     return y, *_eval_stats(cx, running_mean, running_var, eps, outs)

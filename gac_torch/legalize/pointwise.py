@@ -1,11 +1,19 @@
-"""Pointwise ATen ops -> gac.unary / gac.binary / gac.select / gac.cast."""
+"""Pointwise ATen ops -> gac.unary / gac.binary / gac.select / gac.cast.
+
+Every lowering here is shape-agnostic (gac's pointwise ops broadcast by their operand types), so
+all of them take run-time sizes (`dynamic=True`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from gac_torch.legalize import registry
 from gac_torch.legalize.context import Cx, meta_val
-from gac_torch.legalize.registry import ALL_DTYPES, FLOATS, aten, lower
+from gac_torch.legalize.registry import ALL_DTYPES, FLOATS, aten
+
+lower = functools.partial(registry.lower, dynamic=True)
 
 
 def promoted(cx: Cx, *positions: int) -> torch.dtype:

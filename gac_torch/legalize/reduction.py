@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from mlir import ir
 
 from gac_torch.legalize.context import Cx, meta_val
 from gac_torch.legalize.registry import FLOATS, aten, lower
@@ -18,14 +19,20 @@ def _dims(cx: Cx, x, dims) -> list[int]:
     return [d % max(rank, 1) for d in dims]
 
 
-def _count(cx: Cx, x, dims: list[int]) -> int:
-    """How many elements a reduction over dims combines (1 for a 0-d tensor)."""
+def _count(cx: Cx, x, dims: list[int]):
+    """How many elements a reduction over dims combines (1 for a 0-d tensor): an int, or an
+    index Value when a reduced size is known only at run time."""
     shape = cx.shape(x)
-    return math.prod(shape[d] for d in dims) if shape else 1
+    if not shape:
+        return 1
+    if all(isinstance(shape[d], int) for d in dims):
+        return math.prod(shape[d] for d in dims)
+    x_node = cx.node.args[0]
+    return cx.size(math.prod(meta_val(x_node).shape[d] for d in dims))
 
 
 def _reduce(kind: str, *overloads):
-    @lower(*overloads)
+    @lower(*overloads, dynamic=True)
     def fn(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
         dt = cx.out_dtype
         src = cx.to(x, dt) if kind in ("sum", "prod") else x
@@ -59,14 +66,14 @@ def lower_prod_dim(cx: Cx, x, dim, keepdim=False, *, dtype=None):
     return cx.b.reduce(cx.to(x, cx.out_dtype), kind="prod", dims=_dims(cx, x, dim), keepdim=bool(keepdim))
 
 
-@lower(aten.mean.dim, aten.mean.default)
+@lower(aten.mean.dim, aten.mean.default, dynamic=True)
 def lower_mean(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
     dt = cx.out_dtype
     ct = cx.compute_dtype(dt)  # sum and divide before the one rounding to f16/bf16
     ds = _dims(cx, x, dims)
     count = _count(cx, x, ds)
     s = cx.b.reduce(cx.to(x, ct), kind="sum", dims=ds, keepdim=bool(keepdim))
-    return cx.to(cx.b.binary(s, cx.to(float(count), ct), kind="div"), dt)
+    return cx.to(cx.b.binary(s, cx.to(count if isinstance(count, ir.Value) else float(count), ct), kind="div"), dt)
 
 
 @lower(aten.var.dim, aten.std.dim)
@@ -99,13 +106,13 @@ def lower_argmax(cx: Cx, x, dim=None, keepdim=False):
     return cx.b.arg_reduce(x, kind=kind, dim=dim, keepdim=bool(keepdim))
 
 
-@lower(aten._softmax.default, aten._log_softmax.default)
+@lower(aten._softmax.default, aten._log_softmax.default, dynamic=True)
 def lower_softmax(cx: Cx, x, dim, half_to_float=False):
     log = cx.node.target is aten._log_softmax.default
     return cx.b.softmax(cx.to(x, cx.out_dtype), dim=dim, log=int(log))
 
 
-@lower(aten.max.dim, aten.min.dim)
+@lower(aten.max.dim, aten.min.dim, dynamic=True)
 def lower_max_dim(cx: Cx, x, dim, keepdim=False):
     kind = "max" if cx.node.target is aten.max.dim else "min"
     d = _dims(cx, x, dim)

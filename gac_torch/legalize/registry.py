@@ -7,6 +7,8 @@
 An op in no bucket falls back with the reason "no lowering". A lowering may also refuse one
 particular node (an unsupported argument) through its `check`, and declares the dtypes it takes
 (`dtypes`, checked on the node's first tensor input, or its output for constructors).
+A lowering that handles sizes known only at run time says so (`dynamic=True`); the others see
+static shapes only (a graph with symbolic sizes is then compiled once per shape, see frontends/).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Entry:
     check: Check | None = None
     reason: str = ""
     dtypes: frozenset = ALL_DTYPES
+    dynamic: bool = False  # the lowering handles run-time sizes (Cx shapes holding index Values)
 
     @property
     def name(self) -> str:
@@ -54,11 +57,12 @@ def _add(entry: Entry) -> None:
     _TABLE.clear()
 
 
-def lower(*overloads: OpOverload, check: Check | None = None, dtypes: Iterable[torch.dtype] = ALL_DTYPES):
+def lower(*overloads: OpOverload, check: Check | None = None, dtypes: Iterable[torch.dtype] = ALL_DTYPES,
+          dynamic: bool = False):
     """Registers fn(cx, *args, **kwargs) -> Value | tuple[Value, ...] for each overload."""
     def register(fn):
         for ov in overloads:
-            _add(Entry(ov, "lower", fn, check, dtypes=frozenset(dtypes)))
+            _add(Entry(ov, "lower", fn, check, dtypes=frozenset(dtypes), dynamic=dynamic))
         return fn
     return register
 

@@ -6,23 +6,24 @@ import math
 
 import torch
 
-from gac_torch.legalize.context import Cx, meta_val
+from gac_torch.ir.types import DYN
+from gac_torch.legalize.context import NEEDS_STATIC, Cx, meta_val
 from gac_torch.legalize.registry import aten, lower
 
 
 @lower(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-       aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+       aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, dynamic=True)
 def lower_view(cx: Cx, x, *_):
     return cx.b.reshape(x, cx.out_shape)
 
 
-@lower(aten.permute.default)
+@lower(aten.permute.default, dynamic=True)
 def lower_permute(cx: Cx, x, perm):
     rank = len(cx.shape(x))
     return cx.b.transpose(x, perm=[p % max(rank, 1) for p in perm]) if rank else x
 
 
-@lower(aten.t.default, aten.transpose.int)
+@lower(aten.t.default, aten.transpose.int, dynamic=True)
 def lower_transpose(cx: Cx, x, d0=0, d1=1):
     rank = len(cx.shape(x))
     if rank < 2:
@@ -33,7 +34,7 @@ def lower_transpose(cx: Cx, x, d0=0, d1=1):
     return cx.b.transpose(x, perm=perm)
 
 
-@lower(aten.expand.default)
+@lower(aten.expand.default, dynamic=True)
 def lower_expand(cx: Cx, x, size, *, implicit=False):
     return cx.b.broadcast(x, shape=cx.out_shape) if cx.shape(x) != cx.out_shape else x
 
@@ -48,28 +49,56 @@ def _slice_bounds(size: int, start, end, step) -> tuple[int, int, int]:
     return start, end, step
 
 
-@lower(aten.slice.Tensor)
+def _whole_dims(cx: Cx, x) -> list[int]:
+    """gac.slice limits taking every dim whole (DYN: a run-time size, taken whole)."""
+    return [s if isinstance(s, int) else DYN for s in cx.shape(x)]
+
+
+def _static_slice(node) -> str | None:
+    """slicing a dim whose size is known only at run time, or with run-time bounds"""
+    x, dim = meta_val(node.args[0]), node.args[1] if len(node.args) > 1 else 0
+    bounds = node.args[2:] if node.target is aten.slice.Tensor else node.args[2:3]
+    if any(not isinstance(b, (int, type(None))) for b in bounds):
+        return f"{NEEDS_STATIC}: a slice with run-time bounds"
+    if x.dim() and not isinstance(x.shape[dim % x.dim()], int):
+        given = list(node.args[2:])
+        start, end, step = given + [None, None, 1][len(given):]
+        whole = node.target is aten.slice.Tensor and start in (None, 0) and step == 1 and (
+            end is None or end >= 2 ** 62)
+        return None if whole else f"{NEEDS_STATIC}: a slice of a run-time size"
+    return None
+
+
+@lower(aten.slice.Tensor, check=_static_slice, dynamic=True)
 def lower_slice(cx: Cx, x, dim=0, start=None, end=None, step=1):
     shape = cx.shape(x)
     dim %= len(shape)
+    if not isinstance(shape[dim], int):  # the whole run-time dim (_static_slice)
+        return x
     lo, hi, st = _slice_bounds(shape[dim], start, end, step)
-    starts, limits, strides = [0] * len(shape), list(shape), [1] * len(shape)
+    starts, limits, strides = [0] * len(shape), _whole_dims(cx, x), [1] * len(shape)
     starts[dim], limits[dim], strides[dim] = lo, hi, st
     return cx.b.slice(x, starts=starts, limits=limits, strides=strides)
 
 
-@lower(aten.select.int)
+@lower(aten.select.int, check=_static_slice, dynamic=True)
 def lower_select(cx: Cx, x, dim, index):
     shape = cx.shape(x)
     dim %= len(shape)
     index %= shape[dim]
-    starts, limits = [0] * len(shape), list(shape)
+    starts, limits = [0] * len(shape), _whole_dims(cx, x)
     starts[dim], limits[dim] = index, index + 1
     y = cx.b.slice(x, starts=starts, limits=limits, strides=[1] * len(shape))
     return cx.b.reshape(y, cx.out_shape)
 
 
-@lower(aten.cat.default)
+def _static_cat_dim(node) -> str | None:
+    """concatenation along a dim whose size is known only at run time"""
+    out, dim = meta_val(node), node.args[1] if len(node.args) > 1 else 0
+    return None if isinstance(out.shape[dim % out.dim()], int) else f"{NEEDS_STATIC}: a concatenation along a run-time size"
+
+
+@lower(aten.cat.default, check=_static_cat_dim, dynamic=True)
 def lower_cat(cx: Cx, tensors, dim=0):
     dt = cx.out_dtype
     d = dim % len(cx.out_shape)
@@ -132,14 +161,14 @@ def lower_gather(cx: Cx, x, dim, index, *, sparse_grad=False):
 
 
 # Constructors: values that only depend on static shapes.
-@lower(aten.full.default, aten.scalar_tensor.default)
+@lower(aten.full.default, aten.scalar_tensor.default, dynamic=True)
 def lower_full(cx: Cx, size_or_value, fill_value=None, **kwargs):
     value = size_or_value if fill_value is None else fill_value
     c = cx.b.constant(value, cx.out_dtype)
     return cx.b.broadcast(c, shape=cx.out_shape) if cx.out_shape else c
 
 
-@lower(aten.full_like.default, aten.zeros_like.default, aten.ones_like.default)
+@lower(aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, dynamic=True)
 def lower_full_like(cx: Cx, x, fill_value=None, **kwargs):
     value = {aten.zeros_like.default: 0, aten.ones_like.default: 1}.get(cx.node.target, fill_value)
     c = cx.b.constant(value, cx.out_dtype)
@@ -166,7 +195,7 @@ def lower_arange(cx: Cx, *args, **kwargs):
 
 
 @lower(aten.empty.memory_format, aten.empty_strided.default, aten.empty_permuted.default, aten.zeros.default,
-       aten.ones.default)
+       aten.ones.default, dynamic=True)
 def lower_filled(cx: Cx, size, *_args, **kwargs):
     # empty: any content is valid; zeros keeps results deterministic.
     value = 1 if cx.node.target is aten.ones.default else 0

@@ -7,11 +7,11 @@ import math
 import torch
 
 from gac_torch.ir.types import tensor_type
-from gac_torch.legalize.context import Cx, meta_val
+from gac_torch.legalize.context import NEEDS_STATIC, Cx, meta_val
 from gac_torch.legalize.registry import FLOATS, NUMERIC, aten, lower
 
 
-@lower(aten.mm.default, aten.bmm.default)
+@lower(aten.mm.default, aten.bmm.default, dynamic=True)
 def lower_mm(cx: Cx, a, b):
     return cx.matmul(a, b)
 
@@ -31,7 +31,7 @@ def lower_addbmm(cx: Cx, bias, a, b, *, beta=1, alpha=1):
     return lower_addmm(cx, bias, a2, cx.b.reshape(b, [nb * k, m]), beta=beta, alpha=alpha)
 
 
-@lower(aten.addmm.default, aten.baddbmm.default)
+@lower(aten.addmm.default, aten.baddbmm.default, dynamic=True)
 def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1, out_shape=None):
     """beta * bias + alpha * (a @ b), from the unrounded f32 product for f16/bf16 (one rounding,
     as ATen's kernels do)."""
@@ -50,17 +50,28 @@ def lower_addmm(cx: Cx, bias, a, b, *, beta=1, alpha=1, out_shape=None):
     return cx.to(y, dt)
 
 
+def run_time_batch_only(node) -> str | None:
+    """channel or spatial sizes known only at run time (a run-time batch size is fine)"""
+    x = meta_val(node.args[0])
+    if any(not isinstance(s, int) for s in x.shape[1:]):
+        return f"{NEEDS_STATIC}: a window op over channel or spatial sizes known only at run time"
+    return None
+
+
 def _conv_check(node) -> str | None:
-    """3-d convolution; empty tensors"""
+    """3-d convolution; empty tensors; run-time channel/spatial sizes"""
     x = meta_val(node.args[0])
     if x.dim() not in (3, 4):
         return f"{x.dim() - 2}-d convolution"
-    if meta_val(node).numel() == 0 or x.numel() == 0:
+    dynamic = run_time_batch_only(node)
+    if dynamic or (node.args[6] and not isinstance(x.shape[0], int)):
+        return dynamic or f"{NEEDS_STATIC}: a transposed convolution with a run-time batch size"
+    if isinstance(x.shape[0], int) and (meta_val(node).numel() == 0 or x.numel() == 0):
         return "empty convolution"
     return None
 
 
-@lower(aten.convolution.default, check=_conv_check, dtypes=NUMERIC)
+@lower(aten.convolution.default, check=_conv_check, dtypes=NUMERIC, dynamic=True)
 def lower_convolution(cx: Cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     nsp = len(cx.shape(x)) - 2
     rep = (lambda v: list(v) * nsp if len(v) == 1 else list(v))
@@ -115,7 +126,15 @@ def _indices_unused(node) -> str | None:
     return "pooling indices are used" if users else None
 
 
-@lower(aten.max_pool2d_with_indices.default, dtypes=NUMERIC)
+def _max_pool_check(node) -> str | None:
+    """run-time channel/spatial sizes; indices with a run-time batch size"""
+    x = meta_val(node.args[0])
+    if not isinstance(x.shape[0], int) and _indices_unused(node):
+        return f"{NEEDS_STATIC}: max pooling indices with a run-time batch size"
+    return run_time_batch_only(node)
+
+
+@lower(aten.max_pool2d_with_indices.default, check=_max_pool_check, dtypes=NUMERIC, dynamic=True)
 def lower_max_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), dilation=(1,), ceil_mode=False):
     k, s, p, d = _pool_args(kernel, stride, padding, dilation)
     if _indices_unused(cx.node) is None:
@@ -167,7 +186,7 @@ def _window_max(cx: Cx, x, rows: torch.Tensor, cols: torch.Tensor, flat_rows: to
     return values, cx.b.reshape(index, lead + [oh, ow])
 
 
-@lower(aten.avg_pool2d.default, dtypes=FLOATS)
+@lower(aten.avg_pool2d.default, check=run_time_batch_only, dtypes=FLOATS, dynamic=True)
 def lower_avg_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), ceil_mode=False,
                      count_include_pad=True, divisor_override=None):
     k, s, p, d = _pool_args(kernel, stride, padding)
@@ -206,7 +225,7 @@ def _adaptive(cx: Cx, x, output_size, kind: str):
     return x
 
 
-@lower(aten._adaptive_avg_pool2d.default, dtypes=FLOATS)
+@lower(aten._adaptive_avg_pool2d.default, check=run_time_batch_only, dtypes=FLOATS, dynamic=True)
 def lower_adaptive_avg_pool2d(cx: Cx, x, output_size):
     h, w = cx.shape(x)[-2:]
     if h % output_size[0] == 0 and w % output_size[1] == 0:  # even windows: a plain average pool

@@ -2,6 +2,10 @@
 
 Floating-point math on f16/bf16 runs in f32 and is rounded once at the end (as ATen's CPU and CUDA
 kernels do); reductions and contractions accumulate in f32 (f64 for f64).
+
+Shapes here are lists of ints with an index Value for each size known only at run time (`?` in
+the type): `shape(v)` gives them (tensor.dim of a lowered value, or the sizes lowering/__init__
+reified for the gac op being lowered), and every builder below accepts them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from mlir import ir
 from mlir.dialects import arith, linalg, tensor
 from mlir.dialects import math as mmath
 
-from gac_torch.ir.types import is_bool, is_float
+from gac_torch.ir.types import DYN, is_bool, is_float
+
+# gac result Value -> its dims (ints / index Values), set while that op is lowered.
+result_dims: dict = {}
 
 PARALLEL = "parallel"
 REDUCTION = "reduction"
@@ -27,12 +34,43 @@ def index_type() -> ir.Type:
     return ir.IndexType.get()
 
 
-def tensor_t(shape: Sequence[int], elem: ir.Type) -> ir.RankedTensorType:
-    return ir.RankedTensorType.get(list(shape), elem)
+def static(s) -> int:
+    return s if isinstance(s, int) else DYN
 
 
-def shape(v: ir.Value) -> list[int]:
-    return list(ir.RankedTensorType(v.type).shape)
+def tensor_t(shape: Sequence, elem: ir.Type) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get([static(s) for s in shape], elem)
+
+
+def shape(v: ir.Value) -> list:
+    """v's dims: ints, and an index Value where the size is known only at run time."""
+    dims = list(ir.RankedTensorType(v.type).shape)
+    if DYN not in dims:
+        return dims
+    if v in result_dims:
+        return list(result_dims[v])
+    return [tensor.DimOp(v, const(i, index_type())).result if s == DYN else s for i, s in enumerate(dims)]
+
+
+def prod(dims: Sequence) -> int | ir.Value:
+    """The product of sizes (an index Value if any of them is one)."""
+    n, values = 1, []
+    for s in dims:
+        if isinstance(s, int):
+            n *= s
+        else:
+            values.append(s)
+    if not values:
+        return n
+    acc = values[0]
+    for v in values[1:] + ([const(n, index_type())] if n != 1 else []):
+        acc = arith.muli(acc, v)
+    return acc
+
+
+def same_size(a, b) -> bool:
+    return a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or (
+        isinstance(a, ir.Value) and isinstance(b, ir.Value) and a == b)
 
 
 def elem(v: ir.Value | ir.Type) -> ir.Type:
@@ -50,7 +88,7 @@ def accumulator_type(e: ir.Type) -> ir.Type:
     return f32() if str(e) in ("f16", "bf16") else e
 
 
-def empty(shape_: Sequence[int], e: ir.Type) -> ir.Value:
+def empty(shape_: Sequence, e: ir.Type) -> ir.Value:
     return tensor.EmptyOp(list(shape_), e).result
 
 
@@ -122,7 +160,7 @@ def identity_map(rank: int) -> ir.AffineMap:
 def broadcast_map(src_shape: Sequence[int], out_shape: Sequence[int]) -> ir.AffineMap:
     """Indexing map reading a numpy-broadcast operand inside an iteration over out_shape."""
     rank, off = len(out_shape), len(out_shape) - len(src_shape)
-    exprs = [ir.AffineConstantExpr.get(0) if s == 1 and out_shape[off + i] != 1
+    exprs = [ir.AffineConstantExpr.get(0) if isinstance(s, int) and s == 1 and not same_size(out_shape[off + i], 1)
              else ir.AffineDimExpr.get(off + i) for i, s in enumerate(src_shape)]
     return dim_map(rank, exprs)
 
@@ -184,44 +222,54 @@ def expand_to(v: ir.Value, new_shape: Sequence[int]) -> ir.Value:
     return reshape(v, new_shape)
 
 
-def reshape(v: ir.Value, new_shape: Sequence[int]) -> ir.Value:
-    """Row-major reshape via collapse-to-1-D then expand (always legal for static shapes)."""
+def reshape(v: ir.Value, new_shape: Sequence) -> ir.Value:
+    """Row-major reshape via collapse-to-1-D then expand. An expand may make at most one run-time
+    size per group (memref lowering needs the others to divide it out), so a target shape with
+    several goes through tensor.reshape with its sizes as a shape operand."""
     src = shape(v)
-    if list(src) == list(new_shape):
+    if len(src) == len(new_shape) and all(map(same_size, src, new_shape)):
         return v
     e = elem(v)
+    if sum(1 for s in new_shape if not isinstance(s, int)) > 1:
+        sizes = tensor.FromElementsOp(tensor_t([len(new_shape)], index_type()),
+                                      [s if not isinstance(s, int) else const(s, index_type())
+                                       for s in new_shape]).result
+        return tensor.ReshapeOp(tensor_t(new_shape, e), v, sizes).result
     if len(src) > 1:
-        v = tensor.CollapseShapeOp(tensor_t([math.prod(src)], e), v, [list(range(len(src)))]).result
+        v = tensor.CollapseShapeOp(tensor_t([static(prod(src))], e), v, [list(range(len(src)))]).result
     elif len(src) == 0:
         v = tensor.ExpandShapeOp(tensor_t([1], e), v, [], [], [1]).result
     if len(new_shape) == 0:
         return tensor.CollapseShapeOp(tensor_t([], e), v, []).result
     if len(new_shape) == 1:
-        return v
-    return tensor.ExpandShapeOp(tensor_t(new_shape, e), v, [list(range(len(new_shape)))], [],
-                                list(new_shape)).result
+        want = tensor_t(new_shape, e)
+        return v if v.type == want else tensor.CastOp(want, v).result
+    return tensor.ExpandShapeOp(tensor_t(new_shape, e), v, [list(range(len(new_shape)))],
+                                [s for s in new_shape if not isinstance(s, int)],
+                                [static(s) for s in new_shape]).result
 
 
 def extract_slice(v: ir.Value, offsets, sizes, strides) -> ir.Value:
     # An empty slice may start at the end; MLIR wants every offset in bounds.
-    offsets = [0 if n == 0 else o for o, n in zip(offsets, sizes)]
-    return tensor.ExtractSliceOp(tensor_t(sizes, elem(v)), v, [], [], [], list(offsets),
-                                 list(sizes), list(strides)).result
+    offsets = [0 if same_size(n, 0) else o for o, n in zip(offsets, sizes)]
+    return tensor.ExtractSliceOp(tensor_t(sizes, elem(v)), v, [], [s for s in sizes if not isinstance(s, int)],
+                                 [], list(offsets), [static(s) for s in sizes], list(strides)).result
 
 
 def insert_slice(src: ir.Value, dest: ir.Value, offsets, strides=None) -> ir.Value:
     sizes = shape(src)
-    if 0 in sizes:
+    if any(same_size(s, 0) for s in sizes):
         return dest
     strides = strides or [1] * len(sizes)
-    return tensor.InsertSliceOp(src, dest, [], [], [], list(offsets), sizes, list(strides)).result
+    return tensor.InsertSliceOp(src, dest, [], [s for s in sizes if not isinstance(s, int)], [],
+                                list(offsets), [static(s) for s in sizes], list(strides)).result
 
 
 def pad_constant(v: ir.Value, low, high, value) -> ir.Value:
     if not any(low) and not any(high):
         return v
     e = elem(v)
-    out = [s + lo + hi for s, lo, hi in zip(shape(v), low, high)]
+    out = [s if lo == hi == 0 else s + lo + hi for s, lo, hi in zip(shape(v), low, high)]
     op = tensor.PadOp(tensor_t(out, e), v, [], [], list(low), list(high))
     block = op.regions[0].blocks.append(*[index_type()] * len(out))
     with ir.InsertionPoint(block):

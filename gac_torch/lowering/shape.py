@@ -30,7 +30,7 @@ def lower_transpose(op, operands):
 
 @lowers("broadcast", moves_data_only=True)
 def lower_broadcast(op, operands):
-    (x,) = operands
+    x = operands[0]  # (the rest: run-time sizes, already in shape(result))
     out_shape = shape(op.results[0])
     rank = len(out_shape)
     return generic([x], [broadcast_map(shape(x), out_shape)], [empty(out_shape, elem(x))],
@@ -187,3 +187,14 @@ def lower_scatter(op, operands):
         return loop.results[0]
 
     return [nest(0, [], x)]
+
+
+@lowers("dim", moves_data_only=True)
+def lower_dim(op, operands):
+    return [tensor.DimOp(operands[0], const(op_attrs(op)["dim"] % len(shape(operands[0])), index_type())).result]
+
+
+@lowers("from_size", moves_data_only=True)
+def lower_from_size(op, operands):
+    i64 = ir.IntegerType.get_signless(64)
+    return [tensor.FromElementsOp(ir.RankedTensorType.get([], i64), [arith.index_cast(i64, operands[0])]).result]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from mlir import ir
 from mlir.dialects import arith, linalg
 
@@ -11,7 +9,7 @@ from gac_torch.ir.builder import op_attrs
 from gac_torch.ir.types import is_float
 from gac_torch.lowering.core import (
     PARALLEL, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
-    identity_map, index, lowest, pad_constant, reshape, shape,
+    identity_map, index, lowest, pad_constant, prod, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
 
@@ -30,7 +28,7 @@ def lower_matmul(op, operands):
     acc = accumulator_type(e)
     batch = sa[:-2]
     m, k, n = sa[-2], sa[-1], sb[-1]
-    nb = math.prod(batch)
+    nb = prod(batch)
     if not batch:
         out = linalg.matmul(a, b, outs=[full([m, n], 0, acc)])
     else:
@@ -89,7 +87,7 @@ def lower_pool(op, operands):
     # Normalise to (N, C, H, W).
     if nsp == 1:
         kernel, stride, padding, dilation = [1] + kernel, [1] + stride, [0] + padding, [1] + dilation
-    nc = [math.prod(lead[:-1]) if len(lead) > 1 else 1, lead[-1] if lead else 1]
+    nc = [prod(lead[:-1]) if len(lead) > 1 else 1, lead[-1] if lead else 1]
     x4 = reshape(x, nc + xs[len(xs) - nsp:] if nsp == 2 else nc + [1, xs[-1]])
     h, w = shape(x4)[2:]
     ho, wo = (out_shape[-2], out_shape[-1]) if nsp == 2 else (1, out_shape[-1])

@@ -16,6 +16,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from gac_torch.legalize import node_support
+from gac_torch.legalize.context import HOST_SIZE_MATH
 
 _SKIP = {"placeholder", "output", "get_attr"}
 
@@ -69,8 +70,8 @@ def analyze(gm: fx.GraphModule) -> tuple[dict[fx.Node, str | None], GraphReport]
             continue
         why = node_support(node)
         decisions[node] = why
-        if node.op == "call_function" and node.target is operator.getitem:
-            continue  # bookkeeping, not an op
+        if node.op == "call_function" and node.target is operator.getitem or why == HOST_SIZE_MATH:
+            continue  # bookkeeping (tuple access, size arithmetic on Python ints), not an op
         report.total += 1
         if why is None:
             report.compiled += 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import sympy
 import torch
 
-from gac_torch.backends.base import Executable, Signature
+from gac_torch.backends.base import Executable, Signature, SizeSpec
+from gac_torch.runtime.sizes import bind_all
 
 
 class GacInputError(TypeError):
@@ -14,7 +16,12 @@ class GacInputError(TypeError):
 
 
 class CompiledGraph(torch.nn.Module):
-    """Drop-in replacement for an FX submodule. `stages` maps stage name -> text."""
+    """Drop-in replacement for an FX submodule. `stages` maps stage name -> text.
+
+    With run-time sizes (signature.dynamic) each call binds the size symbols from its inputs'
+    sizes (runtime/sizes.py), checks that every input agrees with them, and evaluates the output
+    shapes; the executable receives the size arguments as ints, in
+    their places among the input tensors."""
 
     def __init__(self, name: str, executable: Executable, signature: Signature, device_type: str,
                  stages: dict[str, str], input_names: Sequence[str], tuple_output: bool):
@@ -26,35 +33,76 @@ class CompiledGraph(torch.nn.Module):
         self.stages = stages
         self.input_names = list(input_names)
         self.tuple_output = tuple_output
+        self._sizes: dict[tuple, dict] = {}  # input shapes -> size symbols' values
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
             raise KeyError(f"no stage {stage!r}; stages: {list(self.stages)}")
         return self.stages[stage]
 
-    def check_inputs(self, args: Sequence) -> None:
+    def check_inputs(self, args: Sequence) -> dict:
+        """Raises GacInputError on a mismatch; returns the size symbols' values."""
         if len(args) != len(self.signature.inputs):
             raise GacInputError(f"{self.name}: expected {len(self.signature.inputs)} inputs, got {len(args)}")
         for i, (a, spec) in enumerate(zip(args, self.signature.inputs)):
             what = f"{self.name}: input {i} ({self.input_names[i]})"
+            if isinstance(spec, SizeSpec):
+                if not isinstance(a, (int, torch.SymInt)) or isinstance(a, bool):
+                    raise GacInputError(f"{what}: expected a size (int), got {type(a).__name__}")
+                continue
             if not isinstance(a, torch.Tensor):
                 raise GacInputError(f"{what}: expected a tensor, got {type(a).__name__}")
             if a.dtype != spec.dtype:
                 raise GacInputError(f"{what}: expected dtype {spec.dtype}, got {a.dtype}")
-            if tuple(a.shape) != spec.shape:
+            if a.dim() != len(spec.shape) or any(
+                    isinstance(s, int) and s != n for s, n in zip(spec.shape, a.shape)):
                 raise GacInputError(f"{what}: expected shape {list(spec.shape)}, got {list(a.shape)}")
             if a.device.type != self.device_type:
                 raise GacInputError(f"{what}: compiled for {self.device_type} tensors, got one on {a.device}")
             if a.layout != torch.strided:
                 raise GacInputError(f"{what}: expected a dense (strided) tensor, got {a.layout}")
+        return self._bind(args) if self.signature.dynamic else {}
+
+    def _bind(self, args: Sequence) -> dict:
+        """The size symbols' values for these input sizes (cached per input shape)."""
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else int(a) for a in args)
+        if key in self._sizes:
+            return self._sizes[key]
+        pairs = []
+        for a, spec in zip(args, self.signature.inputs):
+            if isinstance(spec, SizeSpec):
+                pairs.append((spec.expr, int(a)))
+            else:
+                pairs += [(s, int(n)) for s, n in zip(spec.shape, a.shape) if not isinstance(s, int)]
+        sizes, errors = bind_all(pairs)
+        if errors:
+            raise GacInputError(f"{self.name}: inputs disagree on their sizes: {errors[0]}")
+        if len(self._sizes) < 64:
+            self._sizes[key] = sizes
+        return sizes
+
+    def output_shapes(self, sizes: dict) -> list[tuple[int, ...]]:
+        return [tuple(_evaluate(d, sizes) for d in s.shape) for s in self.signature.outputs]
 
     def forward(self, *args):
-        self.check_inputs(args)
-        inputs = [a.contiguous() for a in args]  # the kernels assume dense row-major buffers
-        device = inputs[0].device if inputs else torch.device(self.device_type)
-        outputs = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.signature.outputs]
-        if all(o.numel() for o in outputs) and all(i.numel() for i in inputs):
+        sizes = self.check_inputs(args)
+        # dense row-major buffers; size arguments as ints
+        inputs = [a.contiguous() if isinstance(a, torch.Tensor) else int(a) for a in args]
+        tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device(self.device_type)
+        outputs = [torch.empty(shape, dtype=s.dtype, device=device)
+                   for shape, s in zip(self.output_shapes(sizes), self.signature.outputs)]
+        if all(o.numel() for o in outputs) and all(t.numel() for t in tensors):
             self.executable.run(inputs, outputs)
         elif any(o.numel() for o in outputs):
             raise GacInputError(f"{self.name}: empty inputs with non-empty outputs are not supported")
         return tuple(outputs) if self.tuple_output else outputs[0]
+
+
+def _evaluate(expr, sizes: dict) -> int:
+    if isinstance(expr, int):
+        return expr
+    value = expr.xreplace({k: sympy.Integer(v) for k, v in sizes.items()})
+    if not value.is_number:
+        raise GacInputError(f"size {expr} depends on sizes no input gives ({sorted(map(str, value.free_symbols))})")
+    return int(value)

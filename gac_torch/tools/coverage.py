@@ -105,20 +105,25 @@ def render() -> str:
         "run in eager (with a reason)",
         "- dtype columns: the dtypes a lowering takes (checked on the node's first tensor input); "
         "a lowering may still refuse particular arguments (last column), which then run in eager; every "
-        "op also runs in eager on zero-size tensors, dynamic shapes and dtypes gac lacks (uint8, complex)",
+        "op also runs in eager on zero-size tensors and dtypes gac lacks (uint8, complex)",
+        f"- run-time sizes: {sum(all(e.dynamic for e in es) for es in lowered.values())} ops take sizes "
+        "known only at run time (a graph of such ops compiles once for every shape, on targets that "
+        "support it: cpu); a graph with any other op is compiled once per shape",
         "- target columns: every lowered op goes through the shared gac -> linalg lowering; the "
         "OpInfo parity suite (`tests/test_opinfo.py`) checks cpu in CI and cuda on a GPU machine",
         "",
         "## Lowered",
         "",
-        _row(["op", "overloads"] + [c for _, c in DTYPE_COLUMNS] + [t for t, _ in targets] + ["refuses"]),
-        _row(["---"] * (3 + len(DTYPE_COLUMNS) + len(targets))),
+        _row(["op", "overloads"] + [c for _, c in DTYPE_COLUMNS] + [t for t, _ in targets]
+             + ["run-time sizes", "refuses"]),
+        _row(["---"] * (4 + len(DTYPE_COLUMNS) + len(targets))),
     ]
     for name, entries in lowered.items():
         dtypes = frozenset.intersection(*(e.dtypes for e in entries))
         cells = [f"`{name}`", _overload_names(entries)]
         cells += ["✓" if dt in dtypes else "–" for dt, _ in DTYPE_COLUMNS]
         cells += ["–" if name in bad or "*" in bad else "✓" for _, bad in targets]
+        cells += ["✓" if all(e.dynamic for e in entries) else "some" if any(e.dynamic for e in entries) else "–"]
         lines.append(_row(cells + [_limits(entries)]))
     lines += ["", "## Decomposed (torch's decomposition, into lowered ops)", "",
               _row(["op", "overloads"]), _row(["---", "---"])]

@@ -13,7 +13,7 @@ import torch
 from mlir import ir, passmanager
 from mlir.execution_engine import ExecutionEngine
 
-from gac_torch.backends.base import Signature, Stage, Target
+from gac_torch.backends.base import Signature, SizeSpec, Stage, Target
 from gac_torch.passes.copies import memref_copy_to_linalg
 
 # Why each step: bufferize with identity layouts at the boundary so arguments stay plain
@@ -56,16 +56,22 @@ def _descriptor_type(rank: int):
 
 
 class CpuExecutable:
-    """Calls `_mlir_ciface_main` with one memref descriptor per tensor, pointing at torch storage."""
+    """Calls `_mlir_ciface_main` with one memref descriptor per tensor, pointing at torch storage
+    (sizes known only at run time travel in the descriptors' shape fields), and an int64 per
+    size argument."""
 
     def __init__(self, module: ir.Module, signature: Signature):
         self.module = module  # keeps the context alive as long as the engine
         self.engine = ExecutionEngine(module, opt_level=2)
-        self.desc_types = [_descriptor_type(len(s.shape)) for s in signature.inputs + signature.outputs]
+        self.desc_types = [ctypes.c_int64 if isinstance(s, SizeSpec) else _descriptor_type(len(s.shape))
+                           for s in signature.inputs + signature.outputs]
 
-    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def run(self, inputs: Sequence[torch.Tensor | int], outputs: Sequence[torch.Tensor]) -> None:
         descs = []
         for t, dtype in zip(list(inputs) + list(outputs), self.desc_types):
+            if dtype is ctypes.c_int64:
+                descs.append(dtype(int(t)))
+                continue
             d = dtype()
             d.allocated = d.aligned = t.data_ptr()
             d.offset = 0
@@ -73,7 +79,9 @@ class CpuExecutable:
                 d.shape[:] = list(t.shape)
                 d.strides[:] = list(t.stride())
             descs.append(d)
-        self.engine.invoke("main", *[ctypes.pointer(ctypes.pointer(d)) for d in descs])
+        # The packed interface takes a pointer to each argument: a descriptor pointer, or an int64.
+        self.engine.invoke("main", *[ctypes.pointer(d) if isinstance(d, ctypes.c_int64)
+                                     else ctypes.pointer(ctypes.pointer(d)) for d in descs])
 
 
 def _load(artifact: ir.Module, signature: Signature, options: dict) -> CpuExecutable:
@@ -85,4 +93,5 @@ TARGET = Target(
     device_type="cpu",
     stages=lambda options: [Stage("llvm", lower_to_llvm)],
     load=_load,
+    dynamic_shapes=True,
 )

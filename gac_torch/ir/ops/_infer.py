@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlir import ir
 
-from gac_torch.ir.types import elem_of, shape_of
+from gac_torch.ir.types import DYN, elem_of, shape_of
 
 
 class GacTypeError(ValueError):
@@ -12,16 +12,25 @@ class GacTypeError(ValueError):
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """numpy/torch broadcasting: align trailing dims; a dim of 1 stretches."""
+    """numpy/torch broadcasting: align trailing dims; a static 1 stretches. A run-time size (DYN)
+    never stretches: torch only leaves a size symbolic where it is not a broadcast 1, and two
+    symbolic sizes meeting here are the same size (torch guarded on it)."""
     rank = max((len(s) for s in shapes), default=0)
     out = []
     for i in range(rank):
         dims = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0}
         dims.discard(1)
         if len(dims) > 1:
+            dims.discard(DYN)  # a static size pins a run-time one
+        if len(dims) > 1:
             raise GacTypeError(f"shapes {list(map(list, shapes))} do not broadcast")
         out.append(dims.pop() if dims else 1)
     return tuple(out)
+
+
+def dims_match(a: int, b: int) -> bool:
+    """Two sizes that may be equal: equal ints, or one known only at run time."""
+    return a == b or DYN in (a, b)
 
 
 def same_elem(types: list[ir.Type], what: str) -> ir.Type:
@@ -41,4 +50,4 @@ def norm_dim(d: int, rank: int, what: str) -> int:
     return d % max(rank, 1)
 
 
-__all__ = ["GacTypeError", "broadcast_shapes", "same_elem", "tensor", "norm_dim", "shape_of", "elem_of"]
+__all__ = ["GacTypeError", "broadcast_shapes", "dims_match", "DYN", "same_elem", "tensor", "norm_dim", "shape_of", "elem_of"]

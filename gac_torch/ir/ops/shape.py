@@ -5,13 +5,25 @@ from __future__ import annotations
 import math
 
 from gac_torch.ir.dialect import define
-from gac_torch.ir.ops._infer import GacTypeError, broadcast_shapes, norm_dim, same_elem, shape_of, tensor
+from mlir import ir
+
+from gac_torch.ir.ops._infer import (
+    DYN, GacTypeError, broadcast_shapes, dims_match, norm_dim, same_elem, shape_of, tensor,
+)
+
+
+def _check_sizes(name: str, shape, types) -> None:
+    """Ops that make run-time sizes take one index operand per `?` of their result, in order."""
+    if sum(1 for s in shape if s == DYN) != len(types) - 1:
+        raise GacTypeError(f"gac.{name}: {len(types) - 1} size operand(s) for a result shape "
+                           f"{list(shape)} with {sum(1 for s in shape if s == DYN)} run-time size(s)")
 
 
 def _check_reshape(types, attrs, results):
-    if math.prod(shape_of(types[0])) != math.prod(shape_of(results[0])):
-        raise GacTypeError(f"gac.reshape: {list(shape_of(types[0]))} -> {list(shape_of(results[0]))} "
-                           "changes the element count")
+    src, dst = shape_of(types[0]), shape_of(results[0])
+    _check_sizes("reshape", dst, types)
+    if DYN not in src + dst and math.prod(src) != math.prod(dst):
+        raise GacTypeError(f"gac.reshape: {list(src)} -> {list(dst)} changes the element count")
 
 
 def _infer_transpose(types, attrs):
@@ -24,6 +36,7 @@ def _infer_transpose(types, attrs):
 
 def _infer_broadcast(types, attrs):
     shape = tuple(attrs["shape"])
+    _check_sizes("broadcast", shape, types)
     if broadcast_shapes(shape_of(types[0]), shape) != shape:
         raise GacTypeError(f"gac.broadcast: {list(shape_of(types[0]))} cannot expand to {list(shape)}")
     return [tensor(shape, types[0].element_type)]
@@ -36,6 +49,11 @@ def _infer_slice(types, attrs):
         raise GacTypeError("gac.slice: starts/limits/strides need one value per dim")
     out = []
     for s, lo, hi, st in zip(shape, starts, limits, strides):
+        if s == DYN or hi == DYN:  # a run-time size is only ever taken whole
+            if (lo, hi, st) != (0, DYN, 1) or s != DYN:
+                raise GacTypeError(f"gac.slice: only a whole run-time dim can be sliced, got [{lo}:{hi}:{st}]")
+            out.append(DYN)
+            continue
         if not (0 <= lo <= hi <= s and st >= 1):
             raise GacTypeError(f"gac.slice: [{lo}:{hi}:{st}] invalid for a dim of {s}")
         out.append((hi - lo + st - 1) // st)
@@ -47,9 +65,12 @@ def _infer_concat(types, attrs):
     shapes = [shape_of(t) for t in types]
     dim = norm_dim(attrs["dim"], len(shapes[0]), "gac.concat")
     for s in shapes:
-        if len(s) != len(shapes[0]) or any(a != b for i, (a, b) in enumerate(zip(s, shapes[0])) if i != dim):
+        if len(s) != len(shapes[0]) or any(not dims_match(a, b) for i, (a, b) in enumerate(zip(s, shapes[0]))
+                                           if i != dim):
             raise GacTypeError(f"gac.concat: shapes {list(map(list, shapes))} differ off dim {dim}")
-    out = list(shapes[0])
+    if any(s[dim] == DYN for s in shapes):
+        raise GacTypeError("gac.concat: the concatenated dim must be static")
+    out = [DYN if any(s[i] == DYN for s in shapes) else d for i, d in enumerate(shapes[0])]
     out[dim] = sum(s[dim] for s in shapes)
     return [tensor(out, elem)]
 
@@ -86,11 +107,23 @@ def _infer_index_select(types, attrs):
     return [tensor(shape[:dim] + shape_of(idx) + shape[dim + 1:], x.element_type)]
 
 
-define("reshape", ["x"], check=_check_reshape, doc="row-major reshape; result type gives the shape")
+define("reshape", ["x", "sizes*:index"], check=_check_reshape,
+       doc="row-major reshape; result type gives the shape, `sizes` its run-time (?) dims in order")
 define("transpose", ["x"], attrs={"perm": "ints"}, infer=_infer_transpose,
        doc="y.shape[i] = x.shape[perm[i]]")
-define("broadcast", ["x"], attrs={"shape": "ints"}, infer=_infer_broadcast,
-       doc="expand size-1 / missing leading dims (torch.expand)")
+define("broadcast", ["x", "sizes*:index"], attrs={"shape": "ints"}, infer=_infer_broadcast,
+       doc="expand size-1 / missing leading dims (torch.expand); `sizes` gives the ? dims of shape")
+
+
+def _infer_dim(types, attrs):
+    norm_dim(attrs["dim"], len(shape_of(types[0])), "gac.dim")
+    return [ir.IndexType.get()]
+
+
+define("dim", ["x"], results=("size:index",), attrs={"dim": "int"}, infer=_infer_dim,
+       doc="the run-time size of one dim of x (an index)")
+define("from_size", ["size:index"], infer=lambda types, attrs: [tensor((), ir.IntegerType.get_signless(64))],
+       doc="a run-time size as a 0-d i64 tensor (sizes used as values: means, x * n)")
 define("slice", ["x"], attrs={"starts": "ints", "limits": "ints", "strides": "ints"},
        infer=_infer_slice, doc="static strided slice, limits exclusive")
 # Two operands, not a variadic list: an IRDL constraint binds one type for every element of a

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlir import ir
 
 from gac_torch.ir.dialect import define
-from gac_torch.ir.ops._infer import GacTypeError, same_elem, shape_of, tensor
+from gac_torch.ir.ops._infer import GacTypeError, dims_match, same_elem, shape_of, tensor
 
 
 def _check_matmul(types, attrs, results):
@@ -13,11 +13,11 @@ def _check_matmul(types, attrs, results):
     (the unrounded accumulator, for epilogues that must round once)."""
     a, b = map(shape_of, types)
     elem = same_elem(types, "gac.matmul")
-    if len(a) < 2 or len(a) != len(b) or a[:-2] != b[:-2] or a[-1] != b[-2]:
+    if len(a) < 2 or len(a) != len(b) or not all(map(dims_match, a[:-2] + a[-1:], b[:-2] + b[-2:-1])):
         raise GacTypeError(f"gac.matmul: cannot multiply {list(a)} by {list(b)} "
                            "(needs (..., M, K) x (..., K, N) with equal batch dims)")
     out = results[0]
-    if shape_of(out) != a[:-1] + (b[-1],):
+    if not all(map(dims_match, shape_of(out), a[:-1] + (b[-1],))) or len(shape_of(out)) != len(a):
         raise GacTypeError(f"gac.matmul: result shape {list(shape_of(out))} != {list(a[:-1] + (b[-1],))}")
     if not _wide_ok(elem, out):
         raise GacTypeError(f"gac.matmul: result element type {ir.RankedTensorType(out).element_type} "
