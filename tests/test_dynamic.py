@@ -166,3 +166,21 @@ def test_specialization_reason_names_the_op():
             x = torch.randn(b, 3, 16, 16)
             torch.testing.assert_close(compiled(x), model(x), **MODEL_TOL)
     assert compiled.report.compiled == compiled.report.total
+
+
+@pytest.mark.cuda
+def test_cuda_symbolic_sizes_compile_per_shape(monkeypatch):
+    """The cuda target's launch plans are static: a graph with symbolic sizes is compiled per
+    shape there, and still matches eager."""
+    torch._dynamo.reset()
+    model, _ = build("attention")
+    model = model.cuda()
+    compiled = torch.compile(model, backend="gac", dynamic=True)
+    gac_dynamo.compiled_graphs.clear()
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad(), _no_size_one_specialization():
+        for b, t in [(2, 9), (5, 33), (2, 9)]:
+            x = torch.randn(b, t, 64, generator=g).cuda()
+            torch.testing.assert_close(compiled(x), model(x), **MODEL_TOL)
+    assert len(gac_dynamo.compiled_graphs) == 2  # one per distinct shape; the repeat is cached
+    assert all(c.target == "cuda" and not c.dynamic for c in gac_dynamo.compiled_graphs)

@@ -33,15 +33,15 @@ class CompiledGraph(torch.nn.Module):
         self.stages = stages
         self.input_names = list(input_names)
         self.tuple_output = tuple_output
-        self._sizes: dict[tuple, dict] = {}  # input shapes -> size symbols' values
+        self._shapes: dict[tuple, list] = {}  # input shapes -> output shapes (run-time sizes)
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
             raise KeyError(f"no stage {stage!r}; stages: {list(self.stages)}")
         return self.stages[stage]
 
-    def check_inputs(self, args: Sequence) -> dict:
-        """Raises GacInputError on a mismatch; returns the size symbols' values."""
+    def check_inputs(self, args: Sequence) -> list[tuple[int, ...]]:
+        """Raises GacInputError on a mismatch; returns the output shapes for these inputs."""
         if len(args) != len(self.signature.inputs):
             raise GacInputError(f"{self.name}: expected {len(self.signature.inputs)} inputs, got {len(args)}")
         for i, (a, spec) in enumerate(zip(args, self.signature.inputs)):
@@ -61,13 +61,19 @@ class CompiledGraph(torch.nn.Module):
                 raise GacInputError(f"{what}: compiled for {self.device_type} tensors, got one on {a.device}")
             if a.layout != torch.strided:
                 raise GacInputError(f"{what}: expected a dense (strided) tensor, got {a.layout}")
-        return self._bind(args) if self.signature.dynamic else {}
+        if not self.signature.dynamic:
+            return [s.shape for s in self.signature.outputs]
+        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else int(a) for a in args)
+        if key not in self._shapes:
+            sizes = self._bind(args)
+            shapes = [tuple(_evaluate(d, sizes) for d in s.shape) for s in self.signature.outputs]
+            if len(self._shapes) >= 64:
+                self._shapes.clear()
+            self._shapes[key] = shapes
+        return self._shapes[key]
 
     def _bind(self, args: Sequence) -> dict:
-        """The size symbols' values for these input sizes (cached per input shape)."""
-        key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else int(a) for a in args)
-        if key in self._sizes:
-            return self._sizes[key]
+        """The size symbols' values for these inputs; raises if the inputs disagree."""
         pairs = []
         for a, spec in zip(args, self.signature.inputs):
             if isinstance(spec, SizeSpec):
@@ -77,21 +83,16 @@ class CompiledGraph(torch.nn.Module):
         sizes, errors = bind_all(pairs)
         if errors:
             raise GacInputError(f"{self.name}: inputs disagree on their sizes: {errors[0]}")
-        if len(self._sizes) < 64:
-            self._sizes[key] = sizes
         return sizes
 
-    def output_shapes(self, sizes: dict) -> list[tuple[int, ...]]:
-        return [tuple(_evaluate(d, sizes) for d in s.shape) for s in self.signature.outputs]
-
     def forward(self, *args):
-        sizes = self.check_inputs(args)
+        out_shapes = self.check_inputs(args)
         # dense row-major buffers; size arguments as ints
         inputs = [a.contiguous() if isinstance(a, torch.Tensor) else int(a) for a in args]
         tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device(self.device_type)
         outputs = [torch.empty(shape, dtype=s.dtype, device=device)
-                   for shape, s in zip(self.output_shapes(sizes), self.signature.outputs)]
+                   for shape, s in zip(out_shapes, self.signature.outputs)]
         if all(o.numel() for o in outputs) and all(t.numel() for t in tensors):
             self.executable.run(inputs, outputs)
         elif any(o.numel() for o in outputs):
