@@ -41,7 +41,7 @@ Order of work (all in one MLIR module, in place):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from mlir import ir, passmanager
@@ -1142,8 +1142,29 @@ def _strategy(g: _Generic | None, limits: MappingLimits) -> str:
     return "loops"
 
 
-def map_to_gpu(module: ir.Module, limits: MappingLimits) -> None:
-    """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels."""
+# A target's hook for one linalg.generic: emit it as a template kernel named name(kind) and
+# return True, or return False to leave it to the `loops` strategy.
+MapOp = Callable[[ir.Operation, Callable[[str], str]], bool]
+
+
+def cuda_templates(limits: MappingLimits) -> MapOp:
+    """CUDA's choice: tensor-core / tiled matmuls and block reductions where they apply."""
+    def map_op(op: ir.Operation, name: Callable[[str], str]) -> bool:
+        g = _analyze(op)
+        kind = _strategy(g, limits)
+        if kind == "matmul":
+            return _emit_matmul(_match_contraction(g), name(kind), limits)  # type: ignore[arg-type]
+        if kind == "reduce":
+            return _emit_reduce(g, name(kind), limits)  # type: ignore[arg-type]
+        return False
+    return map_op
+
+
+def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = None) -> None:
+    """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels.
+    `map_op` picks template kernels per op (default: cuda_templates); everything else becomes
+    `loops` kernels (scf.parallel linearized onto a 1-D grid) or `serial` ones."""
+    map_op = map_op or cuda_templates(limits)
     fn = main_func(module)
     _generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
@@ -1156,12 +1177,7 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits) -> None:
     for op in _ops(block):
         if op.name != "linalg.generic":
             continue
-        g = _analyze(op)
-        kind = _strategy(g, limits)
-        name = f"gac_k{next(counter)}_{kind}"
-        if kind == "matmul" and _emit_matmul(_match_contraction(g), name, limits):  # type: ignore[arg-type]
-            continue
-        if kind == "reduce" and _emit_reduce(g, name, limits):  # type: ignore[arg-type]
+        if map_op(op, lambda kind: f"gac_k{next(counter)}_{kind}"):
             continue
         _parallel_dims_first(op)
 

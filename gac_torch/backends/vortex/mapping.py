@@ -1,9 +1,9 @@
 """linalg on tensors -> one gpu.launch per op, for Vortex.
 
-The steps are the CUDA target's (gac_torch.backends.cuda.mapping, imported, not copied):
-elementwise fusion, bufferization, copy elision, one `linalg.generic` per kernel, the `loops`
-strategy (scf.parallel linearized onto a 1-D grid), `serial` kernels, global sinking, outlining.
-What differs is the choice of strategy, because a Vortex CTA must fit one core (its barrier
+The steps are the CUDA target's (gac_torch.backends.cuda.mapping.map_to_gpu, called with a
+Vortex template hook): elementwise fusion, bufferization, copy elision, one `linalg.generic` per
+kernel, the `loops` strategy (scf.parallel linearized onto a 1-D grid), `serial` kernels, global
+sinking, outlining. What differs is the choice of templates, because a Vortex CTA must fit one core (its barrier
 waits for all of its warps) and warps are narrow:
 
 - `gemm`: f32 contractions -> the tiled local-memory template gac_torch.kernels.vortex_gemm,
@@ -110,47 +110,12 @@ def _emit_gemm(op: ir.Operation, name: str, limits: VortexLimits) -> bool:
 
 
 def map_to_gpu(module: ir.Module, limits: VortexLimits) -> None:
-    """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels
-    (the same sequence as cuda.mapping.map_to_gpu, with Vortex's strategy choice)."""
-    cl = limits.cuda_limits()
-    fn = cm.main_func(module)
-    cm._generalize_elementwise_named_ops(module, fn)
-    cm.run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
-    cm.bufferize(module, fn)
-    cm._copies_to_linalg(fn)
-    cm.run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
+    """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels: the
+    CUDA target's sequence, with Vortex's template choice (the tiled GEMM, else `loops`)."""
+    def map_op(op: ir.Operation, name) -> bool:
+        return limits.tiled_gemm and _emit_gemm(op, name("gemm"), limits)
 
-    counter = iter(range(1 << 30))
-    block = cm._block(fn)
-    for op in cm._ops(block):
-        if op.name != "linalg.generic":
-            continue
-        if limits.tiled_gemm and _emit_gemm(op, f"gac_k{next(counter)}_gemm", limits):
-            continue
-        cm._parallel_dims_first(op)   # one scf.parallel holding the reduction loops
-
-    cm.run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse")
-    ops = cm._ops(block)
-    serial: list[ir.Operation] = []
-    for i, op in enumerate(ops):
-        if op.name == "scf.parallel":
-            if serial:
-                cm._wrap_serial(serial, f"gac_k{next(counter)}_serial")
-                serial = []
-            if i + 1 < len(ops) and ops[i + 1].name == "scf.parallel" and cm._absorb_fill(op, ops[i + 1]):
-                continue
-            cm._linearize(op, f"gac_k{next(counter)}_loops", cl)
-        elif op.name in cm._HOST_OPS:
-            if serial and op.name != "arith.constant":
-                cm._wrap_serial(serial, f"gac_k{next(counter)}_serial")
-                serial = []
-        else:
-            serial.append(op)
-    if serial:
-        cm._wrap_serial(serial, f"gac_k{next(counter)}_serial")
-    cm._sink_globals(fn)
-    cm.run_passes(module, "gpu-launch-sink-index-computations, gpu-kernel-outlining, canonicalize, cse")
-    cm._number_kernels(module, fn)
+    cm.map_to_gpu(module, limits.cuda_limits(), map_op)
 
 
 __all__ = ["VortexLimits", "map_to_gpu", "match_gemm"]
