@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import operator
 import os
 import sys
 from collections.abc import Sequence
@@ -114,9 +113,7 @@ def _write(path: str, data: str | bytes) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from gac_torch.backends import get_target
-    from gac_torch.driver import compile_partition
-    from gac_torch.frontends.fx import GacUnsupportedError
-    from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
+    from gac_torch.frontends.fx import compile_graph
 
     try:
         options = resolve(
@@ -128,39 +125,24 @@ def cmd_compile(args: argparse.Namespace) -> int:
     gm, onnx_report = _load(args.model, _parse_shapes(args.shape), strict=args.strict)
     # Stages only: the loader hands back the last artifact instead of loading it on a device.
     target = dataclasses.replace(
-        get_target(options["target"]), load=lambda artifact, sig, opts: artifact
+        get_target(options["target"]), load=lambda artifact, sig, opts: artifact,
+        check_available=lambda: None,
     )
-    drop_metadata_asserts(gm)
-    decisions, report = analyze(gm)
-    if report.unsupported and args.strict:
-        raise GacUnsupportedError(
-            "gac cannot compile these ops (--strict):\n"
-            + "\n".join(
-                f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())
-            )
-        )
-    fused, names = partition(gm, decisions, options["min_block_size"])
+    compiled = compile_graph(gm, options, target=target)  # --strict: raises listing every op
     os.makedirs(args.output, exist_ok=True)
-    _write(os.path.join(args.output, "graph.fx.txt"), str(fused.graph))
-    for name in names:
-        sub = getattr(fused, name)
-        compiled = compile_partition(sub, name, target, options)
-        _write(os.path.join(args.output, f"{name}.fx.txt"), str(sub.graph))
-        for stage, text in compiled.stages.items():
+    _write(os.path.join(args.output, "graph.fx.txt"), str(compiled.gm.graph))
+    for name, part in compiled.partitions.items():
+        _write(os.path.join(args.output, f"{name}.fx.txt"), part.fx_graph)
+        for stage, text in part.stages.items():
             _write(os.path.join(args.output, f"{name}.{stage}"), text)
-        last = list(compiled.stages)[-1]
-        if isinstance(compiled.executable, bytes):  # a binary final stage (e.g. vxbin): exact bytes
-            _write(os.path.join(args.output, f"{name}.{last}"), compiled.executable)
-        n_ops = sum(
-            1
-            for n in sub.graph.nodes
-            if n.op == "call_function" and n.target is not operator.getitem
-        )
-        print(f"{name}: {n_ops} ATen ops -> {', '.join(f'{name}.{s}' for s in compiled.stages)}")
-    report.partitions = len(names)
-    lines = [str(report)] if onnx_report is None else [f"ONNX: {onnx_report}", f"ATen: {report}"]
+        last = list(part.stages)[-1]
+        if isinstance(part.executable, bytes):  # a binary final stage (e.g. vxbin): exact bytes
+            _write(os.path.join(args.output, f"{name}.{last}"), part.executable)
+        print(f"{name}: -> {', '.join(f'{name}.{s}' for s in part.stages)}")
+    lines = ([str(compiled.report)] if onnx_report is None
+             else [f"ONNX: {onnx_report}", f"ATen: {compiled.report}"])
     _write(os.path.join(args.output, "report.txt"), "\n".join(lines) + "\n")
-    print(f"wrote {len(names)} partition(s) for {options['target']} to {args.output}/")
+    print(f"wrote {len(compiled.partitions)} partition(s) for {options['target']} to {args.output}/")
     print("\n".join(lines))
     return 0
 

@@ -99,7 +99,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         # Compiling needs no device (e.g. PTX on a CPU machine); running does: fail then, clearly.
         executable = _Unavailable(e)
     return CompiledGraph(name, executable, signature, target.device_type, stages,
-                         [p.name for p in placeholders], tuple_output)
+                         [p.name for p in placeholders], tuple_output, fx_graph=str(gm.graph))
 
 
 __all__ = ["compile_partition", "passmanager", "torch"]

@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from gac_torch.backends import get_target
+from gac_torch.backends import Target, get_target
 from gac_torch.driver import compile_partition
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
@@ -81,10 +81,12 @@ class CompiledFx:
         return "\n".join(texts)
 
 
-def compile_graph(gm: fx.GraphModule, options: dict) -> CompiledFx:
+def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = None) -> CompiledFx:
+    """Partitions gm and compiles each supported partition (`target`: a Target object to use
+    instead of options["target"], e.g. the CLI's stages-only copy)."""
     graph_id = next(_graph_ids)
-    target_name = options["target"] or default_target(gm)
-    target = get_target(target_name)  # no silent fallback to another target: its errors surface
+    target_name = target.name if target else options["target"] or default_target(gm)
+    target = target or get_target(target_name)  # no silent fallback to another target: its errors surface
 
     drop_metadata_asserts(gm)
     gm.graph.eliminate_dead_code()  # e.g. getitems of unused statistics (keeps impure nodes)

@@ -24,8 +24,10 @@ class CompiledGraph(torch.nn.Module):
     their places among the input tensors."""
 
     def __init__(self, name: str, executable: Executable, signature: Signature, device_type: str,
-                 stages: dict[str, str], input_names: Sequence[str], tuple_output: bool):
+                 stages: dict[str, str], input_names: Sequence[str], tuple_output: bool,
+                 fx_graph: str = ""):
         super().__init__()
+        self.fx_graph = fx_graph  # the ATen partition it was compiled from (text)
         self.name = name
         self.executable = executable
         self.signature = signature
