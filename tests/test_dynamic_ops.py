@@ -39,6 +39,8 @@ EXTRA = {
     "copy": (lambda x, y: x.clone().copy_(y), [(6, 5), (6, 5)]),
     "bitwise": (lambda a, b: ((a << 1) ^ (b >> 1)) | (~a & b), [(6, 5), (6, 5)]),
     "sizes_as_values": (lambda x: x * x.shape[0] + x.mean(0) - x.mean(), [(6, 5)]),
+    "indexing": (lambda x, i: torch.nn.functional.embedding(i[:, 0], x[:4]) + x.gather(1, i[:, :1].expand(-1, 5) % 5)
+                 + torch.arange(x.shape[0]).unsqueeze(1) + x.index_select(1, i[0] % 5), [(6, 5), (6, 5)]),
     "windows": (lambda x, w, stats: torch.nn.functional.adaptive_avg_pool2d(torch.nn.functional.avg_pool2d(
         torch.nn.functional.max_pool2d(torch.nn.functional.batch_norm(
             torch.nn.functional.conv2d(x, w, padding=1), stats[0], stats[1].abs() + 0.5), 2), 2), 3),
@@ -89,7 +91,7 @@ def _exported_graph(fn, inputs):
         def forward(self, *xs):
             return fn(*xs)
 
-    n = torch.export.Dim("n", min=2, max=1000)
+    n = torch.export.Dim("n", min=4, max=1000)
     dims = tuple({0: n} if t.shape[0] == inputs[0].shape[0] else None for t in inputs)
     ep = torch.export.export(Fn(), tuple(inputs), dynamic_shapes=(dims,))
     gm = ep.run_decompositions(decompositions()).graph_module
@@ -138,8 +140,9 @@ def test_every_dynamic_lowering_runs_with_run_time_sizes():
         _run_opinfo(name, exercised, failures)
     g = torch.Generator().manual_seed(3)
     for name, (fn, shapes) in EXTRA.items():
-        inputs = [torch.randint(-50, 50, s, generator=g) if name == "bitwise" else torch.randn(s, generator=g)
-                  for s in shapes]
+        inputs = [torch.randint(-50, 50, s, generator=g) if name == "bitwise" else
+                  torch.randint(0, 4, s, generator=g) if name == "indexing" and k else torch.randn(s, generator=g)
+                  for k, s in enumerate(shapes)]
         _run_samples(name, [(fn, inputs)], exercised, failures, trace=_exported_graph)
     assert not failures, "\n".join(failures)
     missing = sorted(set(DYNAMIC) - exercised - set(NOT_EXERCISED))

@@ -143,5 +143,6 @@ class GacBuilder:
             attr = ir.DenseElementsAttr.get_splat(t, scalar)
         return self.emit("constant", [], {"value": attr}, [t]).results[0]
 
-    def iota(self, shape: Sequence[int], dim: int, dtype: torch.dtype) -> ir.Value:
-        return self.emit("iota", [], {"dim": dim}, [tensor_type(shape, dtype)]).results[0]
+    def iota(self, shape: Sequence, dim: int, dtype: torch.dtype) -> ir.Value:
+        static, sizes = split_sizes(shape)
+        return self.emit("iota", sizes, {"dim": dim}, [tensor_type(static, dtype)]).results[0]

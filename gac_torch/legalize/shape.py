@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from mlir import ir
 
 from gac_torch.ir.types import DYN
 from gac_torch.legalize.context import NEEDS_STATIC, Cx, meta_val
@@ -61,11 +62,14 @@ def _static_slice(node) -> str | None:
     if any(not isinstance(b, (int, type(None))) for b in bounds):
         return f"{NEEDS_STATIC}: a slice with run-time bounds"
     if x.dim() and not isinstance(x.shape[dim % x.dim()], int):
+        if node.target is aten.select.int:  # x[i], i >= 0: torch proved i < size for every size
+            return None if node.args[2] >= 0 else f"{NEEDS_STATIC}: a negative index into a run-time size"
         given = list(node.args[2:])
         start, end, step = given + [None, None, 1][len(given):]
-        whole = node.target is aten.slice.Tensor and start in (None, 0) and step == 1 and (
-            end is None or end >= 2 ** 62)
-        return None if whole else f"{NEEDS_STATIC}: a slice of a run-time size"
+        whole = start in (None, 0) and step == 1 and (end is None or end >= 2 ** 62)
+        # A fixed window (start >= 0, a static result size: torch proved it in bounds) is fine too.
+        fixed = (start or 0) >= 0 and isinstance(meta_val(node).shape[dim % x.dim()], int)
+        return None if whole or fixed else f"{NEEDS_STATIC}: a slice of a run-time size"
     return None
 
 
@@ -73,9 +77,14 @@ def _static_slice(node) -> str | None:
 def lower_slice(cx: Cx, x, dim=0, start=None, end=None, step=1):
     shape = cx.shape(x)
     dim %= len(shape)
-    if not isinstance(shape[dim], int):  # the whole run-time dim (_static_slice)
-        return x
-    lo, hi, st = _slice_bounds(shape[dim], start, end, step)
+    if not isinstance(shape[dim], int):  # a run-time dim: whole, or a fixed window (_static_slice)
+        n = cx.out_shape[dim]
+        if not isinstance(n, int):
+            return x
+        lo, st = start or 0, step or 1
+        lo, hi = lo, lo + (n - 1) * st + 1 if n else lo
+    else:
+        lo, hi, st = _slice_bounds(shape[dim], start, end, step)
     starts, limits, strides = [0] * len(shape), _whole_dims(cx, x), [1] * len(shape)
     starts[dim], limits[dim], strides[dim] = lo, hi, st
     return cx.b.slice(x, starts=starts, limits=limits, strides=strides)
@@ -85,7 +94,7 @@ def lower_slice(cx: Cx, x, dim=0, start=None, end=None, step=1):
 def lower_select(cx: Cx, x, dim, index):
     shape = cx.shape(x)
     dim %= len(shape)
-    index %= shape[dim]
+    index = index % shape[dim] if isinstance(shape[dim], int) else index  # (>= 0: _static_slice)
     starts, limits = [0] * len(shape), _whole_dims(cx, x)
     starts[dim], limits[dim] = index, index + 1
     y = cx.b.slice(x, starts=starts, limits=limits, strides=[1] * len(shape))
@@ -136,22 +145,36 @@ def lower_constant_pad(cx: Cx, x, pad, value=0):
     return cx.b.pad(x, low=low, high=high, mode="constant", value=float(value))
 
 
-@lower(aten.embedding.default)
+def _numel(cx: Cx, node_arg) -> int | object:
+    """A tensor argument's element count (an index Value when known only at run time)."""
+    return cx.size(math.prod(meta_val(node_arg).shape))
+
+
+@lower(aten.embedding.default, dynamic=True)
 def lower_embedding(cx: Cx, weight, indices, padding_idx=-1, scale_grad=False, sparse=False):
-    flat = cx.b.reshape(indices, [math.prod(cx.shape(indices))])
+    flat = cx.b.reshape(indices, [_numel(cx, cx.node.args[1])])
     rows = cx.b.index_select(weight, flat, dim=0)
     return cx.b.reshape(rows, cx.out_shape)
 
 
-@lower(aten.index_select.default)
+def _static_source_dim(node) -> str | None:
+    """indexing along a dim whose size is known only at run time"""
+    x = meta_val(node.args[0])
+    d = node.args[1] if len(node.args) > 1 else 0
+    if x.dim() and not isinstance(x.shape[d % x.dim()], int):
+        return f"{NEEDS_STATIC}: indexing along a run-time size"
+    return None
+
+
+@lower(aten.index_select.default, check=_static_source_dim, dynamic=True)
 def lower_index_select(cx: Cx, x, dim, index):
     if not cx.shape(x):  # a 0-d tensor: the only valid index is 0
         return x
-    flat = cx.b.reshape(index, [math.prod(cx.shape(index))]) if len(cx.shape(index)) != 1 else index
+    flat = cx.b.reshape(index, [_numel(cx, cx.node.args[2])]) if len(cx.shape(index)) != 1 else index
     return cx.b.reshape(cx.b.index_select(x, flat, dim=dim % len(cx.shape(x))), cx.out_shape)
 
 
-@lower(aten.gather.default)
+@lower(aten.gather.default, check=_static_source_dim, dynamic=True)
 def lower_gather(cx: Cx, x, dim, index, *, sparse_grad=False):
     if not cx.shape(x) or not cx.shape(index):  # 0-d operands: a 1-D gather on dim 0
         flat_x = cx.b.reshape(x, [max(1, math.prod(cx.shape(x)))])
@@ -182,9 +205,9 @@ def lower_eye(cx: Cx, n, *args, **kwargs):
     return cx.to(cx.b.binary(i, cx.b.iota([rows, cols], 1, torch.int64), kind="eq"), cx.out_dtype)
 
 
-@lower(aten.arange.start_step, aten.arange.default, aten.arange.start)
+@lower(aten.arange.start_step, aten.arange.default, aten.arange.start, dynamic=True)
 def lower_arange(cx: Cx, *args, **kwargs):
-    nums = [a for a in args if isinstance(a, (int, float))]
+    nums = [a for a in args if isinstance(a, (int, float, ir.Value))]  # (Values: run-time sizes)
     start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
     dt = cx.out_dtype
     n = cx.out_shape[0]

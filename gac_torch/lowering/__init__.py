@@ -121,13 +121,18 @@ def _reify(op, name: str, operands: list) -> list[list]:
     tensors = [v for v in operands if isinstance(v.type, ir.RankedTensorType)]
     dims = [core.shape(v) for v in tensors]
     attrs = op_attrs(op)
-    if name in ("reshape", "broadcast"):
+    if name in ("reshape", "broadcast", "iota"):
         sizes = iter(v for v in operands if isinstance(v.type, ir.IndexType))
         return [[next(sizes) if s == DYN else s for s in outs[0]]]
     if name == "transpose":
         return [[dims[0][p] for p in attrs["perm"]]]
     if name == "matmul":
         return [dims[0][:-1] + dims[1][-1:]]
+    if name == "index_select":
+        d = attrs["dim"] % len(dims[0])
+        return [dims[0][:d] + dims[1] + dims[0][d + 1:]]
+    if name == "gather":
+        return [dims[1]]
     if name in ("reduce", "arg_reduce"):
         rank = len(dims[0])
         red = {d % rank for d in (attrs["dims"] if name == "reduce" else [attrs["dim"]])}

@@ -49,9 +49,12 @@ def _infer_slice(types, attrs):
         raise GacTypeError("gac.slice: starts/limits/strides need one value per dim")
     out = []
     for s, lo, hi, st in zip(shape, starts, limits, strides):
-        if s == DYN or hi == DYN:  # a run-time size is only ever taken whole
+        if s == DYN or hi == DYN:  # a run-time dim: taken whole, or a fixed in-bounds window
+            if s == DYN and hi != DYN and 0 <= lo < hi and st >= 1:
+                out.append((hi - lo + st - 1) // st)  # (in bounds: the front-end proved it)
+                continue
             if (lo, hi, st) != (0, DYN, 1) or s != DYN:
-                raise GacTypeError(f"gac.slice: only a whole run-time dim can be sliced, got [{lo}:{hi}:{st}]")
+                raise GacTypeError(f"gac.slice: a run-time dim is taken whole or by a fixed window, got [{lo}:{hi}:{st}]")
             out.append(DYN)
             continue
         if not (0 <= lo <= hi <= s and st >= 1):
