@@ -39,6 +39,8 @@ EXTRA = {
     "copy": (lambda x, y: x.clone().copy_(y), [(6, 5), (6, 5)]),
     "bitwise": (lambda a, b: ((a << 1) ^ (b >> 1)) | (~a & b), [(6, 5), (6, 5)]),
     "sizes_as_values": (lambda x: x * x.shape[0] + x.mean(0) - x.mean(), [(6, 5)]),
+    "kv_cache": (lambda k, past: torch.cat([past, k], 1).softmax(1), [(2, 7, 8), (2, 5, 8)],
+                 lambda: ({1: torch.export.Dim("new", min=2, max=64)}, {1: torch.export.Dim("past", min=2, max=64)})),
     "indexing": (lambda x, i: torch.nn.functional.embedding(i[:, 0], x[:4]) + x.gather(1, i[:, :1].expand(-1, 5) % 5)
                  + torch.arange(x.shape[0]).unsqueeze(1) + x.index_select(1, i[0] % 5), [(6, 5), (6, 5)]),
     "windows": (lambda x, w, stats: torch.nn.functional.adaptive_avg_pool2d(torch.nn.functional.avg_pool2d(
@@ -86,13 +88,13 @@ def _run_opinfo(name: str, exercised: set[str], failures: list[str]) -> None:
     _run_samples(name, samples, exercised, failures)
 
 
-def _exported_graph(fn, inputs):
+def _exported_graph(fn, inputs, spec=None):
     class Fn(torch.nn.Module):
         def forward(self, *xs):
             return fn(*xs)
 
     n = torch.export.Dim("n", min=4, max=1000)
-    dims = tuple({0: n} if t.shape[0] == inputs[0].shape[0] else None for t in inputs)
+    dims = spec() if spec else tuple({0: n} if t.shape[0] == inputs[0].shape[0] else None for t in inputs)
     ep = torch.export.export(Fn(), tuple(inputs), dynamic_shapes=(dims,))
     gm = ep.run_decompositions(decompositions()).graph_module
     return gm, len(next(x for x in gm.graph.nodes if x.op == "output").args[0])
@@ -139,11 +141,12 @@ def test_every_dynamic_lowering_runs_with_run_time_sizes():
     for name in claimed_opinfos(set(DYNAMIC)):
         _run_opinfo(name, exercised, failures)
     g = torch.Generator().manual_seed(3)
-    for name, (fn, shapes) in EXTRA.items():
+    for name, (fn, shapes, *spec) in EXTRA.items():
         inputs = [torch.randint(-50, 50, s, generator=g) if name == "bitwise" else
                   torch.randint(0, 4, s, generator=g) if name == "indexing" and k else torch.randn(s, generator=g)
                   for k, s in enumerate(shapes)]
-        _run_samples(name, [(fn, inputs)], exercised, failures, trace=_exported_graph)
+        trace = (lambda f, xs, spec=spec: _exported_graph(f, xs, *spec))
+        _run_samples(name, [(fn, inputs)], exercised, failures, trace=trace)
     assert not failures, "\n".join(failures)
     missing = sorted(set(DYNAMIC) - exercised - set(NOT_EXERCISED))
     assert not missing, f"claimed dynamic but never run with run-time sizes: {missing}"

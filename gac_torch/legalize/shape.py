@@ -101,18 +101,13 @@ def lower_select(cx: Cx, x, dim, index):
     return cx.b.reshape(y, cx.out_shape)
 
 
-def _static_cat_dim(node) -> str | None:
-    """concatenation along a dim whose size is known only at run time"""
-    out, dim = meta_val(node), node.args[1] if len(node.args) > 1 else 0
-    return None if isinstance(out.shape[dim % out.dim()], int) else f"{NEEDS_STATIC}: a concatenation along a run-time size"
-
-
-@lower(aten.cat.default, check=_static_cat_dim, dynamic=True)
+@lower(aten.cat.default, dynamic=True)
 def lower_cat(cx: Cx, tensors, dim=0):
     dt = cx.out_dtype
     d = dim % len(cx.out_shape)
     # Pieces with nothing along dim add nothing (legacy 1-D empties may even have another rank).
-    parts = [cx.to(t, dt) for t in tensors if len(cx.shape(t)) == len(cx.out_shape) and cx.shape(t)[d] > 0]
+    parts = [cx.to(t, dt) for t in tensors
+             if len(cx.shape(t)) == len(cx.out_shape) and not (isinstance(cx.shape(t)[d], int) and cx.shape(t)[d] == 0)]
     if not parts:
         return cx.b.broadcast(cx.b.constant(0, dt), shape=cx.out_shape)
     out = parts[0]

@@ -133,6 +133,9 @@ def _reify(op, name: str, operands: list) -> list[list]:
         return [dims[0][:d] + dims[1] + dims[0][d + 1:]]
     if name == "gather":
         return [dims[1]]
+    if name == "concat":
+        d = attrs["dim"] % len(dims[0])
+        return [dims[0][:d] + [core.add_sizes(dims[0][d], dims[1][d])] + dims[0][d + 1:]]
     if name in ("reduce", "arg_reduce"):
         rank = len(dims[0])
         red = {d % rank for d in (attrs["dims"] if name == "reduce" else [attrs["dim"]])}

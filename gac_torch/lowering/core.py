@@ -68,6 +68,13 @@ def prod(dims: Sequence) -> int | ir.Value:
     return acc
 
 
+def add_sizes(a, b) -> int | ir.Value:
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    as_value = (lambda s: s if isinstance(s, ir.Value) else const(s, index_type()))
+    return arith.addi(as_value(a), as_value(b))
+
+
 def same_size(a, b) -> bool:
     return a is b or (isinstance(a, int) and isinstance(b, int) and a == b) or (
         isinstance(a, ir.Value) and isinstance(b, ir.Value) and a == b)
@@ -261,8 +268,10 @@ def insert_slice(src: ir.Value, dest: ir.Value, offsets, strides=None) -> ir.Val
     if any(same_size(s, 0) for s in sizes):
         return dest
     strides = strides or [1] * len(sizes)
-    return tensor.InsertSliceOp(src, dest, [], [s for s in sizes if not isinstance(s, int)], [],
-                                list(offsets), [static(s) for s in sizes], list(strides)).result
+    return tensor.InsertSliceOp(src, dest, [o for o in offsets if not isinstance(o, int)],
+                                [s for s in sizes if not isinstance(s, int)], [],
+                                [static(o) for o in offsets], [static(s) for s in sizes],
+                                list(strides)).result
 
 
 def pad_constant(v: ir.Value, low, high, value) -> ir.Value:

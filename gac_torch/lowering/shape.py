@@ -8,7 +8,7 @@ from mlir.dialects import arith, linalg, scf, tensor
 from gac_torch.ir.builder import op_attrs
 from gac_torch.ir.types import is_float
 from gac_torch.lowering.core import (
-    PARALLEL, broadcast_map, compute_type, const, convert, elem, empty, extract_slice, generic,
+    PARALLEL, add_sizes, broadcast_map, compute_type, const, convert, elem, empty, extract_slice, generic,
     identity_map, index, index_type, insert_slice, pad_constant, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
@@ -53,7 +53,7 @@ def lower_concat(op, operands):
         offsets = [0] * len(out_shape)
         offsets[dim] = offset
         acc = insert_slice(v, acc, offsets)
-        offset += shape(v)[dim]
+        offset = add_sizes(offset, shape(v)[dim])
     return [acc]
 
 

@@ -71,10 +71,8 @@ def _infer_concat(types, attrs):
         if len(s) != len(shapes[0]) or any(not dims_match(a, b) for i, (a, b) in enumerate(zip(s, shapes[0]))
                                            if i != dim):
             raise GacTypeError(f"gac.concat: shapes {list(map(list, shapes))} differ off dim {dim}")
-    if any(s[dim] == DYN for s in shapes):
-        raise GacTypeError("gac.concat: the concatenated dim must be static")
     out = [DYN if any(s[i] == DYN for s in shapes) else d for i, d in enumerate(shapes[0])]
-    out[dim] = sum(s[dim] for s in shapes)
+    out[dim] = DYN if any(s[dim] == DYN for s in shapes) else sum(s[dim] for s in shapes)
     return [tensor(out, elem)]
 
 
