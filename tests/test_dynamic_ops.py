@@ -13,7 +13,7 @@ import operator
 import pytest
 import torch
 
-pytest.importorskip("expecttest")  # torch.testing._internal needs it
+import expecttest  # noqa: E402,F401  (torch.testing._internal needs it: a dev dependency, never a skip)
 
 from gac_torch.frontends.fx import compile_graph, has_symbolic_shapes, specialization_reason  # noqa: E402
 from gac_torch.legalize import decompositions  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 from conftest import TARGETS
 
-pytest.importorskip("expecttest")  # torch.testing._internal needs it
+import expecttest  # noqa: E402,F401  (torch.testing._internal needs it: a dev dependency, never a skip)
 
 from gac_torch.legalize.registry import REGISTRY  # noqa: E402
 from gac_torch.tools.opinfo import (  # noqa: E402
