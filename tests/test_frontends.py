@@ -155,3 +155,36 @@ def test_multiple_outputs_and_scalar_input():
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[2]["max"], want[2]["max"])
+
+
+def test_host_scalar_tensor_moves_to_the_target_device():
+    """Eager lets a 0-d CPU tensor stand next to device tensors (as a scalar); a compiled graph
+    takes it too, moved to its device (shown with the meta device: no GPU needed). Other
+    tensors on the wrong device are still refused."""
+    from gac_torch.backends.base import Signature, TensorSpec
+    from gac_torch.runtime.compiled import CompiledGraph, GacInputError
+
+    seen = []
+
+    class Recorder:
+        def run(self, inputs, outputs):
+            seen.extend(t.device.type for t in inputs)
+
+    sig = Signature((TensorSpec((3,), torch.float32), TensorSpec((), torch.float32)),
+                    (TensorSpec((3,), torch.float32),))
+    cg = CompiledGraph("g", Recorder(), sig, "meta", {}, ["x", "s"], tuple_output=False)
+    out = cg(torch.empty(3, device="meta"), torch.tensor(2.0))
+    assert seen == ["meta", "meta"] and out.device.type == "meta"
+    with pytest.raises(GacInputError, match="compiled for meta tensors"):
+        cg(torch.empty(3), torch.tensor(2.0))
+
+
+@pytest.mark.cuda
+def test_cpu_scalar_tensor_next_to_cuda_tensors():
+    torch._dynamo.reset()
+
+    def f(x, s):
+        return (x - s).masked_fill(x > 0, 0.5) * s
+
+    x, s = torch.randn(5, 7, device="cuda"), torch.tensor(1.5)
+    torch.testing.assert_close(torch.compile(f, backend="gac")(x, s), f(x, s))
