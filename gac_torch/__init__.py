@@ -22,7 +22,9 @@ def compile(program, example_inputs: Sequence[Any] | None = None, *, target: str
             options: dict | None = None):
     """Compiles a torch.export ExportedProgram (or an nn.Module with example inputs, exported
     first), or an ONNX model (a path or onnx.ModelProto; example_inputs then fix symbolic dims).
-    Returns a callable; `.ir(stage)` shows the gac / linalg / target stages."""
+    Returns a callable; `.ir(stage)` shows the gac / linalg / target stages. A program exported
+    with `Dim`s accepts any sizes in their ranges: compiled once when its target and ops take
+    run-time sizes (`.dynamic`), else once per input shape."""
     from gac_torch.frontends.export import compile_exported, export_module
     from gac_torch.options import resolve
 
