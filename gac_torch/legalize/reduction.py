@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from mlir import ir
 
 from gac_torch.legalize.context import Cx, meta_val
 from gac_torch.legalize.registry import FLOATS, aten, lower
@@ -29,6 +28,18 @@ def _count(cx: Cx, x, dims: list[int]):
         return math.prod(shape[d] for d in dims)
     x_node = cx.node.args[0]
     return cx.size(math.prod(meta_val(x_node).shape[d] for d in dims))
+
+
+def _divisor(cx: Cx, x, dims: list[int], minus: int = 0):
+    """max(count - minus, 0) of a reduction over dims, as what cx.to takes: a float, or an index
+    Value when a reduced size is known only at run time."""
+    n = _count(cx, x, dims)
+    if isinstance(n, int):
+        return float(max(n - minus, 0))
+    if not minus:
+        return n
+    count = math.prod(meta_val(cx.node.args[0]).shape[d] for d in dims)
+    return cx.size(torch.sym_max(count - minus, 0))
 
 
 def _reduce(kind: str, *overloads):
@@ -71,29 +82,31 @@ def lower_mean(cx: Cx, x, dims=None, keepdim=False, *, dtype=None):
     dt = cx.out_dtype
     ct = cx.compute_dtype(dt)  # sum and divide before the one rounding to f16/bf16
     ds = _dims(cx, x, dims)
-    count = _count(cx, x, ds)
     s = cx.b.reduce(cx.to(x, ct), kind="sum", dims=ds, keepdim=bool(keepdim))
-    return cx.to(cx.b.binary(s, cx.to(count if isinstance(count, ir.Value) else float(count), ct), kind="div"), dt)
+    return cx.to(cx.b.binary(s, cx.to(_divisor(cx, x, ds), ct), kind="div"), dt)
 
 
-@lower(aten.var.dim, aten.std.dim)
+@lower(aten.var.dim, aten.std.dim, dynamic=True)
 def lower_var_dim(cx: Cx, x, dims=None, unbiased=True, keepdim=False):
     return lower_var(cx, x, dims, correction=1 if unbiased else 0, keepdim=keepdim)
 
 
-@lower(aten.var.correction, aten.std.correction)
-def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
-    out = cx.out_dtype
-    dt = cx.compute_dtype(out)
+def _var(cx: Cx, x, ds: list[int], dt: torch.dtype, correction, keepdim) -> tuple:
+    """(variance, mean keeping dims), two-pass in dt."""
     xf = cx.to(x, dt)
-    ds = _dims(cx, x, dims)
-    n = _count(cx, x, ds)
-    corr = 1 if correction is None else correction
-    std = cx.node.target in (aten.std.correction, aten.std.dim)
-    mean = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(float(n), dt), kind="div")
+    mean = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(_divisor(cx, x, ds), dt),
+                       kind="div")
     cent = cx.b.binary(xf, mean, kind="sub")
     ss = cx.b.reduce(cx.b.binary(cent, cent, kind="mul"), kind="sum", dims=ds, keepdim=bool(keepdim))
-    var = cx.b.binary(ss, cx.to(float(max(n - corr, 0)), dt), kind="div")
+    corr = 1 if correction is None else correction
+    return cx.b.binary(ss, cx.to(_divisor(cx, x, ds, corr), dt), kind="div"), mean
+
+
+@lower(aten.var.correction, aten.std.correction, dynamic=True)
+def lower_var(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
+    out = cx.out_dtype
+    var, _ = _var(cx, x, _dims(cx, x, dims), cx.compute_dtype(out), correction, keepdim)
+    std = cx.node.target in (aten.std.correction, aten.std.dim)
     return cx.to(cx.b.unary(var, kind="sqrt") if std else var, out)
 
 
@@ -120,19 +133,11 @@ def lower_max_dim(cx: Cx, x, dim, keepdim=False):
     return values, cx.b.arg_reduce(x, kind=kind, dim=d[0], keepdim=bool(keepdim))
 
 
-@lower(aten.var_mean.correction)
+@lower(aten.var_mean.correction, dynamic=True)
 def lower_var_mean(cx: Cx, x, dims=None, *, correction=None, keepdim=False):
     out = meta_val(cx.node)[0].dtype
-    dt = cx.compute_dtype(out)
-    ds = _dims(cx, x, dims)
-    n = _count(cx, x, ds)
-    xf = cx.to(x, dt)
-    mean_k = cx.b.binary(cx.b.reduce(xf, kind="sum", dims=ds, keepdim=True), cx.to(float(n), dt), kind="div")
-    cent = cx.b.binary(xf, mean_k, kind="sub")
-    ss = cx.b.reduce(cx.b.binary(cent, cent, kind="mul"), kind="sum", dims=ds, keepdim=bool(keepdim))
-    corr = 1 if correction is None else correction
-    var = cx.b.binary(ss, cx.to(float(max(n - corr, 0)), dt), kind="div")
-    return cx.to(var, out), cx.to(cx.b.reshape(mean_k, list(meta_val(cx.node)[1].shape)), out)
+    var, mean_k = _var(cx, x, _dims(cx, x, dims), cx.compute_dtype(out), correction, keepdim)
+    return cx.to(var, out), cx.to(cx.b.reshape(mean_k, cx.dims(meta_val(cx.node)[1].shape)), out)
 
 
 @lower(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
