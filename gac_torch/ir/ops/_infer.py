@@ -28,6 +28,14 @@ def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_sizes(name: str, shape, n_sizes: int) -> None:
+    """Ops that make run-time sizes take one index operand per `?` of their result, in order."""
+    dyn = sum(1 for s in shape if s == DYN)
+    if dyn != n_sizes:
+        raise GacTypeError(f"gac.{name}: {n_sizes} size operand(s) for a result shape {list(shape)} "
+                           f"with {dyn} run-time size(s)")
+
+
 def dims_match(a: int, b: int) -> bool:
     """Two sizes that may be equal: equal ints, or one known only at run time."""
     return a == b or DYN in (a, b)
@@ -50,4 +58,4 @@ def norm_dim(d: int, rank: int, what: str) -> int:
     return d % max(rank, 1)
 
 
-__all__ = ["GacTypeError", "broadcast_shapes", "dims_match", "DYN", "same_elem", "tensor", "norm_dim", "shape_of", "elem_of"]
+__all__ = ["GacTypeError", "broadcast_shapes", "check_sizes", "dims_match", "DYN", "same_elem", "tensor", "norm_dim", "shape_of", "elem_of"]

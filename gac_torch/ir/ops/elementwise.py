@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlir import ir
 
 from gac_torch.ir.dialect import define
-from gac_torch.ir.ops._infer import DYN, GacTypeError, broadcast_shapes, same_elem, shape_of, tensor
+from gac_torch.ir.ops._infer import GacTypeError, broadcast_shapes, check_sizes, same_elem, shape_of, tensor
 
 UNARY_KINDS = (
     "neg", "abs", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
@@ -68,11 +68,6 @@ define("select", ["cond", "on_true", "on_false"], infer=_infer_select,
 define("cast", ["x"], check=_check_cast, doc="element type conversion with torch semantics (float->int truncates)")
 define("constant", [], attrs={"value": "any"}, check=_check_constant,
        doc="a small dense constant (scalars, tiny tables); weights are function arguments")
-def _check_iota(types, attrs, results):
-    dyn = sum(1 for s in shape_of(results[0]) if s == DYN)
-    if dyn != len(types):
-        raise GacTypeError(f"gac.iota: {len(types)} size operand(s) for {dyn} run-time size(s)")
-
-
-define("iota", ["sizes*:index"], attrs={"dim": "int"}, check=_check_iota,
+define("iota", ["sizes*:index"], attrs={"dim": "int"},
+       check=lambda types, attrs, results: check_sizes("iota", shape_of(results[0]), len(types)),
        doc="y[i...] = i_dim, in the result element type; `sizes` gives the ? dims of the result")

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import math
 
-from gac_torch.ir.dialect import define
 from mlir import ir
 
+from gac_torch.ir.dialect import define
 from gac_torch.ir.ops._infer import (
-    DYN, GacTypeError, broadcast_shapes, dims_match, norm_dim, same_elem, shape_of, tensor,
+    DYN, GacTypeError, broadcast_shapes, check_sizes, dims_match, norm_dim, same_elem, shape_of, tensor,
 )
-
-
-def _check_sizes(name: str, shape, types) -> None:
-    """Ops that make run-time sizes take one index operand per `?` of their result, in order."""
-    if sum(1 for s in shape if s == DYN) != len(types) - 1:
-        raise GacTypeError(f"gac.{name}: {len(types) - 1} size operand(s) for a result shape "
-                           f"{list(shape)} with {sum(1 for s in shape if s == DYN)} run-time size(s)")
 
 
 def _check_reshape(types, attrs, results):
     src, dst = shape_of(types[0]), shape_of(results[0])
-    _check_sizes("reshape", dst, types)
+    check_sizes("reshape", dst, len(types) - 1)
     if DYN not in src + dst and math.prod(src) != math.prod(dst):
         raise GacTypeError(f"gac.reshape: {list(src)} -> {list(dst)} changes the element count")
 
@@ -36,7 +29,7 @@ def _infer_transpose(types, attrs):
 
 def _infer_broadcast(types, attrs):
     shape = tuple(attrs["shape"])
-    _check_sizes("broadcast", shape, types)
+    check_sizes("broadcast", shape, len(types) - 1)
     if broadcast_shapes(shape_of(types[0]), shape) != shape:
         raise GacTypeError(f"gac.broadcast: {list(shape_of(types[0]))} cannot expand to {list(shape)}")
     return [tensor(shape, types[0].element_type)]
