@@ -15,6 +15,7 @@ from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.runtime.compiled import GacInputError
+from gac_torch.runtime.sizes import bind_all
 
 
 def _lifted_value(ep: ExportedProgram, spec) -> torch.Tensor:
@@ -78,6 +79,7 @@ class CompiledProgram:
         self._on_device = False  # parameters move to the target's device on the first call
         self._ranges = {sym: (int(r.lower), int(r.upper) if r.upper.is_finite else None)
                         for sym, r in ep.range_constraints.items()}
+        self._sizes_ok: set[tuple] = set()  # input sizes already checked
 
     @property
     def report(self):
@@ -90,25 +92,33 @@ class CompiledProgram:
     def stages(self) -> list[str]:
         return list(next(iter(self.compiled.partitions.values())).stages) if self.compiled.partitions else []
 
-    def _check_shape(self, name: str, got: torch.Tensor, want: torch.Tensor, sizes: dict) -> None:
+    def _check_shape(self, name: str, got: torch.Tensor, want: torch.Tensor, pairs: list) -> None:
+        """Static dims must match; symbolic ones are collected for bind_all (`pairs`)."""
         expected = [s if isinstance(s, int) else size_expr(s) for s in want.shape]
         shown = "[" + ", ".join(map(str, expected)) + "]"
-        if got.dim() != len(expected):
+        if got.dim() != len(expected) or any(isinstance(s, int) and s != n for s, n in zip(expected, got.shape)):
             raise GacInputError(f"input {name!r}: expected shape {shown}, got {list(got.shape)}")
-        for s, n in zip(expected, got.shape):
-            if isinstance(s, int):
-                if s != n:
-                    raise GacInputError(f"input {name!r}: expected shape {shown}, got {list(got.shape)}")
-            elif s.is_Symbol:
-                lo, hi = self._ranges.get(s, (0, None))
-                if n < lo or (hi is not None and n > hi):
-                    raise GacInputError(f"input {name!r}: size {s} = {n} is outside the exported range "
-                                        f"[{lo}, {hi if hi is not None else 'inf'}]")
-                if sizes.setdefault(s, n) != n:
-                    raise GacInputError(f"input {name!r}: size {s} = {n} here, but {sizes[s]} in an earlier input")
+        pairs += [(s, int(n)) for s, n in zip(expected, got.shape) if not isinstance(s, int)]
+
+    def _check_sizes(self, pairs: list) -> None:
+        """The inputs agree on every size symbol, and each is in its exported range (sympy work:
+        done once per distinct input sizes)."""
+        key = tuple(n for _, n in pairs)
+        if key in self._sizes_ok:
+            return
+        sizes, errors = bind_all(pairs)
+        if errors:
+            raise GacInputError(f"inputs disagree on their sizes: {errors[0]}")
+        for sym, n in sizes.items():
+            lo, hi = self._ranges.get(sym, (0, None))
+            if n < lo or (hi is not None and n > hi):
+                raise GacInputError(f"size {sym} = {n} is outside the exported range "
+                                    f"[{lo}, {hi if hi is not None else 'inf'}]")
+        if len(self._sizes_ok) < 256:
+            self._sizes_ok.add(key)
 
     def _check(self, flat: Sequence[Any]) -> None:
-        sizes: dict = {}
+        pairs: list = []
         if len(flat) != len(self._user_meta):
             raise GacInputError(f"expected {len(self._user_meta)} inputs, got {len(flat)}")
         for name, got, want in zip(self._user_names, flat, self._user_meta):
@@ -118,9 +128,11 @@ class CompiledProgram:
                 raise GacInputError(f"input {name!r}: expected a tensor, got {type(got).__name__}")
             if got.dtype != want.dtype:
                 raise GacInputError(f"input {name!r}: expected dtype {want.dtype}, got {got.dtype}")
-            self._check_shape(name, got, want, sizes)
+            self._check_shape(name, got, want, pairs)
             if got.device.type != self._device and not (got.dim() == 0 and got.device.type == "cpu"):
                 raise GacInputError(f"input {name!r}: compiled for {self._device} tensors, got one on {got.device}")
+        if pairs:
+            self._check_sizes(pairs)
 
     def __call__(self, *args, **kwargs):
         if not self._on_device:

@@ -52,5 +52,5 @@ def bind_all(dims: list[tuple[object, int]]) -> tuple[dict, list[str]]:
         value = expr if isinstance(expr, int) else expr.xreplace({k: sympy.Integer(v) for k, v in sizes.items()})
         if not getattr(value, "is_number", True) or int(value) != n:
             shown = value if getattr(value, "is_number", True) else "unknown"
-            errors.append(f"size {expr} = {n}, but the other inputs make it {shown}")
+            errors.append(f"size {expr} = {n} here, but {shown} from the other inputs")
     return sizes, errors
