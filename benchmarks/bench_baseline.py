@@ -13,44 +13,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import sys
-from pathlib import Path
 
 import torch
-from timing import time_ms
-import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import Chain, Gemm, LinearGelu, cuda_randn, small_models, time_ms, write_report
 
 
 def workloads():
-    from models import MLP, SmallCNN, randomize_bn, transformer_layer
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape, dtype=torch.float32):
-        return torch.randn(shape, generator=g, device="cuda", dtype=dtype)
-
-    class Gemm(torch.nn.Module):
-        def forward(self, a, b):
-            return a @ b
-
-    class Chain(torch.nn.Module):
-        def forward(self, x, a, b, c):
-            return F.gelu(x * a + b) * c
-
-    class LinearGelu(torch.nn.Module):
-        def forward(self, x, w, b, s):
-            return F.gelu(x @ w + b) * s
-
+    rnd = cuda_randn()
     yield "gemm fp32 2048^3", Gemm(), (rnd(2048, 2048), rnd(2048, 2048))
     yield "gemm fp16 4096^3", Gemm(), (rnd(4096, 4096, dtype=torch.float16), rnd(4096, 4096, dtype=torch.float16))
     yield "gelu(x*a+b)*c 16M fp32", Chain(), (rnd(4096, 4096), rnd(4096), rnd(4096), rnd(4096))
     yield "gelu(x@w+b)*s 4096x1024x1024", LinearGelu(), (rnd(4096, 1024), rnd(1024, 1024), rnd(1024), rnd(1024))
-    torch.manual_seed(0)
-    yield "MLP b=512", MLP().eval().cuda(), (rnd(512, 32),)
-    yield "SmallCNN b=32 64x64", randomize_bn(SmallCNN()).eval().cuda(), (rnd(32, 3, 64, 64),)
-    yield "TransformerEncoderLayer(64,4) 8x128", transformer_layer().eval().cuda(), (rnd(8, 128, 64),)
+    yield from small_models(rnd)
 
 
 def main() -> None:
@@ -107,10 +81,7 @@ def main() -> None:
         fmt = (lambda v: f"{v:.4f}" if v is not None else "-")
         ratio = (lambda a, b: f"{a / b:.2f}" if a and b else "-")
         lines.append(f"| {name} | {fmt(e)} | {fmt(i)} | {fmt(g)} | {ratio(e, g)} | {ratio(i, g)} | {cov} | {status} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

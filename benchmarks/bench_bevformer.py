@@ -12,10 +12,9 @@ import argparse
 import datetime
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from timing import time_ms
+from common import time_ms, write_report
 
 import gac_torch
 from gac_torch.models.bevformer import build_bevformer, make_test_inputs
@@ -93,10 +92,7 @@ def main() -> None:
                      f"{r['coverage']} |")
     lines += [f"\n{r['config']}: Inductor compile + first call {r['inductor_compile_s']:.0f} s"
               for r in rows if "inductor_compile_s" in r]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -15,33 +15,15 @@ import argparse
 import copy
 import datetime
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-from timing import time_ms
-import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import Gemm, LinearGelu, cuda_randn, small_models, time_ms, write_report
 
 
 def workloads():
-    from models import MLP, SmallCNN, randomize_bn, transformer_layer
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape, dtype=torch.float32):
-        return torch.randn(shape, generator=g, device="cuda", dtype=dtype)
-
-    class Gemm(torch.nn.Module):
-        def forward(self, a, b):
-            return a @ b
-
-    class LinearGelu(torch.nn.Module):
-        def forward(self, x, w, b, s):
-            return F.gelu(x @ w + b) * s
-
+    """(name, model, inputs, allow_tf32)."""
+    rnd = cuda_randn()
     f16, bf16 = torch.float16, torch.bfloat16
     yield "gemm fp16 4096^3", Gemm(), (rnd(4096, 4096, dtype=f16), rnd(4096, 4096, dtype=f16)), False
     yield "gemm bf16 4096^3", Gemm(), (rnd(4096, 4096, dtype=bf16), rnd(4096, 4096, dtype=bf16)), False
@@ -50,10 +32,8 @@ def workloads():
     yield "gemm fp32 2048^3 (tf32 allowed)", Gemm(), (rnd(2048, 2048), rnd(2048, 2048)), True
     yield "gelu(x@w+b)*s fp16 4096x1024x1024", LinearGelu(), (
         rnd(4096, 1024, dtype=f16), rnd(1024, 1024, dtype=f16), rnd(1024, dtype=f16), rnd(1024, dtype=f16)), False
-    torch.manual_seed(0)
-    yield "MLP b=512", MLP().eval().cuda(), (rnd(512, 32),), False
-    yield "SmallCNN b=32 64x64", randomize_bn(SmallCNN()).eval().cuda(), (rnd(32, 3, 64, 64),), False
-    yield "TransformerEncoderLayer(64,4) 8x128", transformer_layer().eval().cuda(), (rnd(8, 128, 64),), False
+    for name, model, inputs in small_models(rnd):
+        yield name, model, inputs, False
 
 
 def host_us(fn, args, n: int = 200) -> float:
@@ -141,10 +121,7 @@ def main() -> None:
         ratio = f"{e / best:.2f}" if e and best else "-"
         hs = " / ".join(f"{host[k]:.0f}" for k in ("eager", "gac", "gac+graphs")) if host else "-"
         lines.append(f"| {name} | {fmt(e)} | {fmt(g)} | {fmt(gg)} | {ratio} | {hs} | {cov} | {status} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""Shared by the benchmark scripts: CUDA-event timing (METHOD.md: events, after warm-up), the
+small workloads several scripts time, and writing the report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/models.py
+
+
+def time_ms(fn, args, iters: int) -> float:
+    """Mean milliseconds of `iters` back-to-back calls, measured with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def cuda_randn(seed: int = 0):
+    """rnd(*shape, dtype=...) -> a seeded random CUDA tensor."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+
+    return rnd
+
+
+class Gemm(torch.nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+class Chain(torch.nn.Module):
+    def forward(self, x, a, b, c):
+        return F.gelu(x * a + b) * c
+
+
+class LinearGelu(torch.nn.Module):
+    def forward(self, x, w, b, s):
+        return F.gelu(x @ w + b) * s
+
+
+def small_models(rnd):
+    """(name, model, inputs) of the test models at benchmark sizes."""
+    from models import MLP, SmallCNN, randomize_bn, transformer_layer
+
+    torch.manual_seed(0)
+    yield "MLP b=512", MLP().eval().cuda(), (rnd(512, 32),)
+    yield "SmallCNN b=32 64x64", randomize_bn(SmallCNN()).eval().cuda(), (rnd(32, 3, 64, 64),)
+    yield "TransformerEncoderLayer(64,4) 8x128", transformer_layer().eval().cuda(), (rnd(8, 128, 64),)
+
+
+def write_report(text: str, out) -> None:
+    print(text)
+    if out:
+        Path(out).write_text(text)
