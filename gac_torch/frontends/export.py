@@ -14,7 +14,7 @@ from gac_torch.frontends.fx import CompiledFx, compile_graph, specialization_rea
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
-from gac_torch.runtime.compiled import GacInputError
+from gac_torch.runtime.compiled import GacInputError, is_host_scalar
 from gac_torch.runtime.sizes import bind_all
 
 
@@ -129,7 +129,7 @@ class CompiledProgram:
             if got.dtype != want.dtype:
                 raise GacInputError(f"input {name!r}: expected dtype {want.dtype}, got {got.dtype}")
             self._check_shape(name, got, want, pairs)
-            if got.device.type != self._device and not (got.dim() == 0 and got.device.type == "cpu"):
+            if got.device.type != self._device and not is_host_scalar(got):
                 raise GacInputError(f"input {name!r}: compiled for {self._device} tensors, got one on {got.device}")
         if pairs:
             self._check_sizes(pairs)

@@ -59,7 +59,7 @@ class CompiledGraph(torch.nn.Module):
             if a.dim() != len(spec.shape) or any(
                     isinstance(s, int) and s != n for s, n in zip(spec.shape, a.shape)):
                 raise GacInputError(f"{what}: expected shape {list(spec.shape)}, got {list(a.shape)}")
-            if a.device.type != self.device_type and not _host_scalar(a):
+            if a.device.type != self.device_type and not is_host_scalar(a):
                 raise GacInputError(f"{what}: compiled for {self.device_type} tensors, got one on {a.device}")
             if a.layout != torch.strided:
                 raise GacInputError(f"{what}: expected a dense (strided) tensor, got {a.layout}")
@@ -92,7 +92,7 @@ class CompiledGraph(torch.nn.Module):
         # dense row-major buffers on the target's device; size arguments as ints
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == self.device_type),
                       torch.device(self.device_type))
-        inputs = [(a.to(device) if _host_scalar(a) and a.device != device else a.contiguous())
+        inputs = [(a.to(device) if is_host_scalar(a) and a.device != device else a.contiguous())
                   if isinstance(a, torch.Tensor) else int(a) for a in args]
         tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
         outputs = [torch.empty(shape, dtype=s.dtype, device=device)
@@ -104,7 +104,7 @@ class CompiledGraph(torch.nn.Module):
         return tuple(outputs) if self.tuple_output else outputs[0]
 
 
-def _host_scalar(t: torch.Tensor) -> bool:
+def is_host_scalar(t: torch.Tensor) -> bool:
     """A 0-d CPU tensor: eager accepts it next to device tensors (as a scalar), so do we."""
     return t.dim() == 0 and t.device.type == "cpu"
 
