@@ -8,6 +8,7 @@ instead and is not counted; the test fails if a claimed op is never exercised wi
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 import expecttest  # noqa: E402,F401  (torch.testing._internal needs it: a dev dependency, never a skip)
 
+from gac_torch.backends import get_target  # noqa: E402
 from gac_torch.frontends.fx import compile_graph, has_symbolic_shapes, specialization_reason  # noqa: E402
 from gac_torch.legalize import decompositions  # noqa: E402
 from gac_torch.legalize.registry import REGISTRY  # noqa: E402
@@ -80,12 +82,12 @@ def _aten_names(gm) -> set[str]:
             if n.op == "call_function" and n.target is not operator.getitem and hasattr(n.target, "_schema")}
 
 
-def _run_opinfo(name: str, exercised: set[str], failures: list[str]) -> None:
+def _run_opinfo(name: str, exercised: set[str], failures: list[str], target: str) -> None:
     op = opinfo_db()[name]
     torch.manual_seed(0)
     dtype = next((d for d in (torch.float32, torch.int64, torch.bool) if d in op.supported_dtypes("cpu")), None)
     samples = [] if dtype is None else [_sample_fn(op, s) for s in op.sample_inputs("cpu", dtype, requires_grad=False)]
-    _run_samples(name, samples, exercised, failures)
+    _run_samples(name, samples, exercised, failures, target)
 
 
 def _exported_graph(fn, inputs, spec=None):
@@ -100,7 +102,17 @@ def _exported_graph(fn, inputs, spec=None):
     return gm, len(next(x for x in gm.graph.nodes if x.op == "output").args[0])
 
 
-def _run_samples(name: str, samples, exercised: set[str], failures: list[str], trace=_symbolic_graph) -> None:
+def _compile(gm, target: str):
+    """`ptx`: the cuda target's stages only (CI has no GPU): the graph must still compile once."""
+    if target != "ptx":
+        return compile_graph(gm, resolve({"fallback": True}, target=target))
+    stages_only = dataclasses.replace(get_target("cuda"), load=lambda artifact, sig, opts: artifact,
+                                      check_available=lambda: None)
+    return compile_graph(gm, resolve({"fallback": True}, target="cuda"), target=stages_only)
+
+
+def _run_samples(name: str, samples, exercised: set[str], failures: list[str], target: str,
+                 trace=_symbolic_graph) -> None:
     done = 0
     for fn, inputs in samples:
         if done >= SAMPLES_PER_OPINFO:
@@ -116,10 +128,16 @@ def _run_samples(name: str, samples, exercised: set[str], failures: list[str], t
             continue  # all sizes 0/1 (static), or an op lowered for static sizes only
         done += 1
         names = _aten_names(gm)  # (compiling replaces the nodes by partitions)
+        device = "cuda" if target == "cuda" else "cpu"
         try:
-            compiled = compile_graph(gm, resolve({"fallback": True}, target="cpu"))
+            compiled = _compile(gm, target)
             assert compiled.dynamic
-            outs = compiled(*[t.clone() for t in inputs])
+            failed = [why for (op, why) in compiled.report.unsupported if op.startswith("partition")]
+            assert not failed, failed[0]
+            if target == "ptx":  # compiled once with run-time sizes; nothing to run here
+                exercised |= names
+                continue
+            outs = [o.cpu() for o in compiled(*[t.clone().to(device) for t in inputs])]
         except Exception as e:
             failures.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
@@ -135,18 +153,21 @@ def _run_samples(name: str, samples, exercised: set[str], failures: list[str], t
             exercised |= names
 
 
-def test_every_dynamic_lowering_runs_with_run_time_sizes():
+@pytest.mark.parametrize("target", ["cpu", "ptx", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_every_dynamic_lowering_runs_with_run_time_sizes(target):
+    """cpu: compiled once and run; ptx: compiled once for the cuda target (no GPU needed: the
+    mapping, host program and PTX); cuda: run on the GPU against eager on the CPU."""
     exercised: set[str] = set()
     failures: list[str] = []
     for name in claimed_opinfos(set(DYNAMIC)):
-        _run_opinfo(name, exercised, failures)
+        _run_opinfo(name, exercised, failures, target)
     g = torch.Generator().manual_seed(3)
     for name, (fn, shapes, *spec) in EXTRA.items():
         inputs = [torch.randint(-50, 50, s, generator=g) if name == "bitwise" else
                   torch.randint(0, 4, s, generator=g) if name == "indexing" and k else torch.randn(s, generator=g)
                   for k, s in enumerate(shapes)]
         trace = (lambda f, xs, spec=spec: _exported_graph(f, xs, *spec))
-        _run_samples(name, [(fn, inputs)], exercised, failures, trace=trace)
+        _run_samples(name, [(fn, inputs)], exercised, failures, target, trace=trace)
     assert not failures, "\n".join(failures)
     missing = sorted(set(DYNAMIC) - exercised - set(NOT_EXERCISED))
     assert not missing, f"claimed dynamic but never run with run-time sizes: {missing}"

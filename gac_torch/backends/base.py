@@ -88,5 +88,10 @@ class Target:
     options: dict[str, Any] = field(default_factory=dict)  # target-specific option defaults
 
 
+class StaticShapesOnly(NotImplementedError):
+    """A target cannot compile this graph with its sizes left to run time (it can for concrete
+    shapes): the front-ends then compile it once per shape, with this as the reason."""
+
+
 class TargetUnavailable(RuntimeError):
     """The target cannot run on this machine (no GPU, no Vortex runtime, ...)."""

@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from gac_torch.backends.base import StaticShapesOnly
 from gac_torch.frontends.fx import compile_graph, specialization_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
@@ -37,10 +38,13 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
         reason = specialization_reason(graph, opts)
-        if reason:
-            log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
-            return make_boxed_func(ShapeSpecializing(graph, compile_static, reason=reason))
-        return make_boxed_func(compile_static(graph))
+        if not reason:
+            try:
+                return make_boxed_func(compile_static(graph))
+            except StaticShapesOnly as e:
+                reason = str(e)
+        log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
+        return make_boxed_func(ShapeSpecializing(graph, compile_static, reason=reason))
 
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
                         decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)

@@ -10,6 +10,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from gac_torch.backends import get_target
+from gac_torch.backends.base import StaticShapesOnly
 from gac_torch.frontends.fx import CompiledFx, compile_graph, specialization_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
@@ -172,9 +173,12 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     reason = specialization_reason(gm, options)
-    if reason:
-        return CompiledProgram(ep, SpecializedFx(gm, options, reason))
-    return CompiledProgram(ep, compile_graph(gm, options))
+    if not reason:
+        try:
+            return CompiledProgram(ep, compile_graph(gm, options))
+        except StaticShapesOnly as e:
+            reason = str(e)
+    return CompiledProgram(ep, SpecializedFx(gm, options, reason))
 
 
 def export_module(model: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:

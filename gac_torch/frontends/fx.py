@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from gac_torch.backends import Target, get_target
+from gac_torch.backends.base import StaticShapesOnly
 from gac_torch.driver import compile_partition
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
@@ -109,6 +110,8 @@ def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = Non
         sub = getattr(fused, name)
         try:
             cg = compile_partition(sub, name, target, options, dump_dir)
+        except StaticShapesOnly:
+            raise  # the front-end compiles the graph per shape instead
         except Exception as e:  # never crash a user's model: this partition runs eagerly instead
             if not options["fallback"]:
                 raise

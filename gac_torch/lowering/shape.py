@@ -108,8 +108,9 @@ def _gather_padded(x, out_shape, low, high, mode: str):
 
 
 def _wrap(i, size):
-    """Negative indices count from the end (as in ATen)."""
-    return arith.select(arith.cmpi(I.slt, i, const(0, i.type)), arith.addi(i, const(size, i.type)), i)
+    """Negative indices count from the end (as in ATen); `size` an int or a run-time index."""
+    n = arith.index_cast(i.type, size) if isinstance(size, ir.Value) else const(size, i.type)
+    return arith.select(arith.cmpi(I.slt, i, const(0, i.type)), arith.addi(i, n), i)
 
 
 @lowers("gather", moves_data_only=True)

@@ -51,6 +51,7 @@ from mlir.dialects.transform import interpreter
 from gac_torch.kernels import cuda_mma
 
 KERNEL_MODULE = "gac_kernels"
+_DYN = ir.ShapedType.get_dynamic_size()  # a `?` in a memref type's shape
 
 # Named ops kept named through elementwise fusion: fusing a producer into them would recompute
 # it once per use (N times for a matmul operand); they also get dedicated strategies.
@@ -61,7 +62,8 @@ _KEEP_NAMED = (
     "linalg.batch_mmt4d", "linalg.quantized_",
 )
 _VIEW_OPS = ("memref.subview", "memref.expand_shape", "memref.collapse_shape", "memref.cast",
-             "memref.reinterpret_cast", "memref.view")
+             "memref.reinterpret_cast", "memref.view",
+             "memref.extract_strided_metadata")  # (its result 0: the base buffer)
 # Ops that may stay in the host function: they only define buffers, views and constants.
 _HOST_OPS = ("arith.constant", "ub.poison", "memref.alloc", "memref.dealloc", "memref.get_global",
              "gpu.launch", "func.return", *_VIEW_OPS)
@@ -84,6 +86,23 @@ class MappingLimits:
     reduce_min_extent: int = 128  # smaller reductions stay sequential per thread
     mma: bool = False  # tensor cores with mma.sync m16n8k16 / m16n8k8 (sm_80 and later)
     allow_tf32: bool = False  # f32 matmuls may run on tensor cores in TF32 (numerics option)
+
+
+def is_size_math(op: ir.Operation) -> bool:
+    """Scalar arithmetic over run-time sizes (and constants) in the host function: it stays on
+    the host (the host program evaluates it per call, see program.py) and feeds grids, kernel
+    scalars (e.g. a mean's divisor) and allocation sizes."""
+    if op.name in ("memref.dim", "memref.extract_strided_metadata"):
+        return True
+    if not op.name.startswith("arith.") or op.name == "arith.constant" or op.regions:
+        return False
+    if any(isinstance(t, ir.ShapedType) for t in [v.type for v in op.operands] + [r.type for r in op.results]):
+        return False
+    for v in op.operands:  # from the host: function arguments, constants, other size math
+        d = _defining_op(v)
+        if d is not None and d.name != "arith.constant" and not is_size_math(d):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,8 +171,35 @@ def _top_level(op: ir.Operation, block: ir.Block) -> ir.Operation:
     return op
 
 
-def _index(v: int) -> ir.Value:
-    return arith.constant(ir.IndexType.get(), v)
+def _index(v: int | ir.Value) -> ir.Value:
+    return v if isinstance(v, ir.Value) else arith.constant(ir.IndexType.get(), v)
+
+
+# Extents known only at run time are index Values computed on the host (memref.dim of a buffer);
+# these helpers fold when both sides are known ints, so static programs keep their constants.
+def _mul(a: int | ir.Value, b: int | ir.Value) -> int | ir.Value:
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    if a == 1 or b == 1:
+        return b if a == 1 else a
+    return arith.muli(_index(a), _index(b))
+
+
+def _prod(xs: list) -> int | ir.Value:
+    out: int | ir.Value = 1
+    for x in xs:
+        out = _mul(out, x)
+    return out
+
+
+def _ceildiv(a: int | ir.Value, b: int) -> int | ir.Value:
+    if isinstance(a, int):
+        return -(-a // b)
+    return a if b == 1 else arith.ceildivui(a, _index(b))
+
+
+def _is_static(*xs) -> bool:
+    return all(isinstance(x, int) for x in xs)
 
 
 def _set_kernel_name(launch: ir.Operation, name: str) -> None:
@@ -161,7 +207,7 @@ def _set_kernel_name(launch: ir.Operation, name: str) -> None:
     launch.attributes["function"] = ir.FlatSymbolRefAttr.get(name)
 
 
-def _new_launch(grid: int, block: int, name: str,
+def _new_launch(grid: int | ir.Value, block: int, name: str,
                 workgroup: tuple[ir.Type, ...] = ()) -> tuple[ir.Operation, ir.Block]:
     """A 1-D gpu.launch at the current insertion point; returns it and its body block."""
     one = _index(1)
@@ -176,12 +222,12 @@ def _new_launch(grid: int, block: int, name: str,
     return launch, body
 
 
-def _delinearize(lin: ir.Value, extents: list[int]) -> list[ir.Value]:
+def _delinearize(lin: ir.Value, extents: list[int | ir.Value]) -> list[ir.Value]:
     """Row-major indices of `lin` in a box of `extents` (last fastest); lin < prod(extents)."""
     out: list[ir.Value] = []
     for pos in range(len(extents) - 1, -1, -1):
         n = extents[pos]
-        if n == 1:
+        if isinstance(n, int) and n == 1:
             out.append(_index(0))
         elif pos == 0:
             out.append(lin)
@@ -360,6 +406,67 @@ def _elide_copies_into_outputs(fn: ir.Operation) -> None:
         alloc.erase()
 
 
+def _identity_layout(t: ir.Type) -> bool:
+    layout = ir.MemRefType(t).layout
+    if not isinstance(layout, ir.AffineMapAttr):
+        return False
+    m = layout.value
+    return m == ir.AffineMap.get_identity(m.n_dims) and m.n_symbols == 0
+
+
+def _reshapes_to_views(fn: ir.Operation) -> None:
+    """`memref.reshape %src(%shape)` (tensor.reshape with several run-time sizes) -> a
+    row-major `memref.reinterpret_cast` of %src with the sizes the shape buffer was filled with
+    on the host; the shape buffer (alloc + constant-index stores) goes away. %src has the
+    identity layout (bufferization copies otherwise), so offset 0 and row-major strides hold."""
+    block = _block(fn)
+    for op in _ops(block):
+        if op.name != "memref.reshape":
+            continue
+        src, shape = op.operands[0], op.operands[1]
+        alloc = _defining_op(shape)
+        out_t = ir.MemRefType(op.results[0].type)
+        if alloc is None or alloc.name != "memref.alloc" or not _identity_layout(src.type):
+            continue
+        sizes: dict[int, ir.Value] = {}
+        stores, others = [], []
+        for u in _users(shape):
+            if u.name == "memref.store" and u.operands[1] == shape and _const_int(u.operands[2]) is not None:
+                stores.append(u)
+                sizes[_const_int(u.operands[2])] = u.operands[0]  # type: ignore[index]
+            elif u.name != "memref.reshape":
+                others.append(u)
+        if others or sorted(sizes) != list(range(out_t.rank)) or any(
+                u.block != block or not u.is_before_in_block(op) for u in stores):
+            continue
+        with ir.InsertionPoint(op), op.location:
+            dyn_sizes, static_sizes = [], []
+            for i, n in enumerate(out_t.shape):
+                static_sizes.append(n)
+                if n == _DYN:
+                    dyn_sizes.append(sizes[i])
+            dyn_strides, static_strides = [], []
+            stride: int | ir.Value = 1
+            for i in range(out_t.rank - 1, -1, -1):
+                static_strides.append(stride if isinstance(stride, int) else _DYN)
+                if not isinstance(stride, int):
+                    dyn_strides.append(stride)
+                n = out_t.shape[i]
+                stride = _mul(stride, n if n != _DYN else sizes[i])
+            static_strides.reverse()
+            dyn_strides.reverse()
+            # (the identity layout's strides are these: static where the inner sizes are)
+            view = memref.reinterpret_cast(out_t, src, [], dyn_sizes, dyn_strides,
+                                           [0], static_sizes, static_strides)
+            view.owner.attributes["gac.reshape"] = ir.UnitAttr.get()
+        op.results[0].replace_all_uses_with(view)
+        op.erase()
+        if not list(_users(shape)) or all(u.name == "memref.store" for u in _users(shape)):
+            for u in stores:
+                u.erase()
+            alloc.erase()
+
+
 def _copies_to_linalg(fn: ir.Operation) -> None:
     for op in _ops(_block(fn)):
         if op.name == "memref.copy":
@@ -377,13 +484,25 @@ class _Generic:
     op: ir.Operation
     maps: list[ir.AffineMap]
     iters: list[str]  # "parallel" | "reduction"
-    ranges: list[int]
+    ranges: list[int | None]  # None: known at run time only (see `extent`)
+    sources: list[tuple[ir.Value, int]]  # per loop dim: a buffer and its dim of that extent
     inputs: list[ir.Value]
     outputs: list[ir.Value]
 
     @property
     def body(self) -> ir.Block:
         return self.op.regions[0].blocks[0]
+
+    @property
+    def dynamic(self) -> bool:
+        return None in self.ranges
+
+    def extent(self, d: int) -> int | ir.Value:
+        """Loop dim d's extent: an int, or a host-side `memref.dim` (at the insertion point)."""
+        if self.ranges[d] is not None:
+            return self.ranges[d]  # type: ignore[return-value]
+        buf, pos = self.sources[d]
+        return memref.dim(buf, _index(pos))
 
 
 def _analyze(op: ir.Operation) -> _Generic | None:
@@ -393,16 +512,19 @@ def _analyze(op: ir.Operation) -> _Generic | None:
              for a in op.attributes["iterator_types"]]
     operands = list(g.inputs) + list(g.outputs)
     ranges: list[int | None] = [None] * len(iters)
+    sources: list[tuple[ir.Value, int] | None] = [None] * len(iters)
     for v, m in zip(operands, maps):
         if not isinstance(v.type, ir.MemRefType):
             continue  # scalar operand (e.g. a fill value)
         shape = ir.MemRefType(v.type).shape
-        for size, e in zip(shape, m.results):
+        for pos, (size, e) in enumerate(zip(shape, m.results)):
             if isinstance(e, ir.AffineDimExpr):
-                ranges[e.position] = size
-    if any(r is None for r in ranges):
+                if sources[e.position] is None or (ranges[e.position] is None and size != _DYN):
+                    ranges[e.position] = None if size == _DYN else size
+                    sources[e.position] = (v, pos)
+    if any(s is None for s in sources):
         return None
-    return _Generic(op, maps, iters, ranges, list(g.inputs), list(g.outputs))  # type: ignore[arg-type]
+    return _Generic(op, maps, iters, ranges, sources, list(g.inputs), list(g.outputs))  # type: ignore[arg-type]
 
 
 def _dims(m: ir.AffineMap) -> list[int] | None:
@@ -533,7 +655,7 @@ def _mma_operand(v: ir.Value, m: ir.AffineMap) -> cuda_mma.Operand:
 
 def _emit_mma(c: _Contraction, name: str, limits: MappingLimits) -> bool:
     """Tensor-core template (gac_torch/kernels/cuda_mma.py) when the element types allow it."""
-    if not limits.mma or not c.is_float:
+    if not limits.mma or not c.is_float or c.g.dynamic:
         return False
     g = c.g
     ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
@@ -565,14 +687,17 @@ def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
     g = c.g
     M, N, K = g.ranges[c.m], g.ranges[c.n], g.ranges[c.k]
     batch_ext = [g.ranges[d] for d in c.batch]
-    big = -(-M // 128) * -(-N // 128) * math.prod(batch_ext) >= limits.big_tile_min_blocks
-    tm = 8 if big else 4 if M >= 64 else 2 if M >= 32 else 1  # (16*tm) x (16*tn) block tile
-    tn = 8 if big else 4 if N >= 64 else 2 if N >= 32 else 1
+    # Run-time extents (None) take a 64-wide tile; the grid is computed on the host per call.
+    big = not g.dynamic and (-(-M // 128) * -(-N // 128) * math.prod(batch_ext)  # type: ignore
+                             >= limits.big_tile_min_blocks)
+    tm = 8 if big else 4 if M is None or M >= 64 else 2 if M >= 32 else 1  # (16*tm) x (16*tn) tile
+    tn = 8 if big else 4 if N is None or N >= 64 else 2 if N >= 32 else 1
     tt, bk = 16, 16  # a 16x16 thread block; K staged 16 deep through shared memory
     bm, bn = tt * tm, tt * tn
-    grid = (-(-N // bn), -(-M // bm), math.prod(batch_ext))
-    if any(x > lim for x, lim in zip(grid, limits.max_grid)) or 0 in grid or K == 0:
-        return False
+    if not g.dynamic:
+        grid = (-(-N // bn), -(-M // bm), math.prod(batch_ext))  # type: ignore[operator]
+        if any(x > lim for x, lim in zip(grid, limits.max_grid)) or 0 in grid or K == 0:
+            return False
     ta, tb = (str(v.type) for v in g.inputs)
     tc = str(g.outputs[0].type)
     ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
@@ -607,17 +732,35 @@ def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
     lines: list[str] = []
     w = lines.append
     w(f"func.func @tmpl(%A: {ta}, %B: {tb}, %C: {tc}, %init: {ec}) {{")
-    w(f"%one = arith.constant 1 : index\n%gx = arith.constant {grid[0]} : index")
-    w(f"%gy = arith.constant {grid[1]} : index\n%gz = arith.constant {grid[2]} : index")
+    w("%one = arith.constant 1 : index")
+
+    def extent(ssa: str, d: int) -> None:  # host side: a constant or the buffer's run-time dim
+        if g.ranges[d] is not None:
+            w(f"{ssa} = arith.constant {g.ranges[d]} : index")
+            return
+        buf, pos = g.sources[d]
+        operand, ty = {g.inputs[0]: ("%A", ta), g.inputs[1]: ("%B", tb)}.get(buf, ("%C", tc))
+        w(f"{ssa}_pos = arith.constant {pos} : index\n{ssa} = memref.dim {operand}, {ssa}_pos : {ty}")
+
+    extent("%cM", c.m)
+    extent("%cN", c.n)
+    extent("%cK", c.k)
+    for j, d in enumerate(c.batch):
+        extent(f"%bext{j}", d)
+    w(f"%hbm = arith.constant {bm} : index\n%hbn = arith.constant {bn} : index")
+    w("%gx = arith.ceildivui %cN, %hbn : index\n%gy = arith.ceildivui %cM, %hbm : index")
+    gz = "%one"
+    for j in range(len(batch_ext)):
+        w(f"%gzb{j} = arith.muli {gz}, %bext{j} : index")
+        gz = f"%gzb{j}"
     w(f"%nt = arith.constant {tt * tt} : index")
-    w("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+    w(f"gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = {gz}) "
       "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
       f"workgroup(%As : {sa}, %Bs : {sb}) {{")
     w("%c0 = arith.constant 0 : index\n%c1 = arith.constant 1 : index")
     w(f"%ctt = arith.constant {tt} : index\n%cbk = arith.constant {bk} : index")
     w(f"%cbm = arith.constant {bm} : index\n%cbn = arith.constant {bn} : index")
-    w(f"%cM = arith.constant {M} : index\n%cN = arith.constant {N} : index")
-    w(f"%cK = arith.constant {K} : index\n%zero = arith.constant {zero} : {acc}")
+    w(f"%zero = arith.constant {zero} : {acc}")
     w("%tr = arith.divui %tid, %ctt : index\n%tc = arith.remui %tid, %ctt : index")
     w("%m0 = arith.muli %by, %cbm : index\n%n0 = arith.muli %bx, %cbn : index")
     rest = "%bz"
@@ -625,7 +768,6 @@ def _emit_matmul(c: _Contraction, name: str, limits: MappingLimits) -> bool:
         if j == 0:
             w(f"%bi0 = arith.addi {rest}, %c0 : index")
         else:
-            w(f"%bext{j} = arith.constant {batch_ext[j]} : index")
             w(f"%bi{j} = arith.remui {rest}, %bext{j} : index")
             w(f"%bq{j} = arith.divui {rest}, %bext{j} : index")
             rest = f"%bq{j}"
@@ -790,20 +932,21 @@ def _emit_reduce(g: _Generic, name: str, limits: MappingLimits) -> bool:
         return False
     kind = _COMBINERS[comb.name]
     value = comb.operands[1] if comb.operands[0] == out_arg else comb.operands[0]
-    p_ext = [g.ranges[d] for d in par]
-    r_ext = [g.ranges[d] for d in red]
-    n_out, n_red = math.prod(p_ext), math.prod(r_ext)
-    if n_out == 0 or n_out > limits.max_grid[0]:
+    with ir.InsertionPoint(g.op), g.op.location:  # run-time extents: memref.dim on the host
+        p_ext = [g.extent(d) for d in par]
+        r_ext = [g.extent(d) for d in red]
+        n_out, n_red = _prod(p_ext), _prod(r_ext)
+    if _is_static(n_out) and (n_out == 0 or n_out > limits.max_grid[0]):
         return False
     # Short rows: one warp per output, 8 outputs per block, combined with shuffles. Long rows:
-    # one block per output, combined with gpu.all_reduce (shuffles + shared memory).
+    # one block per output, combined with gpu.all_reduce (shuffles + shared memory). Rows of
+    # run-time length take a warp each.
     warp = limits.warp_size
-    per_warp = n_red <= limits.warp_reduce_max
+    per_warp = not _is_static(n_red) or n_red <= limits.warp_reduce_max
     threads = (limits.reduce_threads if per_warp else
                min(limits.reduce_threads, max(warp, 1 << (max(n_red, 1) - 1).bit_length())))
     group = warp if per_warp else threads  # threads cooperating on one output
     outs_per_block = threads // group
-    grid = -(-n_out // outs_per_block)
     elem = ir.MemRefType(g.outputs[0].type).element_type
     if isinstance(elem, ir.FloatType):
         acc_t = ir.F32Type.get() if ir.FloatType(elem).width < 32 else elem
@@ -819,6 +962,8 @@ def _emit_reduce(g: _Generic, name: str, limits: MappingLimits) -> bool:
         return new.results[0]
 
     with ir.InsertionPoint(g.op), g.op.location:
+        grid = _ceildiv(n_out, outs_per_block)
+        trips = _ceildiv(n_red, group)
         launch, body = _new_launch(grid, threads, name)
         with ir.InsertionPoint(body):
             bid, tid = body.arguments[0], body.arguments[3]
@@ -828,17 +973,17 @@ def _emit_reduce(g: _Generic, name: str, limits: MappingLimits) -> bool:
             else:
                 lane, out_lin = tid, bid
             active = None
-            if grid * outs_per_block != n_out:  # the last block has idle groups
+            if not _is_static(grid, n_out) or grid * outs_per_block != n_out:  # idle groups
                 active = arith.cmpi(arith.CmpIPredicate.ult, out_lin, _index(n_out))
             p_ivs = _delinearize(out_lin, p_ext)
             ident = arith.constant(acc_t, _identity(kind, acc_t))
             # Constant trip count (lane + it * group): LLVM unrolls it and keeps loads in flight.
-            loop = scf.ForOp(_index(0), _index(-(-n_red // group)), _index(1), [ident])
+            loop = scf.ForOp(_index(0), _index(trips), _index(1), [ident])
             with ir.InsertionPoint(loop.body):
                 acc = loop.inner_iter_args[0]
                 j = arith.addi(arith.muli(loop.induction_variable, _index(group)), lane)
                 cond = active
-                if n_red % group:
+                if not _is_static(n_red) or n_red % group:
                     in_row = arith.cmpi(arith.CmpIPredicate.ult, j, _index(n_red))
                     cond = in_row if cond is None else arith.andi(cond, in_row)
                 guard = scf.IfOp(cond, [acc_t], has_else=True) if cond is not None else None
@@ -928,14 +1073,12 @@ def _clone_body(ops: list[ir.Operation], skip: ir.Operation, mapping: dict[ir.Va
 # strategy: loops (fallback for every op) and serial
 
 
-def _parallel_bounds(p: ir.Operation) -> list[tuple[int, int, int]] | None:
+def _parallel_bounds(p: ir.Operation) -> list[tuple]:
+    """(lower, upper, step) per dim: ints where constant, else the host index Values."""
     po = p.opview
     out = []
     for lb, ub, st in zip(po.lowerBound, po.upperBound, po.step):
-        vals = (_const_int(lb), _const_int(ub), _const_int(st))
-        if None in vals:
-            return None
-        out.append(vals)  # type: ignore[arg-type]
+        out.append(tuple(v if c is None else c for v, c in ((x, _const_int(x)) for x in (lb, ub, st))))
     return out
 
 
@@ -997,10 +1140,12 @@ def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
     Large loop-free (elementwise) spaces give each thread `coarsen` points a grid-stride apart:
     independent loads in flight per thread, which a one-point thread lacks to fill HBM."""
     bounds = _parallel_bounds(p)
-    if bounds is None:
-        raise NotImplementedError("scf.parallel with dynamic bounds")
-    extents = [max(0, -(-(ub - lb) // st)) for lb, ub, st in bounds]
-    total = math.prod(extents)
+    if any(not _is_static(lb, st) for lb, _, st in bounds):
+        raise NotImplementedError("scf.parallel with a run-time lower bound or step")
+    with ir.InsertionPoint(p), p.location:  # run-time extents: (ub - lb) / step on the host
+        extents = [max(0, -(-(ub - lb) // st)) if _is_static(ub) else
+                   _ceildiv(ub if lb == 0 else arith.subi(ub, _index(lb)), st) for lb, ub, st in bounds]
+        total = _prod(extents)
     if total == 0:
         p.erase()
         return
@@ -1012,12 +1157,15 @@ def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
         return ir.WalkResult.ADVANCE
 
     p.walk(find_loops, ir.WalkOrder.PRE_ORDER)
-    coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
-    threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
-    grid = -(-total // (threads * coarsen))
-    if grid > limits.max_grid[0]:
-        raise NotImplementedError(f"{total} iterations exceed a 1-D grid")
+    if _is_static(total):
+        coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
+        threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
+        if -(-total // (threads * coarsen)) > limits.max_grid[0]:
+            raise NotImplementedError(f"{total} iterations exceed a 1-D grid")
+    else:  # (a grid larger than the device allows is refused when the sizes are bound)
+        coarsen, threads = 1, limits.threads_per_block
     with ir.InsertionPoint(p), p.location:
+        grid = _ceildiv(total, threads * coarsen)
         launch, kbody = _new_launch(grid, threads, name)
         with ir.InsertionPoint(kbody):
             bid, tid = kbody.arguments[0], kbody.arguments[3]
@@ -1025,7 +1173,7 @@ def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
             if coarsen > 1:
                 step = scf.ForOp(_index(0), _index(coarsen), _index(1))
                 with ir.InsertionPoint(step.body):
-                    lin = arith.addi(lin, arith.muli(step.induction_variable, _index(grid * threads)))
+                    lin = arith.addi(lin, arith.muli(step.induction_variable, _index(grid * threads)))  # type: ignore[operator]
                     inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, _index(total)))
                     scf.YieldOp([])
             else:
@@ -1099,6 +1247,53 @@ def _clone_chain(user: ir.Operation, glob: ir.Operation, mapping: dict[ir.Value,
         user.operands[i] = mapping[v]
 
 
+_DYN_STRIDE = ir.ShapedType.get_dynamic_stride_or_offset()
+
+
+def static_memref(t: ir.Type) -> bool:
+    """Shape, strides and offset all known at compile time."""
+    mt = ir.MemRefType(t)
+    strides, offset = mt.get_strides_and_offset()
+    return _DYN not in mt.shape and _DYN_STRIDE not in (*strides, offset)
+
+
+def _dynamic_memrefs_as_metadata(fn: ir.Operation) -> None:
+    """Kernels take buffers as bare pointers, their layout compiled in. A buffer whose sizes,
+    strides or offset are known only at run time enters a kernel as its base pointer (a 0-d
+    memref, from memref.extract_strided_metadata on the host) plus index scalars, and the
+    kernel rebuilds the view with memref.reinterpret_cast."""
+    block = _block(fn)
+    for launch in [op for op in _ops(block) if op.name == "gpu.launch"]:
+        captured: list[ir.Value] = []
+
+        def visit(o: ir.Operation) -> ir.WalkResult:
+            for v in o.operands:
+                if (isinstance(v.type, ir.MemRefType) and not static_memref(v.type) and v not in captured
+                        and (v.owner == block if isinstance(v.owner, ir.Block)
+                             else _top_level(v.owner.operation, block) != launch)):
+                    captured.append(v)
+            return ir.WalkResult.ADVANCE
+
+        for o in _ops(launch.regions[0].blocks[0]):
+            o.walk(visit, ir.WalkOrder.PRE_ORDER)
+        for v in captured:
+            t = ir.MemRefType(v.type)
+            strides, offset = t.get_strides_and_offset()
+            with ir.InsertionPoint(launch), launch.location:
+                md = memref.ExtractStridedMetadataOp(v).results
+            sizes_v, strides_v = list(md)[2:2 + t.rank], list(md)[2 + t.rank:]
+            with ir.InsertionPoint.at_block_begin(launch.regions[0].blocks[0]), launch.location:
+                view = memref.reinterpret_cast(
+                    t, md[0], [md[1]] if offset == _DYN_STRIDE else [],
+                    [x for x, n in zip(sizes_v, t.shape) if n == _DYN],
+                    [x for x, n in zip(strides_v, strides) if n == _DYN_STRIDE],
+                    [offset], list(t.shape), list(strides))
+            for use in list(v.uses):
+                owner = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+                if owner != view.owner and _top_level(owner, block) == launch:
+                    owner.operands[use.operand_number] = view
+
+
 def _parallel_dims_first(op: ir.Operation) -> None:
     """Interchange a generic's loops so parallel dims precede reduction dims (stable order):
     convert-linalg-to-parallel-loops then yields one scf.parallel holding the reduction loops,
@@ -1135,9 +1330,12 @@ def _strategy(g: _Generic | None, limits: MappingLimits) -> str:
         return "matmul"
     red = [g.ranges[i] for i, t in enumerate(g.iters) if t == "reduction"]
     par = [g.ranges[i] for i, t in enumerate(g.iters) if t == "parallel"]
-    if red and math.prod(red) >= limits.reduce_min_extent:
-        inner_is_reduction = g.iters[-1] == "reduction"
-        if inner_is_reduction or math.prod(par) < 8192:
+    inner_is_reduction = bool(g.iters) and g.iters[-1] == "reduction"
+    if red and None in red + par:  # run-time extents: rows of the innermost dim(s) only
+        short = None not in red and math.prod(red) < limits.reduce_min_extent  # type: ignore[arg-type]
+        return "reduce" if inner_is_reduction and not short else "loops"
+    if red and math.prod(red) >= limits.reduce_min_extent:  # type: ignore[arg-type]
+        if inner_is_reduction or math.prod(par) < 8192:  # type: ignore[arg-type]
             return "reduce"
     return "loops"
 
@@ -1169,6 +1367,7 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = 
     _generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
     bufferize(module, fn)
+    _reshapes_to_views(fn)
     _copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
 
@@ -1192,7 +1391,7 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = 
             if i + 1 < len(ops) and ops[i + 1].name == "scf.parallel" and _absorb_fill(op, ops[i + 1]):
                 continue
             _linearize(op, f"gac_k{next(counter)}_loops", limits)
-        elif op.name in _HOST_OPS:
+        elif op.name in _HOST_OPS or is_size_math(op):
             if serial and op.name != "arith.constant":
                 _wrap_serial(serial, f"gac_k{next(counter)}_serial")
                 serial = []
@@ -1201,7 +1400,9 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = 
     if serial:
         _wrap_serial(serial, f"gac_k{next(counter)}_serial")
     _sink_globals(fn)
-    run_passes(module, "gpu-launch-sink-index-computations, gpu-kernel-outlining, canonicalize, cse")
+    run_passes(module, "gpu-launch-sink-index-computations")
+    _dynamic_memrefs_as_metadata(fn)
+    run_passes(module, "gpu-kernel-outlining, canonicalize, cse")
     _number_kernels(module, fn)
 
 

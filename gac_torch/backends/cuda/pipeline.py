@@ -26,12 +26,16 @@ from gac_torch.backends.cuda.program import (
     ArgSpec,
     BufferRef,
     CudaProgram,
+    HOST_OPS,
+    Dyn,
+    HostOp,
     KernelArg,
     KernelLaunch,
     ScalarArg,
     TempBuffer,
 )
-from gac_torch.passes.memory_plan import BufferUse, plan_memory
+from gac_torch.backends.base import StaticShapesOnly
+from gac_torch.passes.memory_plan import BufferUse, MemoryPlan, plan_memory
 
 _ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i1": 1, "i8": 1, "i16": 2, "i32": 4,
                "i64": 8}
@@ -76,26 +80,36 @@ def _elem_name(t: ir.Type) -> str:
     return str(t)
 
 
-def _nbytes(t: ir.MemRefType) -> int:
-    return math.prod(t.shape) * _ELEM_BYTES[_elem_name(t.element_type)]
-
-
 def map_stage(artifact: Any, options: CudaOptions) -> GpuStage:
     module = _as_module(artifact)
     with module.context, ir.Location.unknown():
         fn = mapping.main_func(module)
-        args = [ArgSpec(tuple(ir.MemRefType(a.type).shape), _elem_name(ir.MemRefType(a.type).element_type))
-                for a in mapping._block(fn).arguments]
+        args = [_arg_spec(a.type) for a in mapping._block(fn).arguments]
+        dynamic = any(a.elem == "index" or -1 in a.shape for a in args)
         n_inputs = _count_inputs(fn)
-        mapping.map_to_gpu(module, options.limits)
-        _annotate_noalias(module)
-        program = _read_host_program(module, args, options.arch)
+        try:
+            mapping.map_to_gpu(module, options.limits)
+            if dynamic:  # views' run-time metadata as index math over their allocations' sizes
+                mapping.run_passes(module, "func.func(expand-strided-metadata, lower-affine, canonicalize, cse)")
+            _annotate_noalias(module)
+            program = _read_host_program(module, args, options.arch, dynamic)
+        except NotImplementedError as e:
+            if dynamic:  # what the mapping handles for static shapes only
+                raise StaticShapesOnly(f"cuda mapping: {e}") from e
+            raise
     errors = program.dataflow_errors(n_inputs)
     if errors:  # a wrong program must not run: fail the compile, naming what is wrong
         raise RuntimeError("cuda target: the compiled launch list violates its dataflow "
                            "invariants (a compiler bug):\n  " + "\n  ".join(errors)
                            + "\n" + program.describe())
     return GpuStage(module, program, options)
+
+
+def _arg_spec(t: ir.Type) -> ArgSpec:
+    if t == ir.IndexType.get():
+        return ArgSpec((), "index")
+    mt = ir.MemRefType(t)
+    return ArgSpec(tuple(-1 if n == mapping._DYN else n for n in mt.shape), _elem_name(mt.element_type))
 
 
 def _count_inputs(fn: ir.Operation) -> int:
@@ -132,7 +146,7 @@ def _annotate_noalias(module: ir.Module) -> None:
         attrs = []
         for v, r in zip(operands, roots):
             entries = {}
-            if r is not None and roots.count(r) == 1:
+            if r is not None and sum(1 for x in roots if x is not None and x == r) == 1:
                 entries["llvm.noalias"] = ir.UnitAttr.get()
             attrs.append(ir.DictAttr.get(entries))
         kfunc.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
@@ -164,7 +178,7 @@ def _kernel_access(kfunc: ir.Operation) -> list[str]:
         return params.index(root) if root in params else None
 
     def visit(op: ir.Operation) -> ir.WalkResult:
-        if op.name in mapping._VIEW_OPS:
+        if op.name in mapping._VIEW_OPS or op.name == "memref.dim":  # metadata, no data
             return ir.WalkResult.ADVANCE
         for pos, v in enumerate(op.operands):
             if not isinstance(v.type, ir.MemRefType):
@@ -199,8 +213,107 @@ def _whole(v: ir.Value) -> bool:
     return math.prod(t.shape) == math.prod(rt.shape)
 
 
-def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> CudaProgram:
-    """Turn the host function (constants, allocs, views, launch_funcs) into data."""
+class _SizeMath:
+    """The host's index values over run-time sizes -> HostOps (program.py), built on demand."""
+
+    def __init__(self, block: ir.Block):
+        self.block = block
+        self.args = {a: i for i, a in enumerate(block.arguments)}
+        self.ops: list[HostOp] = []
+        self.refs: dict[ir.Value, Dyn] = {}
+        self.consts: dict[tuple, Dyn] = {}
+
+    def _emit(self, op: str, args: tuple[int, ...], pred: str = "", type: str = "index") -> Dyn:
+        self.ops.append(HostOp(op, args, pred, type))
+        return Dyn(len(self.ops) - 1)
+
+    def const(self, value: int | float) -> Dyn:
+        key = (type(value), value)
+        if key not in self.consts:
+            self.consts[key] = self._emit("const", (value,))
+        return self.consts[key]
+
+    def value(self, v: ir.Value) -> int | float | Dyn:
+        """A constant as a number, anything else as a Dyn."""
+        op = mapping._defining_op(v)
+        if op is not None and op.name == "arith.constant":
+            attr = op.attributes["value"]
+            return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else ir.FloatAttr(attr).value
+        if v not in self.refs:
+            self.refs[v] = self._translate(v, op)
+        return self.refs[v]
+
+    def ref(self, v: ir.Value) -> Dyn:
+        x = self.value(v)
+        return x if isinstance(x, Dyn) else self.const(x)
+
+    def size(self, buf: ir.Value, dim: int) -> int | Dyn:
+        """Size `dim` of a buffer: static from its type, else from what defines it."""
+        t = ir.MemRefType(buf.type)
+        if t.shape[dim] != mapping._DYN:
+            return t.shape[dim]
+        op = mapping._defining_op(buf)
+        if op is None and buf in self.args:
+            return self._emit("dim", (self.args[buf], dim))
+        if op is not None and op.name == "memref.alloc":
+            k = sum(1 for n in t.shape[:dim] if n == mapping._DYN)
+            return self.ref(op.operands[k])
+        if op is not None and op.name == "memref.reinterpret_cast":
+            k = sum(1 for n in t.shape[:dim] if n == mapping._DYN)
+            return self.ref(list(op.opview.sizes)[k])
+        raise NotImplementedError(f"run-time size of a buffer defined by {op.name if op else 'a block argument'}")
+
+    def _translate(self, v: ir.Value, op: ir.Operation | None) -> Dyn:
+        if op is None:
+            if v in self.args and v.type == ir.IndexType.get():
+                return self._emit("size", (self.args[v],))
+            raise NotImplementedError(f"host index value from an unknown block argument: {v}")
+        name = op.name
+        if name == "memref.dim":
+            return self.ref_of(self.size(op.operands[0], int(self.value(op.operands[1]))))
+        if name == "memref.extract_strided_metadata":
+            # of a function argument: a dense row-major tensor at offset 0
+            src = op.operands[0]
+            rank = ir.MemRefType(src.type).rank
+            k = list(op.results).index(v)
+            if k == 1:
+                return self.const(0)
+            if 2 <= k < 2 + rank:
+                return self.ref_of(self.size(src, k - 2))
+            stride: int | Dyn = 1
+            for d in range(rank - 1, k - 2 - rank, -1):
+                stride = self._mul(stride, self.size(src, d))
+            return self.ref_of(stride)
+        short = name.removeprefix("arith.")
+        if name.startswith("arith.") and short in HOST_OPS and mapping.is_size_math(op):
+            refs = tuple(self.ref(x).ref for x in op.operands)
+            if short == "cmpi":
+                names = ["eq", "ne", "slt", "sle", "sgt", "sge", "ult", "ule", "ugt", "uge"]
+                return self._emit("cmpi", refs, names[ir.IntegerAttr(op.attributes["predicate"]).value])
+            ty = str(v.type)
+            return self._emit(short, refs, type="i1" if ty == "i1" else ty)
+        raise NotImplementedError(f"host index value computed by {name}")
+
+    def ref_of(self, x: int | Dyn) -> Dyn:
+        return x if isinstance(x, Dyn) else self.const(x)
+
+    def _mul(self, a: int | Dyn, b: int | Dyn) -> int | Dyn:
+        if isinstance(a, int) and isinstance(b, int):
+            return a * b
+        return self._emit("muli", (self.ref_of(a).ref, self.ref_of(b).ref))
+
+    def nbytes(self, alloc: ir.Operation) -> int | Dyn:
+        t = ir.MemRefType(alloc.results[0].type)
+        n: int | Dyn = _ELEM_BYTES[_elem_name(t.element_type)]
+        for d in range(t.rank):
+            n = self._mul(n, self.size(alloc.results[0], d))
+        return n
+
+
+def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
+                       dynamic: bool = False) -> CudaProgram:
+    """Turn the host function (constants, allocs, views, launch_funcs, and the index math over
+    run-time sizes) into data."""
     fn = mapping.main_func(module)
     block = mapping._block(fn)
     funcs = _kernel_funcs(module)
@@ -209,20 +322,19 @@ def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> Cud
     temp_list: list[TempBuffer] = []
     live: dict[int, list[int]] = {}
     launches: list[KernelLaunch] = []
+    sizes = _SizeMath(block)
 
-    def const(v: ir.Value) -> int | float:
-        op = mapping._defining_op(v)
-        if op is None or op.name != "arith.constant":
+    def const(v: ir.Value) -> int | float | Dyn:
+        x = sizes.value(v)
+        if isinstance(x, Dyn) and not dynamic:
             raise NotImplementedError(f"kernel argument is not a constant: {v}")
-        attr = op.attributes["value"]
-        return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else ir.FloatAttr(attr).value
+        return x
 
     for op in mapping._ops(block):
         name = op.name
         if name == "memref.alloc":
-            t = ir.MemRefType(op.results[0].type)
             temps[op.results[0]] = len(temp_list)
-            temp_list.append(TempBuffer(f"t{len(temp_list)}", _nbytes(t)))
+            temp_list.append(TempBuffer(f"t{len(temp_list)}", sizes.nbytes(op)))
         elif name == "gpu.launch_func":
             lf = op.opview
             kargs: list[KernelArg] = []
@@ -248,26 +360,37 @@ def _read_host_program(module: ir.Module, args: list[ArgSpec], arch: str) -> Cud
                         raise NotImplementedError(f"kernel argument views an unsupported buffer: {root}")
                 else:
                     kargs.append(ScalarArg(_scalar_ctype(v.type), const(v)))
-            grid = tuple(int(const(v)) for v in (lf.gridSizeX, lf.gridSizeY, lf.gridSizeZ))
-            blk = tuple(int(const(v)) for v in (lf.blockSizeX, lf.blockSizeY, lf.blockSizeZ))
-            smem = int(const(lf.dynamicSharedMemorySize)) if lf.dynamicSharedMemorySize else 0
+            grid = tuple(x if isinstance(x := const(v), Dyn) else int(x)
+                         for v in (lf.gridSizeX, lf.gridSizeY, lf.gridSizeZ))
+            blk = tuple(int(_static(const(v))) for v in (lf.blockSizeX, lf.blockSizeY, lf.blockSizeZ))
+            smem = int(_static(const(lf.dynamicSharedMemorySize))) if lf.dynamicSharedMemorySize else 0
             kname = _kernel_name(op)
             launches.append(KernelLaunch(kname, grid, blk, smem, tuple(kargs),  # type: ignore[arg-type]
                                          kname.rsplit("_", 1)[-1], tuple(access)))
-        elif name in ("arith.constant", "ub.poison", "memref.dealloc", "func.return") or name in mapping._VIEW_OPS:
-            continue
+        elif (name in ("arith.constant", "ub.poison", "memref.dealloc", "func.return")
+              or name in mapping._VIEW_OPS or mapping.is_size_math(op)):
+            continue  # (size math is translated where a launch or an allocation uses it)
         else:
             raise NotImplementedError(f"op left on the host after GPU mapping: {name}")
 
-    uses = [BufferUse(temp_list[t].name, temp_list[t].nbytes, min(steps), max(steps))
-            for t, steps in sorted(live.items())]
     used = [temp_list[t] for t in sorted(live)]
     renumber = {t: i for i, t in enumerate(sorted(live))}  # drop allocations no kernel touches
     launches = [replace(k, args=tuple(BufferRef("temp", renumber[a.index])
                                       if isinstance(a, BufferRef) and a.kind == "temp" else a
                                       for a in k.args)) for k in launches]
+    spans = [(min(steps), max(steps)) for _, steps in sorted(live.items())]
+    if dynamic:
+        return CudaProgram(arch=arch, ptx="", launches=launches, temps=used, plan=MemoryPlan({}, 0, 0),
+                           args=args, dynamic=True, host_ops=sizes.ops, temp_live=spans)
+    uses = [BufferUse(t.name, t.nbytes, first, last) for t, (first, last) in zip(used, spans)]
     return CudaProgram(arch=arch, ptx="", launches=launches, temps=used, plan=plan_memory(uses),
                        args=args)
+
+
+def _static(x: int | float | Dyn) -> int | float:
+    if isinstance(x, Dyn):
+        raise NotImplementedError("a launch's block size or shared memory depends on run-time sizes")
+    return x
 
 
 def _scalar_ctype(t: ir.Type) -> str:
@@ -344,11 +467,16 @@ def _store_i1_as_bytes(kernel: ir.Operation) -> None:
     loads, stores = [], []
 
     def collect(op: ir.Operation) -> ir.WalkResult:
-        if op.name == "memref.load" and op.operands[0] in retyped:
+        if op.name == "memref.reinterpret_cast" and op.operands[0] in retyped:
+            # a run-time-sized view rebuilt from its base pointer (mapping.py): bytes too
+            mt = ir.MemRefType(op.results[0].type)
+            op.results[0].set_type(ir.MemRefType.get(mt.shape, i8, mt.layout, mt.memory_space))
+            retyped.append(op.results[0])
+        elif op.name == "memref.load" and op.operands[0] in retyped:
             loads.append(op)
         elif op.name == "memref.store" and op.operands[1] in retyped:
             stores.append(op)
-        elif any(v in retyped for v in op.operands) and op.name not in ("memref.load", "memref.store"):
+        elif any(v in retyped for v in op.operands) and op.name not in ("memref.load", "memref.store", "memref.dim"):
             raise NotImplementedError(f"i1 buffer used by {op.name} in a kernel")
         return ir.WalkResult.ADVANCE
 

@@ -9,10 +9,109 @@ built on a machine without a GPU and loaded on one without MLIR.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
-from gac_torch.passes.memory_plan import MemoryPlan
+from gac_torch.passes.memory_plan import BufferUse, MemoryPlan, plan_memory
+
+
+@dataclass(frozen=True)
+class Dyn:
+    """A number known only per call (a size, a grid extent, a byte count): the value of entry
+    `ref` of the program's `host_ops`."""
+
+    ref: int
+
+    def __str__(self) -> str:
+        return f"%{self.ref}"
+
+
+@dataclass(frozen=True)
+class HostOp:
+    """One step of the host's index arithmetic over run-time sizes, evaluated per call.
+
+    op "const": args = (value,); "size": the function's index argument args[0]; "dim": size
+    args[1] of buffer argument args[0]; any other op (the arith dialect's index ops: add, sub,
+    mul, divui, ceildivui, remui, maxsi, select, cmpi, ...) applies to the values of the earlier
+    entries args (`pred`: cmpi's predicate)."""
+
+    op: str
+    args: tuple[int, ...]
+    pred: str = ""
+    type: str = "index"  # the result's MLIR type: index, iN, f16, bf16, f32, f64
+
+
+_MASK = (1 << 64) - 1  # index is 64-bit: unsigned ops see the two's complement bits
+
+
+def _round(x, ty: str):
+    """x as the device holds a value of type `ty` (each float op rounds, as the kernels would)."""
+    if ty == "f32":
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    if ty == "f16":
+        return struct.unpack("<e", struct.pack("<e", x))[0]
+    if ty == "bf16":  # round to nearest even on the top 16 bits of the f32
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+    if ty == "f64":
+        return float(x)
+    width = 64 if ty == "index" else int(ty[1:])
+    x = int(x) & ((1 << width) - 1)
+    return x - (1 << width) if width > 1 and x >> (width - 1) else x
+
+
+def _trunc_div(a: int, b: int) -> int:
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q
+
+
+_ARITH = {
+    "addi": lambda a, b: a + b, "subi": lambda a, b: a - b, "muli": lambda a, b: a * b,
+    "divui": lambda a, b: (a & _MASK) // (b & _MASK), "remui": lambda a, b: (a & _MASK) % (b & _MASK),
+    "ceildivui": lambda a, b: -(-(a & _MASK) // (b & _MASK)),
+    "divsi": _trunc_div, "remsi": lambda a, b: a - b * _trunc_div(a, b),
+    "ceildivsi": lambda a, b: -((-a) // b), "floordivsi": lambda a, b: a // b,
+    "maxsi": max, "minsi": min, "maxui": lambda a, b: max(a & _MASK, b & _MASK),
+    "minui": lambda a, b: min(a & _MASK, b & _MASK),
+    "andi": lambda a, b: a & b, "ori": lambda a, b: a | b, "xori": lambda a, b: a ^ b,
+    "index_cast": lambda a: a, "index_castui": lambda a: a, "extsi": lambda a: a,
+    "extui": lambda a: a & _MASK, "trunci": lambda a: a,
+    "select": lambda c, a, b: a if c else b,
+    "sitofp": float, "uitofp": lambda a: float(a & _MASK), "extf": float, "truncf": float,
+    "fptosi": lambda a: int(a), "fptoui": lambda a: int(a),
+    "addf": lambda a, b: a + b, "subf": lambda a, b: a - b, "mulf": lambda a, b: a * b,
+    "divf": lambda a, b: a / b if b else math.copysign(math.inf, a) * math.copysign(1, b) if a else math.nan,
+    "negf": lambda a: -a, "maximumf": max, "minimumf": min, "maxnumf": max, "minnumf": min,
+}
+HOST_OPS = {"const", "size", "dim", "cmpi", *_ARITH}  # what evaluate_host_ops computes
+_CMP = {
+    "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "slt": lambda a, b: a < b,
+    "sle": lambda a, b: a <= b, "sgt": lambda a, b: a > b, "sge": lambda a, b: a >= b,
+    "ult": lambda a, b: a & _MASK < b & _MASK, "ule": lambda a, b: a & _MASK <= b & _MASK,
+    "ugt": lambda a, b: a & _MASK > b & _MASK, "uge": lambda a, b: a & _MASK >= b & _MASK,
+}
+
+
+def evaluate_host_ops(ops: Sequence[HostOp], values: Sequence) -> list[int]:
+    """The value of every entry, given per function argument its shape (a buffer) or an int
+    (an index argument)."""
+    out: list[int] = []
+    for h in ops:
+        if h.op == "const":
+            out.append(h.args[0])
+        elif h.op == "size":
+            out.append(int(values[h.args[0]]))
+        elif h.op == "dim":
+            out.append(int(values[h.args[0]][h.args[1]]))
+        elif h.op == "cmpi":
+            out.append(int(_CMP[h.pred](*(out[a] for a in h.args))))
+        else:
+            out.append(_round(_ARITH[h.op](*(out[a] for a in h.args)), h.type))
+    return out
 
 
 @dataclass(frozen=True)
@@ -32,7 +131,7 @@ class BufferRef:
 @dataclass(frozen=True)
 class ScalarArg:
     ctype: Literal["i8", "i16", "i32", "i64", "f16", "bf16", "f32", "f64"]
-    value: int | float
+    value: int | float | Dyn
 
 
 KernelArg = Union[BufferRef, ScalarArg]
@@ -41,7 +140,7 @@ KernelArg = Union[BufferRef, ScalarArg]
 @dataclass(frozen=True)
 class KernelLaunch:
     kernel: str  # entry name in the PTX
-    grid: tuple[int, int, int]
+    grid: tuple[int | Dyn, int | Dyn, int | Dyn]
     block: tuple[int, int, int]
     shared_mem: int  # dynamic shared memory bytes (static shared memory is declared in the PTX)
     args: tuple[KernelArg, ...]
@@ -55,19 +154,23 @@ class KernelLaunch:
 @dataclass(frozen=True)
 class TempBuffer:
     name: str
-    nbytes: int
+    nbytes: int | Dyn
 
 
 @dataclass(frozen=True)
 class ArgSpec:
-    """One buffer of the function signature as compiled (checked against tensors at run time)."""
+    """One argument of the function signature as compiled (checked against tensors at run
+    time): a buffer, or a size (elem "index", shape ())."""
 
-    shape: tuple[int, ...]
-    elem: str  # MLIR element type: f32, f16, bf16, f64, i1, i8, i32, i64
+    shape: tuple[int, ...]  # -1: a size known at run time
+    elem: str  # MLIR element type: f32, f16, bf16, f64, i1, i8, i32, i64; "index" for a size
 
     @property
     def itemsize(self) -> int:
         return {"i1": 1, "i8": 1, "f16": 2, "bf16": 2, "i16": 2, "f32": 4, "i32": 4}.get(self.elem, 8)
+
+    def matches(self, shape: Sequence[int]) -> bool:
+        return len(shape) == len(self.shape) and all(s in (-1, n) for s, n in zip(self.shape, shape))
 
 
 @dataclass
@@ -76,8 +179,34 @@ class CudaProgram:
     ptx: str
     launches: list[KernelLaunch]
     temps: list[TempBuffer]
-    plan: MemoryPlan  # temp name -> workspace offset
+    plan: MemoryPlan  # temp name -> workspace offset (dynamic: planned by `bind`)
     args: list[ArgSpec] = field(default_factory=list)  # inputs then outputs
+    # Run-time sizes: grids, scalar arguments and temp sizes may be `Dyn`s over `host_ops`;
+    # `bind` evaluates them for one call's shapes into a static program (same PTX).
+    dynamic: bool = False
+    host_ops: list[HostOp] = field(default_factory=list)
+    temp_live: list[tuple[int, int]] = field(default_factory=list)  # per temp: first, last launch
+
+    def bind(self, values: Sequence) -> CudaProgram:
+        """This program for one call: `values` holds per function argument its shape (a
+        buffer) or its int (a size). Launches with an empty grid are dropped."""
+        v = evaluate_host_ops(self.host_ops, values)
+
+        def num(x):
+            return v[x.ref] if isinstance(x, Dyn) else x
+
+        launches = []
+        for k in self.launches:
+            grid = tuple(num(g) for g in k.grid)
+            if 0 in grid:
+                continue  # nothing to compute at these sizes
+            args = tuple(replace(a, value=num(a.value)) if isinstance(a, ScalarArg) else a for a in k.args)
+            launches.append(replace(k, grid=grid, args=args))
+        temps = [TempBuffer(t.name, num(t.nbytes)) for t in self.temps]
+        plan = plan_memory([BufferUse(t.name, t.nbytes, first, last)
+                            for t, (first, last) in zip(temps, self.temp_live)])
+        args = [ArgSpec(tuple(x) if a.elem != "index" else (), a.elem) for a, x in zip(self.args, values)]
+        return CudaProgram(self.arch, self.ptx, launches, temps, plan, args)
 
     @property
     def text(self) -> str:  # the "ptx" stage dump: host program as PTX comments, then the PTX
@@ -94,15 +223,21 @@ class CudaProgram:
                 return f"{a.kind}{a.index}"
             return f"{a.ctype}({a.value})"
 
-        lines = [f"arch {self.arch}; workspace {self.plan.workspace_size} B "
-                 f"(unplanned {self.plan.unplanned_size} B)"]
+        if self.dynamic:
+            lines = [f"arch {self.arch}; sizes known at run time; workspace planned per call"]
+            lines += [f"%{i} = {h.op}{' ' + h.pred if h.pred else ''} {', '.join(map(str, h.args))}"
+                      for i, h in enumerate(self.host_ops)]
+        else:
+            lines = [f"arch {self.arch}; workspace {self.plan.workspace_size} B "
+                     f"(unplanned {self.plan.unplanned_size} B)"]
         for i, t in enumerate(self.temps):
-            lines.append(f"temp{i} {t.name}: {t.nbytes} B at +{self.plan.offsets[t.name]}")
+            at = f" at +{self.plan.offsets[t.name]}" if t.name in self.plan.offsets else ""
+            lines.append(f"temp{i} {t.name}: {t.nbytes} B{at}")
         for i, a in enumerate(self.args):
-            lines.append(f"arg{i}: {a.elem}{list(a.shape)}")
+            lines.append(f"arg{i}: {a.elem}{['?' if n == -1 else n for n in a.shape]}")
         for k in self.launches:
             acc = k.access or ("",) * len(k.args)
-            lines.append(f"launch {k.kernel} grid={k.grid} block={k.block} smem={k.shared_mem} "
+            lines.append(f"launch {k.kernel} grid=({', '.join(map(str, k.grid))}) block={k.block} smem={k.shared_mem} "
                          f"[{k.strategy}] ({', '.join(arg(a) + (':' + m if m else '') for a, m in zip(k.args, acc))})")
         return "\n".join(lines)
 
@@ -172,7 +307,7 @@ class CudaProgram:
         names = [t.name for t in self.temps]
         for i, fi in first.items():
             for j, fj in first.items():
-                if i < j and fi <= last[j] and fj <= last[i]:
+                if i < j and fi <= last[j] and fj <= last[i] and not self.dynamic:
                     oi, oj = self.plan.offsets[names[i]], self.plan.offsets[names[j]]
                     if oi < oj + self.temps[j].nbytes and oj < oi + self.temps[i].nbytes:
                         errs.append(f"temps {i} and {j} share workspace bytes while both live")

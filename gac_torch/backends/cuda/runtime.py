@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from gac_torch.backends.base import Signature, TargetUnavailable
+from gac_torch.backends.base import Signature, SizeSpec, TargetUnavailable
 from gac_torch.backends.cuda.program import BufferRef, CudaProgram, KernelLaunch
 
 try:  # cuda-python >= 12.6 layout, then the older one
@@ -152,13 +152,27 @@ class _Entry:
 @dataclass
 class _Context:
     """What one CUDA context (device) needs: the loaded functions, per-stream workspaces and
-    the argument tables by pointer set."""
+    the argument tables by (sizes, pointer set)."""
 
-    funcs: list[Any]  # CUfunction per launch, in launch order
+    by_name: dict[str, Any]  # kernel name -> CUfunction
     module: Any
     workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # stream handle -> buffer
-    tables: OrderedDict = field(default_factory=OrderedDict)  # pointer tuple -> _Entry
+    tables: OrderedDict = field(default_factory=OrderedDict)  # (sizes, pointers) -> _Entry
     streams: dict[int, Any] = field(default_factory=dict)  # stream handle -> CUstream
+
+
+@dataclass
+class _Bound:
+    """The program for one call's sizes (the program itself when it has no run-time sizes)."""
+
+    key: tuple | None  # the sizes it was bound for
+    program: CudaProgram
+    launches: list[tuple]  # (grid, block, shared memory) per launch
+    funcs: dict[int, list[Any]] = field(default_factory=dict)  # context -> CUfunction per launch
+
+    @classmethod
+    def of(cls, key: tuple | None, program: CudaProgram) -> _Bound:
+        return cls(key, program, [(k.grid, k.block, k.shared_mem) for k in program.launches])
 
 
 class CudaExecutable:
@@ -168,15 +182,17 @@ class CudaExecutable:
         check_available()
         specs = list(signature.inputs) + list(signature.outputs)
         if len(specs) != len(program.args):
-            raise ValueError(f"program has {len(program.args)} buffers, signature {len(specs)}")
+            raise ValueError(f"program has {len(program.args)} arguments, signature {len(specs)}")
         for i, (s, a) in enumerate(zip(specs, program.args)):
-            if tuple(s.shape) != a.shape or s.dtype.itemsize != a.itemsize:
-                raise ValueError(f"buffer {i}: signature {s} does not match compiled {a.elem}{list(a.shape)}")
+            if isinstance(s, SizeSpec) != (a.elem == "index") or (
+                    not isinstance(s, SizeSpec) and (not a.matches([n if isinstance(n, int) else -1 for n in s.shape])
+                                                     or s.dtype.itemsize != a.itemsize)):
+                raise ValueError(f"argument {i}: signature {s} does not match compiled {a.elem}{list(a.shape)}")
         self.program = program
         self.signature = signature
         self.n_inputs = len(signature.inputs)
-        self._expect = [(torch.Size(a.shape), a.itemsize) for a in program.args]
-        self._launches = [(k.grid, k.block, k.shared_mem) for k in program.launches]
+        self._static = None if program.dynamic else _Bound.of(None, program)
+        self._bound: OrderedDict = OrderedDict()  # sizes -> _Bound (run-time sizes)
         self._contexts: dict[int, _Context] = {}  # CUcontext handle -> state
         self._ready = threading.local()  # per thread: device index -> _Context
         self._lock = threading.Lock()
@@ -210,36 +226,55 @@ class CudaExecutable:
                     if k.kernel not in by_name:
                         by_name[k.kernel] = _check(_driver.cuModuleGetFunction(module, k.kernel.encode()),
                                                    f"cuModuleGetFunction({k.kernel})")
-                ctx_state = _Context([by_name[k.kernel] for k in self.program.launches], module)
+                ctx_state = _Context(by_name, module)
                 self._contexts[int(ctx)] = ctx_state
         ready[device.index] = ctx_state
         return ctx_state
 
     # -- per call -------------------------------------------------------------------------------
 
+    def bind(self, values: Sequence) -> _Bound:
+        """The launch plan for these argument shapes / sizes (cached)."""
+        if self._static is not None:
+            return self._static
+        key = tuple(values)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = _Bound.of(key, self.program.bind(values))
+            if len(self._bound) > CACHE_ENTRIES:
+                self._bound.popitem(last=False)
+        else:
+            self._bound.move_to_end(key)
+        return bound
+
     def run(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
-        tensors = [x if isinstance(x, torch.Tensor) else _as_tensor(x) for x in (*inputs, *outputs)]
-        if len(tensors) != len(self.program.args):
+        args = [x if isinstance(x, (torch.Tensor, int)) else _as_tensor(x) for x in (*inputs, *outputs)]
+        if len(args) != len(self.program.args):
             raise ValueError(f"expected {self.n_inputs} inputs and "
                              f"{len(self.program.args) - self.n_inputs} outputs")
         if not self.program.launches:
             return  # nothing to compute (all outputs empty)
         device = None
-        for t in tensors:
-            if t.is_cuda:
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
                 device = t.device
                 break
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         ptrs = []
-        for i, t in enumerate(tensors):
-            shape, itemsize = self._expect[i]
+        for i, t in enumerate(args):
+            spec = self.program.args[i]
+            if isinstance(t, int) or spec.elem == "index":
+                if not isinstance(t, int) or spec.elem != "index":
+                    raise ValueError(f"argument {i}: got {type(t).__name__}, compiled for {spec.elem}")
+                ptrs.append(0)  # a size: no pointer (its value reaches kernels through bind)
+                continue
             if t.device != device:
                 raise ValueError(f"buffer {i} is on {t.device}, expected {device}")
-            if t.shape != shape or t.element_size() != itemsize:
-                spec = self.program.args[i]
-                raise ValueError(f"buffer {i}: got {t.dtype}{list(t.shape)}, compiled for {spec.elem}{list(spec.shape)}")
+            if not spec.matches(t.shape) or t.element_size() != spec.itemsize:
+                raise ValueError(f"buffer {i}: got {t.dtype}{list(t.shape)}, compiled for "
+                                 f"{spec.elem}{['?' if n == -1 else n for n in spec.shape]}")
             ptr = t.data_ptr()
             if ptr % BUFFER_ALIGN or not t.is_contiguous():
                 # kernels load 16-byte vectors from buffer bases (a view's offset can break that)
@@ -248,36 +283,42 @@ class CudaExecutable:
                     copy_back.append((t, c))
                 else:
                     c.copy_(t)
-                tensors[i] = c  # keep it alive until the launches are issued
+                args[i] = c  # keep it alive until the launches are issued
                 ptr = c.data_ptr()
             ptrs.append(ptr)
+        bound = self.bind([tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                self._launch_all(device, ptrs)
+                self._launch_all(device, ptrs, bound)
         else:
-            self._launch_all(device, ptrs)
+            self._launch_all(device, ptrs, bound)
         for dst, src in copy_back:
             dst.copy_(src)
 
-    def _launch_all(self, device: torch.device, ptrs: list[int]) -> None:
+    def _launch_all(self, device: torch.device, ptrs: list[int], bound: _Bound | None = None) -> None:
+        bound = bound or self._static  # (None: a program without run-time sizes)
         state = self._context(device)
+        program = bound.program
         handle = torch.cuda.current_stream(device).cuda_stream
         stream = state.streams.get(handle)
         if stream is None:
             stream = state.streams[handle] = _driver.CUstream(handle)
         ws_ptr = 0
-        size = self.program.plan.workspace_size
+        size = program.plan.workspace_size
         if size:
             ws = state.workspaces.get(handle)
-            if ws is None:  # allocated on this stream; later calls on it reuse it in order
+            if ws is None or ws.numel() < size:
+                # allocated on this stream; later calls on it reuse it in order (run-time sizes:
+                # grown to the largest plan seen; a table built for an older workspace is only
+                # found again if the new one has the same address, where it is still valid)
                 ws = state.workspaces[handle] = torch.empty(size, dtype=torch.uint8, device=device)
             ws_ptr = ws.data_ptr()
-        key = (*ptrs, ws_ptr)
+        key = (bound.key, *ptrs, ws_ptr)
         entry = state.tables.get(key)
         if entry is None:
-            offsets = self.program.plan.offsets
-            table = ArgTable(self.program.launches, ptrs,
-                             [ws_ptr + offsets[t.name] for t in self.program.temps])
+            offsets = program.plan.offsets
+            table = ArgTable(program.launches, ptrs,
+                             [ws_ptr + offsets[t.name] for t in program.temps])
             entry = state.tables[key] = _Entry(table)
             self.stats["tables_built"] += 1
             if len(state.tables) > CACHE_ENTRIES:
@@ -288,28 +329,31 @@ class CudaExecutable:
         entry.hits += 1
         if self.use_graphs and not SYNC_AFTER_LAUNCH:
             if entry.graph is None and entry.hits == GRAPH_AFTER:
-                self._capture(state, entry)
+                self._capture(state, entry, bound)
             if entry.graph is not None:
                 _check(_driver.cuGraphLaunch(entry.graph[1], stream), "cuGraphLaunch")
                 self.stats["graph_calls"] += 1
                 return
-        self._launch(state, entry.table, stream)
+        self._launch(state, entry.table, stream, bound)
         self.stats["direct_calls"] += 1
 
-    def _launch(self, state: _Context, table: ArgTable, stream: Any) -> None:
+    def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
         launch = _driver.cuLaunchKernel
         ok = _driver.CUresult.CUDA_SUCCESS
-        for i, (f, (grid, block, smem), argv) in enumerate(zip(state.funcs, self._launches, table.argv)):
+        funcs = bound.funcs.get(id(state))
+        if funcs is None:
+            funcs = bound.funcs[id(state)] = [state.by_name[k.kernel] for k in bound.program.launches]
+        for i, (f, (grid, block, smem), argv) in enumerate(zip(funcs, bound.launches, table.argv)):
             err = launch(f, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
                          argv, 0)[0]
             if err != ok:
-                k = self.program.launches[i]
+                k = bound.program.launches[i]
                 raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): "
                                 f"{_error_text(err)}")
             if SYNC_AFTER_LAUNCH:  # debugging: pin asynchronous faults on their kernel
-                _check(_driver.cuStreamSynchronize(stream), f"kernel {self.program.launches[i].kernel}")
+                _check(_driver.cuStreamSynchronize(stream), f"kernel {bound.program.launches[i].kernel}")
 
-    def _capture(self, state: _Context, entry: _Entry) -> None:
+    def _capture(self, state: _Context, entry: _Entry, bound: _Bound) -> None:
         """Record the launch sequence for this pointer set as a CUDA graph (captured on a
         private stream: nothing runs while capturing)."""
         side = None
@@ -321,7 +365,7 @@ class CudaExecutable:
                 side, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "cuStreamBeginCapture")
             try:
-                self._launch(state, entry.table, side)
+                self._launch(state, entry.table, side, bound)
             finally:
                 graph = _check(_driver.cuStreamEndCapture(side), "cuStreamEndCapture")
             exe = _check(_driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")

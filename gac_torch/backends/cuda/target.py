@@ -91,5 +91,6 @@ TARGET = Target(
     stages=_stages,
     load=_load,
     check_available=runtime.check_available,
+    dynamic_shapes=True,
     options={"arch": None, "allow_tf32": None},
 )
