@@ -62,6 +62,12 @@ def lowered_count() -> int:
     return len(by_base("lower"))
 
 
+def _dynamic_targets() -> list[str]:
+    from gac_torch.backends import TARGET_NAMES, get_target
+
+    return [name for name in TARGET_NAMES if get_target(name).dynamic_shapes]
+
+
 def _targets() -> list[tuple[str, frozenset]]:
     from gac_torch.backends import TARGET_NAMES, get_target
 
@@ -108,7 +114,7 @@ def render() -> str:
         "op also runs in eager on zero-size tensors and dtypes gac lacks (uint8, complex)",
         f"- run-time sizes: {sum(all(e.dynamic for e in es) for es in lowered.values())} ops take sizes "
         "known only at run time (a graph of such ops compiles once for every shape, on targets that "
-        "support it: cpu); a graph with any other op is compiled once per shape",
+        f"support it: {', '.join(_dynamic_targets())}); a graph with any other op is compiled once per shape",
         "- target columns: every lowered op goes through the shared gac -> linalg lowering; the "
         "OpInfo parity suite (`tests/test_opinfo.py`) checks cpu in CI and cuda on a GPU machine",
         "",

@@ -36,6 +36,14 @@ Order of work (all in one MLIR module, in place):
      the thread. A fill of the output right before is folded into the same kernel.
    - `serial`: scalar leftovers (rank-0 ops) run in a single-thread kernel.
 4. `gpu-kernel-outlining` puts every kernel into one `gpu.module @gac_kernels`.
+
+Run-time sizes (`?` dims): extents become host index values (`memref.dim` + arith, evaluated per
+call by the host program); `loops` and `reduce` take run-time trip counts and grids (a run-time
+reduction length gets a warp per row), `matmul` a 64-wide tile and a host-computed grid (`mma`
+needs static shapes); a buffer with a run-time layout enters a kernel as its base pointer plus
+index scalars and is rebuilt there with `memref.reinterpret_cast` (bare pointers stay the ABI).
+What this cannot map raises NotImplementedError, which the cuda pipeline reports as
+StaticShapesOnly: the graph is then compiled per shape.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ buffers, so instead of compiling host code we record it: which kernels to launch
 which grid/block, and which buffers or scalars each argument is. The runtime (runtime.py) replays
 it with the CUDA driver API. This module imports neither MLIR nor CUDA, so an artifact can be
 built on a machine without a GPU and loaded on one without MLIR.
+
+With sizes known only at run time, grids, kernel scalars and temp sizes are `Dyn` references
+into a short list of host operations (the index math the mapping left on the host); `bind`
+evaluates them for one call's shapes into a static program (same PTX, its own memory plan).
 """
 
 from __future__ import annotations

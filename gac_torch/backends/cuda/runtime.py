@@ -13,6 +13,9 @@ torch's current stream, buffers from torch's caching allocator.
   captured once into a CUDA graph (stream capture on a private stream), and later calls
   launch the whole sequence with one cuGraphLaunch; any failure while building it falls back
   to plain launches for that executable.
+- Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
+  CACHE_ENTRIES; CudaProgram.bind: grids, size arguments, temp sizes and memory plan), and the
+  per-stream workspace grows to the largest plan; one PTX module serves every size.
 - Every driver call is checked; errors name the kernel and the call.
 """
 
