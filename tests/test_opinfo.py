@@ -5,12 +5,15 @@ gac_torch/tools/opinfo.py TOL).
 
 CI runs a deterministic subset: CI_SAMPLES per (OpInfo, dtype), evenly spaced over the sample
 list, skipping samples eager rejects or that hold an empty tensor. GAC_OPINFO_FULL=1 runs every
-sample of every case (the full sweep) and also fails on entries of EXPECTED that no longer match
-anything (so the table cannot rot); GAC_OPINFO_SHARD=i/n runs every n-th OpInfo from the i-th
-(to spread the full sweep over processes).
+sample of every case (the full sweep), one case per (OpInfo, dtype) so that workers share the
+long ones, and also fails on entries of EXPECTED that no longer match anything (so the table
+cannot rot); GAC_OPINFO_SHARD=i/n runs every n-th OpInfo from the i-th (to spread the full sweep
+over processes).
 
 Per sample: a pass must be compiled entirely by gac and match eager; a fallback, mismatch or
-error must be covered by an EXPECTED entry (with its reason); each case needs one pass.
+error must be covered by an EXPECTED entry (with its reason); each dtype needs one pass, unless
+no sample of it can be compiled: every one is skipped (eager rejects it, e.g. integer matmul on
+CUDA) or empty (ZERO_SIZE).
 """
 
 from __future__ import annotations
@@ -55,11 +58,13 @@ class Expect:
 
 F16, BF16, I32, I64, BOOL = torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool
 
+ZERO_SIZE = Expect("*", "fallback", "the runtime launches nothing on empty buffers; eager does these",
+                   match="zero-size tensor")
+
 # The one table of every skip and expected failure, with its reason.
 EXPECTED: list[Expect] = [
     # Whole-graph rules.
-    Expect("*", "fallback", "the runtime launches nothing on empty buffers; eager does these",
-           match="zero-size tensor"),
+    ZERO_SIZE,
     Expect("*", "fallback", "uint8 has no signed reading in gac (types.py)", match="dtype torch.uint8"),
     Expect("*", "fallback", "random numbers stay in eager", match="random"),
     # Per op.
@@ -89,6 +94,11 @@ EXPECTED: list[Expect] = [
            match="data-dependent output shape"),
     Expect("nn.functional.dropout", "xfail", "training-mode dropout draws a random mask (it runs in eager, "
            "but two draws differ)", match="random dropout mask (training)"),
+    Expect("scatter_reduce.mean", "xfail", "cuda mapping bug: the 0-d samples' scalar code is cut into "
+           "two serial kernels at a buffer allocation, and the index read in the first is used in the "
+           "second (backends/cuda/mapping.py map_to_gpu; the fix: "
+           "benchmarks/results/opinfo_2026-11-30_h200_cuda_full.md)",
+           match="host value from arith.index_cast used outside its kernel", targets=("cuda",)),
     *[Expect(n, "xfail", "torch's decomposition (compiled by gac) rounds differently from its own eager "
              "kernel; gac equals the decomposed graph run in eager",
              match="as torch's decomposition gives", dtypes=(F16, BF16, I32, I64))
@@ -151,6 +161,18 @@ def _shard(names: list[str]) -> list[str]:
 
 
 NAMES = _shard(_claimed())
+
+
+def _cases(names: list[str]) -> list:
+    """(name, dtype): one case per OpInfo (dtype None: all of its dtypes) or, in the full sweep,
+    per OpInfo and dtype (its samples are many: the slowest OpInfos take minutes per dtype)."""
+    if not FULL:
+        return [pytest.param(n, None, id=n) for n in names]
+    db = opinfo_db()
+    return [pytest.param(n, dt, id=f"{n}-{str(dt).removeprefix('torch.')}" if dt else n)
+            for n in names for dt in (supported(db[n]) or [None])]
+
+
 _USED: set[int] = set()
 _TARGETS_RUN: set[str] = set()
 
@@ -164,30 +186,38 @@ def _explained(op: str, dtype: torch.dtype, target: str, r: SampleResult) -> Exp
     return next((e for e in EXPECTED if e.covers(op, dtype, kind, target, r.detail)), None)
 
 
+def _compiles_nothing(name: str, dtype: torch.dtype, target: str, r: SampleResult) -> bool:
+    """A sample gac cannot compile by design: eager rejects it, or it only falls back for empty
+    tensors."""
+    return r.status == "skipped" or r.status == "fallback" and all(
+        ZERO_SIZE.covers(name, dtype, "fallback", target, part) for part in r.detail.split("; "))
+
+
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("name", NAMES)
-def test_opinfo(name, target):
-    """All dtypes of one OpInfo in one compiled graph (one JIT instead of one per dtype)."""
+@pytest.mark.parametrize("name,dtype", _cases(NAMES))
+def test_opinfo(name, dtype, target):
+    """All dtypes of one OpInfo (or one, in the full sweep) in one compiled graph per few samples
+    (one JIT instead of one per dtype)."""
     op = opinfo_db()[name]
     _TARGETS_RUN.add(target)
-    plan = {dt: None if FULL else CI_SAMPLES[dt] for dt in supported(op)
+    plan = {dt: None if FULL else CI_SAMPLES[dt] for dt in ([dtype] if dtype else supported(op))
             if not any(e.covers(name, dt, "skip", target) for e in EXPECTED)}
     if not plan:
         pytest.skip("; ".join(e.reason for e in EXPECTED if e.op == name and e.kind == "skip"
                               and (not e.targets or target in e.targets)))
     problems = []
-    for dtype, results in run_cases(op, plan, target=target, check=CHECKS.get(op.name)).items():
+    for dt, results in run_cases(op, plan, target=target, check=CHECKS.get(op.name)).items():
         for r in results:
             if r.status in ("pass", "skipped"):
                 continue
-            e = _explained(name, dtype, target, r)
+            e = _explained(name, dt, target, r)
             if e is None:
-                problems.append(f"{dtype}: {r}")
+                problems.append(f"{dt}: {r}")
             else:
                 _USED.add(EXPECTED.index(e))
         if results and not any(r.status == "pass" for r in results) and \
-                not all(r.status == "skipped" for r in results):
-            problems.append(f"{dtype}: no sample compiled entirely: {[str(r) for r in results]}")
+                not all(_compiles_nothing(name, dt, target, r) for r in results):
+            problems.append(f"{dt}: no sample compiled entirely: {[str(r) for r in results]}")
     assert not problems, f"{name}:\n  " + "\n  ".join(problems)
 
 

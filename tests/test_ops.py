@@ -301,6 +301,32 @@ def test_grid_sample_far_points_are_zero(target):
     assert torch.count_nonzero(c(r(1, 2, 4, 4).to(dev), g.to(dev))) == 0
 
 
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cudnn_grid_sampler(dtype, target):
+    """aten.cudnn_grid_sampler, what grid_sampler becomes in a CUDA graph for bilinear, zero
+    padding and align_corners=True when cuDNN takes the input, samples like grid_sample with
+    those options (a graph holding it is built by hand: the op has no CPU or meta kernel)."""
+    import torch.fx as fx
+
+    from gac_torch.frontends.fx import compile_graph
+    from gac_torch.options import resolve
+
+    dev = device_of(target)
+    x, g = r(2, 3, 5, 7, dtype=dtype).to(dev), r(2, 4, 6, 2, lo=-1.2, hi=1.2, dtype=dtype).to(dev)
+    g[0, 0, 0], g[1, 3, 5] = torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0])  # exact corners
+    graph = fx.Graph()
+    px, pg = graph.placeholder("x"), graph.placeholder("g")
+    px.meta["val"], pg.meta["val"] = x, g
+    y = graph.call_function(torch.ops.aten.cudnn_grid_sampler.default, (px, pg))
+    y.meta["val"] = torch.empty(2, 3, 4, 6, dtype=dtype, device=dev)
+    graph.output((y,))
+    compiled = compile_graph(fx.GraphModule(torch.nn.Module(), graph), resolve({"fallback": False}, target=target))
+    want = F.grid_sample(x.float(), g.float(), mode="bilinear", padding_mode="zeros", align_corners=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(compiled(x, g)[0].float().cpu(), want.to(dtype).float().cpu(), rtol=tol, atol=tol)
+
 UPSAMPLE = {
     "nearest_x2": lambda x: F.interpolate(x, scale_factor=2, mode="nearest"),
     "nearest_size": lambda x: F.interpolate(x, size=(7, 5), mode="nearest"),

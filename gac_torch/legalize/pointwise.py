@@ -92,15 +92,22 @@ def float_result(node) -> str | None:
     return None if meta_val(node).dtype.is_floating_point else "integer result"
 
 
+def _scaled(cx: Cx, kind: str, a, b, alpha):
+    """a kind (alpha * b) in the result dtype. With an alpha, f16/bf16 compute in f32 and round
+    once, as ATen's add/sub kernels do (rounding alpha * b first loses digits to cancellation)."""
+    dt = cx.out_dtype
+    ct = cx.compute_dtype(dt) if alpha != 1 else dt
+    rhs = cx.to(b, ct)
+    if alpha != 1:
+        rhs = cx.b.binary(rhs, cx.to(alpha, ct), kind="mul")
+    return cx.to(cx.b.binary(cx.to(a, ct), rhs, kind=kind), dt)
+
+
 def _arith(kind: str, *overloads, check=None, dtypes=ALL_DTYPES):
     """a kind b computed in the result dtype; `alpha` scales b (add/sub)."""
     @lower(*overloads, check=check, dtypes=dtypes)
     def fn(cx: Cx, a, b, alpha=1):
-        dt = cx.out_dtype
-        rhs = cx.to(b, dt)
-        if alpha != 1:
-            rhs = cx.b.binary(rhs, cx.to(alpha, dt), kind="mul")
-        return cx.b.binary(cx.to(a, dt), rhs, kind=kind)
+        return _scaled(cx, kind, a, b, alpha)
     fn.__name__ = f"lower_{kind}"
 
 
@@ -127,11 +134,7 @@ _arith("copysign", aten.copysign.Tensor, aten.copysign.Scalar, check=float_resul
 
 @lower(aten.rsub.Scalar, aten.rsub.Tensor)
 def lower_rsub(cx: Cx, a, b, alpha=1):
-    dt = cx.out_dtype
-    lhs = cx.to(a, dt)
-    if alpha != 1:
-        lhs = cx.b.binary(lhs, cx.to(alpha, dt), kind="mul")
-    return cx.b.binary(cx.to(b, dt), lhs, kind="sub")
+    return _scaled(cx, "sub", b, a, alpha)
 
 
 @lower(aten.div.Tensor_mode, aten.div.Scalar_mode)

@@ -207,3 +207,9 @@ def lower_grid_sampler_2d(cx: Cx, x, grid, mode, padding, align_corners):
         y = m("add", y, m("mul", tap(x_e, y_s), m("mul", ns, we)))
     return cx.to(cx.b.reshape(y, [n, c, oh, ow]), dt)
 
+
+@lower(aten.cudnn_grid_sampler.default, check=_nonempty, dtypes=FLOATS)
+def lower_cudnn_grid_sampler(cx: Cx, x, grid):
+    """What aten.grid_sampler becomes on CUDA when cuDNN takes the input (bilinear, zero padding,
+    align_corners=True): the same sampling as grid_sampler_2d with those options."""
+    return lower_grid_sampler_2d(cx, x, grid, 0, 0, True)

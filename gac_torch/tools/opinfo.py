@@ -61,6 +61,7 @@ class _Sample:
     fn: Callable
     inputs: list[torch.Tensor]
     eager: list[torch.Tensor] | None = None
+    wide_fn: Callable | None = None  # fn with float dtype arguments widened (the fp64 reference)
     uid: int = 0  # position in the merged graph
     gm: fx.GraphModule | None = None
     n_user: int = 0  # the graph's last n_user outputs are the op's outputs
@@ -143,10 +144,15 @@ def pick(n: int, k: int | None) -> list[int]:
     return sorted({i * n // k for i in range(k)})
 
 
-def _sample_fn(op, sample) -> tuple[Callable, list[torch.Tensor]]:
-    """A function of the sample's tensors only (Python scalars and options are baked in)."""
+def _sample_fn(op, sample, wide: bool = False) -> tuple[Callable, list[torch.Tensor]]:
+    """A function of the sample's tensors only (Python scalars and options are baked in).
+    wide: float dtype arguments (e.g. cumsum's dtype=torch.float16) become float64, for the
+    fp64 reference (else it is computed, and rounded, in the very dtype eager uses)."""
     flat, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     slots = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+    if wide:
+        flat = [torch.float64 if isinstance(v, torch.dtype) and v.is_floating_point and not v.is_complex
+                else v for v in flat]
 
     def fn(*tensors):
         leaves = list(flat)
@@ -260,7 +266,7 @@ def _collect(op, dtype: torch.dtype, device: str, max_samples: int | None, seed:
         if max_samples is not None and len(chosen) >= max_samples:
             break
         fn, inputs = _sample_fn(op, all_samples[i])
-        s = _Sample(i, all_samples[i], fn, inputs)
+        s = _Sample(i, all_samples[i], fn, inputs, wide_fn=_sample_fn(op, all_samples[i], wide=True)[0])
         try:
             s.eager = _tensor_leaves(fn(*[t.clone() for t in inputs]))
         except Exception as e:
@@ -376,7 +382,7 @@ def _check(s: _Sample, outs: Sequence[torch.Tensor], check: Checker | None = Non
     refs: list[torch.Tensor | None] = [None] * len(outs)
     if any(e.is_floating_point() and e.dtype != torch.float64 for e in s.eager):
         with contextlib.suppress(Exception):
-            wide = _tensor_leaves(s.fn(*[_to64(t.clone()) for t in s.inputs]))
+            wide = _tensor_leaves((s.wide_fn or s.fn)(*[_to64(t.clone()) for t in s.inputs]))
             if len(wide) == len(outs):
                 refs = list(wide)
     for k, (o, e, r) in enumerate(zip(outs, s.eager, refs)):
