@@ -94,11 +94,6 @@ EXPECTED: list[Expect] = [
            match="data-dependent output shape"),
     Expect("nn.functional.dropout", "xfail", "training-mode dropout draws a random mask (it runs in eager, "
            "but two draws differ)", match="random dropout mask (training)"),
-    Expect("scatter_reduce.mean", "xfail", "cuda mapping bug: the 0-d samples' scalar code is cut into "
-           "two serial kernels at a buffer allocation, and the index read in the first is used in the "
-           "second (backends/cuda/mapping.py map_to_gpu; the fix: "
-           "benchmarks/results/opinfo_2026-11-30_h200_cuda_full.md)",
-           match="host value from arith.index_cast used outside its kernel", targets=("cuda",)),
     *[Expect(n, "xfail", "torch's decomposition (compiled by gac) rounds differently from its own eager "
              "kernel; gac equals the decomposed graph run in eager",
              match="as torch's decomposition gives", dtypes=(F16, BF16, I32, I64))

@@ -1202,6 +1202,17 @@ def _linearize(p: ir.Operation, name: str, limits: MappingLimits) -> None:
     p.erase()
 
 
+# Host ops without side effects: moved above pending serial code rather than cutting it in two
+# (a cut leaves the serial ops' scalars, e.g. an index read from a tensor, used across kernels).
+_HOISTABLE = ("ub.poison", "memref.alloc", "memref.get_global", *_VIEW_OPS)
+
+
+def _uses_any(op: ir.Operation, ops: list[ir.Operation]) -> bool:
+    """Does op read a result of one of ops?"""
+    defined = {r for o in ops for r in o.results}
+    return any(v in defined for v in op.operands)
+
+
 def _wrap_serial(ops: list[ir.Operation], name: str) -> None:
     """Run host-level scalar code (e.g. a rank-0 op's loads/stores) in a one-thread kernel."""
     with ir.InsertionPoint(ops[0]), ops[0].location:
@@ -1400,7 +1411,11 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = 
                 continue
             _linearize(op, f"gac_k{next(counter)}_loops", limits)
         elif op.name in _HOST_OPS or is_size_math(op):
-            if serial and op.name != "arith.constant":
+            if not serial or op.name == "arith.constant":
+                pass
+            elif (op.name in _HOISTABLE or is_size_math(op)) and not _uses_any(op, serial):
+                op.move_before(serial[0])  # a buffer, view or size the serial code does not define
+            else:
                 _wrap_serial(serial, f"gac_k{next(counter)}_serial")
                 serial = []
         else:

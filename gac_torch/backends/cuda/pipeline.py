@@ -272,8 +272,12 @@ class _SizeMath:
         if name == "memref.dim":
             return self.ref_of(self.size(op.operands[0], int(self.value(op.operands[1]))))
         if name == "memref.extract_strided_metadata":
-            # of a function argument: a dense row-major tensor at offset 0
+            # of a function argument or an allocation (expand-strided-metadata folded every
+            # view into these): dense row-major at offset 0
             src = op.operands[0]
+            root = mapping._defining_op(src)
+            if not (src in self.args or root is not None and root.name == "memref.alloc"):
+                raise NotImplementedError(f"run-time metadata of a view made by {root.name if root else src}")
             rank = ir.MemRefType(src.type).rank
             k = list(op.results).index(v)
             if k == 1:

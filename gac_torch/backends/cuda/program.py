@@ -276,7 +276,12 @@ class CudaProgram:
             if len(k.access) != len(k.args):
                 errs.append(f"launch {step} {k.kernel}: no access information")
                 continue
-            bufs = [(a, m) for a, m in zip(k.args, k.access) if isinstance(a, BufferRef)]
+            merged: dict[tuple[str, int], tuple[BufferRef, str]] = {}
+            for a, m in zip(k.args, k.access):  # one buffer may come in through several views
+                if isinstance(a, BufferRef):
+                    prev = merged.get((a.kind, a.index))
+                    merged[(a.kind, a.index)] = (a, (prev[1] if prev else "") + m)
+            bufs = list(merged.values())
             for a, m in bufs:  # reads happen before this kernel's writes
                 key = (a.kind, a.index)
                 if a.kind == "temp":
