@@ -8,7 +8,8 @@ list, skipping samples eager rejects or that hold an empty tensor. GAC_OPINFO_FU
 sample of every case (the full sweep), one case per (OpInfo, dtype) so that workers share the
 long ones, and also fails on entries of EXPECTED that no longer match anything (so the table
 cannot rot); GAC_OPINFO_SHARD=i/n runs every n-th OpInfo from the i-th (to spread the full sweep
-over processes).
+over processes); GAC_OPINFO_PART=k/n runs only the samples whose index is k modulo n (to spread
+one long case over processes; "each dtype needs one pass" then holds per part).
 
 Per sample: a pass must be compiled entirely by gac and match eager; a fallback, mismatch or
 error must be covered by an EXPECTED entry (with its reason); each dtype needs one pass, unless
@@ -156,6 +157,7 @@ def _shard(names: list[str]) -> list[str]:
 
 
 NAMES = _shard(_claimed())
+PART = tuple(int(v) for v in os.environ["GAC_OPINFO_PART"].split("/")) if os.environ.get("GAC_OPINFO_PART") else None
 
 
 def _cases(names: list[str]) -> list:
@@ -201,7 +203,7 @@ def test_opinfo(name, dtype, target):
         pytest.skip("; ".join(e.reason for e in EXPECTED if e.op == name and e.kind == "skip"
                               and (not e.targets or target in e.targets)))
     problems = []
-    for dt, results in run_cases(op, plan, target=target, check=CHECKS.get(op.name)).items():
+    for dt, results in run_cases(op, plan, target=target, check=CHECKS.get(op.name), part=PART).items():
         for r in results:
             if r.status in ("pass", "skipped"):
                 continue

@@ -253,14 +253,17 @@ Key = tuple[torch.dtype, int]  # (dtype, sample index)
 
 
 def _collect(op, dtype: torch.dtype, device: str, max_samples: int | None, seed: int,
-             results: dict[Key, SampleResult]) -> list[_Sample]:
+             results: dict[Key, SampleResult], part: tuple[int, int] | None = None) -> list[_Sample]:
     """The case's samples with eager outputs and traced graphs. With a limit, samples are taken
     in a spread order (first, last, middle, ...) skipping those eager rejects or that touch no
-    data (an empty input or output: those always run eagerly), up to max_samples."""
+    data (an empty input or output: those always run eagerly), up to max_samples. `part` (k, n):
+    only the samples whose index is k modulo n (to spread one long case over processes)."""
     torch.manual_seed(seed)  # OpInfo samples draw from the global generator
     all_samples = list(op.sample_inputs(device, dtype, requires_grad=False))
     first = pick(len(all_samples), max_samples)
     order = first + sorted(set(range(len(all_samples))) - set(first))
+    if part is not None:
+        order = [i for i in order if i % part[1] == part[0]]
     chosen: list[_Sample] = []
     for i in order:
         if max_samples is not None and len(chosen) >= max_samples:
@@ -285,7 +288,8 @@ def _collect(op, dtype: torch.dtype, device: str, max_samples: int | None, seed:
 
 
 def run_cases(op, plan: dict[torch.dtype, int | None], *, target: str = "cpu", seed: int = 0,
-              check: Checker | None = None, group: int = 2) -> dict[torch.dtype, list[SampleResult]]:
+              check: Checker | None = None, group: int = 2,
+              part: tuple[int, int] | None = None) -> dict[torch.dtype, list[SampleResult]]:
     """Runs every dtype of `plan` (dtype -> how many samples; None: all) for one OpInfo, `group`
     samples per compiled graph; one SampleResult per sample. `check(sample, outs, eager_outs)`
     replaces the comparison with eager (for ops whose result is not unique).
@@ -296,7 +300,7 @@ def run_cases(op, plan: dict[torch.dtype, int | None], *, target: str = "cpu", s
     results: dict[Key, SampleResult] = {}
     samples: list[tuple[torch.dtype, _Sample]] = []
     for dt, k in plan.items():
-        samples += [(dt, s) for s in _collect(op, dt, device, k, seed, results)]
+        samples += [(dt, s) for s in _collect(op, dt, device, k, seed, results, part)]
     for n, (_, s) in enumerate(samples):
         s.uid = n
     for start in range(0, len(samples), max(group, 1)):
