@@ -21,7 +21,6 @@ from gac_torch.frontends.fx import compile_graph, has_symbolic_shapes, specializ
 from gac_torch.legalize import decompositions  # noqa: E402
 from gac_torch.legalize.registry import REGISTRY  # noqa: E402
 from gac_torch.options import resolve  # noqa: E402
-from gac_torch.passes.partition import op_name  # noqa: E402
 from gac_torch.tools.opinfo import (  # noqa: E402
     _sample_fn, _tensor_leaves, _Wrap, claimed_opinfos, compare, opinfo_db,
 )
