@@ -188,8 +188,10 @@ def _index(v: int | ir.Value) -> ir.Value:
 def _mul(a: int | ir.Value, b: int | ir.Value) -> int | ir.Value:
     if isinstance(a, int) and isinstance(b, int):
         return a * b
-    if a == 1 or b == 1:
-        return b if a == 1 else a
+    if isinstance(a, int) and a == 1:
+        return b
+    if isinstance(b, int) and b == 1:
+        return a
     return arith.muli(_index(a), _index(b))
 
 
@@ -466,7 +468,6 @@ def _reshapes_to_views(fn: ir.Operation) -> None:
             # (the identity layout's strides are these: static where the inner sizes are)
             view = memref.reinterpret_cast(out_t, src, [], dyn_sizes, dyn_strides,
                                            [0], static_sizes, static_strides)
-            view.owner.attributes["gac.reshape"] = ir.UnitAttr.get()
         op.results[0].replace_all_uses_with(view)
         op.erase()
         if not list(_users(shape)) or all(u.name == "memref.store" for u in _users(shape)):
