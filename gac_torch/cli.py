@@ -11,7 +11,6 @@ cuda needs no GPU. Models: ONNX files, or torch.export archives (`.pt2`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -112,7 +111,7 @@ def _write(path: str, data: str | bytes) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from gac_torch.backends import get_target
+    from gac_torch.backends import get_target, stages_only
     from gac_torch.frontends.fx import compile_graph
 
     try:
@@ -123,12 +122,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     except OptionError as e:
         raise SystemExit(f"gac-torch: {e}") from None
     gm, onnx_report = _load(args.model, _parse_shapes(args.shape), strict=args.strict)
-    # Stages only: the loader hands back the last artifact instead of loading it on a device.
-    target = dataclasses.replace(
-        get_target(options["target"]), load=lambda artifact, sig, opts: artifact,
-        check_available=lambda: None,
-    )
-    compiled = compile_graph(gm, options, target=target)  # --strict: raises listing every op
+    compiled = compile_graph(gm, options, target=stages_only(get_target(options["target"])))  # --strict: raises listing every op
     os.makedirs(args.output, exist_ok=True)
     _write(os.path.join(args.output, "graph.fx.txt"), str(compiled.gm.graph))
     for name, part in compiled.partitions.items():

@@ -9,25 +9,23 @@ compilation.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 
 import pytest
 import torch
 
-from gac_torch.backends import get_target
+from gac_torch.backends import get_target, stages_only
 from gac_torch.backends.cuda.program import CudaProgram, Dyn, HostOp, ScalarArg, evaluate_host_ops
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.legalize import decompositions
 from gac_torch.options import resolve
 from gac_torch.runtime.compiled import _evaluate
-from models import build
+from models import MODEL_TOL, build
 from test_cuda_pipeline import _FakeDriver
 from test_dynamic import _no_size_one_specialization
 
 SHAPES = [(1, 7), (2, 9), (64, 130), (5, 33), (17, 64), (64, 7), (1, 130), (33, 100)]
-MODEL_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def test_host_ops_evaluate_like_the_device():
@@ -53,9 +51,7 @@ def attention():
     batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=7, max=130)
     ep = torch.export.export(model, (x0,), dynamic_shapes=({0: batch, 1: seq},))
     gm = ep.run_decompositions(decompositions()).graph_module
-    stages_only = dataclasses.replace(get_target("cuda"), load=lambda artifact, sig, opts: artifact,
-                                      check_available=lambda: None)
-    compiled = compile_graph(gm, resolve({"fallback": False}, target="cuda"), target=stages_only)
+    compiled = compile_graph(gm, resolve({"fallback": False}, target="cuda"), target=stages_only(get_target("cuda")))
     assert compiled.dynamic and len(compiled.partitions) == 1
     (cg,) = compiled.partitions.values()
     return model, cg

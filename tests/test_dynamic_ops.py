@@ -8,7 +8,6 @@ instead and is not counted; the test fails if a claimed op is never exercised wi
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 import expecttest  # noqa: E402,F401  (torch.testing._internal needs it: a dev dependency, never a skip)
 
-from gac_torch.backends import get_target  # noqa: E402
+from gac_torch.backends import get_target, stages_only  # noqa: E402
 from gac_torch.frontends.fx import compile_graph, has_symbolic_shapes, specialization_reason  # noqa: E402
 from gac_torch.legalize import decompositions  # noqa: E402
 from gac_torch.legalize.registry import REGISTRY  # noqa: E402
@@ -105,9 +104,7 @@ def _compile(gm, target: str):
     """`ptx`: the cuda target's stages only (CI has no GPU): the graph must still compile once."""
     if target != "ptx":
         return compile_graph(gm, resolve({"fallback": True}, target=target))
-    stages_only = dataclasses.replace(get_target("cuda"), load=lambda artifact, sig, opts: artifact,
-                                      check_available=lambda: None)
-    return compile_graph(gm, resolve({"fallback": True}, target="cuda"), target=stages_only)
+    return compile_graph(gm, resolve({"fallback": True}, target="cuda"), target=stages_only(get_target("cuda")))
 
 
 def _run_samples(name: str, samples, exercised: set[str], failures: list[str], target: str,

@@ -301,7 +301,6 @@ def test_grid_sample_far_points_are_zero(target):
     assert torch.count_nonzero(c(r(1, 2, 4, 4).to(dev), g.to(dev))) == 0
 
 
-
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cudnn_grid_sampler(dtype, target):

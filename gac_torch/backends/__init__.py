@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 
-from gac_torch.backends.base import SizeSpec, Signature, Stage, Target, TargetUnavailable, TensorSpec
+from gac_torch.backends.base import (
+    SizeSpec, Signature, Stage, Target, TargetUnavailable, TensorSpec, stages_only,
+)
 
 TARGET_NAMES = ("cpu", "cuda", "vortex")
 
@@ -15,4 +17,5 @@ def get_target(name: str) -> Target:
     return importlib.import_module(f"gac_torch.backends.{name}").TARGET
 
 
-__all__ = ["get_target", "Target", "Stage", "Signature", "TensorSpec", "SizeSpec", "TargetUnavailable", "TARGET_NAMES"]
+__all__ = ["get_target", "Target", "Stage", "Signature", "TensorSpec", "SizeSpec", "TargetUnavailable", "TARGET_NAMES",
+           "stages_only"]

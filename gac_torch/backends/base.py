@@ -22,6 +22,7 @@ the sizes from the actual tensors and computes the output shapes (see runtime/co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -86,6 +87,13 @@ class Target:
     check_available: Callable[[], None] = lambda: None  # raises TargetUnavailable with a fix
     dynamic_shapes: bool = False  # compiles graphs with run-time sizes (else: one per shape)
     options: dict[str, Any] = field(default_factory=dict)  # target-specific option defaults
+
+
+def stages_only(target: Target) -> Target:
+    """The target's compiler without its device: "loading" hands back the last stage's artifact
+    (e.g. the CudaProgram), so PTX can be produced and inspected on a machine without a GPU."""
+    return dataclasses.replace(target, load=lambda artifact, signature, options: artifact,
+                               check_available=lambda: None)
 
 
 class StaticShapesOnly(NotImplementedError):

@@ -1411,16 +1411,17 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = 
             if i + 1 < len(ops) and ops[i + 1].name == "scf.parallel" and _absorb_fill(op, ops[i + 1]):
                 continue
             _linearize(op, f"gac_k{next(counter)}_loops", limits)
-        elif op.name in _HOST_OPS or is_size_math(op):
-            if not serial or op.name == "arith.constant":
-                pass
-            elif (op.name in _HOISTABLE or is_size_math(op)) and not _uses_any(op, serial):
-                op.move_before(serial[0])  # a buffer, view or size the serial code does not define
-            else:
-                _wrap_serial(serial, f"gac_k{next(counter)}_serial")
-                serial = []
-        else:
+            continue
+        size_math = is_size_math(op)
+        if op.name not in _HOST_OPS and not size_math:
             serial.append(op)
+        elif not serial or op.name == "arith.constant":
+            pass
+        elif (op.name in _HOISTABLE or size_math) and not _uses_any(op, serial):
+            op.move_before(serial[0])  # a buffer, view or size the serial code does not define
+        else:
+            _wrap_serial(serial, f"gac_k{next(counter)}_serial")
+            serial = []
     if serial:
         _wrap_serial(serial, f"gac_k{next(counter)}_serial")
     _sink_globals(fn)

@@ -255,12 +255,9 @@ class _SizeMath:
         op = mapping._defining_op(buf)
         if op is None and buf in self.args:
             return self._emit("dim", (self.args[buf], dim))
-        if op is not None and op.name == "memref.alloc":
-            k = sum(1 for n in t.shape[:dim] if n == mapping._DYN)
-            return self.ref(op.operands[k])
-        if op is not None and op.name == "memref.reinterpret_cast":
-            k = sum(1 for n in t.shape[:dim] if n == mapping._DYN)
-            return self.ref(list(op.opview.sizes)[k])
+        if op is not None and op.name in ("memref.alloc", "memref.reinterpret_cast"):
+            dynamic_sizes = list(op.operands) if op.name == "memref.alloc" else list(op.opview.sizes)
+            return self.ref(dynamic_sizes[sum(1 for n in t.shape[:dim] if n == mapping._DYN)])
         raise NotImplementedError(f"run-time size of a buffer defined by {op.name if op else 'a block argument'}")
 
     def _translate(self, v: ir.Value, op: ir.Operation | None) -> Dyn:

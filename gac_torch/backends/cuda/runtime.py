@@ -289,7 +289,7 @@ class CudaExecutable:
                 args[i] = c  # keep it alive until the launches are issued
                 ptr = c.data_ptr()
             ptrs.append(ptr)
-        bound = self.bind([tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
+        bound = self._static or self.bind([tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 self._launch_all(device, ptrs, bound)
