@@ -41,7 +41,7 @@ def _h(text: str | bytes) -> str:
 
 
 def _host(program) -> str:
-    """The host program as data: every field of the CudaProgram but the PTX."""
+    """The host program as data: every field of the GpuProgram but the PTX."""
     fields = {f.name: getattr(program, f.name) for f in dataclasses.fields(program) if f.name != "ptx"}
     return repr(fields)
 

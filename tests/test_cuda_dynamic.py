@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gac_torch.backends import get_target, stages_only
-from gac_torch.backends.cuda.program import CudaProgram, Dyn, HostOp, ScalarArg, evaluate_host_ops
+from gac_torch.backends.gpu.program import GpuProgram, Dyn, HostOp, ScalarArg, evaluate_host_ops
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.legalize import decompositions
 from gac_torch.options import resolve
@@ -67,7 +67,7 @@ def _values(cg, b: int, t: int) -> list:
 
 def test_attention_compiles_once_with_sizes_as_kernel_arguments(attention):
     _, cg = attention
-    program: CudaProgram = cg.executable
+    program: GpuProgram = cg.executable
     assert program.dynamic and program.host_ops and program.ptx
     assert any(isinstance(a, ScalarArg) and isinstance(a.value, Dyn) for k in program.launches for a in k.args)
     assert any(isinstance(g, Dyn) for k in program.launches for g in k.grid)
@@ -101,7 +101,7 @@ def test_dynamic_launch_path_without_gpu(attention, monkeypatch: pytest.MonkeyPa
     from gac_torch.backends.cuda import runtime
 
     _, cg = attention
-    program: CudaProgram = cg.executable
+    program: GpuProgram = cg.executable
     fake = _FakeDriver(program)
     monkeypatch.setattr(runtime, "_driver", fake)
     monkeypatch.setattr(runtime, "check_available", lambda: None)
@@ -172,12 +172,12 @@ def test_what_the_cuda_mapping_cannot_size_at_run_time_is_compiled_per_shape(mon
     """A graph the cuda mapping can only handle for static shapes (here: forced) is compiled per
     shape, with the mapping's reason, instead of falling back to eager."""
     import gac_torch
-    from gac_torch.backends.cuda import mapping
+    from gac_torch.backends.gpu import schedule
 
     def refuse(fn):
         raise NotImplementedError("forced by the test")
 
-    monkeypatch.setattr(mapping, "_dynamic_memrefs_as_metadata", refuse)
+    monkeypatch.setattr(schedule, "dynamic_memrefs_as_metadata", refuse)
     model, (x0,) = build("attention")
     ep = torch.export.export(model, (x0,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=64)},))
     compiled = gac_torch.compile(ep, target="cuda")

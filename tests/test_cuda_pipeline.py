@@ -16,10 +16,10 @@ import torch
 
 from gac_torch.backends.base import Signature, TensorSpec
 from gac_torch.backends.cuda import ptxas
-from gac_torch.backends.cuda.program import (
+from gac_torch.backends.gpu.program import (
     ArgSpec,
     BufferRef,
-    CudaProgram,
+    GpuProgram,
     KernelLaunch,
     TempBuffer,
 )
@@ -694,7 +694,7 @@ def all_cases() -> list[Case]:
 CASES = {c.name: c for c in all_cases()}
 
 
-def _compile(case: Case, arch: str) -> CudaProgram:
+def _compile(case: Case, arch: str) -> GpuProgram:
     artifact = case.mlir()
     for stage in TARGET.stages({"arch": arch, "allow_tf32": False, **case.options}):
         artifact = stage.run(artifact)
@@ -757,7 +757,7 @@ def test_memory_plan_reuses_intermediates() -> None:
     check_plan(uses, program.plan)
 
 
-def _writers(program: CudaProgram, arg: int) -> list[int]:
+def _writers(program: GpuProgram, arg: int) -> list[int]:
     return [i for i, k in enumerate(program.launches)
             for a, m in zip(k.args, k.access) if a == BufferRef("arg", arg) and "w" in m.lower()]
 
@@ -788,18 +788,18 @@ def test_dataflow_checker_flags_a_clobbered_output() -> None:
 
     plan = plan_memory([BufferUse("t0", 48, 1, 4)])
     args = [ArgSpec((3, 4, 50), "f32"), ArgSpec((3, 4), "f32"), ArgSpec((3, 4), "f32")]
-    bad = CudaProgram("sm_90", "", [
+    bad = GpuProgram("sm_90", "", [
         k(0, ("arg", 1, "W")), k(1, ("arg", 1, "r"), ("temp", 0, "W")),
         k(2, ("arg", 0, "r"), ("temp", 0, "rW")), k(3, ("arg", 0, "r"), ("arg", 1, "rW")),
         k(4, ("temp", 0, "r"), ("arg", 1, "W")), k(5, ("arg", 1, "r"), ("arg", 2, "W"))],
         [TempBuffer("t0", 48)], plan, args)
     errors = bad.dataflow_errors(1)
     assert any("overwrites arg1" in e and "launch 3" in e for e in errors), errors
-    good = CudaProgram("sm_90", "", [k(0, ("arg", 0, "r"), ("arg", 1, "W")),
+    good = GpuProgram("sm_90", "", [k(0, ("arg", 0, "r"), ("arg", 1, "W")),
                                      k(1, ("arg", 0, "r"), ("arg", 2, "W"))], [], plan_memory([]), args)
     assert good.dataflow_errors(1) == []
     # inputs written, outputs never written, reads of unwritten temps, temps sharing bytes
-    odd = CudaProgram("sm_90", "", [k(0, ("temp", 0, "r"), ("arg", 0, "W")), k(1, ("temp", 1, "W")),
+    odd = GpuProgram("sm_90", "", [k(0, ("temp", 0, "r"), ("arg", 0, "W")), k(1, ("temp", 1, "W")),
                                     k(2, ("temp", 0, "W"), ("temp", 1, "r"), ("arg", 1, "W"))],
                       [TempBuffer("a", 64), TempBuffer("b", 64)],
                       MemoryPlan({"a": 0, "b": 0}, 256, 512), args)
@@ -812,10 +812,10 @@ def test_dataflow_checker_flags_a_clobbered_output() -> None:
 def test_unsafe_bufferization_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # Without the fix (memref destinations + eliminate-empty-tensors on shared fills) the
     # compile must fail loudly instead of returning a wrong program.
-    from gac_torch.backends.cuda import mapping
+    from gac_torch.backends.gpu import bufferize
 
-    monkeypatch.setattr(mapping, "_tensor_destinations", lambda fn: None)
-    monkeypatch.setattr(mapping, "_unshare_fills", lambda fn: None)
+    monkeypatch.setattr(bufferize, "_tensor_destinations", lambda fn: None)
+    monkeypatch.setattr(bufferize, "_unshare_fills", lambda fn: None)
     with pytest.raises(RuntimeError, match="dataflow invariants"):
         _compile(CASES["multi_two_reductions_shared_fill_r50"], "sm_90")
 
@@ -861,18 +861,18 @@ def test_allow_tf32_follows_torch_at_compile_time() -> None:
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
-        assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is False
+        assert compile_options({"arch": "sm_90"}).allow_tf32 is False
         torch.set_float32_matmul_precision("high")
-        assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is True
-        assert compile_options({"arch": "sm_90", "allow_tf32": False}).limits.allow_tf32 is False
+        assert compile_options({"arch": "sm_90"}).allow_tf32 is True
+        assert compile_options({"arch": "sm_90", "allow_tf32": False}).allow_tf32 is False
         torch.set_float32_matmul_precision("highest")
         torch.backends.cuda.matmul.allow_tf32 = True
-        assert compile_options({"arch": "sm_90"}).limits.allow_tf32 is True
+        assert compile_options({"arch": "sm_90"}).allow_tf32 is True
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_flag
         torch.set_float32_matmul_precision(saved_precision)
-    assert compile_options({"arch": "sm_75"}).limits.mma is False
-    assert compile_options({"arch": "sm_80"}).limits.mma is True
+    assert "mma" not in [s.name for s in compile_options({"arch": "sm_75"}).strategies]
+    assert [s.name for s in compile_options({"arch": "sm_80"}).strategies] == ["mma", "matmul", "reduce"]
 
 
 def _upstream_fragments(elem: str, k: int) -> dict[str, list[tuple[str, str]]]:
@@ -1036,7 +1036,7 @@ class _FakeDriver:
     class CUstreamCaptureMode:
         CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
 
-    def __init__(self, program: CudaProgram):
+    def __init__(self, program: GpuProgram):
         self.program = program
         self.launched: list[tuple] = []  # (kernel, grid, block, stream, [8-byte params])
         self.calls: list[str] = []
@@ -1109,7 +1109,7 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 
     from gac_torch.backends.cuda import runtime
 
-    from gac_torch.backends.cuda.program import ScalarArg
+    from gac_torch.backends.gpu.program import ScalarArg
 
     # scalar arguments (none of the cases has one: constants are sunk into the kernels)
     scalars = (ScalarArg("i8", -3), ScalarArg("f16", 1.5), ScalarArg("bf16", -2.0),

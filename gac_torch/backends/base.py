@@ -91,7 +91,7 @@ class Target:
 
 def stages_only(target: Target) -> Target:
     """The target's compiler without its device: "loading" hands back the last stage's artifact
-    (e.g. the CudaProgram), so PTX can be produced and inspected on a machine without a GPU."""
+    (e.g. the GpuProgram), so PTX can be produced and inspected on a machine without a GPU."""
     return dataclasses.replace(target, load=lambda artifact, signature, options: artifact,
                                check_available=lambda: None)
 

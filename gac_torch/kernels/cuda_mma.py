@@ -31,7 +31,7 @@ One CTA of WARPS_M x WARPS_N warps computes a BM x BN tile of C; warp (wm, wn) o
 
 The kernel body is written once (`_kernel`) against a small builder interface with two
 implementations: `_Text` emits the MLIR (`template`, a `func.func @tmpl(%A, %B, %C, %init)`
-holding one gpu.launch, the form cuda.mapping._splice_template splices into a graph) and
+holding one gpu.launch, the form backends/gpu/strategy.splice_template splices into a graph) and
 `_Numpy` executes it on the CPU, all threads of a block in lockstep, emulating mma.sync from the
 same fragment tables and checking every shared-memory access against the barriers (a read or
 write of an element another thread wrote or read since the last barrier is a race). `emulate`

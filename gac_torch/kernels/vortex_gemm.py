@@ -21,7 +21,7 @@ values. Bounds checks are emitted only where the static shape overhangs the tile
 guard is the only branch (the vortex target brackets it with SPLIT/JOIN).
 
 `gemm_template` returns MLIR text: `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch,
-the form gac_torch.backends.cuda.mapping._splice_template wires into a graph. `reference` is
+the form gac_torch.backends.gpu.strategy.splice_template wires into a graph. `reference` is
 the math in numpy.
 """
 

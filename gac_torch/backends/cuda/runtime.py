@@ -1,4 +1,4 @@
-"""Run a CudaProgram: PTX loaded through the CUDA driver API (cuda-python), kernels launched on
+"""Run a GpuProgram: PTX loaded through the CUDA driver API (cuda-python), kernels launched on
 torch's current stream, buffers from torch's caching allocator.
 
 - Tensors arrive through DLPack (`__dlpack__`), so any producer works; torch tensors pass as is.
@@ -14,7 +14,7 @@ torch's current stream, buffers from torch's caching allocator.
   launch the whole sequence with one cuGraphLaunch; any failure while building it falls back
   to plain launches for that executable.
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
-  CACHE_ENTRIES; CudaProgram.bind: grids, size arguments, temp sizes and memory plan), and the
+  CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
 - Every driver call is checked; errors name the kernel and the call.
 """
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from gac_torch.backends.base import Signature, SizeSpec, TargetUnavailable
-from gac_torch.backends.cuda.program import BufferRef, CudaProgram, KernelLaunch
+from gac_torch.backends.gpu.program import BufferRef, GpuProgram, KernelLaunch
 
 try:  # cuda-python >= 12.6 layout, then the older one
     from cuda.bindings import driver as _driver
@@ -169,19 +169,19 @@ class _Bound:
     """The program for one call's sizes (the program itself when it has no run-time sizes)."""
 
     key: tuple | None  # the sizes it was bound for
-    program: CudaProgram
+    program: GpuProgram
     launches: list[tuple]  # (grid, block, shared memory) per launch
     funcs: dict[int, list[Any]] = field(default_factory=dict)  # context -> CUfunction per launch
 
     @classmethod
-    def of(cls, key: tuple | None, program: CudaProgram) -> _Bound:
+    def of(cls, key: tuple | None, program: GpuProgram) -> _Bound:
         return cls(key, program, [(k.grid, k.block, k.shared_mem) for k in program.launches])
 
 
 class CudaExecutable:
     """Replays the program's launches. One instance may serve several devices/contexts."""
 
-    def __init__(self, program: CudaProgram, signature: Signature):
+    def __init__(self, program: GpuProgram, signature: Signature):
         check_available()
         specs = list(signature.inputs) + list(signature.outputs)
         if len(specs) != len(program.args):

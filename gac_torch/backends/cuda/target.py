@@ -12,7 +12,7 @@ import torch
 
 from gac_torch.backends.base import Signature, Stage, Target
 from gac_torch.backends.cuda import runtime
-from gac_torch.backends.cuda.program import CudaProgram
+from gac_torch.backends.gpu.program import GpuProgram
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ def default_arch() -> str:
 
 def compile_options(options: dict | None) -> Any:
     """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
-    from gac_torch.backends.cuda import mapping, pipeline
+    from gac_torch.backends.cuda import pipeline
+    from gac_torch.backends.gpu.strategies import mma, reduce, simt_matmul
+    from gac_torch.backends.gpu.strategy import GpuLimits
 
     arch = (options or {}).get("arch") or default_arch()
     if arch not in ARCHS:
@@ -63,11 +65,16 @@ def compile_options(options: dict | None) -> Any:
         from gac_torch.options import torch_allows_tf32
 
         allow_tf32 = torch_allows_tf32()
-    limits = mapping.MappingLimits(
-        warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
-        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
-        mma=int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH, allow_tf32=bool(allow_tf32))
-    return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits)
+    limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
+                       max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
+    # Tried in order on each linalg op; what none takes becomes a `loops` kernel.
+    strategies = (
+        *([mma.strategy(allow_tf32=bool(allow_tf32))]
+          if int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH else []),
+        simt_matmul.strategy(big_tile_min_blocks=256),
+        reduce.strategy(reduce.ReduceParams(threads=256, warp_max=1024, min_extent=128)),
+    )
+    return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits, strategies, bool(allow_tf32))
 
 
 def _stages(options: dict) -> list[Stage]:
@@ -81,7 +88,7 @@ def _stages(options: dict) -> list[Stage]:
     ]
 
 
-def _load(program: CudaProgram, signature: Signature, options: dict) -> runtime.CudaExecutable:
+def _load(program: GpuProgram, signature: Signature, options: dict) -> runtime.CudaExecutable:
     return runtime.CudaExecutable(program, signature)
 
 

@@ -43,14 +43,18 @@ def compile_flags(**changes: bool) -> Iterator[None]:
 
 
 def _stages(options: dict) -> list[Stage]:
+    from gac_torch.backends.gpu.strategies import tiled_gemm
+    from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.backends.vortex import pipeline
-    from gac_torch.backends.vortex.mapping import VortexLimits
 
     flags = _flags or pipeline.CompileFlags()
-    limits = VortexLimits(threads_per_warp=THREADS_PER_WARP, threads_per_block=CTA_THREADS,
-                          gemm_threads=GEMM_THREADS, lmem_bytes=LMEM_BYTES, max_grid=MAX_GRID)
+    limits = GpuLimits(warp_size=THREADS_PER_WARP, max_threads_per_block=CTA_THREADS,
+                       max_static_shared_bytes=LMEM_BYTES, max_grid=MAX_GRID,
+                       threads_per_block=CTA_THREADS)
+    # Tried in order on each linalg op; what none takes (reductions too) becomes `loops`.
+    strategies = (tiled_gemm.strategy(threads=GEMM_THREADS),) if flags.tiled_gemm else ()
     return [
-        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, limits, flags)),
+        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, limits, strategies, flags)),
         Stage("llvm", pipeline.lower_stage),
         Stage("vxbin", pipeline.vxbin_stage),
     ]

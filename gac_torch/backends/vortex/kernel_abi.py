@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import arith, func
 
-from gac_torch.backends.cuda import mapping as cm
-from gac_torch.backends.cuda import pipeline as cp
+from gac_torch.backends.gpu.host import store_i1_as_bytes
+from gac_torch.backends.gpu.irutil import clone_into
 from gac_torch.backends.vortex import target as vt
 
 _GPU_ID_OPS = {"gpu.thread_id": "thread_id", "gpu.block_id": "block_id",
@@ -75,7 +75,7 @@ def kernels_to_funcs(module: ir.Module) -> tuple[ir.Module, list[KernelAbi]]:
 
 def _convert(g: ir.Operation, out: ir.Module, helpers: set[str]) -> KernelAbi:
     name = ir.StringAttr(g.attributes["sym_name"]).value
-    cp._store_i1_as_bytes(g)
+    store_i1_as_bytes(g)
     n_wg = ir.IntegerAttr(g.attributes["workgroup_attributions"]).value \
         if "workgroup_attributions" in g.attributes else 0
     entry = g.regions[0].blocks[0]
@@ -148,7 +148,7 @@ def _lmem_view(base: ir.Value, offset: int, t: ir.MemRefType) -> ir.Value:
     tmpl = ir.Module.parse(text, base.context)
     body = tmpl.body.operations[0].regions[0].blocks[0]
     mapping: dict[ir.Value, ir.Value] = {body.arguments[0]: base}
-    cm._clone_into([op.operation for op in body.operations][:-1], mapping)
+    clone_into([op.operation for op in body.operations][:-1], mapping)
     return mapping[[op for op in body.operations][-1].operands[0]]
 
 

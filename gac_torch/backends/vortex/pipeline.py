@@ -1,8 +1,9 @@
 """The vortex target's stages: linalg -> "gpu" -> "llvm" -> "vxbin".
 
-- "gpu":   mapping.map_to_gpu (one kernel per linalg op, the CUDA mapping with Vortex's
-           strategies); the host function left over is read into data (launch list + static
-           buffer plan) by the CUDA pipeline's reader: it is target-neutral.
+- "gpu":   backends/gpu with Vortex's strategies (one kernel per linalg op; the tiled GEMM,
+           else `loops`: CUDA's `reduce` relies on gpu.all_reduce, whose upstream lowering
+           assumes 32-lane subgroups); the host function left over is read into data (launch
+           list + static buffer plan).
 - "llvm":  kernel_abi turns the kernels into func.funcs calling vx_* helpers; math is expanded
            into polynomials (math_expand), f16/bf16/i64 corner cases made branch-free or
            lane-serial (numerics); divergent scf.ifs get SPLIT/JOIN (divergence);
@@ -22,10 +23,11 @@ from typing import Any
 
 from mlir import ir
 
-from gac_torch.backends.cuda import mapping as cm
-from gac_torch.backends.cuda import pipeline as cp
-from gac_torch.backends.cuda.program import ArgSpec, BufferRef, KernelLaunch, TempBuffer
-from gac_torch.backends.vortex import divergence, kernel_abi, mapping, math_expand, numerics
+from gac_torch.backends.gpu.irutil import run_passes
+from gac_torch.backends.gpu.program import ArgSpec, BufferRef, KernelLaunch, TempBuffer
+from gac_torch.backends.gpu.stage import schedule_module
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.backends.vortex import divergence, kernel_abi, math_expand, numerics
 from gac_torch.backends.vortex.kernel_abi import KernelAbi
 from gac_torch.passes.memory_plan import MemoryPlan
 
@@ -101,15 +103,10 @@ class LlvmStage:
 
 
 # --------------------------------------------------------------------------------------------
-def map_stage(artifact: Any, limits: mapping.VortexLimits, flags: CompileFlags) -> GpuStage:
+def map_stage(artifact: Any, limits: GpuLimits, strategies: tuple[Strategy, ...],
+              flags: CompileFlags) -> GpuStage:
     module = ir.Module.parse(str(artifact), ir.Context())    # private copy: stages do not mutate
-    with module.context, ir.Location.unknown():
-        fn = cm.main_func(module)
-        args = [ArgSpec(tuple(ir.MemRefType(a.type).shape), str(ir.MemRefType(a.type).element_type))
-                for a in cm._block(fn).arguments]
-        mapping.map_to_gpu(module, replace(limits, tiled_gemm=flags.tiled_gemm))
-        cp._annotate_noalias(module)
-        host = cp._read_host_program(module, args, "vortex")
+    host = schedule_module(module, limits, strategies, "vortex", "vortex")
     program = VortexProgram(host.launches, host.temps, host.plan, host.args)
     return GpuStage(module, program, flags)
 
@@ -136,12 +133,12 @@ def lower_stage(stage: GpuStage) -> LlvmStage:
             if op.operation.name == "func.func":
                 op.operation.erase()
         # thread ids are bounded by known_block_size: folds bounds checks that always hold
-        cm.run_passes(module, "int-range-optimizations, canonicalize, cse")
+        run_passes(module, "int-range-optimizations, canonicalize, cse")
         out, abis = kernel_abi.kernels_to_funcs(module)
-        cm.run_passes(out, "func.func(math-extend-to-supported-types{target-type=f32}, "
+        run_passes(out, "func.func(math-extend-to-supported-types{target-type=f32}, "
                            f"math-expand-ops{{ops={math_expand.UPSTREAM_EXPANDED}}})")
         math_expand.expand_math(out.operation)
-        cm.run_passes(out, numerics.PASSES)      # f16/bf16 in f32, i64 division serialised
+        run_passes(out, numerics.PASSES)      # f16/bf16 in f32, i64 division serialised
         numerics.expand_numerics(out)
         splits = 0
         if stage.flags.divergence:
@@ -149,8 +146,8 @@ def lower_stage(stage: GpuStage) -> LlvmStage:
             for op in out.body.operations:
                 if op.operation.name == "func.func" and len(op.operation.regions[0].blocks):
                     splits += divergence.insert_split_join(op.operation)
-        cm.run_passes(out, "canonicalize, cse")
-        cm.run_passes(out, TO_LLVM)
+        run_passes(out, "canonicalize, cse")
+        run_passes(out, TO_LLVM)
         text = translate_to_llvm_ir(out)
     lmem = {a.name: a.lmem_size for a in abis}
     prog = replace(stage.program, kernels={a.name: a for a in abis}, llvm_ir=text, split_joins=splits,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gac_torch.backends.base import Signature, TargetUnavailable
-from gac_torch.backends.cuda.program import BufferRef
+from gac_torch.backends.gpu.program import BufferRef
 from gac_torch.backends.vortex.bridge import (
     DeviceBuffer,
     FunctionalDevice,

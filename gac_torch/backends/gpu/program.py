@@ -1,9 +1,9 @@
-"""The compiled CUDA artifact: PTX text plus a host program that is pure data.
+"""The compiled GPU artifact: device code (PTX for cuda) plus a host program that is pure data.
 
 The host side of a compiled graph is a straight line of kernel launches over a fixed set of
 buffers, so instead of compiling host code we record it: which kernels to launch in order, with
-which grid/block, and which buffers or scalars each argument is. The runtime (runtime.py) replays
-it with the CUDA driver API. This module imports neither MLIR nor CUDA, so an artifact can be
+which grid/block, and which buffers or scalars each argument is. A target's runtime replays
+it (cuda: with the CUDA driver API). This module imports neither MLIR nor CUDA, so an artifact can be
 built on a machine without a GPU and loaded on one without MLIR.
 
 With sizes known only at run time, grids, kernel scalars and temp sizes are `Dyn` references
@@ -123,7 +123,7 @@ class BufferRef:
     """A kernel argument that is a device pointer.
 
     kind "arg": index into the function's buffers (inputs then outputs, as in the signature);
-    kind "temp": index into CudaProgram.temps (an intermediate placed in the workspace).
+    kind "temp": index into GpuProgram.temps (an intermediate placed in the workspace).
     The kernel receives the buffer's base pointer (bare-pointer calling convention): a view's
     static offset and strides are compiled into the kernel.
     """
@@ -178,7 +178,7 @@ class ArgSpec:
 
 
 @dataclass
-class CudaProgram:
+class GpuProgram:
     arch: str  # e.g. "sm_90"
     ptx: str
     launches: list[KernelLaunch]
@@ -191,7 +191,7 @@ class CudaProgram:
     host_ops: list[HostOp] = field(default_factory=list)
     temp_live: list[tuple[int, int]] = field(default_factory=list)  # per temp: first, last launch
 
-    def bind(self, values: Sequence) -> CudaProgram:
+    def bind(self, values: Sequence) -> GpuProgram:
         """This program for one call: `values` holds per function argument its shape (a
         buffer) or its int (a size). Launches with an empty grid are dropped."""
         v = evaluate_host_ops(self.host_ops, values)
@@ -210,7 +210,7 @@ class CudaProgram:
         plan = plan_memory([BufferUse(t.name, t.nbytes, first, last)
                             for t, (first, last) in zip(temps, self.temp_live)])
         args = [ArgSpec(tuple(x) if a.elem != "index" else (), a.elem) for a, x in zip(self.args, values)]
-        return CudaProgram(self.arch, self.ptx, launches, temps, plan, args)
+        return GpuProgram(self.arch, self.ptx, launches, temps, plan, args)
 
     @property
     def text(self) -> str:  # the "ptx" stage dump: host program as PTX comments, then the PTX

@@ -1,0 +1,236 @@
+"""Small IR helpers for the GPU schedule layer: op/value navigation, index arithmetic that folds
+when sizes are known, and the one-block gpu.launch every strategy builds its kernel in.
+
+Extents known only at run time are index Values computed on the host (memref.dim of a buffer);
+the `size_*` helpers fold when both sides are ints, so static programs keep their constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from mlir import ir, passmanager
+from mlir.dialects import arith, gpu, memref
+
+KERNEL_MODULE = "gac_kernels"  # the gpu.module every kernel is outlined into
+DYN = ir.ShapedType.get_dynamic_size()  # a `?` in a memref type's shape
+DYN_STRIDE = ir.ShapedType.get_dynamic_stride_or_offset()
+VIEW_OPS = ("memref.subview", "memref.expand_shape", "memref.collapse_shape", "memref.cast",
+            "memref.reinterpret_cast", "memref.view",
+            "memref.extract_strided_metadata")  # (its result 0: the base buffer)
+# Ops that may stay in the host function: they only define buffers, views and constants.
+HOST_OPS = ("arith.constant", "ub.poison", "memref.alloc", "memref.dealloc", "memref.get_global",
+            "gpu.launch", "func.return", *VIEW_OPS)
+
+
+def is_size_math(op: ir.Operation) -> bool:
+    """Scalar arithmetic over run-time sizes (and constants) in the host function: it stays on
+    the host (the host program evaluates it per call, see gpu/program.py) and feeds grids, kernel
+    scalars (e.g. a mean's divisor) and allocation sizes."""
+    if op.name in ("memref.dim", "memref.extract_strided_metadata"):
+        return True
+    if not op.name.startswith("arith.") or op.name == "arith.constant" or op.regions:
+        return False
+    if any(isinstance(t, ir.ShapedType) for t in [v.type for v in op.operands] + [r.type for r in op.results]):
+        return False
+    for v in op.operands:  # from the host: function arguments, constants, other size math
+        d = defining_op(v)
+        if d is not None and d.name != "arith.constant" and not is_size_math(d):
+            return False
+    return True
+
+
+def run_passes(module: ir.Module, pipeline: str) -> None:
+    passmanager.PassManager.parse(f"builtin.module({pipeline})", module.context).run(
+        module.operation)
+
+
+def main_func(module: ir.Module) -> ir.Operation:
+    funcs = [op.operation for op in module.body.operations if op.operation.name == "func.func"]
+    named = [f for f in funcs if ir.StringAttr(f.attributes["sym_name"]).value == "main"]
+    if len(named) != 1 and len(funcs) != 1:
+        raise ValueError("expected one func.func @main in the linalg module")
+    return (named or funcs)[0]
+
+
+def func_block(func_op: ir.Operation) -> ir.Block:
+    return func_op.regions[0].blocks[0]
+
+
+def block_ops(block: ir.Block) -> list[ir.Operation]:
+    return [op.operation for op in block.operations]
+
+
+def const_int(v: ir.Value) -> int | None:
+    owner = v.owner
+    if isinstance(owner, ir.Block):
+        return None
+    op = owner.operation if hasattr(owner, "operation") else owner
+    if op.name != "arith.constant":
+        return None
+    attr = op.attributes["value"]
+    return ir.IntegerAttr(attr).value if isinstance(attr, ir.IntegerAttr) else None
+
+
+def defining_op(v: ir.Value) -> ir.Operation | None:
+    owner = v.owner
+    return None if isinstance(owner, ir.Block) else owner.operation
+
+
+def buffer_root(v: ir.Value) -> ir.Value:
+    """The allocation (func arg, memref.alloc, get_global) a memref view ultimately reads."""
+    op = defining_op(v)
+    while op is not None and op.name in VIEW_OPS:
+        v = op.operands[0]
+        op = defining_op(v)
+    return v
+
+
+def users(v: ir.Value) -> Iterator[ir.Operation]:
+    """Ops using `v` directly or through view ops (the views themselves are not returned)."""
+    for use in v.uses:
+        op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        if op.name in VIEW_OPS and op.operands[0] == v:
+            yield from users(op.results[0])
+        else:
+            yield op
+
+
+def top_level(op: ir.Operation, block: ir.Block) -> ir.Operation:
+    while op.block != block:
+        op = op.parent.operation
+    return op
+
+
+def as_index(v: int | ir.Value) -> ir.Value:
+    return v if isinstance(v, ir.Value) else arith.constant(ir.IndexType.get(), v)
+
+
+def size_mul(a: int | ir.Value, b: int | ir.Value) -> int | ir.Value:
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    if isinstance(a, int) and a == 1:
+        return b
+    if isinstance(b, int) and b == 1:
+        return a
+    return arith.muli(as_index(a), as_index(b))
+
+
+def size_prod(xs: list) -> int | ir.Value:
+    out: int | ir.Value = 1
+    for x in xs:
+        out = size_mul(out, x)
+    return out
+
+
+def size_ceildiv(a: int | ir.Value, b: int) -> int | ir.Value:
+    if isinstance(a, int):
+        return -(-a // b)
+    return a if b == 1 else arith.ceildivui(a, as_index(b))
+
+
+def is_static(*xs) -> bool:
+    return all(isinstance(x, int) for x in xs)
+
+
+def set_kernel_name(launch: ir.Operation, name: str) -> None:
+    launch.attributes["module"] = ir.FlatSymbolRefAttr.get(KERNEL_MODULE)
+    launch.attributes["function"] = ir.FlatSymbolRefAttr.get(name)
+
+
+def new_launch(grid: int | ir.Value, block: int, name: str,
+                workgroup: tuple[ir.Type, ...] = ()) -> tuple[ir.Operation, ir.Block]:
+    """A 1-D gpu.launch at the current insertion point; returns it and its body block."""
+    one = as_index(1)
+    launch = gpu.LaunchOp((as_index(grid), one, one), (as_index(block), one, one)).operation
+    body = launch.regions[0].blocks[0]
+    for t in workgroup:
+        body.add_argument(t, ir.Location.unknown())
+    if workgroup:
+        launch.attributes["workgroup_attributions"] = ir.IntegerAttr.get(
+            ir.IntegerType.get_signless(64), len(workgroup))
+    set_kernel_name(launch, name)
+    return launch, body
+
+
+def delinearize(lin: ir.Value, extents: list[int | ir.Value]) -> list[ir.Value]:
+    """Row-major indices of `lin` in a box of `extents` (last fastest); lin < prod(extents)."""
+    out: list[ir.Value] = []
+    for pos in range(len(extents) - 1, -1, -1):
+        n = extents[pos]
+        if isinstance(n, int) and n == 1:
+            out.append(as_index(0))
+        elif pos == 0:
+            out.append(lin)
+        else:
+            out.append(arith.remui(lin, as_index(n)))
+            lin = arith.divui(lin, as_index(n))
+    return out[::-1]
+
+
+def clone_into(ops: list[ir.Operation], mapping: dict[ir.Value, ir.Value]) -> None:
+    """Clone `ops` at the current insertion point, remapping operands (also in nested regions)."""
+    for op in ops:
+        new = op.clone()
+        for old_res, new_res in zip(op.results, new.results):
+            mapping[old_res] = new_res
+
+        def remap(o: ir.Operation) -> ir.WalkResult:
+            for i, v in enumerate(o.operands):
+                if v in mapping:
+                    o.operands[i] = mapping[v]
+            return ir.WalkResult.ADVANCE
+
+        new.walk(remap, ir.WalkOrder.PRE_ORDER)
+
+
+def identity_layout(t: ir.Type) -> bool:
+    layout = ir.MemRefType(t).layout
+    if not isinstance(layout, ir.AffineMapAttr):
+        return False
+    m = layout.value
+    return m == ir.AffineMap.get_identity(m.n_dims) and m.n_symbols == 0
+
+
+def static_memref(t: ir.Type) -> bool:
+    """Shape, strides and offset all known at compile time."""
+    mt = ir.MemRefType(t)
+    strides, offset = mt.get_strides_and_offset()
+    return DYN not in mt.shape and DYN_STRIDE not in (*strides, offset)
+
+
+def merge_dims(dims: list[int], vals: list[ir.Value], n: int) -> list[ir.Value]:
+    out: list[ir.Value] = [None] * n  # type: ignore[list-item]
+    for d, v in zip(dims, vals):
+        out[d] = v
+    return out
+
+
+def map_indices(m: ir.AffineMap, ivs: list[ir.Value]) -> list[ir.Value]:
+    from mlir.dialects import affine
+
+    out = []
+    for e in m.results:
+        if isinstance(e, ir.AffineDimExpr):
+            out.append(ivs[e.position])
+        else:
+            single = ir.AffineMap.get(m.n_dims, m.n_symbols, [e])
+            out.append(affine.apply(single, ivs))
+    return out
+
+
+def load_at(buf: ir.Value, m: ir.AffineMap, ivs: list[ir.Value]) -> ir.Value:
+    if not isinstance(buf.type, ir.MemRefType):
+        return buf  # scalar operand
+    return memref.load(buf, map_indices(m, ivs))
+
+
+def clone_body(ops: list[ir.Operation], skip: ir.Operation, mapping: dict[ir.Value, ir.Value],
+                ivs: list[ir.Value]) -> None:
+    for op in ops:
+        if op == skip:
+            continue
+        if op.name == "linalg.index":
+            mapping[op.results[0]] = ivs[ir.IntegerAttr(op.attributes["dim"]).value]
+            continue
+        clone_into([op], mapping)

@@ -1,0 +1,74 @@
+"""A strategy turns one `linalg.generic` on memrefs into one kernel: a matcher says whether the
+op is its own (and returns what the emitter needs), the emitter writes the gpu.launch in place of
+the op. A target hands the scheduler its limits and an ordered list of strategies; the first whose
+matcher accepts an op owns it (its emitter may still decline, e.g. when the grid would not fit:
+the op then becomes a `loops` kernel). Ops no strategy owns become `loops` kernels.
+
+To add a strategy: a module in backends/gpu/strategies/ with `match(g, limits)` and
+`emit(match, name, limits) -> bool` (its kernel template in gac_torch/kernels/), then one line in
+the target's strategy list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlir import ir
+from mlir.dialects import arith
+
+from gac_torch.backends.gpu.analysis import Generic
+from gac_torch.backends.gpu.irutil import block_ops, func_block, set_kernel_name
+
+
+@dataclass(frozen=True)
+class GpuLimits:
+    """What the scheduler needs to know about the device (filled from the target's data block)."""
+
+    warp_size: int = 32
+    max_threads_per_block: int = 1024
+    max_static_shared_bytes: int = 48 * 1024
+    max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+    threads_per_block: int = 256  # `loops` strategy block size
+    coarsen: int = 4  # `loops`: points per thread for large elementwise spaces
+    coarsen_min_points: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """`name` is the kernel name's suffix (gac_k<i>_<name>) and the launch's `strategy`."""
+
+    name: str
+    match: Callable[[Generic, GpuLimits], Any | None]  # None: not this strategy's op
+    emit: Callable[[Any, str, GpuLimits], bool]  # False: declined, the op becomes `loops`
+
+
+def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
+                     init: ir.Value | None, acc: str, name: str) -> None:
+    """Parse a `func.func @tmpl(args..., %init)` holding one gpu.launch and move the launch
+    before `before`, wiring the template's arguments to `args` (and `init`)."""
+    tmpl = ir.Module.parse(text, before.context)
+    tfn = tmpl.body.operations[0].operation
+    tblock = func_block(tfn)
+    if init is None:  # unused by the kernel; any value of the type will do
+        t = ir.Type.parse(acc, before.context)
+        with ir.InsertionPoint(before), before.location:
+            init = arith.constant(t, 0.0 if isinstance(t, ir.FloatType) else 0)
+    for targ, actual in zip(tblock.arguments, [*args, init]):
+        targ.replace_all_uses_with(actual)
+    for op in block_ops(tblock)[:-1]:  # constants and the launch; not the return
+        op.move_before(before)
+        if op.name == "gpu.launch":
+            set_kernel_name(op, name)
+
+
+
+def splice_fused(text: str, g: Generic, fill: tuple[ir.Operation, ir.Value] | None, acc: str,
+                 name: str) -> None:
+    """splice_template for a generic with inputs (A, B) and output C whose fill right before
+    (`fill_before`) the template folds in: the generic and its fill are erased."""
+    splice_template(text, g.op, [*g.inputs, g.outputs[0]], fill[1] if fill is not None else None, acc, name)
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
