@@ -16,6 +16,7 @@ import torch
 
 from gac_torch.backends.base import Signature, TensorSpec
 from gac_torch.backends.cuda import ptxas
+from gac_torch.kernels.builder import RaceError, round_to
 from gac_torch.backends.gpu.program import (
     ArgSpec,
     BufferRef,
@@ -977,10 +978,10 @@ def test_mma_kernel_emulated_on_cpu(kind, M, N, K, a_t, b_t, batch, fill, ec, bi
     rng = np.random.default_rng(M * N + K)
     A = rng.standard_normal(spec.a.shape).astype(np.float32)
     B = rng.standard_normal(spec.b.shape).astype(np.float32)
-    C = cm._round(rng.standard_normal(spec.c.shape).astype(np.float32), ec)
+    C = round_to(rng.standard_normal(spec.c.shape).astype(np.float32), ec)
     out = cm.emulate(spec, plan, A, B, C, init=0.25)
     rnd = "tf32" if kind == "tf32" else kind
-    Am, Bm = cm._round(A, rnd).astype(np.float64), cm._round(B, rnd).astype(np.float64)
+    Am, Bm = round_to(A, rnd).astype(np.float64), round_to(B, rnd).astype(np.float64)
     Am = np.swapaxes(Am, -1, -2) if a_t else Am
     Bm = np.swapaxes(Bm, -1, -2) if b_t else Bm
     ref = (0.25 if fill else C.astype(np.float64)) + Am @ Bm
@@ -1010,7 +1011,7 @@ def test_mma_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(cm._Numpy, "barrier", barrier)
     A, B, C = (np.ones(s, np.float32) for s in (spec.a.shape, spec.b.shape, spec.c.shape))
-    with pytest.raises(cm.RaceError):
+    with pytest.raises(RaceError):
         cm.emulate(spec, plan, A, B, C)
 
 

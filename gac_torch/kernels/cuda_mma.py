@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from gac_torch.kernels.builder import WORKGROUP, Numpy, Smem, Text, round_to
+
 # --- fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 / mma.m16n8k8") ----------
 # Lane l holds g = l // 4 (groupID) and t = l % 4 (threadID_in_group).
 # f16/bf16 m16n8k16, A (16x16, row): register e holds the pair (row g + r, cols 2t + c, +1).
@@ -360,73 +362,22 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
 # builder 1: MLIR text
 
 
-_WG = "#gpu.address_space<workgroup>"
+_WG = WORKGROUP
 _MMA_SHAPE = {"f16": (16, 8, 16), "bf16": (16, 8, 16), "tf32": (16, 8, 8)}
 
 
-class _Text:
+class _Text(Text):
     def __init__(self, spec: Spec, p: Plan):
+        super().__init__()
         self.spec, self.p = spec, p
-        self.lines: list[str] = []
-        self.n = 0
-        self.consts: dict[tuple[int, str], str] = {}
         self.e = _elem(spec)
         es = {"A": p.a, "B": p.b}
         self.smem = {w: f"memref<2x{s.rows}x{s.cols + s.pad}x{self.e}, {_WG}>" for w, s in es.items()}
 
-    def _v(self) -> str:
-        self.n += 1
-        return f"%v{self.n}"
-
-    def w(self, line: str) -> None:
-        self.lines.append(line)
-
-    def const(self, x: int) -> str:
-        key = (x, "index")
-        if key not in self.consts:
-            name = self._v()
-            self.w(f"{name} = arith.constant {x} : index")
-            self.consts[key] = name
-        return self.consts[key]
-
-    def tid(self) -> str:
-        return "%tid"
-
-    def bid(self, axis: int) -> str:
-        return ("%bx", "%by", "%bz")[axis]
-
-    def _bin(self, op: str, x: str, y: str, ty: str = "index") -> str:
-        r = self._v()
-        self.w(f"{r} = {op} {x}, {y} : {ty}")
-        return r
-
-    def add(self, x: str, y: str) -> str:
-        return self._bin("arith.addi", x, y)
-
-    def sub(self, x: str, y: str) -> str:
-        return self._bin("arith.subi", x, y)
-
-    def mul(self, x: str, y: str) -> str:
-        return self._bin("arith.muli", x, y)
-
-    def div(self, x: str, y: str) -> str:
-        return self._bin("arith.divui", x, y)
-
-    def rem(self, x: str, y: str) -> str:
-        return self._bin("arith.remui", x, y)
-
-    def lt(self, x: str, y: str) -> str:
-        r = self._v()
-        self.w(f"{r} = arith.cmpi ult, {x}, {y} : index")
-        return r
-
-    def and_(self, x: str, y: str) -> str:
-        return self._bin("arith.andi", x, y, "i1")
-
     def load_global(self, which: str, idx: list[str], vec: int, ok: str) -> str:
         op = self.spec.a if which == "A" else self.spec.b
         vt = f"vector<{vec}x{op.elem}>"
-        r, z = self._v(), self._v()
+        r, z = self.fresh(), self.fresh()
         zero = "0.0"
         self.w(f"{r} = scf.if {ok} -> ({vt}) {{")
         self.w(f"  %ld{self.n} = vector.load %{which}[{', '.join(idx)}] {{alignment = {vec * _ESIZE[op.elem]}}}"
@@ -438,12 +389,12 @@ class _Text:
     def round_tf32(self, val: str, vec: int) -> str:
         parts = []
         for i in range(vec):
-            x, q, f = self._v(), self._v(), self._v()
+            x, q, f = self.fresh(), self.fresh(), self.fresh()
             self.w(f"{x} = vector.extract {val}[{i}] : f32 from vector<{vec}xf32>")
             self.w(f"{q} = nvvm.convert.float.to.tf32 {x} {{rnd = #nvvm.fp_rnd_mode<rna>}}")
             self.w(f"{f} = arith.bitcast {q} : i32 to f32")
             parts.append(f)
-        r = self._v()
+        r = self.fresh()
         self.w(f"{r} = vector.from_elements {', '.join(parts)} : vector<{vec}xf32>")
         return r
 
@@ -452,7 +403,7 @@ class _Text:
                f" : {self.smem[which]}, vector<{vec}x{self.e}>")
 
     def load_smem(self, which: str, idx: list[str], vec: int) -> str:
-        r = self._v()
+        r = self.fresh()
         if vec == 1:
             self.w(f"{r} = memref.load %S{which}[{', '.join(idx)}] : {self.smem[which]}")
         else:
@@ -461,19 +412,16 @@ class _Text:
         return r
 
     def pack(self, lo: str, hi: str) -> str:
-        r = self._v()
+        r = self.fresh()
         self.w(f"{r} = vector.from_elements {lo}, {hi} : vector<2x{self.e}>")
         return r
-
-    def barrier(self) -> None:
-        self.w("gpu.barrier")
 
     def _operand(self, kind: str, reg: str) -> str:
         if kind == "f16":
             return reg  # vector<2xf16>
-        r = self._v()
+        r = self.fresh()
         if kind == "bf16":
-            v = self._v()
+            v = self.fresh()
             self.w(f"{v} = vector.bitcast {reg} : vector<2xbf16> to vector<1xi32>")
             self.w(f"{r} = vector.extract {v}[0] : i32 from vector<1xi32>")
         else:
@@ -486,14 +434,14 @@ class _Text:
         bo = [self._operand(kind, x) for x in bregs]
         ot = "vector<2xf16>" if kind == "f16" else "i32"
         types = f", multiplicandAPtxType = #nvvm.mma_type<{kind}>, multiplicandBPtxType = #nvvm.mma_type<{kind}>"
-        d = self._v()
+        d = self.fresh()
         self.w(f"{d} = nvvm.mma.sync A[{', '.join(ao)}] B[{', '.join(bo)}] C[{', '.join(acc)}] "
                f"{{layoutA = #nvvm.mma_layout<row>, layoutB = #nvvm.mma_layout<col>{types}, "
                f"shape = #nvvm.shape<m = {m}, n = {n}, k = {k}>}} : ({ot}, {ot}, f32) -> "
                "!llvm.struct<(f32, f32, f32, f32)>")
         out = []
         for q in range(4):
-            r = self._v()
+            r = self.fresh()
             self.w(f"{r} = llvm.extractvalue {d}[{q}] : !llvm.struct<(f32, f32, f32, f32)>")
             out.append(r)
         return out
@@ -501,7 +449,7 @@ class _Text:
     def _to_f32(self, x: str, ty: str) -> str:
         if ty == "f32":
             return x
-        r = self._v()
+        r = self.fresh()
         self.w(f"{r} = arith.extf {x} : {ty} to f32")
         return r
 
@@ -510,12 +458,12 @@ class _Text:
 
     def load_c(self, idx: list[str], ok: str) -> str:
         ec = self.spec.c.elem
-        r = self._v()
+        r = self.fresh()
         self.w(f"{r} = scf.if {ok} -> (f32) {{")
-        x = self._v()
+        x = self.fresh()
         self.w(f"  {x} = memref.load %C[{', '.join(idx)}] : {self.spec.c.type}")
         y = self._to_f32(x, ec)
-        z = self._v()
+        z = self.fresh()
         self.w(f"  scf.yield {y} : f32\n}} else {{\n  {z} = arith.constant 0.0 : f32\n  scf.yield {z} : f32\n}}")
         return r
 
@@ -523,24 +471,13 @@ class _Text:
         ec = self.spec.c.elem
         self.w(f"scf.if {ok} {{")
         if ec != "f32":
-            r = self._v()
+            r = self.fresh()
             self.w(f"  {r} = arith.truncf {val} : f32 to {ec}")
             val = r
         self.w(f"  memref.store {val}, %C[{', '.join(idx)}] : {self.spec.c.type}\n}}")
 
     def loop(self, n: int, accs: list[str], body: Callable[[Any, list[Any]], list[Any]]) -> list[str]:
-        res = self._v()
-        kt = f"%kt{self.n}"
-        iters = [f"%it{self.n}_{i}" for i in range(len(accs))]
-        lo, hi, one = self.const(0), self.const(n), self.const(1)
-        self.w(f"{res}:{len(accs)} = scf.for {kt} = {lo} to {hi} step {one} iter_args("
-               + ", ".join(f"{a} = {v}" for a, v in zip(iters, accs)) + f") -> ({', '.join(['f32'] * len(accs))}) {{")
-        saved = self.consts
-        self.consts = dict(saved)  # constants defined inside the loop stay inside
-        out = body(kt, iters)
-        self.consts = saved
-        self.w(f"scf.yield {', '.join(out)} : {', '.join(['f32'] * len(out))}\n}}")
-        return [f"{res}#{i}" for i in range(len(accs))]
+        return self.for_(self.const(0), self.const(n), self.const(1), accs, ["f32"] * len(accs), body)
 
 
 def template(spec: Spec, p: Plan) -> str:
@@ -564,78 +501,14 @@ def template(spec: Spec, p: Plan) -> str:
 # builder 2: numpy, one block at a time, threads in lockstep
 
 
-def _round(x: np.ndarray, elem: str) -> np.ndarray:
-    """f32 values rounded to `elem` (round to nearest even), returned as f32."""
-    x = np.asarray(x, dtype=np.float32)
-    if elem == "f32":
-        return x
-    if elem == "f16":
-        return x.astype(np.float16).astype(np.float32)
-    keep = 16 if elem == "bf16" else 13  # bf16: 16 low bits dropped; tf32: 13
-    u = x.view(np.uint32).astype(np.uint64)
-    if elem == "bf16":  # round to nearest even
-        u = u + np.uint64(0x7FFF) + ((u >> np.uint64(keep)) & np.uint64(1))
-    else:  # tf32 cvt.rna: round to nearest, ties away from zero
-        u = u + np.uint64(1 << (keep - 1))
-    u = (u >> np.uint64(keep)) << np.uint64(keep)
-    return (u & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
-
-
-class RaceError(AssertionError):
-    pass
-
-
-class _Smem:
-    """A shared-memory buffer that records, per element, who touched it since the last barrier."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        self.data = np.full(shape, np.nan, dtype=np.float32)
-        self.w_epoch = np.full(shape, -1)
-        self.w_tid = np.full(shape, -1)
-        self.r_epoch = np.full(shape, -1)
-        self.r_tid = np.full(shape, -1)  # -2: several readers
-
-
-class _Numpy:
+class _Numpy(Numpy):
     def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                  init: float, block: tuple[int, int, int]):
+        super().__init__(p.threads, block)
         self.spec, self.p = spec, p
         self.A, self.B, self.C, self.initv = A, B, C, init
-        self.T = p.threads
-        self.block = block
-        self.epoch = 0
         self.e = _elem(spec)
-        self.S = {w: _Smem((2, s.rows, s.cols + s.pad)) for w, s in (("A", p.a), ("B", p.b))}
-
-    def const(self, x: int) -> np.ndarray:
-        return np.full(self.T, x, dtype=np.int64)
-
-    def tid(self) -> np.ndarray:
-        return np.arange(self.T, dtype=np.int64)
-
-    def bid(self, axis: int) -> np.ndarray:
-        return self.const(self.block[axis])
-
-    def add(self, x, y):
-        return x + y
-
-    def sub(self, x, y):
-        return x - y
-
-    def mul(self, x, y):
-        return x * y
-
-    def div(self, x, y):
-        return x // y
-
-    def rem(self, x, y):
-        return x % y
-
-    def lt(self, x, y):
-        return x < y
-
-    def and_(self, x, y):
-        return x & y
+        self.S = {w: Smem(w, (2, s.rows, s.cols + s.pad)) for w, s in (("A", p.a), ("B", p.b))}
 
     def load_global(self, which: str, idx: list[np.ndarray], vec: int, ok: np.ndarray) -> np.ndarray:
         buf = self.A if which == "A" else self.B
@@ -648,42 +521,14 @@ class _Numpy:
         return out
 
     def round_tf32(self, val: np.ndarray, vec: int) -> np.ndarray:
-        return _round(val, "tf32")
-
-    def _touch(self, which: str, idx: list[np.ndarray], n: int, write: bool) -> list[tuple]:
-        s = self.S[which]
-        tids = np.arange(self.T)
-        cells = []
-        for i in range(n):
-            at = tuple(idx[:-1]) + (idx[-1] + i,)
-            for d, (a, ext) in enumerate(zip(at, s.data.shape)):
-                if ((a < 0) | (a >= ext)).any():
-                    raise AssertionError(f"smem {which} index {d} out of range")
-            cells.append(at)
-            e = self.epoch
-            if write:
-                flat = np.ravel_multi_index(at, s.data.shape)
-                if len(np.unique(flat)) != len(flat):
-                    raise RaceError(f"smem {which}: two threads write one element in one store")
-                bad = (s.r_epoch[at] == e) & (s.r_tid[at] != tids)
-                bad |= (s.w_epoch[at] == e) & (s.w_tid[at] != tids)
-                if bad.any():
-                    raise RaceError(f"smem {which}: write races with another thread since the barrier")
-                s.w_epoch[at], s.w_tid[at] = e, tids
-            else:
-                if ((s.w_epoch[at] == e) & (s.w_tid[at] != tids)).any():
-                    raise RaceError(f"smem {which}: read of an element another thread wrote since the barrier")
-                same = (s.r_epoch[at] == e) & (s.r_tid[at] != tids)
-                s.r_tid[at] = np.where(same, -2, tids)
-                s.r_epoch[at] = e
-        return cells
+        return round_to(val, "tf32")
 
     def store_smem(self, which: str, idx: list[np.ndarray], val: np.ndarray, vec: int) -> None:
-        for i, at in enumerate(self._touch(which, idx, vec, True)):
+        for i, at in enumerate(self.touch(self.S[which], idx, vec, True)):
             self.S[which].data[at] = val[:, i]
 
     def load_smem(self, which: str, idx: list[np.ndarray], vec: int) -> np.ndarray:
-        cells = self._touch(which, idx, vec, False)
+        cells = self.touch(self.S[which], idx, vec, False)
         vals = np.stack([self.S[which].data[at] for at in cells], axis=1)
         if np.isnan(vals).any():
             raise AssertionError(f"smem {which}: read of an element never written")
@@ -691,9 +536,6 @@ class _Numpy:
 
     def pack(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.stack([lo, hi], axis=1)
-
-    def barrier(self) -> None:
-        self.epoch += 1
 
     def mma(self, kind: str, a: list[np.ndarray], bregs: list[np.ndarray], acc: list[np.ndarray]) -> list[np.ndarray]:
         """mma.sync per warp: rebuild the A (16xK) and B (Kx8) tiles from the lanes' registers
@@ -736,12 +578,10 @@ class _Numpy:
         at = tuple(x[ok] for x in idx)
         flat = np.ravel_multi_index(at, self.C.shape)
         assert len(np.unique(flat)) == len(flat), "two threads store one C element"
-        self.C[at] = _round(val[ok], self.spec.c.elem)
+        self.C[at] = round_to(val[ok], self.spec.c.elem)
 
     def loop(self, n: int, accs: list[np.ndarray], body: Callable) -> list[np.ndarray]:
-        for kt in range(n):
-            accs = body(self.const(kt), accs)
-        return accs
+        return self.for_(0, n, 1, accs, ["f32"] * len(accs), body)
 
 
 def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
@@ -750,8 +590,8 @@ def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
     Returns the new C (f32 array holding values rounded to C's type). Raises RaceError on a
     shared-memory race, AssertionError on out-of-range or unwritten accesses."""
     assert all(o.offset == 0 for o in (spec.a, spec.b, spec.c))
-    A = _round(A, spec.a.elem if spec.kind != "tf32" else "f32")
-    B = _round(B, spec.b.elem if spec.kind != "tf32" else "f32")
+    A = round_to(A, spec.a.elem if spec.kind != "tf32" else "f32")
+    B = round_to(B, spec.b.elem if spec.kind != "tf32" else "f32")
     C = np.array(C, dtype=np.float32)
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
