@@ -240,7 +240,8 @@ class Numpy:
         self.mask = np.ones(threads, dtype=bool)  # lanes inside every enclosing scf.if
 
     def const(self, x: int | float, ty: str = "index") -> np.ndarray:
-        return np.full(self.T, x, dtype=np.int64 if ty in _INT_BITS else np.float64)
+        dtype = np.int64 if ty in _INT_BITS else np.float64 if ty == "f64" else np.float32
+        return np.full(self.T, x, dtype=dtype)
 
     def tid(self) -> np.ndarray:
         return np.arange(self.T, dtype=np.int64)
