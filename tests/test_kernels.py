@@ -106,3 +106,53 @@ def test_simt_matmul_emulation_catches_a_missing_barrier(monkeypatch: pytest.Mon
     monkeypatch.setattr(sm._Numpy, "barrier", barrier)
     with pytest.raises(RaceError):
         _run(spec, (32, 32, 48), seed=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# reduce: the schedule once; the math (element, combiner) given here as numpy functions
+
+from gac_torch.kernels import reduce as rd  # noqa: E402
+
+_NP_REDUCE = {"add": np.sum, "mul": np.prod, "max": np.max, "min": np.min,
+              "and": np.bitwise_and.reduce, "or": np.bitwise_or.reduce, "xor": np.bitwise_xor.reduce}
+
+
+@pytest.mark.parametrize("kind,p_ext,r_ext,dtype,acc,fill", [
+    ("add", (13,), (37,), "f32", "f32", None),  # ragged rows, idle warps in the last block
+    ("add", (3, 7), (5, 41), "f16", "f32", 0.5),  # 2-D spaces, f16 data in f32, fused fill
+    ("max", (3,), (3000,), "f32", "f32", None),  # long rows: a block per output
+    ("min", (2, 5), (1100,), "f32", "f32", None),  # just past the warp limit
+    ("xor", (9,), (300,), "i8", "i32", None),  # small ints accumulate in i32
+    ("mul", (4,), (129,), "f64", "f64", None),
+])
+def test_reduce_emulated_on_cpu(kind, p_ext, r_ext, dtype, acc, fill) -> None:
+    rng = np.random.default_rng(sum(p_ext) * 31 + sum(r_ext))
+    shape = (*p_ext, *r_ext)
+    if dtype[0] == "i":
+        X = rng.integers(-100, 100, shape).astype(np.int64)
+        out = rng.integers(-100, 100, p_ext).astype(np.int64)
+    else:
+        X = round_to(rng.uniform(0.9, 1.1, shape) if kind == "mul" else rng.standard_normal(shape), dtype)
+        out = round_to(rng.standard_normal(p_ext), dtype)
+    ref_init = np.float64(fill) if fill is not None else out.astype(np.float64 if dtype[0] != "i" else np.int64)
+    sq = kind == "add"  # the body maps before it combines: sum of squares
+
+    def element(p, r):
+        x = X[tuple(p) + tuple(r)]
+        return x * x if sq else x
+
+    got = rd.emulate(kind, acc, element, p_ext, r_ext, out.copy(), init=fill)
+    flat = X.reshape(*p_ext, -1).astype(np.float64 if dtype[0] != "i" else np.int64)
+    part = _NP_REDUCE[kind](flat * flat if sq else flat, axis=-1)
+    ref = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+           "xor": np.bitwise_xor}[kind](ref_init, part)
+    if dtype[0] == "i":
+        assert np.array_equal(got, ref)
+    else:
+        assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), np.abs(got - ref).max()
+
+
+def test_reduce_plan() -> None:
+    assert rd.plan(37) == rd.Plan(True, 256, 32, 32) and rd.plan(None).per_warp
+    assert rd.plan(3000) == rd.Plan(False, 256, 256, 32)
+    assert rd.plan(1100, threads=1024) == rd.Plan(False, 1024, 1024, 32)

@@ -1,7 +1,9 @@
-"""One kernel builder, two backends: a kernel body is a Python function of a builder `b`, written
-once, that either emits MLIR text (`Text`) or runs on the CPU with numpy (`Numpy`: all threads of
-one block in lockstep, memory accesses bounds-checked, shared-memory races checked against the
-barriers). A kernel file subclasses both with its own verbs (e.g. cuda_mma's `mma`).
+"""One kernel builder: a kernel body is a Python function of a builder `b`, written once, that
+either emits MLIR text (`Text`) or runs on the CPU with numpy (`Numpy`: all threads of one block
+in lockstep, memory accesses bounds-checked, shared-memory races checked against the barriers).
+A kernel whose math is cloned from a linalg body (reduce) builds ops through the MLIR Python
+bindings instead of text (`Ir`, same verbs). A kernel file subclasses them with its own verbs
+(e.g. cuda_mma's `mma`, reduce's `element` / `combine`).
 
 Values: `Text` returns SSA names (`V`, a str); `Numpy` returns one numpy array per value with a
 lane per thread. Index values support `+ - * // % < &` in both, so index math reads like math:
@@ -126,6 +128,11 @@ class Text:
         self.w(f"{r} = arith.cmpi ult, {x}, {y} : index")
         return r
 
+    def eq(self, x: str, y: str) -> V:
+        r = self.fresh()
+        self.w(f"{r} = arith.cmpi eq, {x}, {y} : index")
+        return r
+
     def and_(self, x: str, y: str) -> V:
         return self.binop("arith.andi", x, y, "i1")
 
@@ -178,6 +185,22 @@ class Text:
             fn()
         finally:
             self.consts = saved
+
+
+def delinearize(b: Any, lin: Any, extents: Sequence[Any]) -> list[Any]:
+    """Row-major indices of `lin` in a box of `extents` (last fastest; ints or values);
+    lin < prod(extents)."""
+    out: list[Any] = []
+    for pos in range(len(extents) - 1, -1, -1):
+        n = extents[pos]
+        if isinstance(n, int) and n == 1:
+            out.append(b.const(0))
+        elif pos == 0:
+            out.append(lin)
+        else:
+            out.append(b.rem(lin, n))
+            lin = b.div(lin, n)
+    return out[::-1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +289,9 @@ class Numpy:
 
     def lt(self, x, y):
         return x < y
+
+    def eq(self, x, y):
+        return x == y
 
     def and_(self, x, y):
         return x & y
@@ -359,3 +385,77 @@ class Numpy:
         for i in range(*bounds):
             iters = list(body(self.const(i), iters))
         return iters
+
+
+# --------------------------------------------------------------------------------------------
+# backend 3: MLIR ops through the Python bindings, at the current insertion point
+
+
+class Ir:
+    """Values are ir.Values; ints become index constants where an index is expected (a new
+    constant each time: CSE merges them). `ids` are the gpu.launch body's block and thread ids."""
+
+    def __init__(self, ids: Sequence[Any] = ()):
+        from mlir import ir
+        from mlir.dialects import arith, scf
+
+        self.ir, self.arith, self.scf = ir, arith, scf
+        self.ids = list(ids)
+
+    def _i(self, x: Any) -> Any:
+        return self.const(x) if isinstance(x, int) else x
+
+    def const(self, x: int | float, ty: str = "index") -> Any:
+        t = self.ir.IndexType.get() if ty == "index" else self.ir.Type.parse(ty)
+        return self.arith.constant(t, x)
+
+    def tid(self) -> Any:
+        return self.ids[3]
+
+    def bid(self, axis: int) -> Any:
+        return self.ids[axis]
+
+    def add(self, x, y):
+        return self.arith.addi(self._i(x), self._i(y))
+
+    def sub(self, x, y):
+        return self.arith.subi(self._i(x), self._i(y))
+
+    def mul(self, x, y):
+        return self.arith.muli(self._i(x), self._i(y))
+
+    def div(self, x, y):
+        return self.arith.divui(self._i(x), self._i(y))
+
+    def rem(self, x, y):
+        return self.arith.remui(self._i(x), self._i(y))
+
+    def lt(self, x, y):
+        return self.arith.cmpi(self.arith.CmpIPredicate.ult, self._i(x), self._i(y))
+
+    def eq(self, x, y):
+        return self.arith.cmpi(self.arith.CmpIPredicate.eq, self._i(x), self._i(y))
+
+    def and_(self, x, y):
+        return self.arith.andi(x, y)
+
+    def if_(self, cond: Any, ty: Any, then: Callable[[], Any], else_: Callable[[], Any]) -> Any:
+        op = self.scf.IfOp(cond, [ty], has_else=True)
+        with self.ir.InsertionPoint(op.then_block):
+            self.scf.YieldOp([then()])
+        with self.ir.InsertionPoint(op.else_block):
+            self.scf.YieldOp([else_()])
+        return op.results[0]
+
+    def when(self, cond: Any, then: Callable[[], None]) -> None:
+        op = self.scf.IfOp(cond)
+        with self.ir.InsertionPoint(op.then_block):
+            then()
+            self.scf.YieldOp([])
+
+    def for_(self, lo, hi, step, inits: Sequence[Any], types: Sequence[Any],
+             body: Callable[[Any, list[Any]], Sequence[Any]]) -> list[Any]:
+        loop = self.scf.ForOp(self._i(lo), self._i(hi), self._i(step), list(inits))
+        with self.ir.InsertionPoint(loop.body):
+            self.scf.YieldOp(list(body(loop.induction_variable, list(loop.inner_iter_args))))
+        return list(loop.results)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from mlir import ir, passmanager
 from mlir.dialects import arith, gpu, memref
 
+from gac_torch.kernels import builder
+
 KERNEL_MODULE = "gac_kernels"  # the gpu.module every kernel is outlined into
 DYN = ir.ShapedType.get_dynamic_size()  # a `?` in a memref type's shape
 DYN_STRIDE = ir.ShapedType.get_dynamic_stride_or_offset()
@@ -155,17 +157,7 @@ def new_launch(grid: int | ir.Value, block: int, name: str,
 
 def delinearize(lin: ir.Value, extents: list[int | ir.Value]) -> list[ir.Value]:
     """Row-major indices of `lin` in a box of `extents` (last fastest); lin < prod(extents)."""
-    out: list[ir.Value] = []
-    for pos in range(len(extents) - 1, -1, -1):
-        n = extents[pos]
-        if isinstance(n, int) and n == 1:
-            out.append(as_index(0))
-        elif pos == 0:
-            out.append(lin)
-        else:
-            out.append(arith.remui(lin, as_index(n)))
-            lin = arith.divui(lin, as_index(n))
-    return out[::-1]
+    return builder.delinearize(builder.Ir(), lin, extents)
 
 
 def clone_into(ops: list[ir.Operation], mapping: dict[ir.Value, ir.Value]) -> None:

@@ -1,8 +1,8 @@
 """`reduce`: a reduction with a recognized combiner (add, mul, min/max, and/or/xor) over at
-least `min_extent` elements, when the reduced dims are innermost or the output is small: one warp
-per output (rows up to `warp_max`, shuffle butterfly) or one block per output (gpu.all_reduce);
-lanes stride over the reduction space with a constant trip count; f16/bf16 accumulate in f32,
-small ints in i32. Run-time reduction lengths get a warp per row."""
+least `min_extent` elements, when the reduced dims are innermost or the output is small -> the
+row-reduction kernel gac_torch/kernels/reduce.py (a warp or a block per output), its math cloned
+from the linalg body through the builder's `Ir` backend. Run-time reduction lengths get a warp
+per row."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import math
 from dataclasses import dataclass
 
 from mlir import ir
-from mlir.dialects import arith, gpu, memref, scf
+from mlir.dialects import arith, gpu, memref
 
 from gac_torch.backends.gpu.analysis import Generic, fill_before, map_dims
 from gac_torch.backends.gpu.irutil import (
-    as_index, clone_body, defining_op, delinearize, is_static, load_at, map_indices, merge_dims,
+    clone_body, defining_op, is_static, load_at, map_indices, merge_dims,
     new_launch, size_ceildiv, size_prod,
 )
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.kernels import reduce
+from gac_torch.kernels.builder import Ir
 
 
 @dataclass(frozen=True)
@@ -106,95 +108,77 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
         n_out, n_red = size_prod(p_ext), size_prod(r_ext)
     if is_static(n_out) and (n_out == 0 or n_out > limits.max_grid[0]):
         return False
-    # Short rows: one warp per output, 8 outputs per block, combined with shuffles. Long rows:
-    # one block per output, combined with gpu.all_reduce (shuffles + shared memory). Rows of
-    # run-time length take a warp each.
-    warp = limits.warp_size
-    per_warp = not is_static(n_red) or n_red <= params.warp_max
-    threads = (params.threads if per_warp else
-               min(params.threads, max(warp, 1 << (max(n_red, 1) - 1).bit_length())))
-    group = warp if per_warp else threads  # threads cooperating on one output
-    outs_per_block = threads // group
     elem = ir.MemRefType(g.outputs[0].type).element_type
     if isinstance(elem, ir.FloatType):
         acc_t = ir.F32Type.get() if ir.FloatType(elem).width < 32 else elem
     else:
         acc_t = ir.IntegerType.get_signless(32) if ir.IntegerType(elem).width < 32 else elem
-    signed = kind not in ("maxui", "minui")
+    p = reduce.plan(n_red if is_static(n_red) else None, limits.warp_size, params.threads, params.warp_max)
     fill = fill_before(g.op, g.outputs[0])
-
-    def combine(x: ir.Value, y: ir.Value) -> ir.Value:
-        new = comb.clone()
-        new.operands[0], new.operands[1] = x, y
-        new.results[0].set_type(acc_t)
-        return new.results[0]
-
     with ir.InsertionPoint(g.op), g.op.location:
-        grid = size_ceildiv(n_out, outs_per_block)
-        trips = size_ceildiv(n_red, group)
-        launch, body = new_launch(grid, threads, name)
+        grid = size_ceildiv(n_out, p.outs_per_block)
+        trips = size_ceildiv(n_red, p.group)
+        launch, body = new_launch(grid, p.threads, name)
         with ir.InsertionPoint(body):
-            bid, tid = body.arguments[0], body.arguments[3]
-            if per_warp:
-                lane = arith.remui(tid, as_index(group))
-                out_lin = arith.addi(arith.muli(bid, as_index(outs_per_block)), arith.divui(tid, as_index(group)))
-            else:
-                lane, out_lin = tid, bid
-            active = None
-            if not is_static(grid, n_out) or grid * outs_per_block != n_out:  # idle groups
-                active = arith.cmpi(arith.CmpIPredicate.ult, out_lin, as_index(n_out))
-            p_ivs = delinearize(out_lin, p_ext)
-            ident = arith.constant(acc_t, _identity(kind, acc_t))
-            # Constant trip count (lane + it * group): LLVM unrolls it and keeps loads in flight.
-            loop = scf.ForOp(as_index(0), as_index(trips), as_index(1), [ident])
-            with ir.InsertionPoint(loop.body):
-                acc = loop.inner_iter_args[0]
-                j = arith.addi(arith.muli(loop.induction_variable, as_index(group)), lane)
-                cond = active
-                if not is_static(n_red) or n_red % group:
-                    in_row = arith.cmpi(arith.CmpIPredicate.ult, j, as_index(n_red))
-                    cond = in_row if cond is None else arith.andi(cond, in_row)
-                guard = scf.IfOp(cond, [acc_t], has_else=True) if cond is not None else None
-                with ir.InsertionPoint(guard.then_block) if guard else ir.InsertionPoint(loop.body):
-                    r_ivs = delinearize(j, r_ext)
-                    ivs = merge_dims(par, p_ivs, len(g.iters))
-                    for d, v in zip(red, r_ivs):
-                        ivs[d] = v
-                    mapping: dict[ir.Value, ir.Value] = {}
-                    for arg, buf, m in zip(g.body.arguments, g.inputs, g.maps):
-                        mapping[arg] = load_at(buf, m, ivs)
-                    clone_body(body_ops[:-1], comb, mapping, ivs)
-                    new = combine(acc, _widen(mapping.get(value, value), acc_t, signed))
-                    if guard:
-                        scf.YieldOp([new])
-                if guard:
-                    with ir.InsertionPoint(guard.else_block):
-                        scf.YieldOp([acc])
-                    new = guard.results[0]
-                scf.YieldOp([new])
-            total = loop.results[0]
-            if per_warp:  # butterfly: every lane ends with the warp's total
-                i32 = ir.IntegerType.get_signless(32)
-                mode = ir.Attribute.parse("#gpu<shuffle_mode xor>")
-                for off in (16, 8, 4, 2, 1):
-                    other = gpu.ShuffleOp(total, arith.constant(i32, off), arith.constant(i32, warp),
-                                          mode).results[0]
-                    total = combine(total, other)
-            else:
-                op_attr = ir.Attribute.parse(f"#gpu<all_reduce_op {kind}>")
-                total = gpu.AllReduceOp(total, op=op_attr, uniform=True).result
-            leader = arith.cmpi(arith.CmpIPredicate.eq, lane, as_index(0))
-            if active is not None:
-                leader = arith.andi(leader, active)
-            if_op = scf.IfOp(leader)
-            with ir.InsertionPoint(if_op.then_block):
-                out_idx = map_indices(g.maps[-1], merge_dims(par, p_ivs, len(g.iters)))
-                init = fill[1] if fill is not None else memref.load(g.outputs[0], out_idx)
-                final = combine(_widen(init, acc_t, signed), total)
-                memref.store(_narrow(final, elem), g.outputs[0], out_idx)
-                scf.YieldOp([])
+            b = _Ir(body.arguments, g, comb, value, kind, acc_t, par, red, fill)
+            reduce.kernel(b, p, acc_t, n_out, n_red, trips, p_ext, r_ext,
+                           exact_grid=is_static(grid, n_out) and grid * p.outs_per_block == n_out,
+                           exact_rows=is_static(n_red) and n_red % p.group == 0)
             gpu.TerminatorOp()
     if fill is not None:
         fill[0].erase()
     g.op.erase()
     return True
+
+
+class _Ir(Ir):
+    """The reduce kernel's math from the linalg body: loads of the inputs at (p, r), the body
+    cloned, the combiner cloned at the accumulator type."""
+
+    def __init__(self, ids, g: Generic, comb: ir.Operation, value: ir.Value, kind: str,
+                 acc_t: ir.Type, par: list[int], red: list[int], fill):
+        super().__init__(ids)
+        self.g, self.comb, self.value, self.kind, self.acc_t = g, comb, value, kind, acc_t
+        self.par, self.red, self.fill = par, red, fill
+        self.signed = kind not in ("maxui", "minui")
+        self.out_elem = ir.MemRefType(g.outputs[0].type).element_type
+
+    def combine(self, x: ir.Value, y: ir.Value) -> ir.Value:
+        new = self.comb.clone()
+        new.operands[0], new.operands[1] = x, y
+        new.results[0].set_type(self.acc_t)
+        return new.results[0]
+
+    def identity(self) -> ir.Value:
+        return arith.constant(self.acc_t, _identity(self.kind, self.acc_t))
+
+    def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
+        g = self.g
+        ivs = merge_dims(self.par, p_ivs, len(g.iters))
+        for d, v in zip(self.red, r_ivs):
+            ivs[d] = v
+        mapping: dict[ir.Value, ir.Value] = {}
+        for arg, buf, m in zip(g.body.arguments, g.inputs, g.maps):
+            mapping[arg] = load_at(buf, m, ivs)
+        clone_body([op.operation for op in g.body.operations][:-1], self.comb, mapping, ivs)
+        return _widen(mapping.get(self.value, self.value), self.acc_t, self.signed)
+
+    def shuffle_xor(self, x: ir.Value, off: int, width: int) -> ir.Value:
+        i32 = ir.IntegerType.get_signless(32)
+        mode = ir.Attribute.parse("#gpu<shuffle_mode xor>")
+        return gpu.ShuffleOp(x, arith.constant(i32, off), arith.constant(i32, width), mode).results[0]
+
+    def block_reduce(self, x: ir.Value) -> ir.Value:
+        op_attr = ir.Attribute.parse(f"#gpu<all_reduce_op {self.kind}>")
+        return gpu.AllReduceOp(x, op=op_attr, uniform=True).result
+
+    def out_index(self, p_ivs: list[ir.Value]) -> list[ir.Value]:
+        g = self.g
+        return map_indices(g.maps[-1], merge_dims(self.par, p_ivs, len(g.iters)))
+
+    def init(self, idx: list[ir.Value]) -> ir.Value:
+        init = self.fill[1] if self.fill is not None else memref.load(self.g.outputs[0], idx)
+        return _widen(init, self.acc_t, self.signed)
+
+    def store(self, idx: list[ir.Value], val: ir.Value) -> None:
+        memref.store(_narrow(val, self.out_elem), self.g.outputs[0], idx)
