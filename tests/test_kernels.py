@@ -156,3 +156,36 @@ def test_reduce_plan() -> None:
     assert rd.plan(37) == rd.Plan(True, 256, 32, 32) and rd.plan(None).per_warp
     assert rd.plan(3000) == rd.Plan(False, 256, 256, 32)
     assert rd.plan(1100, threads=1024) == rd.Plan(False, 1024, 1024, 32)
+
+
+# ------------------------------------------------------------------------------------------------
+# vortex tiled GEMM (local memory, register tiles; clamped loads + select at the edges)
+
+from gac_torch.kernels import vortex_gemm as vg  # noqa: E402
+
+
+@pytest.mark.parametrize("M,N,K,b_t,batch,fill", [
+    (13, 10, 7, False, (), False),  # every dim overhangs its tile; K < 16
+    (16, 16, 40, True, (), True),  # exact tiles, nn.Linear layout, fused fill
+    (9, 23, 33, False, (2, 3), False),  # batch, the last staging round overhangs
+])
+def test_vortex_gemm_emulated_on_cpu(M, N, K, b_t, batch, fill) -> None:
+    nb = len(batch)
+    bd = tuple(range(nb))
+    m, n, k = nb, nb + 1, nb + 2
+    a_dims, b_dims, c_dims = bd + (m, k), bd + ((n, k) if b_t else (k, n)), bd + (m, n)
+    ext = {**dict(zip(bd, batch)), m: M, n: N, k: K}
+
+    def ty(dims):
+        return "memref<" + "".join(f"{ext[d]}x" for d in dims) + "f32>"
+
+    s = vg.GemmShape((m,), (M,), (n,), (N,), k, K, bd, batch, a_dims, b_dims, c_dims,
+                     ty(a_dims), ty(b_dims), ty(c_dims))
+    t = vg.choose_tiling(M, N, K)
+    rng = np.random.default_rng(M + N + K)
+    A, B, C = (rng.standard_normal([ext[d] for d in dims]).astype(np.float32) for dims in (a_dims, b_dims, c_dims))
+    got = vg.emulate(s, t, A, B, C, init=0.5 if fill else None)
+    Bm = np.swapaxes(B, -1, -2) if b_t else B
+    ref = (0.5 if fill else C.astype(np.float64)) + A.astype(np.float64) @ Bm.astype(np.float64)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
+    ir.Module.parse(vg.gemm_template(s, t, fill), ir.Context())

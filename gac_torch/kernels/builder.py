@@ -70,10 +70,13 @@ class V(str):
 
 class Text:
     """Emits MLIR text lines; `const` reuses one constant per value in the current scope (a
-    loop body opens a scope: constants defined inside stay inside)."""
+    loop body opens a scope: constants defined inside stay inside). `hoist`: every constant goes
+    to `const_lines` instead, which the template puts at the top of the kernel."""
 
-    def __init__(self) -> None:
+    def __init__(self, hoist: bool = False) -> None:
         self.lines: list[str] = []
+        self.const_lines: list[str] = []
+        self.hoist = hoist
         self.n = 0
         self.consts: dict[tuple[Any, str], V] = {}
 
@@ -93,7 +96,7 @@ class Text:
         key = (x, ty)
         if key not in self.consts:
             name = self.fresh()
-            self.w(f"{name} = arith.constant {x} : {ty}")
+            (self.const_lines if self.hoist else self.lines).append(f"{name} = arith.constant {x} : {ty}")
             self.consts[key] = name
         return self.consts[key]
 
@@ -135,6 +138,19 @@ class Text:
 
     def and_(self, x: str, y: str) -> V:
         return self.binop("arith.andi", x, y, "i1")
+
+    def min_(self, x: str, y: str) -> V:
+        return self.binop("arith.minui", x, y)
+
+    def select(self, cond: str, x: str, y: str, ty: str) -> V:
+        r = self.fresh()
+        self.w(f"{r} = arith.select {cond}, {x}, {y} : {ty}")
+        return r
+
+    def fma(self, x: str, y: str, z: str, ty: str) -> V:
+        r = self.fresh()
+        self.w(f"{r} = math.fma {x}, {y}, {z} : {ty}")
+        return r
 
     def cast(self, op: str, x: str, src: str, dst: str) -> V:
         r = self.fresh()
@@ -179,6 +195,8 @@ class Text:
         return [self.val(f"{res}#{i}") for i in range(len(inits))]
 
     def _scoped(self, fn: Callable[[], Any]) -> None:
+        if self.hoist:
+            return fn()
         saved = self.consts
         self.consts = dict(saved)  # constants defined inside a region stay inside
         try:
@@ -293,6 +311,15 @@ class Numpy:
     def eq(self, x, y):
         return x == y
 
+    def min_(self, x, y):
+        return np.minimum(x, y)
+
+    def select(self, cond, x, y, ty: str):
+        return np.where(cond, x, y)
+
+    def fma(self, x, y, z, ty: str):  # one rounding, as the instruction
+        return as_type(np.asarray(x, np.float64) * y + z, ty)
+
     def and_(self, x, y):
         return x & y
 
@@ -314,9 +341,13 @@ class Numpy:
         assert len(np.unique(flat)) == len(flat), "two threads store one element"
         buf[at] = np.asarray(val)[on]
 
-    def touch(self, s: Smem, idx: Sequence[np.ndarray], n: int, write: bool) -> list[tuple]:
-        """The cells lanes access at idx (+0..n-1 in the last dim), race-checked."""
-        tids = np.arange(self.T)
+    def touch(self, s: Smem, idx: Sequence[np.ndarray], n: int, write: bool,
+              lanes: np.ndarray | None = None) -> list[tuple]:
+        """The cells lanes access at idx (+0..n-1 in the last dim), race-checked; `lanes`: only
+        these lanes access (default: all)."""
+        sel = np.ones(self.T, dtype=bool) if lanes is None else lanes
+        tids = np.arange(self.T)[sel]
+        idx = [np.broadcast_to(np.asarray(x), (self.T,))[sel] for x in idx]
         cells = []
         for i in range(n):
             at = tuple(idx[:-1]) + (idx[-1] + i,)

@@ -187,7 +187,7 @@ def _kernel(b: Any, spec: Spec, t: Tiling, M: Any, N: Any, K: Any, bext: list[An
         def fma(kk: Any, part: list[Any]) -> list[Any]:  # 3c
             a = [b.get("As", [kk, rr[i]]) for i in range(t.tm)]
             w = [b.get("Bs", [kk, cc[j]]) for j in range(t.tn)]
-            return [b.fma(a[i], w[j], part[i * t.tn + j], acc) for i in range(t.tm) for j in range(t.tn)]
+            return [b.mac(a[i], w[j], part[i * t.tn + j], acc) for i in range(t.tm) for j in range(t.tn)]
 
         part = b.for_(b.const(0), b.const(BK), b.const(1), accs, [acc] * len(accs), fma)
         b.barrier()  # 3d
@@ -224,7 +224,7 @@ class _Text(Text):
     def put(self, which: str, idx: list[str], val: str) -> None:
         self.store(val, f"%{which}", self.types[which], idx)
 
-    def fma(self, x: str, y: str, acc: str, ty: str) -> str:
+    def mac(self, x: str, y: str, acc: str, ty: str) -> str:
         fm = " fastmath<contract>" if self.spec.is_float else ""  # lets LLVM form FMAs
         mul, add = ("arith.mulf", "arith.addf") if self.spec.is_float else ("arith.muli", "arith.addi")
         return self.binop(add, acc, self.binop(mul, x, y, ty, fm), ty, fm)
@@ -288,7 +288,7 @@ class _Numpy(Numpy):
         else:
             self.store(val, self.bufs[which], "", idx)
 
-    def fma(self, x: np.ndarray, y: np.ndarray, acc: np.ndarray, ty: str) -> np.ndarray:
+    def mac(self, x: np.ndarray, y: np.ndarray, acc: np.ndarray, ty: str) -> np.ndarray:
         return as_type(acc + as_type(x * y, ty), ty)
 
 

@@ -20,17 +20,21 @@ consecutive tx) read one broadcast A value and consecutive B values, and store c
 values. Bounds checks are emitted only where the static shape overhangs the tile; the store
 guard is the only branch (the vortex target brackets it with SPLIT/JOIN).
 
-`gemm_template` returns MLIR text: `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch,
-the form gac_torch.backends.gpu.strategy.splice_template wires into a graph. `reference` is
-the math in numpy.
+Written once (`_kernel`) against gac_torch.kernels.builder: `gemm_template` returns MLIR text,
+`func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch, the form
+gac_torch.backends.gpu.strategy.splice_template wires into a graph; `emulate` runs the same
+body with numpy (threads in lockstep, local-memory races checked). `reference` is the math.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from gac_torch.kernels.builder import WORKGROUP, Numpy, Smem, Text, as_type
 
 
 @dataclass(frozen=True)
@@ -98,164 +102,221 @@ def grid(shape: GemmShape, t: GemmTiling) -> tuple[int, int, int]:
     return (-(-shape.N // t.bn), -(-shape.M // t.bm), math.prod(shape.batch))
 
 
+def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool) -> None:
+    c = b.const
+    zero = b.zero()
+    rows, cols = range(t.rm), range(t.rn)
+    acc = [(i, j) for i in rows for j in cols]
+    f32s = ["f32"] * len(acc)
+    m_over, n_over = s.M % t.bm != 0, s.N % t.bn != 0
+
+    # 1. locate
+    tid, bx, by, bz = b.tid(), b.bid(0), b.bid(1), b.bid(2)
+    ty, tx = tid // t.tx, tid % t.tx
+    m0, n0 = by * t.bm, bx * t.bn
+    batch: dict[int, Any] = {}
+    rest = bz
+    for j in range(len(s.batch) - 1, 0, -1):          # delinearize the batch index, last fastest
+        batch[s.batch_dims[j]] = rest % s.batch[j]
+        rest = rest // s.batch[j]
+    if s.batch:
+        batch[s.batch_dims[0]] = rest
+    rl, rok, row_names = [], [], []
+    for i in rows:
+        rl.append(ty + t.ty * i)
+        row = m0 + rl[i]
+        if m_over:      # clamped: a safe address where the tile overhangs the matrix
+            rok.append(row < s.M)
+            row = b.min_(row, c(s.M - 1))
+        row_names.append(_split(b, s.m_dims, s.m_ext, row))
+    cl, cok, col_names = [], [], []
+    for j in cols:
+        cl.append(tx + t.tx * j)
+        col = n0 + cl[j]
+        if n_over:
+            cok.append(col < s.N)
+            col = b.min_(col, c(s.N - 1))
+        col_names.append(_split(b, s.n_dims, s.n_ext, col))
+
+    def c_at(i: int, j: int) -> list[Any]:       # stores where the tile overhangs are guarded
+        return _subscripts(b, s.c_dims, {**batch, **row_names[i], **col_names[j]})
+
+    # 2. init
+    inits = [b.addf(b.init(), zero) if fused_fill else b.get("C", c_at(i, j)) for i, j in acc]
+
+    # 3. K stages
+    def stage_k(k0: Any, accs: list[Any]) -> list[Any]:
+        _stage(b, s, t, "A", k0, m0, batch, zero)                              # 3a
+        _stage(b, s, t, "B", k0, n0, batch, zero)
+        b.barrier()                                                             # 3b
+
+        def multiply(kk: Any, part: list[Any]) -> list[Any]:                    # 3c
+            a = [b.get("As", [kk, rl[i]]) for i in rows]
+            w = [b.get("Bs", [kk, cl[j]]) for j in cols]
+            return [b.fma(a[i], w[j], part[n], "f32") for n, (i, j) in enumerate(acc)]
+
+        part = b.for_(c(0), c(t.bk), c(1), accs, f32s, multiply)
+        b.barrier()                                                             # 3d
+        return part
+
+    res = b.for_(c(0), c(s.K), c(t.bk), inits, f32s, stage_k)
+    # 4. store
+    for n, (i, j) in enumerate(acc):
+        guards = ([rok[i]] if m_over else []) + ([cok[j]] if n_over else [])
+        if len(guards) == 2:
+            guards = [guards[0] & guards[1]]
+        store = (lambda i=i, j=j, n=n: b.put("C", c_at(i, j), res[n]))
+        if guards:
+            b.when(guards[0], store)
+        else:
+            store()
+
+
+def _stage(b: Any, s: GemmShape, t: GemmTiling, which: str, k0: Any, base: Any,
+           batch: dict[int, Any], zero: Any) -> None:
+    """3a for one operand: tile[kk][r] = X[base + r, k0 + kk] (0 outside), T threads at a time."""
+    c = b.const
+    if which == "A":
+        dims, rows, extent = s.a_dims, t.bm, s.M
+    else:
+        dims, rows, extent = s.b_dims, t.bn, s.N
+    k_fast = dims[-1] == s.k     # consecutive threads walk the operand's contiguous dim
+    size = rows * t.bk
+    r_over, k_over = extent % rows != 0, s.K % t.bk != 0
+    tid = b.tid()
+    for l in range(-(-size // t.threads)):
+        e = tid + l * t.threads
+        if (l + 1) * t.threads > size:   # the last round overhangs: extra threads redo the last
+            e = b.min_(e, c(size - 1))   # element (same value)
+        if k_fast:
+            r, k = e // t.bk, e % t.bk
+        else:
+            k, r = e // rows, e % rows
+        gr, gk = base + r, k0 + k
+        oks = []
+        if r_over:
+            oks.append(gr < extent)
+            gr = b.min_(gr, c(extent - 1))
+        if k_over:
+            oks.append(gk < s.K)
+            gk = b.min_(gk, c(s.K - 1))
+        r_names = _split(b, s.m_dims, s.m_ext, gr) if which == "A" else _split(b, s.n_dims, s.n_ext, gr)
+        v = b.get(which, _subscripts(b, dims, {**batch, **r_names, s.k: gk}))
+        if oks:
+            v = b.select(oks[0] & oks[1] if len(oks) == 2 else oks[0], v, zero, "f32")
+        b.put(which + "s", [k, r], v)
+
+
+def _split(b: Any, dims: tuple[int, ...], ext: tuple[int, ...], flat: Any) -> dict[int, Any]:
+    """Subscripts of the flat row (or column) index `flat` in `dims` (last fastest)."""
+    names, rest = {}, flat
+    for d, e in zip(reversed(dims[1:]), reversed(ext[1:])):
+        names[d], rest = rest % e, rest // e
+    names[dims[0]] = rest
+    return names
+
+
+def _subscripts(b: Any, dims: tuple[int | None, ...], names: dict[int, Any]) -> list[Any]:
+    return [b.const(0) if d is None else names[d] for d in dims]
+
+
+# --------------------------------------------------------------------------------------------
+# builder 1: MLIR text (constants hoisted to the top of the kernel)
+
+
+class _Text(Text):
+    def __init__(self, s: GemmShape, t: GemmTiling):
+        super().__init__(hoist=True)
+        self.types = {"A": s.a_type, "B": s.b_type, "C": s.c_type,
+                      "As": f"memref<{t.bk}x{t.bm}xf32, {WORKGROUP}>",
+                      "Bs": f"memref<{t.bk}x{t.bn}xf32, {WORKGROUP}>"}
+
+    def zero(self) -> str:
+        return self.val("%zero")
+
+    def init(self) -> str:
+        return self.val("%init")
+
+    def addf(self, x: str, y: str) -> str:
+        return self.binop("arith.addf", x, y, "f32")
+
+    def get(self, which: str, idx: list[str]) -> str:
+        return self.load(f"%{which}", self.types[which], idx)
+
+    def put(self, which: str, idx: list[str], val: str) -> None:
+        self.store(val, f"%{which}", self.types[which], idx)
+
+
 def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
     """MLIR text of the kernel (numbered steps: module docstring). `fused_fill`: the
     accumulators start at %init instead of C's contents."""
     gx, gy, gz = grid(s, t)
-    sa = f"memref<{t.bk}x{t.bm}xf32, #gpu.address_space<workgroup>>"
-    sb = f"memref<{t.bk}x{t.bn}xf32, #gpu.address_space<workgroup>>"
-    k = _Text()
-    w, c = k.line, k.const
-    batch = {d: f"%b{j}" for j, d in enumerate(s.batch_dims)}
-    rows, cols = range(t.rm), range(t.rn)
-    acc = [(i, j) for i in rows for j in cols]
-    f32s = ", ".join(["f32"] * len(acc))
-
-    # 1. locate
-    w(f"%ty = arith.divui %tid, {c(t.tx)} : index", f"%tx = arith.remui %tid, {c(t.tx)} : index",
-      f"%m0 = arith.muli %by, {c(t.bm)} : index", f"%n0 = arith.muli %bx, {c(t.bn)} : index")
-    rest = "%bz"
-    for j in range(len(s.batch) - 1, 0, -1):          # delinearize the batch index, last fastest
-        w(f"%b{j} = arith.remui {rest}, {c(s.batch[j])} : index",
-          f"%bq{j} = arith.divui {rest}, {c(s.batch[j])} : index")
-        rest = f"%bq{j}"
-    if s.batch:
-        w(f"%b0 = arith.addi {rest}, {c(0)} : index")
-    row_names = []
-    for i in rows:
-        w(f"%rl{i} = arith.addi %ty, {c(t.ty * i)} : index", f"%row{i} = arith.addi %m0, %rl{i} : index")
-        if s.M % t.bm:      # clamped: a safe address where the tile overhangs the matrix
-            w(f"%rok{i} = arith.cmpi ult, %row{i}, {c(s.M)} : index",
-              f"%rowc{i} = arith.minui %row{i}, {c(s.M - 1)} : index")
-        row_names.append(_split(k, s.m_dims, s.m_ext, f"%rowc{i}" if s.M % t.bm else f"%row{i}"))
-    col_names = []
-    for j in cols:
-        w(f"%cl{j} = arith.addi %tx, {c(t.tx * j)} : index", f"%col{j} = arith.addi %n0, %cl{j} : index")
-        if s.N % t.bn:
-            w(f"%cok{j} = arith.cmpi ult, %col{j}, {c(s.N)} : index",
-              f"%colc{j} = arith.minui %col{j}, {c(s.N - 1)} : index")
-        col_names.append(_split(k, s.n_dims, s.n_ext, f"%colc{j}" if s.N % t.bn else f"%col{j}"))
-
-    def c_at(i: int, j: int) -> str:       # stores where the tile overhangs are guarded
-        return f"%C[{_subscripts(k, s.c_dims, {**batch, **row_names[i], **col_names[j]})}]"
-
-    # 2. init
-    for i, j in acc:
-        w(f"%init{i}_{j} = arith.addf %init, %zero : f32" if fused_fill else
-          f"%init{i}_{j} = memref.load {c_at(i, j)} : {s.c_type}")
-    # 3. K stages
-    w(f"%res:{len(acc)} = scf.for %k0 = {c(0)} to {c(s.K)} step {c(t.bk)} iter_args("
-      + ", ".join(f"%acc{i}_{j} = %init{i}_{j}" for i, j in acc) + f") -> ({f32s}) {{")
-    _stage(k, s, t, "A", sa, batch)                                         # 3a
-    _stage(k, s, t, "B", sb, batch)
-    w("gpu.barrier")                                                        # 3b
-    w(f"%part:{len(acc)} = scf.for %kk = {c(0)} to {c(t.bk)} step {c(1)} iter_args("
-      + ", ".join(f"%p{i}_{j} = %acc{i}_{j}" for i, j in acc) + f") -> ({f32s}) {{")
-    w(*[f"%a{i} = memref.load %As[%kk, %rl{i}] : {sa}" for i in rows])      # 3c
-    w(*[f"%bv{j} = memref.load %Bs[%kk, %cl{j}] : {sb}" for j in cols])
-    w(*[f"%f{i}_{j} = math.fma %a{i}, %bv{j}, %p{i}_{j} : f32" for i, j in acc])
-    w("scf.yield " + ", ".join(f"%f{i}_{j}" for i, j in acc) + f" : {f32s}", "}")
-    w("gpu.barrier")                                                        # 3d
-    w("scf.yield " + ", ".join(f"%part#{n}" for n in range(len(acc))) + f" : {f32s}", "}")
-    # 4. store
-    for n, (i, j) in enumerate(acc):
-        store = f"memref.store %res#{n}, {c_at(i, j)} : {s.c_type}"
-        guards = ([f"%rok{i}"] if s.M % t.bm else []) + ([f"%cok{j}"] if s.N % t.bn else [])
-        if len(guards) == 2:
-            w(f"%sok{i}_{j} = arith.andi %rok{i}, %cok{j} : i1")
-            guards = [f"%sok{i}_{j}"]
-        if guards:
-            w(f"scf.if {guards[0]} {{", store, "}")
-        else:
-            w(store)
-
+    b = _Text(s, t)
+    _kernel(b, s, t, fused_fill)
     head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, %init: f32) {{",
             "%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
             f"%gy = arith.constant {gy} : index", f"%gz = arith.constant {gz} : index",
             f"%nt = arith.constant {t.threads} : index",
             ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
              "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-             f"workgroup(%As : {sa}, %Bs : {sb}) {{"), "%zero = arith.constant 0.0 : f32"]
-    return "\n".join(head + k.constants() + k.lines + ["gpu.terminator", "}", "return", "}"])
+             f"workgroup(%As : {b.types['As']}, %Bs : {b.types['Bs']}) {{"),
+            "%zero = arith.constant 0.0 : f32"]
+    return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
 
 
-class _Text:
-    """Kernel lines plus the index constants they use (emitted once, at the top)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._consts: dict[int, str] = {}
-
-    def line(self, *lines: str) -> None:
-        self.lines.extend(lines)
-
-    def const(self, v: int) -> str:
-        return self._consts.setdefault(v, f"%c{v}")
-
-    def constants(self) -> list[str]:
-        return [f"{name} = arith.constant {v} : index" for v, name in self._consts.items()]
+# --------------------------------------------------------------------------------------------
+# builder 2: numpy, one CTA at a time, threads in lockstep
 
 
-def _stage(k: _Text, s: GemmShape, t: GemmTiling, which: str, tile: str,
-           batch: dict[int, str]) -> None:
-    """3a for one operand: tile[kk][r] = X[base + r, k0 + kk] (0 outside), T threads at a time."""
-    w, c = k.line, k.const
-    if which == "A":
-        dims, ttype, rows, extent, base = s.a_dims, s.a_type, t.bm, s.M, "%m0"
-    else:
-        dims, ttype, rows, extent, base = s.b_dims, s.b_type, t.bn, s.N, "%n0"
-    k_fast = dims[-1] == s.k     # consecutive threads walk the operand's contiguous dim
-    size = rows * t.bk
-    r_over, k_over = extent % rows != 0, s.K % t.bk != 0
-    for l in range(-(-size // t.threads)):
-        p = f"%{which}{l}"
-        w(f"{p}e0 = arith.addi %tid, {c(l * t.threads)} : index")
-        if (l + 1) * t.threads > size:   # the last round overhangs: extra threads redo the last
-            w(f"{p}e = arith.minui {p}e0, {c(size - 1)} : index")   # element (same value)
+class _Numpy(Numpy):
+    def __init__(self, t: GemmTiling, bufs: dict[str, np.ndarray], init: float,
+                 block: tuple[int, int, int]):
+        super().__init__(t.threads, block)
+        self.bufs, self.initv = bufs, init
+        self.S = {"As": Smem("As", (t.bk, t.bm)), "Bs": Smem("Bs", (t.bk, t.bn))}
+
+    def zero(self) -> np.ndarray:
+        return self.const(0.0, "f32")
+
+    def init(self) -> np.ndarray:
+        return self.const(self.initv, "f32")
+
+    def addf(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return as_type(x + y, "f32")
+
+    def get(self, which: str, idx: list[np.ndarray]) -> np.ndarray:
+        if which in self.S:
+            return self.smem_load(self.S[which], idx)
+        return self.load(self.bufs[which], "f32", idx)
+
+    def put(self, which: str, idx: list[np.ndarray], val: np.ndarray) -> None:
+        if which in self.S:
+            self.smem_store(self.S[which], idx, val)
         else:
-            w(f"{p}e = arith.addi {p}e0, {c(0)} : index")
-        if k_fast:
-            w(f"{p}r = arith.divui {p}e, {c(t.bk)} : index", f"{p}k = arith.remui {p}e, {c(t.bk)} : index")
-        else:
-            w(f"{p}k = arith.divui {p}e, {c(rows)} : index", f"{p}r = arith.remui {p}e, {c(rows)} : index")
-        w(f"{p}gr = arith.addi {base}, {p}r : index", f"{p}gk = arith.addi %k0, {p}k : index")
-        oks: list[str] = []
-        gr, gk = f"{p}gr", f"{p}gk"
-        if r_over:
-            w(f"{p}okr = arith.cmpi ult, {gr}, {c(extent)} : index",
-              f"{p}grc = arith.minui {gr}, {c(extent - 1)} : index")
-            oks, gr = oks + [f"{p}okr"], f"{p}grc"
-        if k_over:
-            w(f"{p}okk = arith.cmpi ult, {gk}, {c(s.K)} : index",
-              f"{p}gkc = arith.minui {gk}, {c(s.K - 1)} : index")
-            oks, gk = oks + [f"{p}okk"], f"{p}gkc"
-        r_names = _split(k, s.m_dims, s.m_ext, gr) if which == "A" else _split(k, s.n_dims, s.n_ext, gr)
-        names = {**batch, **r_names, s.k: gk}
-        w(f"{p}x = memref.load %{which}[{_subscripts(k, dims, names)}] : {ttype}")
-        v = f"{p}x"
-        if oks:
-            ok = oks[0]
-            if len(oks) == 2:
-                w(f"{p}ok = arith.andi {oks[0]}, {oks[1]} : i1")
-                ok = f"{p}ok"
-            w(f"{p}v = arith.select {ok}, {p}x, %zero : f32")
-            v = f"{p}v"
-        w(f"memref.store {v}, %{which[0]}s[{p}k, {p}r] : {tile}")
+            self.store(val, self.bufs[which], "f32", idx)
+
+    def smem_store(self, s: Smem, idx: list[np.ndarray], val: np.ndarray, vec: int = 1) -> None:
+        # The last staging round's extra threads redo the last element with the same value:
+        # one writer per element is checked, the copies are dropped.
+        flat = np.ravel_multi_index(tuple(np.asarray(x) for x in idx), s.data.shape)
+        keep = np.zeros(self.T, dtype=bool)
+        keep[np.unique(flat, return_index=True)[1]] = True
+        (at,) = self.touch(s, idx, 1, True, lanes=keep)
+        s.data[at] = np.asarray(val)[keep]
 
 
-def _split(k: _Text, dims: tuple[int, ...], ext: tuple[int, ...], flat: str) -> dict[int, str]:
-    """Subscripts of the flat row (or column) index `flat` in `dims` (last fastest)."""
-    names, rest = {}, flat
-    for d, e in zip(reversed(dims[1:]), reversed(ext[1:])):
-        k.line(f"{flat}_d{d} = arith.remui {rest}, {k.const(e)} : index",
-               f"{flat}_q{d} = arith.divui {rest}, {k.const(e)} : index")
-        names[d], rest = f"{flat}_d{d}", f"{flat}_q{d}"
-    names[dims[0]] = rest
-    return names
-
-
-def _subscripts(k: _Text, dims: tuple[int | None, ...], names: dict[int, str]) -> str:
-    return ", ".join(k.const(0) if d is None else names[d] for d in dims)
+def emulate(s: GemmShape, t: GemmTiling, A: np.ndarray, B: np.ndarray, C: np.ndarray,
+            init: float | None = None) -> np.ndarray:
+    """Run the kernel on the CPU (A, B, C shaped like the memrefs, f32); `init`: a fused fill's
+    value (else C is accumulated onto). Returns the new C. Raises RaceError on a local-memory
+    race."""
+    bufs = {"A": np.asarray(A, np.float32), "B": np.asarray(B, np.float32), "C": np.array(C, np.float32)}
+    gx, gy, gz = grid(s, t)
+    for bz in range(gz):
+        for by in range(gy):
+            for bx in range(gx):
+                _kernel(_Numpy(t, bufs, 0.0 if init is None else init, (bx, by, bz)), s, t, init is not None)
+    return bufs["C"]
 
 
 def reference(a: np.ndarray, b: np.ndarray, init: np.ndarray | float = 0.0) -> np.ndarray:
