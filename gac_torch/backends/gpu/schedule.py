@@ -70,9 +70,10 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     serial: list[ir.Operation] = []
     for i, op in enumerate(ops):
         if op.name == "scf.parallel":
-            if serial:
-                wrap_serial(serial, f"gac_k{next(counter)}_serial")
-                serial = []
+            if serial:  # scalars the serial code after this loop reads move there with it
+                later = sink_past(serial, op, ops[i + 1] if i + 1 < len(ops) else None)
+                wrap_serial([o for o in serial if o not in later], f"gac_k{next(counter)}_serial")
+                serial = later
             if i + 1 < len(ops) and ops[i + 1].name == "scf.parallel" and absorb_fill(op, ops[i + 1]):
                 continue
             linearize(op, f"gac_k{next(counter)}_loops", limits)
@@ -230,6 +231,45 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
     p.erase()
 
 
+def _writes(op: ir.Operation, root: ir.Value) -> bool:
+    """Might `op` (or an op nested in it) write the allocation `root`? Anything but a load or a
+    size query that touches it counts."""
+    found = False
+
+    def visit(o: ir.Operation) -> ir.WalkResult:
+        nonlocal found
+        if o.name not in ("memref.load", "memref.dim", *VIEW_OPS) and any(
+                isinstance(v.type, ir.MemRefType) and buffer_root(v) == root for v in o.operands):
+            found = True
+        return ir.WalkResult.ADVANCE
+
+    op.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return found
+
+
+def sink_past(serial: list[ir.Operation], cut: ir.Operation, after: ir.Operation | None) -> list[ir.Operation]:
+    """Pending serial code is cut in two by the kernel `cut`. Its scalars that only the code
+    after the cut uses (e.g. an index computed from a tensor, read by a later store) move there,
+    right before `after`: pure arith, and loads of buffers nothing in between writes. Returns
+    the moved ops, in order (the next serial kernel's first ops)."""
+    if after is None:
+        return []
+    moved: list[ir.Operation] = []
+    stays: list[ir.Operation] = []
+    for o in reversed(serial):
+        users = [top_level(u.owner.operation, o.block) for r in o.results for u in r.uses]
+        pure = o.name.startswith("arith.") and not o.regions
+        load = (o.name == "memref.load" and not _writes(cut, buffer_root(o.operands[0]))
+                and not any(_writes(x, buffer_root(o.operands[0])) for x in stays))
+        if (o.results and (pure or load) and users
+                and all(u not in serial or u in moved for u in users)):
+            moved.append(o)
+        else:
+            stays.append(o)
+    moved.reverse()
+    for o in moved:
+        o.move_before(after)
+    return moved
 
 
 def uses_any(op: ir.Operation, ops: list[ir.Operation]) -> bool:
