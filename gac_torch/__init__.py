@@ -4,6 +4,7 @@
     compiled = gac_torch.compile(exported_program, target="cpu")
     compiled = gac_torch.compile("model.onnx", target="cpu")   # or an onnx.ModelProto
     gac_torch.explain(model, *example_inputs)    # what compiles, what falls back, and why
+    gac_torch.compile_stage_file("dump/fused_0.linalg", target="cuda")  # resume from a dump
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def explain(model, *example_inputs, **example_kwargs):
     return report
 
 
+def compile_stage_file(path: str | os.PathLike, *, target: str | None = None,
+                       options: dict | None = None):
+    """Resume a compile from a dumped stage file (`GAC_DUMP_DIR`, `gac-torch compile`), e.g. an
+    edited `fused_0.linalg`: its extension names the stage; every later stage of `target` runs.
+    Returns (the text of each stage, the last artifact); nothing is loaded on a device."""
+    from gac_torch.backends import get_target
+    from gac_torch.driver import compile_from_stage
+    from gac_torch.options import resolve
+
+    opts = resolve(options, target=target)
+    stage = os.path.basename(os.fspath(path)).rsplit(".", 1)[-1]
+    with open(path) as f:
+        text = f.read()
+    return compile_from_stage(text, stage, get_target(opts["target"] or "cpu"), opts)
+
+
 def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     """The dynamo backend (also registered as backend="gac")."""
     from gac_torch.frontends.dynamo import gac_backend
@@ -67,4 +84,4 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "explain", "backend", "OptionError", "__version__"]
+__all__ = ["compile", "compile_stage_file", "explain", "backend", "OptionError", "__version__"]

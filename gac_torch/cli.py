@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gac_torch.options import OptionError, resolve
+from gac_torch.options import TARGETS, OptionError, resolve
 
 
 def _parse_shapes(items: Sequence[str]) -> dict[str, list[int]]:
@@ -110,6 +110,31 @@ def _write(path: str, data: str | bytes) -> None:
         f.write(data)
 
 
+def _stage_of(path: str, options: dict) -> str | None:
+    """The stage a dumped file holds (its extension), if it names one of the target's."""
+    from gac_torch.backends import get_target
+    from gac_torch.driver import SHARED_STAGES
+
+    ext = path.rsplit(".", 1)[-1]
+    names = [*SHARED_STAGES, *(st.name for st in get_target(options["target"]).stages(options))]
+    return ext if ext in names else None
+
+
+def _compile_from_stage(args: argparse.Namespace, options: dict) -> int:
+    """`gac-torch compile fused_0.linalg --target cuda`: every later stage, next to each other."""
+    import gac_torch
+
+    stages, artifact = gac_torch.compile_stage_file(args.model, options=options)
+    os.makedirs(args.output, exist_ok=True)
+    stem = os.path.basename(args.model).rsplit(".", 1)[0]
+    last = list(stages)[-1]
+    for stage, text in list(stages.items())[1:]:
+        binary = getattr(artifact, "binary", None) if stage == last else None
+        _write(os.path.join(args.output, f"{stem}.{stage}"), binary if isinstance(binary, bytes) else text)
+    print(f"{stem}: -> {', '.join(f'{stem}.{s}' for s in list(stages)[1:])} in {args.output}/")
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from gac_torch.backends import get_target, stages_only
     from gac_torch.frontends.fx import compile_graph
@@ -121,6 +146,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         )
     except OptionError as e:
         raise SystemExit(f"gac-torch: {e}") from None
+    if _stage_of(args.model, options):
+        return _compile_from_stage(args, options)
     gm, onnx_report = _load(args.model, _parse_shapes(args.shape), strict=args.strict)
     compiled = compile_graph(gm, options, target=stages_only(get_target(options["target"])))  # --strict: raises listing every op
     os.makedirs(args.output, exist_ok=True)
@@ -145,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gac-torch", description="GAC-Torch: compile models with gac.")
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("model", help="an ONNX model (.onnx) or a torch.export archive (.pt2)")
+    common.add_argument("model", help="an ONNX model (.onnx), a torch.export archive (.pt2), or "
+                        "(compile) a dumped stage to resume from, e.g. fused_0.linalg")
     common.add_argument(
         "--shape",
         action="append",
@@ -157,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", parents=[common], help="coverage before compiling")
     r.set_defaults(fn=cmd_report)
     c = sub.add_parser("compile", parents=[common], help="write every IR stage per partition")
-    c.add_argument("--target", default="cpu", choices=["cpu", "cuda", "vortex"])
+    c.add_argument("--target", default="cpu", choices=TARGETS)
     c.add_argument(
         "--arch", default=None, help="cuda: sm_80, sm_90, ... (default: the GPU's, else sm_90)"
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from mlir import ir, passmanager
+from mlir import ir
 
 from gac_torch.backends import SizeSpec, Signature, Target, TargetUnavailable, TensorSpec
 from gac_torch.ir.dialect import make_context
@@ -102,4 +102,41 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
                          [p.name for p in placeholders], tuple_output, fx_graph=str(gm.graph))
 
 
-__all__ = ["compile_partition", "passmanager", "torch"]
+SHARED_STAGES = ("gac", "linalg")
+
+
+def compile_from_stage(text: str, stage: str, target: Target, options: dict) -> tuple[dict[str, str], Any]:
+    """Resume a compile from one stage's dumped (possibly edited) text: run every later stage.
+    Returns the text of each stage run (the given one first) and the last artifact (stages
+    only: nothing is loaded on a device, e.g. cuda's GpuProgram with its PTX)."""
+    target_stages = target.stages(options)
+    names = [*SHARED_STAGES, *(st.name for st in target_stages)]
+    if stage not in names:
+        raise ValueError(f"{stage!r} is not a stage of target {target.name}; its stages: {', '.join(names)}")
+    stages: dict[str, str] = {stage: text}
+    if stage in SHARED_STAGES:
+        ctx = make_context()
+        module = ir.Module.parse(text, ctx)
+        with ctx, ir.Location.unknown():
+            module.operation.verify()
+            if stage == "gac":
+                if options.get("verify", True):
+                    verify_gac(module)
+                module = lower_to_linalg(module)
+                stages["linalg"] = str(module)
+        artifact: Any = ir.Module.parse(str(module), ir.Context())  # the ABI module, own context
+        rest = target_stages
+    else:
+        at = [st.name for st in target_stages].index(stage)
+        if target_stages[at].parse is None:
+            resumable = [*SHARED_STAGES, *(st.name for st in target_stages if st.parse)]
+            raise ValueError(f"target {target.name} cannot resume from its {stage!r} stage; "
+                             f"it can from: {', '.join(resumable)}")
+        artifact, rest = target_stages[at].parse(text), target_stages[at + 1:]
+    for st in rest:
+        artifact = st.run(artifact)
+        stages[st.name] = stage_text(artifact)
+    return stages, artifact
+
+
+__all__ = ["compile_partition", "compile_from_stage", "SHARED_STAGES"]

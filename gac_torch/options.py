@@ -1,9 +1,13 @@
-"""Compile options: defaults, validation (unknown keys are an error listing the valid ones)."""
+"""Compile options: defaults, validation (unknown keys are an error listing the valid ones), and
+the resolved form: a frozen, hashable `Options` (part of a cache key), validated once here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
+
+TARGETS = ("cpu", "cuda", "vortex")  # the one list of valid targets
 
 COMMON = {
     "target": None,          # "cpu" | "cuda" | "vortex"; None: cuda for CUDA inputs, else cpu
@@ -26,7 +30,39 @@ class OptionError(ValueError):
     pass
 
 
-def resolve(options: dict[str, Any] | None, **overrides) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Resolved options (see COMMON and TARGET_KEYS for what each means). Read as attributes;
+    `opts["name"]` and `opts.get("name")` also work, for callers written against the dict."""
+
+    target: str | None = None
+    fallback: bool = True
+    min_block_size: int = 1
+    dump_dir: str | None = None
+    verify: bool = True
+    arch: str | None = None  # cuda
+    vortex_home: str | None = None  # vortex
+    vortex_mode: str | None = None  # vortex
+    allow_tf32: bool | None = None  # cuda
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in _FIELDS else default
+
+    def replace(self, **changes: Any) -> Options:
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Options))
+
+
+def resolve(options: dict[str, Any] | Options | None, **overrides) -> Options:
+    if isinstance(options, Options):
+        options = dataclasses.asdict(options)
     opts = dict(COMMON, **TARGET_KEYS)
     given = dict(options or {})
     given.update({k: v for k, v in overrides.items() if v is not None})
@@ -37,13 +73,13 @@ def resolve(options: dict[str, Any] | None, **overrides) -> dict[str, Any]:
     opts["allow_tf32"] = _allow_tf32(opts["allow_tf32"])
     if opts["dump_dir"] is None and os.environ.get("GAC_DUMP_DIR"):
         opts["dump_dir"] = os.environ["GAC_DUMP_DIR"]
-    if opts["target"] is not None and opts["target"] not in ("cpu", "cuda", "vortex"):
-        raise OptionError(f"unknown target {opts['target']!r}; valid targets: cpu, cuda, vortex")
+    if opts["target"] is not None and opts["target"] not in TARGETS:
+        raise OptionError(f"unknown target {opts['target']!r}; valid targets: {', '.join(TARGETS)}")
     if not isinstance(opts["fallback"], bool):
         raise OptionError("option 'fallback' must be True or False")
     if not isinstance(opts["min_block_size"], int) or opts["min_block_size"] < 1:
         raise OptionError("option 'min_block_size' must be a positive integer")
-    return opts
+    return Options(**opts)
 
 
 def torch_allows_tf32() -> bool:

@@ -1,9 +1,12 @@
 """What every target provides: a stage table and a loader.
 
 A compiled graph travels the stages `gac -> linalg -> <target stages...>`. The first two are shared
-(passes/ and lowering/); each target appends its own (e.g. cpu: `llvm`; cuda: `gpu`, `ptx`;
-vortex: `llvm`, `elf`, `vxbin`). A stage is a function artifact -> artifact; the driver records the
-text of every stage so `compiled.ir(stage)` and `GAC_DUMP_DIR` can show it.
+(passes/ and lowering/); each target appends its own (cpu: `llvm`; cuda: `gpu`, `llvm`, `ptx`;
+vortex: `gpu`, `llvm`, `vxbin`). A stage is a named function artifact -> artifact with a declared
+kind (an MLIR module, text, bytes); the driver records the text of every stage so
+`compiled.ir(stage)` and `GAC_DUMP_DIR` can show it, and a stage that can `parse` its dumped text
+back is one a compile can resume from (`gac_torch.compile_stage_file`, `gac-torch compile
+fused_0.linalg`).
 
 The `linalg` stage ABI that every target receives (built by lowering/):
 
@@ -62,12 +65,23 @@ class Signature:
         return any(not isinstance(s, TensorSpec) or not s.static for s in self.inputs + self.outputs)
 
 
+STAGE_KINDS = ("mlir", "text", "bytes")
+
+
 @dataclass
 class Stage:
-    """One step of a target's pipeline; `name` is also the dump file's extension."""
+    """One step of a target's pipeline; `name` is also the dump file's extension. `kind`: what
+    its dump holds (an MLIR module, other text such as PTX or LLVM IR, or bytes). `parse`: its
+    dumped text -> the artifact the next stage takes (None: a compile cannot resume here)."""
 
     name: str
     run: Callable[[Any], Any]
+    kind: str = "mlir"
+    parse: Callable[[str], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STAGE_KINDS:
+            raise ValueError(f"stage {self.name}: kind {self.kind!r} is not one of {STAGE_KINDS}")
 
 
 class Executable(Protocol):

@@ -163,7 +163,7 @@ def _device_of(ep: ExportedProgram) -> str:
 
 def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
-    options = dict(options, target=target)
+    options = options.replace(target=target)
     device = get_target(target).device_type
     if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
         # A program exported on the CPU, compiled for a GPU: re-home its constants and device

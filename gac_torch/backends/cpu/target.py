@@ -91,7 +91,7 @@ def _load(artifact: ir.Module, signature: Signature, options: dict) -> CpuExecut
 TARGET = Target(
     name="cpu",
     device_type="cpu",
-    stages=lambda options: [Stage("llvm", lower_to_llvm)],
+    stages=lambda options: [Stage("llvm", lower_to_llvm, "mlir")],
     load=_load,
     dynamic_shapes=True,
 )

@@ -24,7 +24,7 @@ from mlir.dialects import gpu
 from gac_torch.backends.gpu import host
 from gac_torch.backends.gpu.irutil import run_passes
 from gac_torch.backends.gpu.program import GpuProgram
-from gac_torch.backends.gpu.stage import schedule_module
+from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
 
@@ -69,6 +69,12 @@ def map_stage(artifact: Any, options: CudaOptions) -> GpuStage:
     module = _as_module(artifact)
     program = schedule_module(module, options.limits, options.strategies, "cuda", options.arch)
     return GpuStage(module, program, options)
+
+
+def parse_gpu_stage(text: str, options: CudaOptions) -> GpuStage:
+    """A dumped (possibly edited) "gpu" stage back: the module, its host program read again."""
+    module = _as_module(text)
+    return GpuStage(module, read_scheduled(module, options.arch), options)
 
 
 # --------------------------------------------------------------------------------------------

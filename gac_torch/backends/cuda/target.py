@@ -82,9 +82,10 @@ def _stages(options: dict) -> list[Stage]:
 
     opts = compile_options(options)
     return [
-        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, opts)),
-        Stage("llvm", pipeline.lower_stage),
-        Stage("ptx", pipeline.ptx_stage),
+        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, opts), "mlir",
+              parse=lambda text: pipeline.parse_gpu_stage(text, opts)),
+        Stage("llvm", pipeline.lower_stage, "mlir"),
+        Stage("ptx", pipeline.ptx_stage, "text"),
     ]
 
 

@@ -36,9 +36,23 @@ def schedule_module(module: ir.Module, limits: GpuLimits, strategies: Sequence[S
             if dynamic:  # what the mapping handles for static shapes only
                 raise StaticShapesOnly(f"{target} mapping: {e}") from e
             raise
+    _check(program, n_inputs, target)
+    return program
+
+
+def read_scheduled(module: ir.Module, arch: str) -> GpuProgram:
+    """The host program of an already scheduled module (a dumped "gpu" stage), read again.
+    (Its dataflow is not checked again: the module no longer says which arguments are outputs.)"""
+    with module.context, ir.Location.unknown():
+        fn = main_func(module)
+        args = [arg_spec(a.type) for a in func_block(fn).arguments]
+        dynamic = any(a.elem == "index" or -1 in a.shape for a in args)
+        return read_host_program(module, args, arch, dynamic)
+
+
+def _check(program: GpuProgram, n_inputs: int, target: str) -> None:
     errors = program.dataflow_errors(n_inputs)
     if errors:  # a wrong program must not run: fail the compile, naming what is wrong
         raise RuntimeError(f"{target} target: the compiled launch list violates its dataflow "
                            "invariants (a compiler bug):\n  " + "\n  ".join(errors)
                            + "\n" + program.describe())
-    return program

@@ -54,9 +54,10 @@ def _stages(options: dict) -> list[Stage]:
     # Tried in order on each linalg op; what none takes (reductions too) becomes `loops`.
     strategies = (tiled_gemm.strategy(threads=GEMM_THREADS),) if flags.tiled_gemm else ()
     return [
-        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, limits, strategies, flags)),
-        Stage("llvm", pipeline.lower_stage),
-        Stage("vxbin", pipeline.vxbin_stage),
+        Stage("gpu", lambda linalg_module: pipeline.map_stage(linalg_module, limits, strategies, flags),
+              "mlir", parse=lambda text: pipeline.parse_gpu_stage(text, flags)),
+        Stage("llvm", pipeline.lower_stage, "text"),
+        Stage("vxbin", pipeline.vxbin_stage, "bytes"),
     ]
 
 

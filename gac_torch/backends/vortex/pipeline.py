@@ -25,7 +25,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu.irutil import run_passes
 from gac_torch.backends.gpu.program import ArgSpec, BufferRef, KernelLaunch, TempBuffer
-from gac_torch.backends.gpu.stage import schedule_module
+from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.backends.vortex import divergence, kernel_abi, math_expand, numerics
 from gac_torch.backends.vortex.kernel_abi import KernelAbi
@@ -109,6 +109,13 @@ def map_stage(artifact: Any, limits: GpuLimits, strategies: tuple[Strategy, ...]
     host = schedule_module(module, limits, strategies, "vortex", "vortex")
     program = VortexProgram(host.launches, host.temps, host.plan, host.args)
     return GpuStage(module, program, flags)
+
+
+def parse_gpu_stage(text: str, flags: CompileFlags) -> GpuStage:
+    """A dumped (possibly edited) "gpu" stage back: the module, its host program read again."""
+    module = ir.Module.parse(text, ir.Context())
+    host = read_scheduled(module, "vortex")
+    return GpuStage(module, VortexProgram(host.launches, host.temps, host.plan, host.args), flags)
 
 
 # Why each step: index ops get 32-bit; memref.copy and affine leftovers go away; memrefs become

@@ -96,4 +96,4 @@ def compile_onnx(
     imported = import_model(
         proto, strict=not options["fallback"], device=device_for(target), example_inputs=examples
     )
-    return CompiledOnnx(imported, compile_graph(imported.gm, dict(options, target=target)))
+    return CompiledOnnx(imported, compile_graph(imported.gm, options.replace(target=target)))
