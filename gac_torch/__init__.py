@@ -14,7 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from gac_torch.options import OptionError
+from gac_torch.errors import (
+    CompileError, GacError, GacInputError, GacUnsupportedError, OnnxLoadError, OptionError,
+    StaticShapesOnly, TargetUnavailable,
+)
 
 __version__ = "0.1.0"
 
@@ -84,4 +87,6 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "compile_stage_file", "explain", "backend", "OptionError", "__version__"]
+__all__ = ["compile", "compile_stage_file", "explain", "backend", "__version__",
+           "GacError", "OptionError", "GacInputError", "GacUnsupportedError", "StaticShapesOnly",
+           "CompileError", "TargetUnavailable", "OnnxLoadError"]

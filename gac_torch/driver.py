@@ -10,7 +10,8 @@ import torch
 import torch.fx as fx
 from mlir import ir
 
-from gac_torch.backends import SizeSpec, Signature, Target, TargetUnavailable, TensorSpec
+from gac_torch.backends import SizeSpec, Signature, Target, TensorSpec
+from gac_torch.errors import TargetUnavailable
 from gac_torch.ir.dialect import make_context
 from gac_torch.ir.verifier import verify_gac
 from gac_torch.legalize import build_module

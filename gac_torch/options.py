@@ -7,6 +7,8 @@ import dataclasses
 import os
 from typing import Any
 
+from gac_torch.errors import OptionError
+
 TARGETS = ("cpu", "cuda", "vortex")  # the one list of valid targets
 
 COMMON = {
@@ -24,10 +26,6 @@ TARGET_KEYS = {
     "allow_tf32": None,      # cuda: f32 matmuls may use TF32; recorded from torch's flags at
                              # compile time (False forbids it; True cannot override torch)
 }
-
-
-class OptionError(ValueError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,7 +175,7 @@ def test_what_the_cuda_mapping_cannot_size_at_run_time_is_compiled_per_shape(mon
     from gac_torch.backends.gpu import schedule
 
     def refuse(fn):
-        raise NotImplementedError("forced by the test")
+        raise gac_torch.GacUnsupportedError("forced by the test")
 
     monkeypatch.setattr(schedule, "dynamic_memrefs_as_metadata", refuse)
     model, (x0,) = build("attention")

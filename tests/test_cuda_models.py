@@ -10,7 +10,7 @@ from models import build
 from parity import Fn, check_op
 
 import gac_torch
-from gac_torch.backends import TargetUnavailable
+from gac_torch.errors import TargetUnavailable
 from gac_torch.backends.cuda import pipeline
 from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
 from gac_torch.backends.cuda.target import compile_options

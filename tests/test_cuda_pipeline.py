@@ -1176,7 +1176,7 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_no_gpu_is_target_unavailable() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from gac_torch.backends.base import TargetUnavailable
+    from gac_torch.errors import TargetUnavailable
 
     with pytest.raises(TargetUnavailable, match="GPU"):
         TARGET.check_available()

@@ -13,7 +13,7 @@ import torch
 import gac_torch
 from gac_torch.frontends import dynamo as gac_dynamo
 from gac_torch.frontends import fx as gac_fx
-from gac_torch.runtime.compiled import GacInputError
+from gac_torch.errors import GacInputError
 from models import MODEL_TOL, build
 
 # (batch, sequence): both ends of batch 1..64 and sequence 7..130, and sizes in between.

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gac_torch
-from gac_torch.frontends.fx import GacUnsupportedError
-from gac_torch.runtime.compiled import GacInputError
+from gac_torch.errors import GacUnsupportedError
+from gac_torch.errors import GacInputError
 from models import build
 
 
@@ -162,7 +162,8 @@ def test_host_scalar_tensor_moves_to_the_target_device():
     takes it too, moved to its device (shown with the meta device: no GPU needed). Other
     tensors on the wrong device are still refused."""
     from gac_torch.backends.base import Signature, TensorSpec
-    from gac_torch.runtime.compiled import CompiledGraph, GacInputError
+    from gac_torch.errors import GacInputError
+    from gac_torch.runtime.compiled import CompiledGraph
 
     seen = []
 

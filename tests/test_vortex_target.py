@@ -22,7 +22,8 @@ from parity import Fn, check_op
 from test_ops import CONVS, REDUCTIONS, SHAPE_OPS, UNARY, _nonzero, bools, ints, pos, r
 
 import gac_torch
-from gac_torch.backends import TargetUnavailable, vortex
+from gac_torch.backends import vortex
+from gac_torch.errors import TargetUnavailable
 
 MODES = ["functional", pytest.param("simx", marks=pytest.mark.simx)]
 # SimX now and then never reports a finished launch (runtime.py): give up on a request after

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 from gac_torch.backends.base import (
-    STAGE_KINDS, SizeSpec, Signature, Stage, Target, TargetUnavailable, TensorSpec, stages_only,
+    STAGE_KINDS, SizeSpec, Signature, Stage, Target, TensorSpec, stages_only,
 )
 
 from gac_torch.options import TARGETS as TARGET_NAMES  # the one list of valid targets
@@ -17,5 +17,5 @@ def get_target(name: str) -> Target:
     return importlib.import_module(f"gac_torch.backends.{name}").TARGET
 
 
-__all__ = ["get_target", "Target", "Stage", "STAGE_KINDS", "Signature", "TensorSpec", "SizeSpec", "TargetUnavailable", "TARGET_NAMES",
+__all__ = ["get_target", "Target", "Stage", "STAGE_KINDS", "Signature", "TensorSpec", "SizeSpec", "TARGET_NAMES",
            "stages_only"]

@@ -109,11 +109,3 @@ def stages_only(target: Target) -> Target:
     return dataclasses.replace(target, load=lambda artifact, signature, options: artifact,
                                check_available=lambda: None)
 
-
-class StaticShapesOnly(NotImplementedError):
-    """A target cannot compile this graph with its sizes left to run time (it can for concrete
-    shapes): the front-ends then compile it once per shape, with this as the reason."""
-
-
-class TargetUnavailable(RuntimeError):
-    """The target cannot run on this machine (no GPU, no Vortex runtime, ...)."""

@@ -12,8 +12,7 @@ import logging
 
 import torch
 
-from gac_torch.backends.base import StaticShapesOnly
-from gac_torch.frontends.fx import compile_graph, specialization_reason
+from gac_torch.frontends.fx import compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
@@ -37,12 +36,10 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
-        reason = specialization_reason(graph, opts)
-        if not reason:
-            try:
-                return make_boxed_func(compile_static(graph))
-            except StaticShapesOnly as e:
-                reason = str(e)
+        compiled, reason = compile_once_or_reason(graph, opts)
+        if compiled is not None:
+            compiled_graphs.append(compiled)
+            return make_boxed_func(compiled.gm)
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(graph, compile_static, reason=reason))
 

@@ -10,12 +10,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from gac_torch.backends import get_target
-from gac_torch.backends.base import StaticShapesOnly
-from gac_torch.frontends.fx import CompiledFx, compile_graph, specialization_reason
+from gac_torch.errors import GacInputError
+from gac_torch.frontends.fx import CompiledFx, compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
-from gac_torch.runtime.compiled import GacInputError, is_host_scalar
+from gac_torch.runtime.compiled import is_host_scalar
 from gac_torch.runtime.sizes import bind_all
 
 
@@ -172,13 +172,8 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
         ep = move_to_device_pass(ep, device)
     ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
-    reason = specialization_reason(gm, options)
-    if not reason:
-        try:
-            return CompiledProgram(ep, compile_graph(gm, options))
-        except StaticShapesOnly as e:
-            reason = str(e)
-    return CompiledProgram(ep, SpecializedFx(gm, options, reason))
+    compiled, reason = compile_once_or_reason(gm, options)
+    return CompiledProgram(ep, compiled if compiled is not None else SpecializedFx(gm, options, reason))
 
 
 def export_module(model: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:

@@ -6,24 +6,19 @@ import itertools
 import logging
 import operator
 import os
-from collections import Counter
 
 import torch
 import torch.fx as fx
 
 from gac_torch.backends import Target, get_target
-from gac_torch.backends.base import StaticShapesOnly
 from gac_torch.driver import compile_partition
+from gac_torch.errors import GacUnsupportedError, StaticShapesOnly
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
 _graph_ids = itertools.count()
-
-
-class GacUnsupportedError(RuntimeError):
-    """Strict mode (fallback=False) found ops gac cannot compile; lists all of them at once."""
 
 
 def default_target(gm: fx.GraphModule) -> str:
@@ -57,6 +52,20 @@ def specialization_reason(gm: fx.GraphModule, options: dict) -> str | None:
     if static_only:
         return "lowered for static sizes only: " + ", ".join(static_only)
     return None
+
+
+def compile_once_or_reason(gm: fx.GraphModule, options: dict) -> tuple[CompiledFx | None, str | None]:
+    """The run-time-size policy, in one place for every front-end: a graph compiles once (sizes
+    as kernel arguments where it has symbolic ones) unless its target or ops need static sizes,
+    before compiling (`specialization_reason`) or while compiling (the target raises
+    StaticShapesOnly). Returns (the compiled graph, None) or (None, why to compile per shape)."""
+    reason = specialization_reason(gm, options)
+    if not reason:
+        try:
+            return compile_graph(gm, options), None
+        except StaticShapesOnly as e:
+            reason = str(e)
+    return None, reason
 
 
 class CompiledFx:
@@ -130,4 +139,4 @@ def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = Non
     return CompiledFx(fused, report, compiled, target_name, dynamic=has_symbolic_shapes(gm))
 
 
-__all__ = ["compile_graph", "CompiledFx", "GacUnsupportedError", "Counter", "specialization_reason"]
+__all__ = ["compile_graph", "compile_once_or_reason", "CompiledFx", "specialization_reason"]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 from mlir import ir
+from gac_torch.errors import GacUnsupportedError
 
 _FLOATS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
 _INTS = {torch.bool: 1, torch.int8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
 SUPPORTED_DTYPES = frozenset(_FLOATS) | frozenset(_INTS)
 
 
-class UnsupportedDtype(TypeError):
+class UnsupportedDtype(GacUnsupportedError, TypeError):
     pass
 
 

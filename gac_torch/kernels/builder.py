@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from gac_torch.errors import GacError
+
 WORKGROUP = "#gpu.address_space<workgroup>"
 
 
-class RaceError(AssertionError):
+class RaceError(GacError, AssertionError):
     """A shared-memory access races with another thread's since the last barrier."""
 
 

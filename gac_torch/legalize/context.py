@@ -16,6 +16,7 @@ from gac_torch.ir.types import DYN, SUPPORTED_DTYPES, elem_of, shape_of, static_
 from gac_torch.legalize.registry import REGISTRY
 from gac_torch.legalize.sizes import SizeTable, size_expr
 from gac_torch.runtime.sizes import solvable
+from gac_torch.errors import GacUnsupportedError
 
 # Reasons node_support gives that the front-ends act on.
 HOST_SIZE_MATH = "size arithmetic (runs on the host, feeds compiled graphs as a size argument)"
@@ -23,7 +24,7 @@ HOST_SIZE_MATH = "size arithmetic (runs on the host, feeds compiled graphs as a 
 NEEDS_STATIC = "dynamic shape"
 
 
-class LegalizeError(RuntimeError):
+class LegalizeError(GacUnsupportedError):
     """A node could not be legalized; names the node and op."""
 
 

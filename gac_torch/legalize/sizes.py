@@ -14,6 +14,7 @@ import torch
 from mlir import ir
 from mlir.dialects import arith
 from torch.utils._sympy import functions as symfn
+from gac_torch.errors import GacError
 
 
 def _kinds(*names: str) -> tuple[type, ...]:
@@ -27,7 +28,7 @@ _MAX = (sympy.Max, *_kinds("Max"))
 _MIN = (sympy.Min, *_kinds("Min"))
 
 
-class SizeError(ValueError):
+class SizeError(GacError, ValueError):
     """A symbolic size gac cannot evaluate at run time (names the expression)."""
 
 

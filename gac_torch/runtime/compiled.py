@@ -8,11 +8,8 @@ import sympy
 import torch
 
 from gac_torch.backends.base import Executable, Signature, SizeSpec
+from gac_torch.errors import GacInputError
 from gac_torch.runtime.sizes import bind_all
-
-
-class GacInputError(TypeError):
-    """A call's inputs do not match what the graph was compiled for."""
 
 
 class CompiledGraph(torch.nn.Module):

@@ -22,6 +22,7 @@ from mlir import ir
 from mlir.dialects import gpu
 
 from gac_torch.backends.gpu import host
+from gac_torch.errors import CompileError
 from gac_torch.backends.gpu.irutil import run_passes
 from gac_torch.backends.gpu.program import GpuProgram
 from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
@@ -152,7 +153,7 @@ def ptx_stage(stage: GpuStage) -> GpuProgram:
         binaries = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
         ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
     if ".extern .func __nv_" in ptx:
-        raise RuntimeError("kernels call libdevice math functions but no CUDA toolkit with "
+        raise CompileError("kernels call libdevice math functions but no CUDA toolkit with "
                            "nvvm/libdevice was found: pip install nvidia-cuda-nvcc-cu12 or set "
                            "CUDA_HOME / GAC_CUDA_TOOLKIT")
     program.ptx = ptx

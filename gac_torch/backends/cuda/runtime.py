@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from gac_torch.backends.base import Signature, SizeSpec, TargetUnavailable
+from gac_torch.backends.base import Signature, SizeSpec
+from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.gpu.program import BufferRef, GpuProgram, KernelLaunch
 
 try:  # cuda-python >= 12.6 layout, then the older one
@@ -56,7 +57,7 @@ def check_available() -> None:
             f"(torch {torch.__version__} sees none); compiling to PTX works without one")
 
 
-class CudaError(RuntimeError):
+class CudaError(GacError, RuntimeError):
     pass
 
 

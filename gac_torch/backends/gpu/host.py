@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from mlir import ir
 
+from gac_torch.errors import GacUnsupportedError
 from gac_torch.backends.gpu.irutil import (
     DYN, VIEW_OPS, block_ops, buffer_root, defining_op, func_block, is_size_math, main_func,
 )
@@ -178,13 +179,13 @@ class _SizeMath:
         if op is not None and op.name in ("memref.alloc", "memref.reinterpret_cast"):
             dynamic_sizes = list(op.operands) if op.name == "memref.alloc" else list(op.opview.sizes)
             return self.ref(dynamic_sizes[sum(1 for n in t.shape[:dim] if n == DYN)])
-        raise NotImplementedError(f"run-time size of a buffer defined by {op.name if op else 'a block argument'}")
+        raise GacUnsupportedError(f"run-time size of a buffer defined by {op.name if op else 'a block argument'}")
 
     def _translate(self, v: ir.Value, op: ir.Operation | None) -> Dyn:
         if op is None:
             if v in self.args and v.type == ir.IndexType.get():
                 return self._emit("size", (self.args[v],))
-            raise NotImplementedError(f"host index value from an unknown block argument: {v}")
+            raise GacUnsupportedError(f"host index value from an unknown block argument: {v}")
         name = op.name
         if name == "memref.dim":
             return self.ref_of(self.size(op.operands[0], int(self.value(op.operands[1]))))
@@ -194,7 +195,7 @@ class _SizeMath:
             src = op.operands[0]
             root = defining_op(src)
             if not (src in self.args or root is not None and root.name == "memref.alloc"):
-                raise NotImplementedError(f"run-time metadata of a view made by {root.name if root else src}")
+                raise GacUnsupportedError(f"run-time metadata of a view made by {root.name if root else src}")
             rank = ir.MemRefType(src.type).rank
             k = list(op.results).index(v)
             if k == 1:
@@ -213,7 +214,7 @@ class _SizeMath:
                 return self._emit("cmpi", refs, names[ir.IntegerAttr(op.attributes["predicate"]).value])
             ty = str(v.type)
             return self._emit(short, refs, type="i1" if ty == "i1" else ty)
-        raise NotImplementedError(f"host index value computed by {name}")
+        raise GacUnsupportedError(f"host index value computed by {name}")
 
     def ref_of(self, x: int | Dyn) -> Dyn:
         return x if isinstance(x, Dyn) else self.const(x)
@@ -248,7 +249,7 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
     def const(v: ir.Value) -> int | float | Dyn:
         x = sizes.value(v)
         if isinstance(x, Dyn) and not dynamic:
-            raise NotImplementedError(f"kernel argument is not a constant: {v}")
+            raise GacUnsupportedError(f"kernel argument is not a constant: {v}")
         return x
 
     for op in block_ops(block):
@@ -278,7 +279,7 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
                         kargs.append(BufferRef("temp", t))
                         live.setdefault(t, []).append(len(launches))
                     else:
-                        raise NotImplementedError(f"kernel argument views an unsupported buffer: {root}")
+                        raise GacUnsupportedError(f"kernel argument views an unsupported buffer: {root}")
                 else:
                     kargs.append(ScalarArg(_scalar_ctype(v.type), const(v)))
             grid = tuple(x if isinstance(x := const(v), Dyn) else int(x)
@@ -292,7 +293,7 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
               or name in VIEW_OPS or is_size_math(op)):
             continue  # (size math is translated where a launch or an allocation uses it)
         else:
-            raise NotImplementedError(f"op left on the host after GPU mapping: {name}")
+            raise GacUnsupportedError(f"op left on the host after GPU mapping: {name}")
 
     used = [temp_list[t] for t in sorted(live)]
     renumber = {t: i for i, t in enumerate(sorted(live))}  # drop allocations no kernel touches
@@ -310,7 +311,7 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
 
 def _static(x: int | float | Dyn) -> int | float:
     if isinstance(x, Dyn):
-        raise NotImplementedError("a launch's block size or shared memory depends on run-time sizes")
+        raise GacUnsupportedError("a launch's block size or shared memory depends on run-time sizes")
     return x
 
 
@@ -322,7 +323,7 @@ def _scalar_ctype(t: ir.Type) -> str:
         return s
     if s == "i1":
         return "i8"
-    raise NotImplementedError(f"scalar kernel argument of type {s}")
+    raise GacUnsupportedError(f"scalar kernel argument of type {s}")
 
 
 def store_i1_as_bytes(kernel: ir.Operation) -> None:
@@ -356,7 +357,7 @@ def store_i1_as_bytes(kernel: ir.Operation) -> None:
         elif op.name == "memref.store" and op.operands[1] in retyped:
             stores.append(op)
         elif any(v in retyped for v in op.operands) and op.name not in ("memref.load", "memref.store", "memref.dim"):
-            raise NotImplementedError(f"i1 buffer used by {op.name} in a kernel")
+            raise GacUnsupportedError(f"i1 buffer used by {op.name} in a kernel")
         return ir.WalkResult.ADVANCE
 
     kernel.walk(collect, ir.WalkOrder.PRE_ORDER)

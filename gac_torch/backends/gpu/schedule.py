@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from mlir import ir
 from mlir.dialects import arith, gpu, memref, scf
 
+from gac_torch.errors import GacUnsupportedError
 from gac_torch.backends.gpu.analysis import analyze
 from gac_torch.backends.gpu.bufferize import (
     bufferize, copies_to_linalg, generalize_elementwise_named_ops, reshapes_to_views,
@@ -178,7 +179,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
     independent loads in flight per thread, which a one-point thread lacks to fill HBM."""
     bounds = _parallel_bounds(p)
     if any(not is_static(lb, st) for lb, _, st in bounds):
-        raise NotImplementedError("scf.parallel with a run-time lower bound or step")
+        raise GacUnsupportedError("scf.parallel with a run-time lower bound or step")
     with ir.InsertionPoint(p), p.location:  # run-time extents: (ub - lb) / step on the host
         extents = [max(0, -(-(ub - lb) // st)) if is_static(ub) else
                    size_ceildiv(ub if lb == 0 else arith.subi(ub, as_index(lb)), st) for lb, ub, st in bounds]
@@ -198,7 +199,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
         coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
         if -(-total // (threads * coarsen)) > limits.max_grid[0]:
-            raise NotImplementedError(f"{total} iterations exceed a 1-D grid")
+            raise GacUnsupportedError(f"{total} iterations exceed a 1-D grid")
     else:  # (a grid larger than the device allows is refused when the sizes are bound)
         coarsen, threads = 1, limits.threads_per_block
     with ir.InsertionPoint(p), p.location:
@@ -290,7 +291,7 @@ def wrap_serial(ops: list[ir.Operation], name: str) -> None:
         for r in op.results:
             for use in r.uses:
                 if top_level(use.owner.operation, launch.block) != launch:
-                    raise NotImplementedError(f"host value from {op.name} used outside its kernel")
+                    raise GacUnsupportedError(f"host value from {op.name} used outside its kernel")
 
 
 def parallel_dims_first(op: ir.Operation) -> None:

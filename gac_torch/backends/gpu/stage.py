@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from mlir import ir
 
-from gac_torch.backends.base import StaticShapesOnly
+from gac_torch.errors import CompileError, GacUnsupportedError, StaticShapesOnly
 from gac_torch.backends.gpu.host import annotate_noalias, arg_spec, count_inputs, read_host_program
 from gac_torch.backends.gpu.irutil import func_block, main_func, run_passes
 from gac_torch.backends.gpu.program import GpuProgram
@@ -32,7 +32,7 @@ def schedule_module(module: ir.Module, limits: GpuLimits, strategies: Sequence[S
                 run_passes(module, "func.func(expand-strided-metadata, lower-affine, canonicalize, cse)")
             annotate_noalias(module)
             program = read_host_program(module, args, arch, dynamic)
-        except NotImplementedError as e:
+        except GacUnsupportedError as e:
             if dynamic:  # what the mapping handles for static shapes only
                 raise StaticShapesOnly(f"{target} mapping: {e}") from e
             raise
@@ -53,6 +53,6 @@ def read_scheduled(module: ir.Module, arch: str) -> GpuProgram:
 def _check(program: GpuProgram, n_inputs: int, target: str) -> None:
     errors = program.dataflow_errors(n_inputs)
     if errors:  # a wrong program must not run: fail the compile, naming what is wrong
-        raise RuntimeError(f"{target} target: the compiled launch list violates its dataflow "
+        raise CompileError(f"{target} target: the compiled launch list violates its dataflow "
                            "invariants (a compiler bug):\n  " + "\n  ".join(errors)
                            + "\n" + program.describe())

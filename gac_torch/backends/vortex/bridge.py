@@ -28,6 +28,7 @@ import numpy as np
 
 from .funcsim import FunctionalSimulator
 from .target import DEFAULT_CONFIG, VortexConfig
+from gac_torch.errors import GacError, TargetUnavailable
 
 __all__ = ["DeviceBuffer", "VortexDevice", "FunctionalDevice", "SimxDevice", "SimxError",
            "VortexNotFound", "find_vortex", "simx_available"]
@@ -144,11 +145,11 @@ class FunctionalDevice(VortexDevice):
 
 
 # ----------------------------------------------------------------------------------------------
-class VortexNotFound(RuntimeError):
+class VortexNotFound(TargetUnavailable):
     pass
 
 
-class SimxError(RuntimeError):
+class SimxError(GacError, RuntimeError):
     pass
 
 

@@ -29,6 +29,7 @@ from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.backends.vortex import divergence, kernel_abi, math_expand, numerics
 from gac_torch.backends.vortex.kernel_abi import KernelAbi
+from gac_torch.errors import CompileError
 from gac_torch.passes.memory_plan import MemoryPlan
 
 
@@ -190,7 +191,7 @@ def translate_to_llvm_ir(module: ir.Module) -> str:
     cap = module.operation._CAPIPtr
     ptr = _TRANSLATE(api.PyCapsule_GetPointer(cap, api.PyCapsule_GetName(cap)))
     if not ptr:
-        raise RuntimeError("MLIR -> LLVM IR translation failed (see stderr)")
+        raise CompileError("MLIR -> LLVM IR translation failed (see stderr)")
     text = ctypes.string_at(ptr).decode()
     ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
     return text

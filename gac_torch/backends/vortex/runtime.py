@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from gac_torch.backends.base import Signature, TargetUnavailable
+from gac_torch.backends.base import Signature
+from gac_torch.errors import TargetUnavailable
 from gac_torch.backends.gpu.program import BufferRef
 from gac_torch.backends.vortex.bridge import (
     DeviceBuffer,

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import sim_fpu
 from .target import OPCODE_VX, VX_INSN
+from gac_torch.errors import GacError
 
 Op = Callable[["object"], int]
 U32 = np.uint32
@@ -23,7 +24,7 @@ ABI = ("zero ra sp gp tp t0 t1 t2 s0 s1 a0 a1 a2 a3 a4 a5 a6 a7 s2 s3 s4 s5 s6 s
        "s11 t3 t4 t5 t6").split()
 
 
-class IllegalInstruction(Exception):
+class IllegalInstruction(GacError):
     pass
 
 

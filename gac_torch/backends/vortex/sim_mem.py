@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from gac_torch.errors import GacError
 
 U32 = np.uint32
 
 
-class SimError(RuntimeError):
+class SimError(GacError, RuntimeError):
     """The kernel did something SimX would abort, hang or fault on (or we do not model)."""
 
 

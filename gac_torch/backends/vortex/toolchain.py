@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 from . import simt_ir, target
 from .target import CSR, arg_offsets
 from .vxbin import elf_to_vxbin, read_vxbin
+from gac_torch.errors import CompileError
 
 __all__ = ["KernelSpec", "Program", "ToolchainError", "build", "compile_object", "link",
            "startup_asm", "linker_script", "cache_dir"]
@@ -40,7 +41,7 @@ _BASE_FLAGS = [f"--target={target.TRIPLE}", f"-march={target.MARCH}", f"-mabi={t
                "-Wno-override-module"]
 
 
-class ToolchainError(RuntimeError):
+class ToolchainError(CompileError):
     pass
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from gac_torch.frontends.fx import GacUnsupportedError
+from gac_torch.errors import GacUnsupportedError
 from gac_torch.frontends.onnx import (  # noqa: F401 (each module registers its ops)
     ops_elementwise,
     ops_math,

@@ -10,6 +10,8 @@ import onnx
 import torch
 from onnx import external_data_helper, numpy_helper
 
+from gac_torch.errors import OnnxLoadError
+
 MIN_OPSET, MAX_OPSET = 13, 21
 
 DTYPES: dict[int, torch.dtype] = {
@@ -25,10 +27,6 @@ DTYPES: dict[int, torch.dtype] = {
     onnx.TensorProto.BOOL: torch.bool,
 }
 ELEM_TYPES = {v: k for k, v in DTYPES.items()}
-
-
-class OnnxLoadError(ValueError):
-    """The model cannot be imported (invalid, unsafe external data, opset out of range, ...)."""
 
 
 def torch_dtype(elem_type: int) -> torch.dtype:

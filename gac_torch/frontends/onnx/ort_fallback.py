@@ -18,12 +18,13 @@ import torch
 from onnx import helper
 
 from gac_torch.frontends.onnx.load import ELEM_TYPES, torch_dtype
+from gac_torch.errors import TargetUnavailable
 
 _NODES: dict[str, OrtNode] = {}
 _ids = itertools.count()
 
 
-class OrtUnavailable(RuntimeError):
+class OrtUnavailable(TargetUnavailable):
     """An unsupported ONNX node needs onnxruntime, which is not installed."""
 
 

@@ -13,7 +13,7 @@ import torch
 from gac_torch.frontends.fx import CompiledFx, compile_graph
 from gac_torch.frontends.onnx.importer import ImportedGraph, OnnxReport, import_model
 from gac_torch.frontends.onnx.load import load_model
-from gac_torch.runtime.compiled import GacInputError
+from gac_torch.errors import GacInputError
 
 
 class CompiledOnnx:

@@ -20,13 +20,14 @@ from typing import Any
 
 import onnx
 from onnx import helper, numpy_helper
+from gac_torch.errors import GacUnsupportedError
 
 OpFn = Callable[..., Any]
 OPS: dict[str, OpFn] = {}  # op type in the default ONNX domain -> function
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-class Unsupported(Exception):
+class Unsupported(GacUnsupportedError):
     """This node (op, attributes or non-static input) has no ATen mapping; the message says why."""
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from mlir import ir
 
 from gac_torch.ir.types import DYN, elem_of, shape_of
+from gac_torch.errors import GacError
 
 
-class GacTypeError(ValueError):
+class GacTypeError(GacError, ValueError):
     """An op's operands or attributes break its shape/dtype rules."""
 
 
