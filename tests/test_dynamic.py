@@ -52,6 +52,7 @@ def test_dynamo_compiles_once_for_every_batch_and_sequence(monkeypatch):
     compiled = torch.compile(model, backend=backend, dynamic=True)
     gac_dynamo.compiled_graphs.clear()
     g = torch.Generator().manual_seed(5)
+    calls_after_first = None
     with torch.no_grad(), _no_size_one_specialization():
         for b, t in SHAPES:
             x = torch.randn(b, t, 64, generator=g)
@@ -143,6 +144,7 @@ def test_static_only_ops_compile_per_shape(monkeypatch):
     model, _ = build("cnn")
     compiled = torch.compile(model, backend=backend, dynamic=True)
     gac_dynamo.compiled_graphs.clear()
+    calls_after_first = None
     with torch.no_grad():
         for i, b in enumerate((2, 3, 2)):
             x = torch.randn(b, 3, 16, 16)

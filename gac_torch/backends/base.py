@@ -26,7 +26,7 @@ the sizes from the actual tensors and computes the output shapes (see runtime/co
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -100,7 +100,6 @@ class Target:
     load: Callable[[Any, Signature, dict], Executable]  # last artifact -> executable
     check_available: Callable[[], None] = lambda: None  # raises TargetUnavailable with a fix
     dynamic_shapes: bool = False  # compiles graphs with run-time sizes (else: one per shape)
-    options: dict[str, Any] = field(default_factory=dict)  # target-specific option defaults
 
 
 def stages_only(target: Target) -> Target:

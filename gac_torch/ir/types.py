@@ -60,10 +60,6 @@ def static_dim(s) -> int:
     return DYN
 
 
-def is_dynamic(shape) -> bool:
-    return any(static_dim(s) == DYN for s in shape)
-
-
 def tensor_type(shape, dtype: torch.dtype | ir.Type) -> ir.RankedTensorType:
     elem = dtype if isinstance(dtype, ir.Type) else element_type(dtype)
     return ir.RankedTensorType.get([static_dim(s) for s in shape], elem)
@@ -86,7 +82,3 @@ def is_float(t: ir.Type) -> bool:
 
 def is_bool(t: ir.Type) -> bool:
     return str(t) == "i1"
-
-
-def int_width(t: ir.Type) -> int:
-    return ir.IntegerType(t).width

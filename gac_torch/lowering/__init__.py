@@ -24,7 +24,7 @@ from gac_torch.ir.builder import op_attrs
 from gac_torch.ir.types import DYN
 from gac_torch.lowering import core
 from gac_torch.lowering import elementwise, reduction, shape, structured  # noqa: F401 (registers)
-from gac_torch.lowering.core import const, convert, elem, elementwise as ew, index_type
+from gac_torch.lowering.core import convert, elem, elementwise as ew
 from gac_torch.lowering.registry import DATA_MOVEMENT, LOWERINGS
 from gac_torch.errors import GacUnsupportedError
 

@@ -15,7 +15,6 @@ from typing import Callable, Sequence
 
 from mlir import ir
 from mlir.dialects import arith, linalg, tensor
-from mlir.dialects import math as mmath
 
 from gac_torch.ir.types import DYN, is_bool, is_float
 
@@ -223,10 +222,6 @@ def index(d: int, to: ir.Type | None = None) -> ir.Value:
     """linalg.index d inside a generic body, converted to `to` (i64 by default)."""
     i = linalg.IndexOp(ir.IntegerAttr.get(ir.IntegerType.get_signless(64), d)).result
     return arith.index_cast(to or ir.IntegerType.get_signless(64), i)
-
-
-def expand_to(v: ir.Value, new_shape: Sequence[int]) -> ir.Value:
-    return reshape(v, new_shape)
 
 
 def reshape(v: ir.Value, new_shape: Sequence) -> ir.Value:

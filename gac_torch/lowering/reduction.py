@@ -9,8 +9,8 @@ from mlir.dialects import math as mmath
 from gac_torch.ir.builder import op_attrs
 from gac_torch.ir.types import is_bool, is_float
 from gac_torch.lowering.core import (
-    PARALLEL, REDUCTION, accumulator_type, broadcast_map, compute_type, const, convert, dim_map,
-    elem, elementwise, empty, extract_slice, full, generic, highest, identity_map, index, lowest,
+    PARALLEL, REDUCTION, accumulator_type, compute_type, const, convert, dim_map,
+    elem, elementwise, extract_slice, full, generic, highest, identity_map, index, lowest,
     pad_constant, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
@@ -171,7 +171,7 @@ def lower_layer_norm(op, operands):
     return [y, cast(mean), cast(rstd)]
 
 
-__all__ = ["reduce_dims", "broadcast_map", "empty"]
+__all__ = ["reduce_dims"]
 
 
 _SCAN_IDENTITY = {"sum": lambda e: 0, "prod": lambda e: 1, "max": lowest, "min": highest,

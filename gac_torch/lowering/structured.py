@@ -6,7 +6,6 @@ from mlir import ir
 from mlir.dialects import arith, linalg
 
 from gac_torch.ir.builder import op_attrs
-from gac_torch.ir.types import is_float
 from gac_torch.lowering.core import (
     PARALLEL, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
     identity_map, index, lowest, pad_constant, prod, reshape, shape,
@@ -131,4 +130,3 @@ def _widen(v, acc):
     return v if str(elem(v)) == str(acc) else elementwise([v], shape(v), [acc], lambda s: [convert(s, acc)])[0]
 
 
-__all__ = ["is_float"]

@@ -109,7 +109,7 @@ OPINFO_ATEN = {
     "nn.functional.binary_cross_entropy_with_logits": "log_sigmoid_forward",
     "nn.functional.dropout": "native_dropout", "nn.functional.one_hot": "eq",
     "nn.functional.local_response_norm": "avg_pool2d",
-    "argsort": "sort", "msort": "sort", "isfinite": "isinf", "isclose": "isnan", 
+    "argsort": "sort", "msort": "sort", "isfinite": "isinf", "isclose": "isnan",
     "chunk": "split", "tensor_split": "slice", "flatten": "view", "unflatten": "view", "ravel": "view",
     "broadcast_to": "expand", "expand_as": "expand", "contiguous": "clone", "fliplr": "flip",
     "flipud": "flip", "hstack": "cat", "vstack": "cat", "dstack": "cat", "column_stack": "cat",

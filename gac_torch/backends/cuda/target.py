@@ -100,5 +100,4 @@ TARGET = Target(
     load=_load,
     check_available=runtime.check_available,
     dynamic_shapes=True,
-    options={"arch": None, "allow_tf32": None},
 )

@@ -38,12 +38,12 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
 # (a cut leaves the serial ops' scalars, e.g. an index read from a tensor, used across kernels).
 HOISTABLE = ("ub.poison", "memref.alloc", "memref.get_global", *VIEW_OPS)
-from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
 
 def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy] = ()) -> None:

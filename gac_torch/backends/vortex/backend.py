@@ -73,5 +73,4 @@ TARGET = Target(
     device_type="cpu",
     stages=_stages,
     load=_load,
-    options={"vortex_home": None, "vortex_mode": None},
 )

@@ -114,7 +114,7 @@ class FunctionalSimulator:
         if kernel not in self.program.kernels:
             raise SimError(f"kernel {kernel!r} not in the module (has {sorted(self.program.kernels)})")
         g, b = _dims(grid), _dims(block)
-        cfg, t = self.config, self.config.threads
+        t = self.config.threads
         block_size = b[0] * b[1] * b[2]
         # the runtime's per-warp thread-index step (sw/runtime/common/queue.cpp)
         step = (t % b[0], (t // b[0]) % b[1], (t // (b[0] * b[1])) % b[2])
