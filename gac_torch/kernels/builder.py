@@ -167,6 +167,16 @@ class Text:
     def store(self, val: str, buf: str, ty: str, idx: Sequence[str]) -> None:
         self.w(f"memref.store {val}, {buf}[{', '.join(idx)}] : {ty}")
 
+    # Named buffers: a kernel's `types` maps a name (A, B, C, As, ...) to its memref type; the
+    # template's function arguments and workgroup buffers are %<name>.
+    types: dict[str, str]
+
+    def get(self, which: str, idx: Sequence[str]) -> V:
+        return self.load(f"%{which}", self.types[which], idx)
+
+    def put(self, which: str, idx: Sequence[str], val: str) -> None:
+        self.store(val, f"%{which}", self.types[which], idx)
+
     def barrier(self) -> None:
         self.w("gpu.barrier")
 
@@ -374,6 +384,21 @@ class Numpy:
                 s.r_tid[at] = np.where(same, -2, tids)
                 s.r_epoch[at] = e
         return cells
+
+    # Named buffers: `bufs` (global arrays) and `S` (shared memory), as the text backend's types.
+    bufs: dict[str, np.ndarray]
+    S: dict[str, Smem]
+
+    def get(self, which: str, idx: Sequence[np.ndarray]) -> np.ndarray:
+        if which in self.S:
+            return self.smem_load(self.S[which], idx)
+        return self.load(self.bufs[which], "", idx)
+
+    def put(self, which: str, idx: Sequence[np.ndarray], val: np.ndarray) -> None:
+        if which in self.S:
+            self.smem_store(self.S[which], idx, val)
+        else:
+            self.store(val, self.bufs[which], "", idx)
 
     def smem_store(self, s: Smem, idx: Sequence[np.ndarray], val: np.ndarray, vec: int = 1) -> None:
         assert self.mask.all(), "shared-memory stores are unconditional in these kernels"

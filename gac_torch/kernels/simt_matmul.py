@@ -218,12 +218,6 @@ class _Text(Text):
     def init(self) -> str:
         return self.val("%init")
 
-    def get(self, which: str, idx: list[str]) -> str:
-        return self.load(f"%{which}", self.types[which], idx)
-
-    def put(self, which: str, idx: list[str], val: str) -> None:
-        self.store(val, f"%{which}", self.types[which], idx)
-
     def mac(self, x: str, y: str, acc: str, ty: str) -> str:
         fm = " fastmath<contract>" if self.spec.is_float else ""  # lets LLVM form FMAs
         mul, add = ("arith.mulf", "arith.addf") if self.spec.is_float else ("arith.muli", "arith.addi")
@@ -276,17 +270,6 @@ class _Numpy(Numpy):
 
     def init(self) -> np.ndarray:
         return as_type(self.const(self.initv, self.spec.c.elem), self.spec.c.elem)
-
-    def get(self, which: str, idx: list[np.ndarray]) -> np.ndarray:
-        if which in self.S:
-            return self.smem_load(self.S[which], idx)
-        return self.load(self.bufs[which], "", idx)
-
-    def put(self, which: str, idx: list[np.ndarray], val: np.ndarray) -> None:
-        if which in self.S:
-            self.smem_store(self.S[which], idx, val)
-        else:
-            self.store(val, self.bufs[which], "", idx)
 
     def mac(self, x: np.ndarray, y: np.ndarray, acc: np.ndarray, ty: str) -> np.ndarray:
         return as_type(acc + as_type(x * y, ty), ty)

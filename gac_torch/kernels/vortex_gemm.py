@@ -240,12 +240,6 @@ class _Text(Text):
     def addf(self, x: str, y: str) -> str:
         return self.binop("arith.addf", x, y, "f32")
 
-    def get(self, which: str, idx: list[str]) -> str:
-        return self.load(f"%{which}", self.types[which], idx)
-
-    def put(self, which: str, idx: list[str], val: str) -> None:
-        self.store(val, f"%{which}", self.types[which], idx)
-
 
 def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
     """MLIR text of the kernel (numbered steps: module docstring). `fused_fill`: the
@@ -283,17 +277,6 @@ class _Numpy(Numpy):
 
     def addf(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return as_type(x + y, "f32")
-
-    def get(self, which: str, idx: list[np.ndarray]) -> np.ndarray:
-        if which in self.S:
-            return self.smem_load(self.S[which], idx)
-        return self.load(self.bufs[which], "f32", idx)
-
-    def put(self, which: str, idx: list[np.ndarray], val: np.ndarray) -> None:
-        if which in self.S:
-            self.smem_store(self.S[which], idx, val)
-        else:
-            self.store(val, self.bufs[which], "f32", idx)
 
     def smem_store(self, s: Smem, idx: list[np.ndarray], val: np.ndarray, vec: int = 1) -> None:
         # The last staging round's extra threads redo the last element with the same value:
