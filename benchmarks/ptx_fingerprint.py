@@ -7,7 +7,7 @@ byte-identical: run it before and after, then compare the two JSON files.
 
 cuda (sm_90 and sm_80, stages only): every stage's text (gpu, llvm, ptx) plus the host program
 (launches, temps, memory plan, host ops) of the tests/models.py models, BEVFormer
-test_tiny/test_base, and the tests/test_cuda_pipeline.py linalg cases. vortex: the stages up to
+test_tiny/test_base, and the tests/cuda_cases.py linalg cases. vortex: the stages up to
 the LLVM IR (the vxbin needs the Vortex toolchain) of the tests/models.py models.
 """
 
@@ -97,11 +97,11 @@ def bevformer(out: dict) -> None:
 
 
 def pipeline_cases(out: dict) -> None:
-    from test_cuda_pipeline import CASES, _compile
+    from cuda_cases import CASES, compile_case
 
     for name, case in CASES.items():
         for arch in ("sm_90", "sm_80"):
-            program = _compile(case, arch)
+            program = compile_case(case, arch)
             out[f"case-{arch}/{name}/ptx"] = _h(program.ptx)
             out[f"case-{arch}/{name}/host"] = _h(_host(program))
     print(f"  {len(CASES)} pipeline cases", flush=True)
