@@ -63,11 +63,12 @@ def lower_reduce(op, operands):
     if kind in ("any", "all") or is_bool(elem(x)):
         # Accumulate 0/1 in i8, the storage type of bools: a reduction's i1 result could not be
         # fused into a later conversion and i1 buffers cannot be stored. On 0/1, any/max/sum
-        # (bool or) is max and all/min/prod (bool and) is min.
+        # (bool or) is max and all/min/prod (bool and) is min; "any"/"all" start from 0/1 (an
+        # empty any is False), where an i8 max would start from -128.
         i8 = ir.IntegerType.get_signless(8)
         x8 = _as_bytes(x)
         as_max = kind in ("any", "max", "sum")
-        return [reshape(reduce_dims(x8, dims, "max" if as_max else "min", i8), shape(op.results[0]))]
+        return [reshape(reduce_dims(x8, dims, "any" if as_max else "all", i8), shape(op.results[0]))]
     acc = accumulator_type(elem(x))
     r = reduce_dims(x, dims, kind, acc)
     if str(elem(r)) != str(elem(out_t)):
