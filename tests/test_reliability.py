@@ -183,3 +183,58 @@ def test_transformer_encoder_layer_trains_under_bf16_autocast():
     for name in ref:
         err = ((gac[name].double() - ref[name]).norm() / ref[name].norm()).item()
         assert err < 0.25, (name, err)
+
+
+# Item 6: non-finite values match eager exactly; a constant row normalizes to exactly 0.
+SPECIAL = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 2.5, -3.0, 1e-30])
+NONFINITE = {
+    "sign": torch.sign,  # sign(nan) is 0 in ATen ((x > 0) - (x < 0))
+    "sgn": torch.sgn,
+    "pow_half": lambda x: x ** 0.5,  # ATen takes sqrt: (-inf) ** 0.5 is nan, (-0.0) ** 0.5 is -0.0
+    "pow_minus_half": lambda x: x ** -0.5,  # rsqrt: (-0.0) ** -0.5 is -inf
+    "pow_2": lambda x: x ** 2,
+    "pow_3": lambda x: x ** 3,
+    "pow_1_5": lambda x: x ** 1.5,
+    "gelu_minus_inf": lambda x: torch.nn.functional.gelu(torch.where(x == float("inf"), 0.0, x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NONFINITE))
+def test_nonfinite_values_match_eager(name):
+    fn = NONFINITE[name]
+    for run in FRONTENDS.values():
+        got, want = run(fn, [SPECIAL.clone()]), fn(SPECIAL.clone())
+        torch.testing.assert_close(got, want, equal_nan=True, msg=name)
+        assert torch.equal(torch.signbit(got[want == 0]), torch.signbit(want[want == 0])), (name, got, want)
+
+
+def test_gelu_of_inf_follows_the_exact_formula():
+    """Eager disagrees with itself on gelu(+inf): inf in float64 and for one element, NaN from
+    the vectorized float32 kernel. gac follows the formula x * Phi(x) (inf), as eager float64."""
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0])
+    got = via_export(torch.nn.functional.gelu, [x])
+    torch.testing.assert_close(got, torch.nn.functional.gelu(x.double()).float(), equal_nan=True)
+
+
+def test_layer_norm_of_a_constant_row_is_exactly_the_bias():
+    g = torch.Generator().manual_seed(7)
+    x = torch.full((3, 64), 0.7)
+    x[1] = -123.456
+    w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    fn = lambda x, w, b: torch.nn.functional.layer_norm(x, (64,), w, b)  # noqa: E731
+    for run in FRONTENDS.values():
+        torch.testing.assert_close(run(fn, [x, w, b]), fn(x, w, b), rtol=0, atol=0)
+
+
+# The cuda numerics policy: a Python scalar next to an f16/bf16 tensor stays f32 and the result
+# is rounded once (CUDA eager's semantics; see legalize/pointwise.py _scaled), on every target.
+SCALAR_OPS = {"add": lambda t: t + 0.1, "sub": lambda t: t - 0.1, "rsub": lambda t: 0.1 - t,
+              "mul": lambda t: t * 0.1, "div": lambda t: t / 3.0, "int": lambda t: t * 257}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(SCALAR_OPS))
+def test_python_scalar_stays_f32_next_to_half_tensors(name, dtype):
+    fn = SCALAR_OPS[name]
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(8)).to(dtype)
+    torch.testing.assert_close(via_export(fn, [x]), fn(x.float()).to(dtype), rtol=0, atol=0)
