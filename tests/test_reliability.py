@@ -221,7 +221,7 @@ def test_layer_norm_of_a_constant_row_is_exactly_the_bias():
     x = torch.full((3, 64), 0.7)
     x[1] = -123.456
     w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
-    fn = lambda x, w, b: torch.nn.functional.layer_norm(x, (64,), w, b)  # noqa: E731
+    fn = lambda x, w, b: torch.nn.functional.layer_norm(x, (64,), w, b)
     for run in FRONTENDS.values():
         torch.testing.assert_close(run(fn, [x, w, b]), fn(x, w, b), rtol=0, atol=0)
 
@@ -238,3 +238,23 @@ def test_python_scalar_stays_f32_next_to_half_tensors(name, dtype):
     fn = SCALAR_OPS[name]
     x = torch.randn(4096, generator=torch.Generator().manual_seed(8)).to(dtype)
     torch.testing.assert_close(via_export(fn, [x]), fn(x.float()).to(dtype), rtol=0, atol=0)
+
+
+# Item 3: a non-contiguous example input gave the exported program int_oo range bounds (its
+# stride symbols), which compile_exported read as finite ("'Infinity' object has no attribute
+# '_mpf_'").
+NON_CONTIGUOUS = {
+    "transposed": lambda g: torch.randn(4, 6, generator=g).t(),
+    "strided_slice": lambda g: torch.randn(6, 8, generator=g)[:, ::2],
+    "expanded": lambda g: torch.randn(6, 1, generator=g).expand(6, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NON_CONTIGUOUS))
+def test_export_from_a_non_contiguous_example(name):
+    x = NON_CONTIGUOUS[name](torch.Generator().manual_seed(10))
+    assert not x.is_contiguous()
+    fn = lambda t: (t * 2 + 1).sum(0)  # noqa: E731
+    compiled = gac_torch.compile(Fn(fn), (x,), target="cpu", options=STRICT)
+    torch.testing.assert_close(compiled(x), fn(x))
+    torch.testing.assert_close(compiled(x.contiguous()), fn(x))

@@ -78,7 +78,10 @@ class CompiledProgram:
                               if s.kind == OutputKind.USER_OUTPUT]
         self._device = get_target(compiled.target).device_type
         self._on_device = False  # parameters move to the target's device on the first call
-        self._ranges = {sym: (int(r.lower), int(r.upper) if r.upper.is_finite else None)
+        # is_Integer, not is_finite: torch's int_oo calls itself finite (an upper bound of
+        # int_oo appears e.g. for the stride symbols of a non-contiguous example input).
+        self._ranges = {sym: (int(r.lower) if r.lower.is_Integer else 0,
+                              int(r.upper) if r.upper.is_Integer else None)
                         for sym, r in ep.range_constraints.items()}
         self._sizes_ok: set[tuple] = set()  # input sizes already checked
 
