@@ -254,7 +254,81 @@ NON_CONTIGUOUS = {
 def test_export_from_a_non_contiguous_example(name):
     x = NON_CONTIGUOUS[name](torch.Generator().manual_seed(10))
     assert not x.is_contiguous()
-    fn = lambda t: (t * 2 + 1).sum(0)  # noqa: E731
+    fn = lambda t: (t * 2 + 1).sum(0)
     compiled = gac_torch.compile(Fn(fn), (x,), target="cpu", options=STRICT)
     torch.testing.assert_close(compiled(x), fn(x))
     torch.testing.assert_close(compiled(x.contiguous()), fn(x))
+
+
+# Item 11: option values and files fail early with the project's own errors, naming the problem.
+@pytest.mark.parametrize("options, message", [
+    ({"verify": "no"}, "'verify' must be True or False"),
+    ({"vortex_mode": "bogus"}, "'vortex_mode' must be one of simx, functional"),
+    ({"arch": "sm_1"}, "unknown cuda arch 'sm_1'"),
+    ({"dump_dir": 123}, "'dump_dir' .* must be a path, not int"),
+    ({"vortex_home": 5}, "'vortex_home' must be a path"),
+])
+def test_bad_option_values_are_option_errors(options, message):
+    from gac_torch.options import resolve
+
+    with pytest.raises(gac_torch.OptionError, match=message):
+        resolve(options)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=f"OptionError: .*{message}"):  # dynamo wraps it
+        torch.compile(lambda t: t + 1, backend="gac", options=options)(torch.ones(2))
+
+
+def _unwritable_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    return str(blocker / "dumps")  # a folder under a regular file: cannot be created, even by root
+
+
+def test_unwritable_dump_dir_warns_and_compiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("GAC_DUMP_DIR", _unwritable_dir(tmp_path))
+    x = torch.randn(3, generator=torch.Generator().manual_seed(11))
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        compiled = gac_torch.compile(Fn(lambda t: t * 3), (x,), target="cpu")
+    torch.testing.assert_close(compiled(x), x * 3)
+    with pytest.raises(gac_torch.OptionError, match="cannot be written"):
+        gac_torch.compile(Fn(lambda t: t * 3), (x,), target="cpu", options=STRICT)
+
+
+def _onnx_model(tmp_path, external=False):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "xy"]
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", io[:1], io[1:], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=external, location="w.bin", size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("truncated", "not a readable ONNX model"),
+    ("text", "not a readable ONNX model"),
+    ("corrupt", "not a readable ONNX model"),
+    ("empty", "is an empty file"),
+])
+def test_unreadable_onnx_files_are_load_errors(tmp_path, kind, message):
+    from gac_torch.frontends.onnx.load import OnnxLoadError
+
+    data = _onnx_model(tmp_path).read_bytes()
+    bad = tmp_path / f"{kind}.onnx"
+    bad.write_bytes({"truncated": data[: len(data) // 2], "text": b"ir_version: 8\nnot a model\n" * 4,
+                     "corrupt": bytes(range(256)) * 3, "empty": b""}[kind])
+    with pytest.raises(OnnxLoadError, match=message):
+        gac_torch.compile(str(bad), target="cpu")
+
+
+def test_missing_onnx_external_data_names_the_file(tmp_path):
+    from gac_torch.frontends.onnx.load import OnnxLoadError
+
+    path = _onnx_model(tmp_path, external=True)
+    (tmp_path / "w.bin").unlink()
+    with pytest.raises(OnnxLoadError, match="tensor 'w': external data file 'w.bin' not found"):
+        gac_torch.compile(str(path), target="cpu")
