@@ -332,3 +332,20 @@ def test_missing_onnx_external_data_names_the_file(tmp_path):
     (tmp_path / "w.bin").unlink()
     with pytest.raises(OnnxLoadError, match="tensor 'w': external data file 'w.bin' not found"):
         gac_torch.compile(str(path), target="cpu")
+
+
+# cuda, export path: a program exported on the CPU and compiled for cuda is moved with
+# move_to_device_pass; moved to "cuda", its metadata asserts failed against cuda:0 tensors.
+def test_cuda_device_gets_its_index():
+    from gac_torch.frontends.export import device_with_index
+
+    assert device_with_index("cuda").index is not None and device_with_index("cpu") == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_cpu_export_compiled_for_cuda_keeps_metadata_asserts_valid():
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(12))
+    fn = lambda t: t.to(torch.bool).to(torch.float32) * t + 1  # noqa: E731
+    ep = torch.export.export(Fn(fn), (x,))  # on the CPU
+    compiled = gac_torch.compile(ep, target="cuda", options=STRICT)
+    torch.testing.assert_close(compiled(x.cuda()).cpu(), fn(x))

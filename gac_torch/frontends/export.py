@@ -164,6 +164,15 @@ def _device_of(ep: ExportedProgram) -> str:
     return "cpu"
 
 
+def device_with_index(device: str) -> torch.device:
+    """"cuda" -> cuda:<current>: a tensor moved to "cuda" reports cuda:0, and export's metadata
+    asserts (`_assert_tensor_metadata(device=...)`) compare the two ("Expected: cuda, Got: cuda:0")."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
+
+
 def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
     options = dict(options, target=target)
@@ -172,7 +181,7 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
         # A program exported on the CPU, compiled for a GPU: re-home its constants and device
         # arguments so that eager fallback nodes and compiled partitions agree.
         from torch.export.passes import move_to_device_pass
-        ep = move_to_device_pass(ep, device)
+        ep = move_to_device_pass(ep, device_with_index(device))
     ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     reason = specialization_reason(gm, options)
