@@ -23,6 +23,15 @@ class GacUnsupportedError(GacError, RuntimeError):
     schedule for (with fallback, that part of the graph runs eagerly instead)."""
 
 
+class GacCompilerError(GacUnsupportedError):
+    """A partition of supported ops failed to compile (a gac bug): raised in strict mode and when
+    GAC_STRICT_INTERNAL=1 (the test suite); otherwise a GacCompilerWarning, and it runs eagerly."""
+
+
+class GacCompilerWarning(RuntimeWarning):
+    """A partition fell back to eager because gac failed to compile it (a gac bug)."""
+
+
 class StaticShapesOnly(GacError):
     """A target cannot compile this graph with its sizes left to run time (it can for concrete
     shapes): the front-ends then compile it once per shape, with this as the reason."""
@@ -41,5 +50,6 @@ class OnnxLoadError(GacError, ValueError):
     """An ONNX model that cannot be read, checked or shape-inferred."""
 
 
-__all__ = ["GacError", "OptionError", "GacInputError", "GacUnsupportedError", "StaticShapesOnly",
+__all__ = ["GacError", "OptionError", "GacInputError", "GacUnsupportedError", "GacCompilerError",
+           "GacCompilerWarning", "StaticShapesOnly",
            "CompileError", "TargetUnavailable", "OnnxLoadError"]

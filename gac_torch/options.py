@@ -77,7 +77,51 @@ def resolve(options: dict[str, Any] | Options | None, **overrides) -> Options:
         raise OptionError("option 'fallback' must be True or False")
     if not isinstance(opts["min_block_size"], int) or opts["min_block_size"] < 1:
         raise OptionError("option 'min_block_size' must be a positive integer")
+    _check_values(opts)
     return Options(**opts)
+
+
+# --- option values (issue 12 item 11) -----------------------------------------------------------
+VORTEX_MODES = ("simx", "functional")
+
+
+def _check_values(opts: dict[str, Any]) -> None:
+    """Types and values of the other options, so a typo fails here and not deep in a target."""
+    if not isinstance(opts["verify"], bool):
+        raise OptionError(f"option 'verify' must be True or False, not {opts['verify']!r}")
+    if opts["vortex_mode"] is not None and opts["vortex_mode"] not in VORTEX_MODES:
+        raise OptionError(f"option 'vortex_mode' must be one of {', '.join(VORTEX_MODES)}, "
+                          f"not {opts['vortex_mode']!r}")
+    if opts["arch"] is not None:
+        from gac_torch.backends.cuda.target import ARCHS  # the cuda target's data
+
+        if opts["arch"] not in ARCHS:
+            raise OptionError(f"option 'arch': unknown cuda arch {opts['arch']!r}; known: {', '.join(ARCHS)}")
+    if opts["vortex_home"] is not None and not isinstance(opts["vortex_home"], (str, os.PathLike)):
+        raise OptionError(f"option 'vortex_home' must be a path, not {type(opts['vortex_home']).__name__}")
+    if opts["dump_dir"] is not None:
+        opts["dump_dir"] = _writable_dump_dir(opts["dump_dir"], strict=not opts["fallback"])
+
+
+def _writable_dump_dir(path: Any, strict: bool) -> str | None:
+    """The dump folder, created; one that cannot be written is an error in strict mode and a
+    warning otherwise (dumps are a debugging aid: the compile goes on without them)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionError(f"option 'dump_dir' (or GAC_DUMP_DIR) must be a path, not {type(path).__name__}")
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {path!r}")
+    except OSError as e:
+        if strict:
+            raise OptionError(f"dump_dir {path!r} cannot be written: {e}") from e
+        import warnings
+
+        warnings.warn(f"gac: dump_dir {path!r} cannot be written ({e}); compiling without dumps",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return path
 
 
 def torch_allows_tf32() -> bool:

@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+# A gac compiler error is a test failure, never a silent eager fallback (frontends/fx.py).
+os.environ.setdefault("GAC_STRICT_INTERNAL", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()

@@ -78,7 +78,10 @@ class CompiledProgram:
                               if s.kind == OutputKind.USER_OUTPUT]
         self._device = get_target(compiled.target).device_type
         self._on_device = False  # parameters move to the target's device on the first call
-        self._ranges = {sym: (int(r.lower), int(r.upper) if r.upper.is_finite else None)
+        # is_Integer, not is_finite: torch's int_oo calls itself finite (an upper bound of
+        # int_oo appears e.g. for the stride symbols of a non-contiguous example input).
+        self._ranges = {sym: (int(r.lower) if r.lower.is_Integer else 0,
+                              int(r.upper) if r.upper.is_Integer else None)
                         for sym, r in ep.range_constraints.items()}
         self._sizes_ok: set[tuple] = set()  # input sizes already checked
 
@@ -161,6 +164,15 @@ def _device_of(ep: ExportedProgram) -> str:
     return "cpu"
 
 
+def device_with_index(device: str) -> torch.device:
+    """"cuda" -> cuda:<current>: a tensor moved to "cuda" reports cuda:0, and export's metadata
+    asserts (`_assert_tensor_metadata(device=...)`) compare the two ("Expected: cuda, Got: cuda:0")."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return d
+
+
 def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
     options = options.replace(target=target)
@@ -169,7 +181,7 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
         # A program exported on the CPU, compiled for a GPU: re-home its constants and device
         # arguments so that eager fallback nodes and compiled partitions agree.
         from torch.export.passes import move_to_device_pass
-        ep = move_to_device_pass(ep, device)
+        ep = move_to_device_pass(ep, device_with_index(device))
     ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     compiled, reason = compile_once_or_reason(gm, options)

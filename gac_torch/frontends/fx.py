@@ -6,19 +6,30 @@ import itertools
 import logging
 import operator
 import os
+import warnings
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from gac_torch.backends import Target, get_target
 from gac_torch.driver import compile_partition
-from gac_torch.errors import GacUnsupportedError, StaticShapesOnly
+from gac_torch.errors import (
+    GacCompilerError, GacCompilerWarning, GacUnsupportedError, StaticShapesOnly,
+)
 from gac_torch.legalize.context import NEEDS_STATIC
-from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
+from gac_torch.passes.partition import (
+    COMPILER_ERROR, GraphReport, analyze, drop_metadata_asserts, op_name, partition,
+)
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
 _graph_ids = itertools.count()
+
+
+def strict_internal() -> bool:
+    """GAC_STRICT_INTERNAL=1: a compiler error is an error even in default mode (tests/conftest)."""
+    return os.environ.get("GAC_STRICT_INTERNAL", "") not in ("", "0")
 
 
 def default_target(gm: fx.GraphModule) -> str:
@@ -94,6 +105,13 @@ class CompiledFx:
 def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = None) -> CompiledFx:
     """Partitions gm and compiles each supported partition (`target`: a Target object to use
     instead of options["target"], e.g. the CLI's stages-only copy)."""
+    # torch.compile calls its backend under its FakeTensorMode: constants gac builds while
+    # legalizing (index tables, flips) must be real tensors.
+    with unset_fake_temporarily():
+        return _compile_graph(gm, options, target)
+
+
+def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> CompiledFx:
     graph_id = next(_graph_ids)
     target_name = target.name if target else options["target"] or default_target(gm)
     target = target or get_target(target_name)  # no silent fallback to another target: its errors surface
@@ -121,15 +139,19 @@ def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = Non
             cg = compile_partition(sub, name, target, options, dump_dir)
         except StaticShapesOnly:
             raise  # the front-end compiles the graph per shape instead
-        except Exception as e:  # never crash a user's model: this partition runs eagerly instead
-            if not options["fallback"]:
-                raise
-            n_ops = sum(1 for n in sub.graph.nodes  # counted as analyze() counts them
-                        if n.op == "call_function" and n.target is not operator.getitem)
-            report.compiled -= n_ops
-            report.unsupported[(f"partition {name}", f"compile failed: {type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:200]}")] += n_ops
-            log.warning("gac: graph %d partition %s falls back to eager: %s", graph_id, name, e)
+        except Exception as e:  # a gac bug: visible, and in default mode the partition runs eagerly
+            ops = [n for n in sub.graph.nodes  # counted as analyze() counts them
+                   if n.op == "call_function" and n.target is not operator.getitem]
+            why = f"{COMPILER_ERROR}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            if not options["fallback"] or strict_internal():
+                kinds = sorted({op_name(n) for n in ops})
+                raise GacCompilerError(f"gac failed to compile partition {name} ({len(ops)} node(s): "
+                                       f"{', '.join(kinds[:8])}{' ...' if len(kinds) > 8 else ''}): "
+                                       f"{why}") from e
+            report.compiled -= len(ops)
+            report.unsupported[(f"partition {name}", why)] += len(ops)
+            warnings.warn(f"gac: graph {graph_id} partition {name} ({len(ops)} node(s)) runs eagerly "
+                          f"after a {why}", GacCompilerWarning, stacklevel=2)
             continue
         setattr(fused, name, cg)
         compiled[name] = cg

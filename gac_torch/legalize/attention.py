@@ -1,7 +1,8 @@
 """Fused scaled-dot-product attention kernels that export picks on CUDA
 (`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to the math form,
 softmax(q @ k^T * scale + mask) @ v. Only the attention output may be used (the log-sum-exp and
-RNG outputs exist for training) and dropout must be off."""
+RNG outputs exist for training) and dropout must be off. The CPU kernel that training graphs
+use (`_scaled_dot_product_flash_attention_for_cpu`) is decomposed instead, with both outputs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import operator
 import torch
 
 from gac_torch.legalize.context import Cx
-from gac_torch.legalize.registry import aten, lower
+from gac_torch.legalize.registry import aten, decompose_with, lower
 
 
 def _inference_only(dropout_pos: int):
@@ -67,3 +68,36 @@ def lower_sdpa_flash(cx: Cx, q, k, v, dropout_p=0.0, is_causal=False, return_deb
 def lower_sdpa_cudnn(cx: Cx, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
                      is_causal=False, return_debug_mask=False, *, scale=None):
     return (_attention(cx, q, k, v, attn_bias, is_causal, scale),) + (None,) * 8
+
+
+@decompose_with(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """(output, logsumexp) as the CPU kernel computes them: in f32 for f16/bf16, a fully masked
+    row gives output 0 and log-sum-exp 0. torch's own decomposition returns the attention matrix
+    as the second output, which the eager backward then reads as the log-sum-exp."""
+    if dropout_p:
+        return NotImplemented
+    acc = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q, k, v = query.to(acc), key.to(acc), value.to(acc)
+    if k.size(1) != q.size(1):  # grouped-query attention
+        k = k.repeat_interleave(q.size(1) // k.size(1), 1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), 1)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q * scale) @ k.transpose(-2, -1)
+    length, source = q.size(-2), k.size(-2)
+    if is_causal:
+        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.to(acc))
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(top == float("-inf"), 0.0, top)
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    empty = total == 0
+    out = torch.where(empty, 0.0, (weights @ v) / total).to(query.dtype)
+    lse = torch.where(empty, 0.0, top + torch.log(total)).squeeze(-1)
+    # The kernel's layouts: output (N, L, H, E) and log-sum-exp (N, L, H) in memory.
+    out = out.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    return out, lse.transpose(1, 2).contiguous().transpose(1, 2)

@@ -74,3 +74,5 @@ fallback("a view of raw storage: a functional graph has no storage to stride ove
 fallback("out= variant: functional graphs never write into an argument", aten.atan2.out)
 fallback("bags with data-dependent offsets", aten._embedding_bag.default)
 fallback("scatter-add of overlapping patches (fold)", aten.col2im.default)
+fallback("torch's decomposition disagrees with the kernel when a target row has -1 before its end",
+         aten.multilabel_margin_loss_forward.default)

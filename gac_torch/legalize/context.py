@@ -68,9 +68,6 @@ def node_support(node: fx.Node) -> str | None:
     for v in [meta_val(a) for a in node.all_input_nodes]:
         if not isinstance(v, torch.Tensor) and not is_size_value(v):
             return "scalar graph input"
-    if any(is_static_tensor(v) and v.numel() == 0 for v in vals):
-        # The runtime launches nothing for empty buffers; eager gives these for free.
-        return "zero-size tensor"
     primary = next((v for v in (meta_val(a) for a in node.all_input_nodes) if isinstance(v, torch.Tensor)),
                    None)
     if primary is None:
@@ -255,6 +252,9 @@ def _legalize_node(b: GacBuilder, node: fx.Node, env: dict, sizes: SizeTable | N
         raise LegalizeError(f"{node.target} has no lowering")
     args = fx.node.map_arg(node.args, lambda n: env[n])
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+    outs = meta_val(node)
+    if is_static_tensor(outs) and outs.numel() == 0:  # nothing to compute (inputs may be empty too)
+        return b.broadcast(b.constant(0, outs.dtype), tuple(outs.shape))
     try:
         out = entry.fn(Cx(b, node, sizes, known), *args, **kwargs)
     except LegalizeError:

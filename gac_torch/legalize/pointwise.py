@@ -92,11 +92,24 @@ def float_result(node) -> str | None:
     return None if meta_val(node).dtype.is_floating_point else "integer result"
 
 
+# Ops whose Python-scalar operand stays in f32 next to an f16/bf16 tensor (see _scaled).
+_SCALAR_IN_F32 = frozenset({"add", "sub", "mul", "div", "pow"})
+
+
+def _is_python_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _scaled(cx: Cx, kind: str, a, b, alpha):
     """a kind (alpha * b) in the result dtype. With an alpha, f16/bf16 compute in f32 and round
-    once, as ATen's add/sub kernels do (rounding alpha * b first loses digits to cancellation)."""
+    once, as ATen's add/sub kernels do (rounding alpha * b first loses digits to cancellation).
+    A Python scalar next to an f16/bf16 tensor stays an f32 constant and the result is rounded
+    once, on every target: CUDA eager does so for all of these ops (its scalar is an opmath f32),
+    CPU eager for mul/div/pow but not add/sub, which round the scalar to the tensor's dtype
+    first (1 ulp apart on ~5 % of bf16 elements for x + 0.1)."""
     dt = cx.out_dtype
-    ct = cx.compute_dtype(dt) if alpha != 1 else dt
+    scalar = kind in _SCALAR_IN_F32 and (_is_python_number(a) or _is_python_number(b))
+    ct = cx.compute_dtype(dt) if alpha != 1 or scalar else dt
     rhs = cx.to(b, ct)
     if alpha != 1:
         rhs = cx.b.binary(rhs, cx.to(alpha, ct), kind="mul")
@@ -115,7 +128,18 @@ _arith("add", aten.add.Tensor, aten.add.Scalar)
 _arith("sub", aten.sub.Tensor, aten.sub.Scalar)
 _arith("mul", aten.mul.Tensor, aten.mul.Scalar)
 _arith("div", aten.div.Tensor, aten.div.Scalar)
-_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
+_arith("pow", aten.pow.Tensor_Tensor, aten.pow.Scalar)
+
+# ATen's float kernel computes these exponents as sqrt / rsqrt, not pow: (-inf) ** 0.5 is NaN
+# and (-0.0) ** 0.5 is -0.0 (C's pow gives inf and 0.0).
+_POW_AS_UNARY = {0.5: "sqrt", -0.5: "rsqrt"}
+
+
+@lower(aten.pow.Tensor_Scalar)
+def lower_pow_scalar(cx: Cx, x, exponent):
+    if cx.out_dtype.is_floating_point and exponent in _POW_AS_UNARY:
+        return cx.b.unary(cx.to(x, cx.out_dtype), kind=_POW_AS_UNARY[exponent])
+    return _scaled(cx, "pow", x, exponent, 1)
 _arith("atan2", aten.atan2.default, check=float_result)
 _arith("maximum", aten.maximum.default)
 _arith("minimum", aten.minimum.default)

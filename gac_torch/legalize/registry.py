@@ -1,8 +1,9 @@
 """The ATen op registry: each overload is in exactly one bucket — lower, decompose or fallback.
 
 - lower:     a function that emits gac ops for the node (`@lower(aten.relu.default)`).
-- decompose: torch's own decomposition of the op is applied before legalization (both front-ends
-             share the table, see decompositions()).
+- decompose: torch's own decomposition of the op (or ours, `@decompose_with`, where torch's is
+             wrong) is applied before legalization (both front-ends share the table, see
+             decompositions()).
 - fallback:  the op runs in eager, with a stated reason.
 An op in no bucket falls back with the reason "no lowering". A lowering may also refuse one
 particular node (an unsupported argument) through its `check`, and declares the dtypes it takes
@@ -77,6 +78,15 @@ def decompose(*overloads: OpOverload) -> None:
         _add(Entry(ov, "decompose"))
 
 
+def decompose_with(*overloads: OpOverload):
+    """Our own decomposition of an op, replacing torch's (which is wrong or missing)."""
+    def register(fn):
+        for ov in overloads:
+            _add(Entry(ov, "decompose", fn))
+        return fn
+    return register
+
+
 def fallback(reason: str, *overloads: OpOverload) -> None:
     for ov in overloads:
         _add(Entry(ov, "fallback", reason=reason))
@@ -93,7 +103,9 @@ def decompositions() -> dict:
         from torch._decomp import core_aten_decompositions, get_decompositions
 
         table = dict(core_aten_decompositions())
-        table.update(get_decompositions([e.overload for e in REGISTRY.values() if e.bucket == "decompose"]))
+        table.update(get_decompositions([e.overload for e in REGISTRY.values()
+                                         if e.bucket == "decompose" and e.fn is None]))
+        table.update({e.overload: e.fn for e in REGISTRY.values() if e.bucket == "decompose" and e.fn})
         for ov, e in REGISTRY.items():
             if e.bucket in ("lower", "fallback"):
                 table.pop(ov, None)

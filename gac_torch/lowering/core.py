@@ -188,6 +188,14 @@ def generic(inputs: Sequence[ir.Value], in_maps: Sequence[ir.AffineMap],
             body: Callable[..., Sequence[ir.Value]]) -> list[ir.Value]:
     """linalg.generic; `body(*input_scalars, *output_scalars)` returns the yielded values.
     Splat-constant inputs are passed to the body as scalar constants, not read from memory."""
+    if REDUCTION not in iterators and any(not _is_empty(o) for o in outputs):
+        # An all-parallel generic reading its init (e.g. a sum over no dims of a 0-d tensor)
+        # counts as elementwise for linalg-fuse-elementwise-ops, which then folds the init read
+        # into every iteration of a broadcasting consumer: read the init as an input instead.
+        n_in = len(inputs)
+        return generic(list(inputs) + list(outputs), list(in_maps) + list(out_maps),
+                       [empty(shape(o), elem(o)) for o in outputs], out_maps, iterators,
+                       lambda *a: body(*a[: n_in + len(outputs)]))
     real_inputs, real_maps, slots = [], [], []
     for v, m in zip(inputs, in_maps):
         s = splat_scalar(v)
@@ -206,6 +214,11 @@ def generic(inputs: Sequence[ir.Value], in_maps: Sequence[ir.AffineMap],
             scalars.append(arith.ConstantOp(s.type, s).result if s is not None else args.pop(0))
         linalg.YieldOp(list(body(*scalars, *args)))
     return list(op.results)
+
+
+def _is_empty(v: ir.Value) -> bool:
+    owner = v.owner
+    return isinstance(owner, (ir.OpView, ir.Operation)) and owner.operation.name == "tensor.empty"
 
 
 def elementwise(inputs: Sequence[ir.Value], out_shape: Sequence[int], out_elems: Sequence[ir.Type],

@@ -33,10 +33,11 @@ def _gelu_tanh(x):
 
 
 def _sign_f(x):
+    """(x > 0) - (x < 0), as ATen computes it: sign(NaN) is 0, sign(-0.0) is 0."""
     t = x.type
     pos = arith.uitofp(t, arith.cmpf(F.OGT, x, const(0.0, t)))
     neg = arith.uitofp(t, arith.cmpf(F.OLT, x, const(0.0, t)))
-    return arith.select(arith.cmpf(F.UNO, x, x), x, arith.subf(pos, neg))
+    return arith.subf(pos, neg)
 
 
 def _erfinv(x):

@@ -63,11 +63,12 @@ def lower_reduce(op, operands):
     if kind in ("any", "all") or is_bool(elem(x)):
         # Accumulate 0/1 in i8, the storage type of bools: a reduction's i1 result could not be
         # fused into a later conversion and i1 buffers cannot be stored. On 0/1, any/max/sum
-        # (bool or) is max and all/min/prod (bool and) is min.
+        # (bool or) is max and all/min/prod (bool and) is min; "any"/"all" start from 0/1 (an
+        # empty any is False), where an i8 max would start from -128.
         i8 = ir.IntegerType.get_signless(8)
         x8 = _as_bytes(x)
         as_max = kind in ("any", "max", "sum")
-        return [reshape(reduce_dims(x8, dims, "max" if as_max else "min", i8), shape(op.results[0]))]
+        return [reshape(reduce_dims(x8, dims, "any" if as_max else "all", i8), shape(op.results[0]))]
     acc = accumulator_type(elem(x))
     r = reduce_dims(x, dims, kind, acc)
     if str(elem(r)) != str(elem(out_t)):
@@ -156,9 +157,14 @@ def lower_layer_norm(op, operands):
     for d in dims:
         n *= xs[d]
     xa = elementwise([x], xs, [acc], lambda v: [convert(v, acc)])[0]
-    mean = _keep(reduce_dims(xa, dims, "sum", acc), xs, dims)
-    mean = elementwise([mean], shape(mean), [acc], lambda s: [arith.divf(s, const(n, acc))])[0]
-    cent = elementwise([xa, mean], xs, [acc], lambda v, m: [arith.subf(v, m)])[0]
+    # Shifted two-pass statistics: sum x - x0 (x0 the row's first element), so a constant row
+    # has mean x0 and variance 0 exactly (a plain sum rounds its mean and y = tiny * rsqrt(eps)).
+    first = extract_slice(xa, [0] * rank, [1 if d in dims else s for d, s in enumerate(xs)], [1] * rank)
+    shifted = elementwise([xa, first], xs, [acc], lambda v, f: [arith.subf(v, f)])[0]
+    delta = _keep(reduce_dims(shifted, dims, "sum", acc), xs, dims)
+    delta = elementwise([delta], shape(delta), [acc], lambda s: [arith.divf(s, const(n, acc))])[0]
+    mean = elementwise([first, delta], shape(delta), [acc], lambda f, d: [arith.addf(f, d)])[0]
+    cent = elementwise([shifted, delta], xs, [acc], lambda v, d: [arith.subf(v, d)])[0]
     sq = elementwise([cent], xs, [acc], lambda c: [arith.mulf(c, c)])[0]
     var = _keep(reduce_dims(sq, dims, "sum", acc), xs, dims)
     eps = attrs["eps"]

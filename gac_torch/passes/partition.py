@@ -38,6 +38,9 @@ def op_name(node: fx.Node) -> str:
     return str(t) if not callable(t) or not hasattr(t, "__name__") or "aten" in str(t) else t.__name__
 
 
+COMPILER_ERROR = "compiler error"  # the reason of nodes whose partition failed to compile
+
+
 @dataclass
 class GraphReport:
     """What happened to one graph: how much compiles and what falls back, with reasons."""
@@ -46,6 +49,11 @@ class GraphReport:
     compiled: int = 0
     partitions: int = 0
     unsupported: Counter = field(default_factory=Counter)  # (op, reason) -> count
+
+    @property
+    def compiler_errors(self) -> int:
+        """Nodes that run eagerly because their partition failed to compile (a gac bug)."""
+        return sum(n for (_, why), n in self.unsupported.items() if why.startswith(COMPILER_ERROR))
 
     @property
     def percent(self) -> float:

@@ -111,7 +111,7 @@ def render() -> str:
         "run in eager (with a reason)",
         "- dtype columns: the dtypes a lowering takes (checked on the node's first tensor input); "
         "a lowering may still refuse particular arguments (last column), which then run in eager; every "
-        "op also runs in eager on zero-size tensors and dtypes gac lacks (uint8, complex)",
+        "op also runs in eager on dtypes gac lacks (uint8, complex)",
         f"- run-time sizes: {sum(all(e.dynamic for e in es) for es in lowered.values())} ops take sizes "
         "known only at run time (a graph of such ops compiles once for every shape, on targets that "
         f"support it: {', '.join(_dynamic_targets())}); a graph with any other op is compiled once per shape",

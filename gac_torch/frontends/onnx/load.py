@@ -72,6 +72,8 @@ def _load_external_data(model: onnx.ModelProto, base_dir: str) -> None:
                 f"tensor {t.name!r}: external data location {location!r} resolves outside the "
                 f"model's folder {root!r}; refusing to read it"
             )
+        if not os.path.isfile(path):
+            raise OnnxLoadError(f"tensor {t.name!r}: external data file {location!r} not found in {root!r}")
     external_data_helper.load_external_data_for_model(model, root)
 
 
@@ -89,7 +91,13 @@ def load_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise OnnxLoadError(f"no ONNX model at {path!r}")
-        proto = onnx.load(path, load_external_data=False)
+        if os.path.getsize(path) == 0:
+            raise OnnxLoadError(f"{path!r} is an empty file (0 bytes), not an ONNX model")
+        try:
+            proto = onnx.load(path, load_external_data=False)
+        except Exception as e:  # protobuf's DecodeError and friends: truncated, text, corrupt
+            raise OnnxLoadError(f"{path!r} is not a readable ONNX model (corrupt or truncated?): "
+                                f"{type(e).__name__}: {e}") from e
         _load_external_data(proto, os.path.dirname(os.path.abspath(path)))
     check_opset(proto)
     try:
