@@ -14,6 +14,7 @@ from gac_torch.backends.base import StaticShapesOnly
 from gac_torch.frontends.export_semantics import ExportSemantics
 from gac_torch.frontends.fx import CompiledFx, compile_graph, specialization_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
+from gac_torch.frontends.torch_state import tracing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.runtime.compiled import GacInputError, is_host_scalar
@@ -166,12 +167,13 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
     options = dict(options, target=target)
     device = get_target(target).device_type
-    if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
-        # A program exported on the CPU, compiled for a GPU: re-home its constants and device
-        # arguments so that eager fallback nodes and compiled partitions agree.
-        from torch.export.passes import move_to_device_pass
-        ep = move_to_device_pass(ep, device)
-    ep = ep.run_decompositions(decompositions())
+    with tracing():  # torch's tracing is not thread-safe; gac's compile below is
+        if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
+            # A program exported on the CPU, compiled for a GPU: re-home its constants and device
+            # arguments so that eager fallback nodes and compiled partitions agree.
+            from torch.export.passes import move_to_device_pass
+            ep = move_to_device_pass(ep, device)
+        ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     semantics = ExportSemantics(ep, gm)  # before compile_graph rewrites gm
     reason = specialization_reason(gm, options)
@@ -184,4 +186,5 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
 
 
 def export_module(model: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
-    return torch.export.export(model, tuple(example_inputs))
+    with tracing():
+        return torch.export.export(model, tuple(example_inputs))
