@@ -8,7 +8,10 @@ another front-end), released before gac's own compile, which runs in parallel (e
 has its own MLIR context). On the way out `tracing()` also drops the references torch keeps to
 the last traced graph (proxy_tensor's fake-tensor → node map, read only by torch.export's leak
 check right after its own trace): gac rewrites that graph into the compiled program, so the map
-would keep the last program and its device memory alive after the user drops it.
+would keep the last program and its device memory alive after the user drops it; and the
+generated source torch.fx keeps forever for every GraphModule ever recompiled, once the module is
+gone (~50 KB per compile otherwise). The dynamo front-end calls release_trace_globals() after
+AOTAutograd. benchmarks/compile_memory.py measures what 1,000 compile cycles leave.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ def release_trace_globals() -> None:
     source of GraphModules that no longer exist."""
     from torch.fx.experimental import proxy_tensor
 
-    getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
-    forget_dead_fx_sources()
+    with TRACE_LOCK:  # not while another gac trace builds GraphModules
+        getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+        forget_dead_fx_sources()
 
 
 def _live_fx_sources() -> set[str]:
