@@ -54,12 +54,14 @@ def explain(model, *example_inputs, **example_kwargs):
 
     Exports the model (ExportedProgram accepted as is), decomposes to core ATen and asks the
     registry about every node. Returns a GraphReport; str() gives the summary line."""
+    from gac_torch.frontends.torch_state import tracing
     from gac_torch.legalize import decompositions
     from gac_torch.passes.partition import analyze
 
-    ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(
-        model, tuple(example_inputs), example_kwargs or None)
-    ep = ep.run_decompositions(decompositions())
+    with tracing():
+        ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(
+            model, tuple(example_inputs), example_kwargs or None)
+        ep = ep.run_decompositions(decompositions())
     _, report = analyze(ep.graph_module)
     return report
 

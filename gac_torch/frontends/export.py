@@ -7,12 +7,14 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from gac_torch.backends import get_target
 from gac_torch.errors import GacInputError
+from gac_torch.frontends.export_semantics import ExportSemantics
 from gac_torch.frontends.fx import CompiledFx, compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
+from gac_torch.frontends.torch_state import tracing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.runtime.compiled import is_host_scalar
@@ -61,11 +63,15 @@ class SpecializedFx:
 
 class CompiledProgram:
     """A compiled ExportedProgram: call it like the original module. Inputs with export `Dim`s
-    take any size in the Dim's range; `dynamic` says whether one compilation serves them all."""
+    take any size in the Dim's range; `dynamic` says whether one compilation serves them all.
+    Mutations of inputs and buffers, view outputs and autograd behave as eager's
+    (export_semantics.py)."""
 
-    def __init__(self, ep: ExportedProgram, compiled: CompiledFx | SpecializedFx):
+    def __init__(self, ep: ExportedProgram, compiled: CompiledFx | SpecializedFx,
+                 semantics: ExportSemantics):
         self.exported_program = ep
         self.compiled = compiled
+        self.semantics = semantics
         self.dynamic = compiled.dynamic
         specs = ep.graph_signature.input_specs
         self._lifted = [(i, _lifted_value(ep, s)) for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT]
@@ -74,8 +80,6 @@ class CompiledProgram:
         placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
         self._user_meta = [placeholders[i].meta.get("val") for i in self._user_positions]
         self._n_inputs = len(specs)
-        self._user_outputs = [i for i, s in enumerate(ep.graph_signature.output_specs)
-                              if s.kind == OutputKind.USER_OUTPUT]
         self._device = get_target(compiled.target).device_type
         self._on_device = False  # parameters move to the target's device on the first call
         # is_Integer, not is_finite: torch's int_oo calls itself finite (an upper bound of
@@ -150,9 +154,7 @@ class CompiledProgram:
             full[i] = t
         for i, t in zip(self._user_positions, flat):
             full[i] = t
-        outs = self.compiled(*full)
-        outs = outs if isinstance(outs, (list, tuple)) else (outs,)
-        user = [outs[i] for i in self._user_outputs]
+        user = self.semantics.run(self.compiled, full)
         return pytree.tree_unflatten(user, self.exported_program.call_spec.out_spec)
 
 
@@ -177,16 +179,20 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
     options = options.replace(target=target)
     device = get_target(target).device_type
-    if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
-        # A program exported on the CPU, compiled for a GPU: re-home its constants and device
-        # arguments so that eager fallback nodes and compiled partitions agree.
-        from torch.export.passes import move_to_device_pass
-        ep = move_to_device_pass(ep, device_with_index(device))
-    ep = ep.run_decompositions(decompositions())
+    with tracing():  # torch's tracing is not thread-safe; gac's compile below is
+        if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
+            # A program exported on the CPU, compiled for a GPU: re-home its constants and device
+            # arguments so that eager fallback nodes and compiled partitions agree.
+            from torch.export.passes import move_to_device_pass
+            ep = move_to_device_pass(ep, device_with_index(device))
+        ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
+    semantics = ExportSemantics(ep, gm)  # before compile_graph rewrites gm
     compiled, reason = compile_once_or_reason(gm, options)
-    return CompiledProgram(ep, compiled if compiled is not None else SpecializedFx(gm, options, reason))
+    return CompiledProgram(ep, compiled if compiled is not None else SpecializedFx(gm, options, reason),
+                           semantics)
 
 
 def export_module(model: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
-    return torch.export.export(model, tuple(example_inputs))
+    with tracing():
+        return torch.export.export(model, tuple(example_inputs))

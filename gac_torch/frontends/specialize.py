@@ -54,7 +54,10 @@ class ShapeSpecializing:
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
-        with torch.no_grad():  # AOTAutograd graphs are already functional: no autograd to trace
+        from gac_torch.frontends.torch_state import tracing
+
+        # no_grad: AOTAutograd graphs are already functional, no autograd to trace
+        with tracing(), torch.no_grad():
             static = make_fx(self.gm, tracing_mode="fake")(*args)
         _drop_detach(static)
         compiled = self.compile_static(static)

@@ -11,6 +11,7 @@ reified for the gac op being lowered), and every builder below accepts them.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Sequence
 
 from mlir import ir
@@ -18,8 +19,29 @@ from mlir.dialects import arith, linalg, tensor
 
 from gac_torch.ir.types import DYN, is_bool, is_float
 
+
+
+class _PerThreadDict(threading.local):
+    """A dict of its own in every thread: modules are lowered in parallel threads."""
+
+    def __init__(self):
+        self.items: dict = {}
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def __contains__(self, key) -> bool:
+        return key in self.items
+
+    def __getitem__(self, key):
+        return self.items[key]
+
+    def __setitem__(self, key, value) -> None:
+        self.items[key] = value
+
+
 # gac result Value -> its dims (ints / index Values), set while that op is lowered.
-result_dims: dict = {}
+result_dims = _PerThreadDict()
 
 PARALLEL = "parallel"
 REDUCTION = "reduction"

@@ -47,12 +47,18 @@ def lower_to_llvm(module: ir.Module) -> ir.Module:
     return module
 
 
+_DESC_TYPES: dict[int, type] = {}
+
+
 def _descriptor_type(rank: int):
-    class Desc(ctypes.Structure):
-        _fields_ = [("allocated", ctypes.c_void_p), ("aligned", ctypes.c_void_p),
-                    ("offset", ctypes.c_longlong)] + (
-            [("shape", ctypes.c_longlong * rank), ("strides", ctypes.c_longlong * rank)] if rank else [])
-    return Desc
+    """One class per rank: ctypes caches the pointer type of every class it sees, forever."""
+    if rank not in _DESC_TYPES:
+        class Desc(ctypes.Structure):
+            _fields_ = [("allocated", ctypes.c_void_p), ("aligned", ctypes.c_void_p),
+                        ("offset", ctypes.c_longlong)] + (
+                [("shape", ctypes.c_longlong * rank), ("strides", ctypes.c_longlong * rank)] if rank else [])
+        _DESC_TYPES[rank] = Desc
+    return _DESC_TYPES[rank]
 
 
 class CpuExecutable:

@@ -256,10 +256,13 @@ def _fallback(
 def _to_core_aten(g: GraphBuilder) -> fx.GraphModule:
     """make_fx over the builder's graph: decomposes to the core ATen the registry covers and
     re-derives every meta["val"] (reusing the builder's fake mode)."""
+    from gac_torch.frontends.torch_state import tracing
+
     gm = fx.GraphModule(torch.nn.Module(), g.graph)
-    core = make_fx(gm, decomposition_table=decompositions(), tracing_mode="fake")(
-        *g.placeholder_values()
-    )
+    with tracing():  # torch's tracing is not thread-safe; drops torch's reference to the graph
+        core = make_fx(gm, decomposition_table=decompositions(), tracing_mode="fake")(
+            *g.placeholder_values()
+        )
     core.graph.eliminate_dead_code()
     core.recompile()
     return core

@@ -1,0 +1,76 @@
+"""The torch process state gac's front-ends touch while they trace, kept safe and left clean.
+
+torch's tracing (torch.export, ExportedProgram.run_decompositions, make_fx) is not thread-safe:
+it patches global op tables and dispatch state for its duration (4 threads decomposing at once
+fail with "Trying to override a python impl", KeyError('custom'), and can leave a patch behind).
+Every front-end traces under `tracing()`: one process-wide lock (re-entrant: a trace may call
+another front-end), released before gac's own compile, which runs in parallel (each partition
+has its own MLIR context). On the way out `tracing()` also drops the references torch keeps to
+the last traced graph (proxy_tensor's fake-tensor → node map, read only by torch.export's leak
+check right after its own trace): gac rewrites that graph into the compiled program, so the map
+would keep the last program and its device memory alive after the user drops it; and the
+generated source torch.fx keeps forever for every GraphModule ever recompiled, once the module is
+gone (~50 KB per compile otherwise). The dynamo front-end calls release_trace_globals() after
+AOTAutograd. benchmarks/compile_memory.py measures what 1,000 compile cycles leave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+TRACE_LOCK = threading.RLock()
+
+
+def release_trace_globals() -> None:
+    """Forgets the graph torch's last make_fx trace left in module globals, and the generated
+    source of GraphModules that no longer exist."""
+    from torch.fx.experimental import proxy_tensor
+
+    with TRACE_LOCK:  # not while another gac trace builds GraphModules
+        getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+        forget_dead_fx_sources()
+
+
+def _live_fx_sources() -> set[str]:
+    """The generated-source file names the forward of every GraphModule class alive uses (each
+    GraphModule gets its own class; dead ones leave __subclasses__ when collected)."""
+    from torch import fx
+
+    names: set[str] = set()
+    todo: list[type] = [fx.GraphModule]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        code = getattr(cls.__dict__.get("forward"), "__code__", None)
+        if code is not None:
+            names.add(code.co_filename)
+    return names
+
+
+def forget_dead_fx_sources() -> None:
+    """torch.fx keeps the source of every GraphModule.recompile() (its _loader and linecache) for
+    the life of the process: ~50 KB per compile, never freed (aot_eager grows the same way). Drops
+    the entries no live GraphModule's forward uses; they serve only to show source lines."""
+    import linecache
+
+    from torch.fx import graph_module
+
+    cache = getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
+    if not isinstance(cache, dict):
+        return
+    live = _live_fx_sources()
+    for name in [k for k in cache if k.startswith("<eval_with_key>") and k not in live]:
+        cache.pop(name, None)
+        linecache.cache.pop(name, None)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Holds the trace lock; on exit no torch global refers to the traced graph."""
+    with TRACE_LOCK:
+        try:
+            yield
+        finally:
+            release_trace_globals()
