@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import torch
 
 from gac_torch.errors import (
-    CompileError, GacError, GacInputError, GacUnsupportedError, OnnxLoadError, OptionError,
-    StaticShapesOnly, TargetUnavailable,
+    CompileError, GacCompilerError, GacCompilerWarning, GacError, GacInputError,
+    GacUnsupportedError, OnnxLoadError, OptionError, StaticShapesOnly, TargetUnavailable,
 )
 
 __version__ = "0.1.0"
@@ -91,4 +91,5 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
 
 __all__ = ["compile", "compile_stage_file", "explain", "backend", "__version__",
            "GacError", "OptionError", "GacInputError", "GacUnsupportedError", "StaticShapesOnly",
-           "CompileError", "TargetUnavailable", "OnnxLoadError"]
+           "CompileError", "GacCompilerError", "GacCompilerWarning", "TargetUnavailable",
+           "OnnxLoadError"]
