@@ -4,6 +4,7 @@
     compiled = gac_torch.compile(exported_program, target="cpu")
     compiled = gac_torch.compile("model.onnx", target="cpu")   # or an onnx.ModelProto
     gac_torch.explain(model, *example_inputs)    # what compiles, what falls back, and why
+    gac_torch.debug.bisect(model, example_inputs) # the first op whose compiled output is wrong
 """
 
 from __future__ import annotations
@@ -67,4 +68,12 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "explain", "backend", "OptionError", "__version__"]
+def __getattr__(name: str):
+    if name == "debug":  # gac_torch.debug.bisect(...): imported on first use
+        import importlib
+
+        return importlib.import_module("gac_torch.debug")
+    raise AttributeError(f"module 'gac_torch' has no attribute {name!r}")
+
+
+__all__ = ["compile", "explain", "backend", "debug", "OptionError", "__version__"]

@@ -71,8 +71,22 @@ def _unsupported_error(e: BaseException) -> GacUnsupportedError | None:
     while e is not None:
         if isinstance(e, GacUnsupportedError):
             return e
-        e = e.__cause__ or e.__context__
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
     return None
+
+
+def _root(e: BaseException) -> BaseException:
+    """The error to report: the first of gac's own in the chain (not dynamo's wrapper)."""
+    chain = []
+    while e is not None and len(chain) < 20:
+        chain.append(e)
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return next((x for x in chain if type(x).__module__.startswith("gac_torch")), chain[-1])
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0][:300] if lines else ""
 
 
 def _silent_fallbacks(reports) -> list[str]:
@@ -153,8 +167,9 @@ class Runner:
             if unsup is not None and strict:
                 lines = [ln.strip() for ln in str(unsup).splitlines()[1:] if ln.strip()]
                 return Outcome(config, "unsupported", "", lines), None
-            tb = traceback.format_exception(e)
-            return Outcome(config, "crash", f"{type(e).__name__}: {str(e).strip()[:300]}\n"
+            root = _root(e)
+            tb = traceback.format_exception(root)
+            return Outcome(config, "crash", f"{type(root).__name__}: {_first_line(root)}\n"
                            + "".join(tb[-3:])[-1500:]), None
         fell_back = _silent_fallbacks(reports())
         why = self.check(outs, ins)
