@@ -21,12 +21,13 @@ from __future__ import annotations
 import operator
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import fx
 
 from gac_torch.frontends.fx import GacUnsupportedError, compile_graph
 from gac_torch.legalize import decompositions
@@ -75,8 +76,9 @@ def _resolve_op(name: str):
 
 def _graph(model, inputs: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, list]:
     """The core ATen graph gac_torch.compile would see, and its placeholders' values."""
-    from gac_torch.frontends.export import _lifted_value
     from torch.export.graph_signature import InputKind
+
+    from gac_torch.frontends.export import _lifted_value
 
     ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(model, tuple(inputs))
     ep = ep.run_decompositions(decompositions())
@@ -187,7 +189,7 @@ def _lazy_wide(sub: fx.GraphModule, args: list) -> Callable[[], list | None]:
             try:
                 wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
                 cache.append(list(sub(*wide)))
-            except Exception:
+            except Exception:  # noqa: BLE001
                 cache.append(None)
         return cache[0]
     return get
@@ -218,7 +220,7 @@ def bisect(model, inputs: Sequence[torch.Tensor], target: str = "cpu", out_dir: 
             why, got = check.run([n], n)
         except GacUnsupportedError:
             continue  # gac does not lower it: the op runs eagerly, it cannot be wrong
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             return Blame(n.name, str(n.target), "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                          _save(n, env, None, out_dir), check.checked)
         if why:
@@ -229,7 +231,7 @@ def bisect(model, inputs: Sequence[torch.Tensor], target: str = "cpu", out_dir: 
             why, got = check.run(_prefix(gm, ops[k]), ops[k])
         except GacUnsupportedError:
             return None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", None
         return (why, got) if why else None
 
@@ -247,4 +249,4 @@ def bisect(model, inputs: Sequence[torch.Tensor], target: str = "cpu", out_dir: 
     return Blame(n.name, str(n.target), "prefix", why, _save(n, env, got, out_dir), check.checked)
 
 
-__all__ = ["bisect", "Blame"]
+__all__ = ["Blame", "bisect"]

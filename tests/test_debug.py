@@ -71,7 +71,7 @@ def test_bisect_blames_a_fused_miscompile_by_prefix(monkeypatch, tmp_path):
             return tuple(o + 1 if o.is_floating_point() else o for o in inner(*args))
         compiled.gm = call
         return compiled
-    import gac_torch.debug as debug
+    from gac_torch import debug
     monkeypatch.setattr(debug, "compile_graph", wrong_when_fused)
     blame = debug.bisect(Net(), _inputs(), out_dir=str(tmp_path))
     assert blame is not None and blame.how == "prefix", blame

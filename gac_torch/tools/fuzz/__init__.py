@@ -31,4 +31,4 @@ def replay(path: str, argv: list[str] | None = None) -> CaseResult:
     return result
 
 
-__all__ = ["generate", "load", "run_case", "replay", "Program", "CaseResult", "Outcome"]
+__all__ = ["CaseResult", "Outcome", "Program", "generate", "load", "replay", "run_case"]

@@ -70,7 +70,7 @@ def load(source: str, wide: bool = False) -> dict:
     module = types.ModuleType(name)
     sys.modules[name] = module  # dynamo looks the program's globals up by module name
     ns = module.__dict__
-    exec(compile(source, "<fuzz case>", "exec"), ns)
+    exec(compile(source, "<fuzz case>", "exec"), ns)  # noqa: S102
     if wide:
         ns.update(F32=torch.float64, F16=torch.float64, BF16=torch.float64)
     return ns
@@ -95,7 +95,7 @@ class Gen:
     def _make(self, name: str, src: str, role: str) -> Var:
         """Runs one make_inputs() line now (same generator, same order as the program will)."""
         self.input_lines.append(f"{name} = {src}")
-        exec(self.input_lines[-1], self.ns)
+        exec(self.input_lines[-1], self.ns)  # noqa: S102
         v = Var(name, self.ns[name], exact=True, role=role)
         self.vars.append(v)
         return v
@@ -134,7 +134,7 @@ class Gen:
             vals = rng.sample(["float('inf')", "float('-inf')", "float('nan')"], 2)
             for ix, val in ((idx, vals[0]), (last, vals[1])):
                 self.input_lines.append(f"{v.name}[{ix}] = {val}")
-                exec(self.input_lines[-1], self.ns)
+                exec(self.input_lines[-1], self.ns)  # noqa: S102
 
     # --- drawing ops ---------------------------------------------------------------------------
     def _candidates(self, kinds: str, disc: bool) -> list[Var]:
@@ -170,7 +170,7 @@ class Gen:
         before = {v.name: v.t.clone() for v in self.vars} if o.inplace else None
         try:
             out = eval(expr, self.ns, {v.name: v.t for v in self.vars})
-        except Exception:  # eager rejects it (shapes, dtypes): not a program
+        except Exception:  # eager rejects it (shapes, dtypes): not a program  # noqa: BLE001
             return None
         if not isinstance(out, torch.Tensor) or out.numel() > MAX_NUMEL or out.dim() > 6:
             if before:  # undo a mutation that we will not write down
@@ -205,9 +205,9 @@ class Gen:
         elif o.inplace and any(v is not args[0] and v.role == "value" and _same_storage(args[0].t, v.t)
                                for v in self.vars):
             feats.add("inplace_alias")
-        if o.name == "adaptive_avg_pool2d" and out.dim() >= 2:
-            if any(i % n for i, n in zip(args[0].t.shape[-2:], out.shape[-2:])):
-                feats.add("adaptive_pool_nondiv")
+        if o.name == "adaptive_avg_pool2d" and any(
+                i % n for i, n in zip(args[0].t.shape[-2:], out.shape[-2:], strict=True)):
+            feats.add("adaptive_pool_nondiv")
         return feats
 
 
@@ -223,9 +223,9 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _lowered() -> set[str]:
-    from gac_torch.legalize import registry
+def lowered_names() -> set[str]:
     import gac_torch.legalize  # noqa: F401  (fills the registry)
+    from gac_torch.legalize import registry
 
     return {e.name for e in registry.REGISTRY.values() if e.bucket == "lower"}
 
@@ -235,7 +235,7 @@ def generate(seed: int, exclude: frozenset[str] = frozenset(), n_ops: tuple[int,
     """The program of this seed. exclude: features (and op names) the program must not have."""
     g = Gen(seed, frozenset(exclude), nonfinite)
     rng = g.rng
-    ops = [o for o in active_ops(_lowered()) if o.name not in g.exclude]
+    ops = [o for o in active_ops(lowered_names()) if o.name not in g.exclude]
     float_dt = rng.choices([torch.float32, torch.float16, torch.bfloat16], [0.7, 0.15, 0.15])[0]
     rank = rng.choices([0, 1, 2, 3, 4], [1, 2, 3, 3, 2])[0]
     base = [rng.choice([1, 2, 3, 4, 5]) for _ in range(rank)]
@@ -273,4 +273,4 @@ def generate(seed: int, exclude: frozenset[str] = frozenset(), n_ops: tuple[int,
     return Program(seed, g.input_lines, inputs, lines, outs, g.features, used)
 
 
-__all__ = ["generate", "load", "Program", "F", "BOOL", "INT"]
+__all__ = ["BOOL", "INT", "F", "Program", "generate", "load"]

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import torch
-
-from gac_torch.tools.fuzz.table import ANY, BOOL, FLOAT, INT, NUM, _amax, _dim, _domain, kind, op
+from gac_torch.tools.fuzz.table import (
+    ANY,
+    FLOAT,
+    NUM,
+    _amax,
+    _dim,
+    kind,
+    op,
+)
 
 
 # --- views and data movement -------------------------------------------------------------------

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from gac_torch.tools.fuzz.table import ANY, BOOL, FLOAT, INT, NUM, _amax, _dim, _domain, kind, op
-
+from gac_torch.tools.fuzz.table import (
+    ANY,
+    BOOL,
+    FLOAT,
+    INT,
+    NUM,
+    _amax,
+    _dim,
+    _domain,
+    kind,
+    op,
+)
 
 # --- pointwise, float ------------------------------------------------------------------------
 _SIMPLE = {  # name: (aten names, source template)

@@ -12,7 +12,7 @@ Rules, per output tensor:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ def compare(got: Sequence, eager: Sequence, ref: Callable[[], Sequence | None], 
             if not cache:
                 try:
                     cache.append(ref())
-                except Exception:  # float64 eager rejects the program: no tie-break
+                except Exception:  # float64 eager rejects the program: no tie-break  # noqa: BLE001
                     cache.append(None)
             return None if cache[0] is None else cache[0][i]
         return get

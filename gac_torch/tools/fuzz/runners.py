@@ -162,15 +162,16 @@ class Runner:
                 outs = list(fn(*ins))
         except _ExportFailed as e:
             return Outcome(config, "ok", f"skipped: torch.export failed ({e})"), None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             unsup = _unsupported_error(e)
             if unsup is not None and strict:
                 lines = [ln.strip() for ln in str(unsup).splitlines()[1:] if ln.strip()]
                 return Outcome(config, "unsupported", "", lines), None
             root = _root(e)
-            tb = traceback.format_exception(root)
+            frames = traceback.extract_tb(root.__traceback__)
+            ours = [f for f in frames if "gac_torch" in f.filename][-2:] or frames[-2:]
             return Outcome(config, "crash", f"{type(root).__name__}: {_first_line(root)}\n"
-                           + "".join(tb[-3:])[-1500:]), None
+                           + "".join(traceback.format_list(ours))[-1500:]), None
         fell_back = _silent_fallbacks(reports())
         why = self.check(outs, ins)
         if why:
@@ -194,7 +195,7 @@ def run_case(source: str, seed: int, targets: tuple[str, ...] = ("cpu",),
     for target in targets:
         try:
             runner = Runner(source, target)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             return CaseResult(seed, [Outcome(f"{target}/eager", "crash", f"eager failed: {e}")])
         for frontend in frontends:
             strict, outs = runner.run(frontend, strict=True)
@@ -210,7 +211,7 @@ def run_case(source: str, seed: int, targets: tuple[str, ...] = ("cpu",),
             if first is None:
                 first = (strict.config, outs)
             elif first[1] is not outs and target != targets[0]:
-                why = compare(outs, first[1], lambda: runner.wide()[:len(runner.eager)])
+                why = compare(outs, first[1], lambda r=runner: r.wide()[:len(r.eager)])
                 if why:
                     outcomes.append(Outcome(f"{strict.config} vs {first[0]}", "mismatch", why))
     return CaseResult(seed, outcomes)
