@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import os
 import sys
@@ -32,6 +33,16 @@ def write_repro(out_dir: str, program, result) -> str:
     return path
 
 
+def _record(path: str, program, result) -> None:
+    bad = [o for o in result.outcomes if o.status == result.status]
+    rec = {"seed": program.seed, "status": result.status, "features": sorted(program.features),
+           "config": bad[0].config if bad else "", "detail": bad[0].detail.splitlines()[0][:300]
+           if bad and bad[0].detail else "",
+           "unsupported": sorted({ln for o in result.outcomes for ln in o.unsupported})}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gac_torch.tools.fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontends", default=",".join(FRONTENDS))
     ap.add_argument("--exclude", default="", help="comma-separated features / op names to leave out")
     ap.add_argument("--out", default="fuzz_repros", help="folder for repro files of failures")
+    ap.add_argument("--json", default=None, help="append one JSON line per case to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failure's details")
     args = ap.parse_args(argv)
     logging.getLogger("gac_torch").setLevel(logging.ERROR)  # failures are reported below
@@ -55,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         program = generate(args.seed + i, exclude)
         result = run_case(program.source(), program.seed, targets, tuple(args.frontends.split(",")))
         counts[result.status] += 1
+        if args.json:
+            _record(args.json, program, result)
         for line in {ln for o in result.outcomes for ln in o.unsupported}:
             rejected[line] += 1
         if result.status in ("mismatch", "crash"):

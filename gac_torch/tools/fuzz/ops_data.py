@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import torch
+
 from gac_torch.tools.fuzz.table import (
     ANY,
     FLOAT,
+    INT,
     NUM,
     _amax,
     _dim,
+    _in,
     kind,
     op,
 )
@@ -302,3 +306,61 @@ def _index_put(g, a):
     if a.t.dim() == 0 or a.t.shape[0] == 0:
         return None
     return f"{a.name}.index_put_((torch.tensor([0]),), torch.tensor(1).to({a.dt}))"
+
+
+# --- scatter, embedding, attention, sampling ---------------------------------------------------
+@op("scatter_add", "scatter_add", NUM)
+def _scatter_add(g, a):
+    if a.t.dim() == 0 or a.t.numel() == 0:
+        return None
+    idx = g.const(f"torch.randint(0, {a.t.shape[-1]}, {tuple(a.t.shape)}, generator=G)")
+    return f"torch.zeros_like({a.name}).scatter_add(-1, {idx}, {a.name})"
+
+
+@op("scatter", "scatter", ANY, exact=True)
+def _scatter(g, a):
+    if a.t.dim() == 0 or a.t.numel() == 0:
+        return None
+    n = a.t.shape[-1]  # a permutation per row: no two writes to one place (their order is undefined)
+    idx = g.const(f"torch.rand({tuple(a.t.shape)}, generator=G).argsort(-1)")
+    return f"torch.zeros_like({a.name}).scatter(-1, {idx}, {a.name})" if n else None
+
+
+@op("index_put_acc", "index_put", NUM)
+def _index_put_acc(g, a):
+    if a.t.dim() != 1 or a.t.numel() == 0:
+        return None
+    n = a.t.shape[0]
+    return (f"torch.zeros({n + 2}, dtype={a.dt}).index_put((torch.tensor({[0, n - 1, 0][:min(3, n + 1)]}),), "
+            f"{a.name}[:1].expand({min(3, n + 1)}), accumulate=True)")
+
+
+@op("embedding", "embedding", INT, exact=True)
+def _embedding(g, a):
+    if a.t.numel() == 0:
+        return None
+    table = g.const("torch.randn(9, 3, generator=G).to(F32)")
+    return f"F.embedding({a.name} + 4, {table})" if _in(a.t, -4, 4) else None
+
+
+@op("sdpa", "_scaled_dot_product_flash_attention", FLOAT)
+def _sdpa(g, a):
+    if a.t.dim() != 4 or a.t.numel() == 0 or a.t.dtype != torch.float32:
+        return None
+    return f"F.scaled_dot_product_attention({a.name}, {a.name} * 0.5, {a.name})"
+
+
+@op("grid_sample", "grid_sampler_2d", FLOAT)
+def _grid_sample(g, a):
+    if a.t.dim() != 4 or a.t.numel() == 0:
+        return None
+    n = a.t.shape[0]
+    grid = g.const(f"(torch.rand({n}, 3, 2, 2, generator=G) * 2.2 - 1.1).to({a.dt})")
+    return f"F.grid_sample({a.name}, {grid}, align_corners={g.rng.random() < 0.5})"
+
+
+@op("baddbmm", "baddbmm", (FLOAT, FLOAT))
+def _baddbmm(g, a, b):
+    if a.t.dim() != 3 or b.t.dim() != 3 or a.t.dtype != b.t.dtype:
+        return None
+    return f"torch.baddbmm({a.name} @ {b.name}, {a.name}, {b.name}, beta=0.5, alpha=2)"
