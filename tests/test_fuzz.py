@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 
 from gac_torch.tools.fuzz import generate, run_case
 from gac_torch.tools.fuzz.gen import lowered_names
@@ -54,7 +55,7 @@ def test_fuzz_cpu_vs_vortex(monkeypatch):
     pytest.importorskip("ziglang")
     pytest.importorskip("elftools")
     monkeypatch.delenv("VORTEX_HOME", raising=False)  # the functional simulator (no SimX)
-    counts, failures = _cases(VORTEX_SEEDS, ("cpu", "vortex"), frontends=("export",))
+    _, failures = _cases(VORTEX_SEEDS, ("cpu", "vortex"), frontends=("export",))
     assert not failures, "\n\n".join(failures)
 
 
@@ -87,3 +88,49 @@ def test_generated_programs_run_eagerly_and_replay():
         ns = load(generate(seed).source())
         outs = ns["forward"](*ns["make_inputs"]())
         assert isinstance(outs, tuple) and outs
+
+
+def test_oracle_non_finite_must_match_exactly():
+    from gac_torch.tools.fuzz.oracle import compare_tensor
+
+    inf, nan = float("inf"), float("nan")
+
+    def cmp(got, eager, ref=None):
+        return compare_tensor(torch.tensor(got), torch.tensor(eager), lambda: None if ref is None else torch.tensor(ref))
+
+    assert cmp([1.0, inf, nan], [1.0, inf, nan]) is None
+    assert cmp([1.0, -inf], [1.0, inf]) is not None  # the sign of an infinity
+    assert cmp([123.0], [-inf]) is not None  # a finite value where eager has inf
+    assert cmp([inf], [123.0]) is not None
+    assert cmp([nan], [inf]) is not None and cmp([inf], [nan]) is not None
+    assert cmp([nan], [0.0], ref=[nan]) is not None  # the float64 tie-break cannot excuse a NaN
+    assert cmp([1.0, 2.0], [1.0, 2.0001]) is None  # within f32 tolerance
+    assert cmp([1.0, 2.1], [1.0, 2.0]) is not None
+    # outside the tolerance of eager, but closer to the float64 truth than eager: passes
+    assert cmp([1.0, 2.0], [1.0, 2.001], ref=[1.0, 2.0]) is None
+    assert cmp([1.0, 2.002], [1.0, 2.001], ref=[1.0, 2.0]) is not None
+    assert cmp([1, 2], [1, 3]) is not None  # integers: exact
+    assert compare_tensor(torch.ones(2, dtype=torch.float16), torch.ones(2), lambda: None) is not None  # dtype
+
+
+def test_cross_target_compare_reports_a_disagreement(monkeypatch):
+    """A second target whose outputs are off makes a "cpu2 vs cpu" mismatch."""
+    from gac_torch.tools.fuzz import runners
+
+    real = runners.Runner.compiled
+
+    def compiled(self, frontend, strict):  # "cpu2": cpu's program, every output plus one
+        target, self.target = self.target, "cpu"
+        try:
+            fn, reports = real(self, frontend, strict)
+        finally:
+            self.target = target
+        if target != "cpu2":
+            return fn, reports
+        return (lambda *a: [o + 1 if o.is_floating_point() else o ^ 1 for o in fn(*a)]), reports
+    monkeypatch.setattr(runners.Runner, "compiled", compiled)
+    monkeypatch.setattr(runners, "device_of", lambda target: "cpu")
+    program = generate(3, exclude=frozenset(KNOWN))
+    result = runners.run_case(program.source(), 3, ("cpu", "cpu2"), ("export",))
+    assert [o.status for o in result.outcomes] == ["ok", "mismatch", "mismatch"], result.summary()
+    assert result.outcomes[2].config == "cpu2/export/strict vs cpu/export/strict"

@@ -21,7 +21,8 @@ from gac_torch.tools.fuzz.runners import FRONTENDS, run_case
 
 def summary_line(n: int, counts: collections.Counter) -> str:
     return (f"fuzz: {n} cases, ok {counts['ok']}, mismatch {counts['mismatch']}, "
-            f"crash {counts['crash']}, unsupported {counts['unsupported']}")
+            f"crash {counts['crash']}, unsupported {counts['unsupported']}"
+            + (f", skipped {counts['skipped']}" if counts["skipped"] else ""))
 
 
 def write_repro(out_dir: str, program, result) -> str:

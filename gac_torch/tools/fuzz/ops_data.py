@@ -153,7 +153,7 @@ def _index_select(g, a):
         return None
     n = a.t.shape[-1]
     idx = [g.rng.randrange(n) for _ in range(3)]
-    return f"{a.name}.index_select(-1, torch.tensor({idx}))"
+    return f"{a.name}.index_select(-1, torch.tensor({idx}, device={a.name}.device))"
 
 
 @op("index", "index", ANY, exact=True)
@@ -161,7 +161,7 @@ def _index(g, a):
     if a.t.dim() == 0 or a.t.shape[0] == 0:
         return None
     idx = [g.rng.randrange(-a.t.shape[0], a.t.shape[0]) for _ in range(2)]
-    return f"{a.name}[torch.tensor({idx})]"
+    return f"{a.name}[torch.tensor({idx}, device={a.name}.device)]"
 
 
 @op("gather", "gather", ANY, exact=True)
@@ -305,7 +305,8 @@ def _slice_assign(g, a, b):
 def _index_put(g, a):
     if a.t.dim() == 0 or a.t.shape[0] == 0:
         return None
-    return f"{a.name}.index_put_((torch.tensor([0]),), torch.tensor(1).to({a.dt}))"
+    dev = f"device={a.name}.device"
+    return f"{a.name}.index_put_((torch.tensor([0], {dev}),), torch.tensor(1, {dev}).to({a.dt}))"
 
 
 # --- scatter, embedding, attention, sampling ---------------------------------------------------
@@ -331,7 +332,8 @@ def _index_put_acc(g, a):
     if a.t.dim() != 1 or a.t.numel() == 0:
         return None
     n = a.t.shape[0]
-    return (f"torch.zeros({n + 2}, dtype={a.dt}).index_put((torch.tensor({[0, n - 1, 0][:min(3, n + 1)]}),), "
+    dev = f"device={a.name}.device"
+    return (f"torch.zeros({n + 2}, dtype={a.dt}, {dev}).index_put((torch.tensor({[0, n - 1, 0][:min(3, n + 1)]}, {dev}),), "
             f"{a.name}[:1].expand({min(3, n + 1)}), accumulate=True)")
 
 

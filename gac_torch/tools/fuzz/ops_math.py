@@ -340,7 +340,7 @@ op("zeros_like", "zeros_like", ANY, exact=True)(lambda g, a: f"torch.zeros_like(
 op("full_like", "full_like", NUM, exact=True)(lambda g, a: f"torch.full_like({a.name}, 2)")
 op("ones_like", "ones_like", ANY, exact=True)(lambda g, a: f"torch.ones_like({a.name}) + {a.name}")
 op("arange", "arange add", NUM, exact=True)(
-    lambda g, a: f"{a.name} + torch.arange({a.t.shape[-1]}).to({a.dt})" if a.t.dim() else None)
+    lambda g, a: f"{a.name} + torch.arange({a.t.shape[-1]}, device={a.name}.device).to({a.dt})" if a.t.dim() else None)
 op("shift", "bitwise_left_shift bitwise_right_shift", (INT, INT), exact=True)(
     lambda g, a, b: f"{a.name} << ({b.name} & 3)" if g.rng.random() < 0.5 else f"{a.name} >> ({b.name} & 3)")
 op("clamp_tensor", "clamp", (FLOAT, FLOAT, FLOAT), exact=True)(

@@ -8,6 +8,7 @@ the whole graph (when it did, default mode compiles the very same partitions). O
     mismatch     they do not
     crash        any exception other than the documented unsupported-op error, and in default
                  mode a partition that failed to compile and silently ran eagerly
+    skipped      eager itself fails on this target (e.g. an op CUDA lacks for a dtype)
     unsupported  strict mode raised GacUnsupportedError (ops gac does not lower; listed) and
                  default mode, falling back for them, matches eager
 A case's status is its worst outcome (crash > mismatch > unsupported > ok).
@@ -27,7 +28,7 @@ from gac_torch.tools.fuzz.gen import load
 from gac_torch.tools.fuzz.oracle import compare
 
 FRONTENDS = ("compile", "export")
-RANK = {"ok": 0, "unsupported": 1, "mismatch": 2, "crash": 3}
+RANK = {"skipped": -1, "ok": 0, "unsupported": 1, "mismatch": 2, "crash": 3}
 
 
 @dataclass
@@ -195,8 +196,8 @@ def run_case(source: str, seed: int, targets: tuple[str, ...] = ("cpu",),
     for target in targets:
         try:
             runner = Runner(source, target)
-        except Exception as e:  # noqa: BLE001
-            return CaseResult(seed, [Outcome(f"{target}/eager", "crash", f"eager failed: {e}")])
+        except Exception as e:  # noqa: BLE001  (e.g. an op eager lacks on this device)
+            return CaseResult(seed, [Outcome(f"{target}/eager", "skipped", f"eager failed: {e}")])
         for frontend in frontends:
             strict, outs = runner.run(frontend, strict=True)
             outcomes.append(strict)
