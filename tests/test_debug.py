@@ -76,3 +76,15 @@ def test_bisect_blames_a_fused_miscompile_by_prefix(monkeypatch, tmp_path):
     blame = debug.bisect(Net(), _inputs(), out_dir=str(tmp_path))
     assert blame is not None and blame.how == "prefix", blame
     assert blame.op == "aten.add.Tensor", blame  # tanh, mul, add: the first 3-op prefix ends at add
+
+
+def test_minify_shrinks_a_failing_fuzz_program(add_lowers_to_sub):
+    from gac_torch.tools.fuzz.gen import Program
+    from gac_torch.tools.fuzz.minify import minify
+
+    program = Program(
+        seed=0, input_lines=["x0 = torch.randn((3, 4), generator=G).to(F32)"], inputs=["x0"],
+        lines=["v0 = torch.sin(x0)", "v1 = v0 + x0", "v2 = torch.cos(v0)", "v3 = v2 * 2"],
+        outputs=["v3", "v1"])
+    small = minify(program, frontends=("export",))
+    assert small.lines == ["v0 = torch.sin(x0)", "v1 = v0 + x0"] and small.outputs == ["v1"], small.source()

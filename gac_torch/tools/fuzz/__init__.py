@@ -5,7 +5,8 @@
 
 Pieces: table.py + ops_math.py + ops_data.py (the op table, drawn from the registry's lowered
 ops), gen.py (seed -> program source), oracle.py (compare with eager / float64), runners.py (the
-front-ends and the classification), __main__.py (the CLI, repro files).
+front-ends and the classification), minify.py (shrinks a failing program), __main__.py (the CLI,
+repro files). gac_torch.debug.bisect names the op of a failing program that gac gets wrong.
 """
 
 from __future__ import annotations

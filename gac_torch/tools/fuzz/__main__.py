@@ -3,6 +3,8 @@
     python -m gac_torch.tools.fuzz --cases 200 --seed 0 --target cpu [--out fuzz_repros]
     python -m gac_torch.tools.fuzz --cases 20 --target cpu,vortex   # cross-target differential
     python -m gac_torch.tools.fuzz --cases 500 --target cuda         # on a GPU machine
+    python -m gac_torch.tools.fuzz --cases 1 --seed 26 --minify      # a failing case, shrunk
+    PYTHONPATH=. python fuzz_repros/case_26_crash.py                 # replay a repro
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontends", default=",".join(FRONTENDS))
     ap.add_argument("--exclude", default="", help="comma-separated features / op names to leave out")
     ap.add_argument("--out", default="fuzz_repros", help="folder for repro files of failures")
+    ap.add_argument("--minify", action="store_true", help="shrink each failing program (minify.py) "
+                    "before writing its repro")
     ap.add_argument("--json", default=None, help="append one JSON line per case to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failure's details")
     args = ap.parse_args(argv)
@@ -73,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         for line in {ln for o in result.outcomes for ln in o.unsupported}:
             rejected[line] += 1
         if result.status in ("mismatch", "crash"):
+            if args.minify:
+                from gac_torch.tools.fuzz.minify import minify
+
+                program = minify(program, targets, tuple(args.frontends.split(",")))
+                result = run_case(program.source(), program.seed, targets, tuple(args.frontends.split(",")))
             path = write_repro(args.out, program, result)
             by_feature.update(program.features)
             first = next(o for o in result.outcomes if o.status == result.status)
