@@ -333,7 +333,8 @@ def _index_put_acc(g, a):
         return None
     n = a.t.shape[0]
     dev = f"device={a.name}.device"
-    return (f"torch.zeros({n + 2}, dtype={a.dt}, {dev}).index_put((torch.tensor({[0, n - 1, 0][:min(3, n + 1)]}, {dev}),), "
+    where = [0, n - 1, 0][:min(3, n + 1)]  # a repeated index: accumulate adds both
+    return (f"torch.zeros({n + 2}, dtype={a.dt}, {dev}).index_put((torch.tensor({where}, {dev}),), "
             f"{a.name}[:1].expand({min(3, n + 1)}), accumulate=True)")
 
 

@@ -333,14 +333,16 @@ def _norm(g, a):
 op("tan", "tan")(lambda g, a: f"torch.tan(torch.tanh({a.name}))")  # |x| < 1: far from the poles
 op("sinh", "sinh")(lambda g, a: f"torch.sinh({a.name})" if _amax(a.t) < 8 else None)
 op("erfinv", "erfinv")(lambda g, a: f"torch.erfinv(0.9 * torch.tanh({a.name}))")
-op("acos", "acos")(lambda g, a: _domain(g, a, -1, 1, f"torch.acos({a.name})", f"torch.acos(torch.tanh({a.name}))"))
+op("acos", "acos")(
+    lambda g, a: _domain(g, a, -1, 1, f"torch.acos({a.name})", f"torch.acos(torch.tanh({a.name}))"))
 op("sgn", "sgn", NUM, exact=True, disc=True)(lambda g, a: f"torch.sgn({a.name})")
 op("round_decimals", "round", FLOAT)(lambda g, a: f"torch.round({a.name}, decimals=1)" if a.exact else None)
 op("zeros_like", "zeros_like", ANY, exact=True)(lambda g, a: f"torch.zeros_like({a.name})")
 op("full_like", "full_like", NUM, exact=True)(lambda g, a: f"torch.full_like({a.name}, 2)")
 op("ones_like", "ones_like", ANY, exact=True)(lambda g, a: f"torch.ones_like({a.name}) + {a.name}")
 op("arange", "arange add", NUM, exact=True)(
-    lambda g, a: f"{a.name} + torch.arange({a.t.shape[-1]}, device={a.name}.device).to({a.dt})" if a.t.dim() else None)
+    lambda g, a: f"{a.name} + torch.arange({a.t.shape[-1]}, device={a.name}.device).to({a.dt})"
+    if a.t.dim() else None)
 op("shift", "bitwise_left_shift bitwise_right_shift", (INT, INT), exact=True)(
     lambda g, a, b: f"{a.name} << ({b.name} & 3)" if g.rng.random() < 0.5 else f"{a.name} >> ({b.name} & 3)")
 op("clamp_tensor", "clamp", (FLOAT, FLOAT, FLOAT), exact=True)(

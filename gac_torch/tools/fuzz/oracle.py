@@ -34,7 +34,8 @@ def _nonfinite(got: torch.Tensor, eager: torch.Tensor) -> str | None:
     g_bad, e_bad = ~got.isfinite(), ~eager.isfinite()
     if bool((g_bad != e_bad).any()):
         i = int((g_bad != e_bad).flatten().nonzero()[0])
-        return f"non-finite elements differ (flat index {i}: gac {got.flatten()[i].item()}, eager {eager.flatten()[i].item()})"
+        return (f"non-finite elements differ (flat index {i}: gac {got.flatten()[i].item()}, "
+                f"eager {eager.flatten()[i].item()})")
     if bool((got.isnan() != eager.isnan()).any()) or not torch.equal(got[e_bad & ~eager.isnan()],
                                                                        eager[e_bad & ~eager.isnan()]):
         return "non-finite elements differ (NaN vs inf, or the sign of an infinity)"
