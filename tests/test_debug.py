@@ -88,3 +88,20 @@ def test_minify_shrinks_a_failing_fuzz_program(add_lowers_to_sub):
         outputs=["v3", "v1"])
     small = minify(program, frontends=("export",))
     assert small.lines == ["v0 = torch.sin(x0)", "v1 = v0 + x0"] and small.outputs == ["v1"], small.source()
+
+
+def test_bisect_takes_parameters_and_names_the_op_of_a_module(add_lowers_to_sub, tmp_path):
+    """Lifted parameters are inputs of the exported graph: bisect feeds them too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh())
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model
+
+        def forward(self, x):
+            return self.body(x) + x[:, :4]
+
+    blame = gac_torch.debug.bisect(Residual(), (torch.randn(3, 5),), out_dir=str(tmp_path))
+    assert blame is not None and blame.op == "aten.add.Tensor", blame
