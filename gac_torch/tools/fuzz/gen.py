@@ -163,6 +163,8 @@ class Gen:
         if expr is None:
             return None
         target = args[0]
+        if o.inplace and torch._debug_has_internal_overlap(target.t) != 0:
+            return None  # writing through an overlapping view (unfold, expand): torch.compile bans it
         shares_input = o.inplace and any(
             v.role == "input" and _same_storage(target.t, v.t) for v in self.vars)
         if o.inplace and "input_mutation" in self.exclude and shares_input:
