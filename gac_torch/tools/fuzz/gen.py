@@ -35,6 +35,7 @@ class Var:
     t: torch.Tensor
     exact: bool  # no rounding error so far (inputs, views, int math)
     role: str = "value"  # "input" | "const" (a weight: an input ops never mutate) | "value"
+    no_write: bool = False  # a view of an unfold / expand result (its elements may overlap)
 
     @property
     def dt(self) -> str:
@@ -163,7 +164,7 @@ class Gen:
         if expr is None:
             return None
         target = args[0]
-        if o.inplace and torch._debug_has_internal_overlap(target.t) != 0:
+        if o.inplace and (target.no_write or torch._debug_has_internal_overlap(target.t) != 0):
             return None  # writing through an overlapping view (unfold, expand): torch.compile bans it
         shares_input = o.inplace and any(
             v.role == "input" and _same_storage(target.t, v.t) for v in self.vars)
@@ -191,7 +192,9 @@ class Gen:
         if o.inplace:
             target.exact = target.exact and exact
         name = f"v{k}"
-        self.vars.append(Var(name, out, exact))
+        no_write = o.name in ("unfold", "expand") or any(
+            a.no_write and _same_storage(out, a.t) for a in args)
+        self.vars.append(Var(name, out, exact, no_write=no_write))
         return f"{name} = {expr}"
 
     def _features(self, o: Op, args: list[Var], out: torch.Tensor, shares_input: bool) -> set[str]:
