@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default="fuzz_repros")
+    ap.add_argument("--max-seconds", type=float, default=None, help="each job starts no case after this")
     ap.add_argument("--md", default=None, help="write the markdown summary here")
     args = ap.parse_args()
 
@@ -50,6 +51,8 @@ def main() -> int:
         logs.append(log)
         cmd = [sys.executable, "-m", "gac_torch.tools.fuzz", "--cases", str(n), "--seed", str(args.seed + j * per),
                "--target", args.target, "--out", args.out, "--json", log]
+        if args.max_seconds is not None:
+            cmd += ["--max-seconds", str(args.max_seconds)]
         with open(log + ".txt", "w") as out:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                           env=dict(os.environ, PYTHONPATH=ROOT)))

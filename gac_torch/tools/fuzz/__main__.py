@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="fuzz_repros", help="folder for repro files of failures")
     ap.add_argument("--minify", action="store_true", help="shrink each failing program (minify.py) "
                     "before writing its repro")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new case after this long (the summary counts the cases run)")
     ap.add_argument("--json", default=None, help="append one JSON line per case to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every failure's details")
     args = ap.parse_args(argv)
@@ -68,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     rejected: collections.Counter = collections.Counter()  # "op: reason" -> cases
     by_feature: collections.Counter = collections.Counter()
     start = time.time()
+    done = 0
     for i in range(args.cases):
+        if args.max_seconds is not None and time.time() - start > args.max_seconds:
+            break
+        done += 1
         program = generate(args.seed + i, exclude)
         result = run_case(program.source(), program.seed, targets, tuple(args.frontends.split(",")))
         counts[result.status] += 1
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n:4d}  {line}")
     if by_feature:
         print("features of failing cases: " + ", ".join(f"{k} {v}" for k, v in by_feature.most_common(25)))
-    print(summary_line(args.cases, counts))
+    print(summary_line(done, counts))
     return 0 if counts["mismatch"] == counts["crash"] == 0 else 1
 
 
