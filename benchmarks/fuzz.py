@@ -34,6 +34,10 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--out", default="fuzz_repros")
     ap.add_argument("--max-seconds", type=float, default=None, help="each job starts no case after this")
+    ap.add_argument("--merge", action="store_true",
+                    help="run nothing: summarize the job*.jsonl already in --out (seeds deduplicated)")
+    ap.add_argument("--commit", default=None, help="with --merge: the commit the jobs ran")
+    ap.add_argument("--minutes", type=float, default=None, help="with --merge: the run's wall time")
     ap.add_argument("--md", default=None, help="write the markdown summary here")
     args = ap.parse_args()
 
@@ -42,8 +46,10 @@ def main() -> int:
     start = time.time()
     commit = f"{_git('rev-parse', '--short', 'HEAD')} ({_git('log', '-1', '--format=%cd', '--date=iso')})"
     dirty = " plus uncommitted changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    if args.merge:
+        commit, dirty = args.commit or commit, ""
     procs, logs = [], []
-    for j in range(args.jobs):
+    for j in range(0 if args.merge else args.jobs):
         n = min(per, args.cases - j * per)
         log = os.path.join(args.out, f"job{j}.jsonl")
         if os.path.exists(log):
@@ -58,11 +64,17 @@ def main() -> int:
                                           env=dict(os.environ, PYTHONPATH=ROOT)))
     for p in procs:
         p.wait()
-    records = []
+    if args.merge:
+        logs = sorted(os.path.join(args.out, n) for n in os.listdir(args.out)
+                      if n.startswith("job") and n.endswith(".jsonl"))
+    by_seed = {}
     for log in logs:
         with open(log) as f:
-            records += [json.loads(ln) for ln in f]
-    minutes = (time.time() - start) / 60
+            for ln in f:
+                rec = json.loads(ln)
+                by_seed.setdefault(rec["seed"], rec)
+    records = [by_seed[s] for s in sorted(by_seed)]
+    minutes = args.minutes if args.merge and args.minutes else (time.time() - start) / 60
 
     counts = collections.Counter(r["status"] for r in records)
     line = (f"fuzz: {len(records)} cases, ok {counts['ok']}, mismatch {counts['mismatch']}, "
@@ -75,7 +87,8 @@ def main() -> int:
     rejected = collections.Counter(u for r in records for u in r["unsupported"])
 
     md = [f"# Fuzz run, target {args.target}", "",
-          f"Commit {commit}{dirty}, {args.jobs} job(s), {minutes:.0f} min.", "",
+          (f"Commit {commit}{dirty}, {args.jobs} job(s), {minutes:.0f} min; seeds {records[0]['seed']}.."
+           f"{records[-1]['seed']}."), "",
           (f"    nice python benchmarks/fuzz.py --cases {args.cases} --seed {args.seed} --target {args.target} "
            f"--jobs {args.jobs}"), "", "```", line, "```", "",
           ("Each case: torch.compile(backend=\"gac\") and gac_torch.compile(torch.export.export(...)), strict "
