@@ -5,6 +5,7 @@
     compiled = gac_torch.compile("model.onnx", target="cpu")   # or an onnx.ModelProto
     gac_torch.explain(model, *example_inputs)    # what compiles, what falls back, and why
     gac_torch.compile_stage_file("dump/fused_0.linalg", target="cuda")  # resume from a dump
+    gac_torch.debug.bisect(model, example_inputs) # the first op whose compiled output is wrong
 """
 
 from __future__ import annotations
@@ -89,7 +90,15 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "compile_stage_file", "explain", "backend", "__version__",
+def __getattr__(name: str):
+    if name == "debug":  # gac_torch.debug.bisect(...): imported on first use
+        import importlib
+
+        return importlib.import_module("gac_torch.debug")
+    raise AttributeError(f"module 'gac_torch' has no attribute {name!r}")
+
+
+__all__ = ["compile", "compile_stage_file", "explain", "backend", "debug", "__version__",
            "GacError", "OptionError", "GacInputError", "GacUnsupportedError", "StaticShapesOnly",
            "CompileError", "GacCompilerError", "GacCompilerWarning", "TargetUnavailable",
            "OnnxLoadError"]
