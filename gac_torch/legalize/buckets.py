@@ -3,7 +3,7 @@ always run eagerly, each with its reason."""
 
 from __future__ import annotations
 
-from gac_torch.legalize.registry import aten, decompose, fallback
+from gac_torch.legalize.registry import COLLECTIVE, aten, decompose, fallback, namespace_overloads
 
 # Decompose: torch's decomposition (torch._decomp, or the op's CompositeImplicit kernel) gives
 # only ops we lower, and a dedicated lowering would not be simpler.
@@ -74,3 +74,5 @@ fallback("a view of raw storage: a functional graph has no storage to stride ove
 fallback("out= variant: functional graphs never write into an argument", aten.atan2.out)
 fallback("bags with data-dependent offsets", aten._embedding_bag.default)
 fallback("scatter-add of overlapping patches (fold)", aten.col2im.default)
+# Communication stays torch's own NCCL/gloo call: gac compiles the local compute around it.
+fallback(COLLECTIVE, *namespace_overloads("_c10d_functional", "_c10d_functional_autograd"))
