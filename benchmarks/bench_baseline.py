@@ -15,7 +15,8 @@ import datetime
 import statistics
 
 import torch
-from common import Chain, Gemm, LinearGelu, cuda_randn, small_models, time_ms, write_report
+from common import (REL_TOL, Chain, Gemm, LinearGelu, cuda_randn, failed, parity, rel_err, small_models, time_ms,
+                    write_report)
 
 
 def workloads():
@@ -47,13 +48,13 @@ def main() -> None:
             for vname in ("inductor", "gac"):
                 try:
                     out = variants[vname](*inputs)  # compiles (warm-up 1)
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    err = rel_err(out, ref)
                     if vname == "gac":
                         coverage = f"{gac_dynamo.compiled_graphs[-1].report.percent:.0f}%"
-                        status = f"rel.err {err:.1e}"
+                        status = f"rel.err {err:.1e} {parity(name, err, REL_TOL[inputs[0].dtype])}"
                 except Exception as e:  # report, keep benchmarking the others
                     variants.pop(vname)
-                    status = f"{vname} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                    status = failed(f"{name} {vname}", f"{type(e).__name__}: {str(e).splitlines()[0][:80]}")
             for fn in variants.values():  # warm-up
                 for _ in range(3):
                     fn(*inputs)

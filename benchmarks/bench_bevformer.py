@@ -14,14 +14,10 @@ import statistics
 import time
 
 import torch
-from common import time_ms, write_report
+from common import REL_TOL, parity, rel_err, time_ms, write_report
 
 import gac_torch
 from gac_torch.models.bevformer import build_bevformer, make_test_inputs
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def log(config: str, what: str, t_start: float) -> None:
@@ -46,7 +42,8 @@ def run(config: str, rounds: int, iters: int, inductor: bool) -> dict:
         log(config, f"gac compiled in {row['compile_s']:.0f}s: {row['coverage']}", t_run)
         out0, out1 = compiled(*frame0), compiled(*frame1)
         row["rel_err"] = {name: max(rel_err(a, b), rel_err(c, d)) for name, a, b, c, d in zip(
-            ("cls", "bbox", "bev"), out0, ref0, out1, ref1)}
+            ("cls", "bbox", "bev"), out0, ref0, out1, ref1, strict=True)}
+        row["parity"] = parity(config, max(row["rel_err"].values()), REL_TOL[torch.float32])
         log(config, f"parity over 2 frames: {row['rel_err']}", t_run)
         variants = {"eager": model, "gac": compiled}
         if inductor:
@@ -82,14 +79,15 @@ def main() -> None:
              f"Command: `python benchmarks/bench_bevformer.py --configs {' '.join(args.configs)}`"
              f"{' --no-inductor' if args.no_inductor else ''}; fp32, batch 1, frame 1 (with prev_bev); "
              f"medians of {args.rounds} interleaved rounds x {args.iters} calls, CUDA events.", "",
-             "| config | eager ms | inductor ms | gac ms | eager/gac | gac compile s | rel.err cls / bbox / bev (2 frames) | coverage |",
-             "|---|---|---|---|---|---|---|---|"]
+             ("| config | eager ms | inductor ms | gac ms | eager/gac | gac compile s "
+              "| rel.err cls / bbox / bev (2 frames) | parity | coverage |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r["ms"]
         e = r["rel_err"]
         lines.append(f"| {r['config']} | {ms['eager']:.2f} | {ms.get('inductor', float('nan')):.2f} | {ms['gac']:.2f} | "
                      f"{ms['eager'] / ms['gac']:.2f} | {r['compile_s']:.0f} | {e['cls']:.1e} / {e['bbox']:.1e} / {e['bev']:.1e} | "
-                     f"{r['coverage']} |")
+                     f"{r['parity']} | {r['coverage']} |")
     lines += [f"\n{r['config']}: Inductor compile + first call {r['inductor_compile_s']:.0f} s"
               for r in rows if "inductor_compile_s" in r]
     write_report("\n".join(lines) + "\n", args.out)

@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts: CUDA-event timing (METHOD.md: events, after warm-up), the
-small workloads several scripts time, and writing the report."""
+small workloads several scripts time, parity enforcement, and writing the report."""
 
 from __future__ import annotations
 
@@ -58,7 +58,37 @@ def small_models(rnd):
     yield "TransformerEncoderLayer(64,4) 8x128", transformer_layer().eval().cuda(), (rnd(8, 128, 64),)
 
 
+# Norm-wise relative error allowed against the reference, by the workload's compute dtype: a few
+# units of the dtype's rounding, with margin (fp32 also covers eager's TF32 convolutions, ~1e-4).
+REL_TOL = {torch.float32: 1e-3, "tf32": 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+_FAILED: list[str] = []
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def parity(what: str, err: float, tol: float) -> str:
+    """"ok", or "FAIL (...)" when err is over tol (NaN included): the row says so and
+    write_report() then exits non-zero, so a benchmark never reports speed for wrong answers."""
+    if err <= tol:
+        return "ok"
+    _FAILED.append(f"{what}: error {err:.2e} > tolerance {tol:.0e}")
+    return f"FAIL ({err:.1e} > {tol:.0e})"
+
+
+def failed(what: str, why: str) -> str:
+    """A variant that raised: marked and counted like a parity failure."""
+    _FAILED.append(f"{what}: {why}")
+    return f"FAIL ({why})"
+
+
 def write_report(text: str, out) -> None:
+    """Prints and writes the report; exits with status 1 after writing it if any parity() failed."""
     print(text)
     if out:
         Path(out).write_text(text)
+    if _FAILED:
+        print("parity FAILED:\n  " + "\n  ".join(_FAILED), file=sys.stderr)
+        sys.exit(1)

@@ -54,7 +54,7 @@ def make(nodes: list, inputs: dict[str, np.ndarray], inits: dict[str, np.ndarray
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     refs = ort.InferenceSession(model.SerializeToString()).run(None, inputs)
     model.graph.ClearField("output")
-    model.graph.output.extend(vi(o, r) for o, r in zip(outputs, refs))
+    model.graph.output.extend(vi(o, r) for o, r in zip(outputs, refs, strict=True))
     return model, refs
 
 
@@ -66,7 +66,7 @@ def check(model: onnx.ModelProto, inputs: dict[str, np.ndarray], refs: list[np.n
     dev = device_of(target)
     outs = c(*[torch.from_numpy(v).to(dev) for v in inputs.values()])
     outs = outs if isinstance(outs, tuple) else (outs,)
-    for vi, o, r in zip(model.graph.output, outs, refs):
+    for vi, o, r in zip(model.graph.output, outs, refs, strict=True):
         name = vi.name
         assert o.dtype == torch.from_numpy(r).dtype, f"{name}: {o.dtype} vs {r.dtype}"
         exact = not np.issubdtype(r.dtype, np.floating)
@@ -103,7 +103,7 @@ def check_exported(path: str, module: torch.nn.Module, args: tuple, target: str,
                    strict: bool = True, rtol: float = 1e-4, atol: float = 1e-4):
     """gac vs onnxruntime and vs eager PyTorch (deep graphs: atol 1e-4)."""
     sess = ort.InferenceSession(path)
-    refs = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
+    refs = sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args, strict=True)})
     c = gac_torch.compile(path, target=target, options={"fallback": not strict})
     assert not c.onnx_report.unsupported, c.onnx_report.summary()
     outs = c(*[a.to(device_of(target)) for a in args])
@@ -111,7 +111,7 @@ def check_exported(path: str, module: torch.nn.Module, args: tuple, target: str,
     with torch.no_grad():
         eager = module(*args)
     eager = eager if isinstance(eager, tuple) else (eager,)
-    for o, r, e in zip(outs, refs, eager):
+    for o, r, e in zip(outs, refs, eager, strict=True):
         torch.testing.assert_close(o.cpu(), torch.from_numpy(r), rtol=rtol, atol=atol)
         torch.testing.assert_close(o.cpu(), e, rtol=rtol, atol=atol)
     return c

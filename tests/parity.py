@@ -59,13 +59,13 @@ def reference(fn: Callable, inputs: Sequence[torch.Tensor]):
 def _cast_like(ref, eager):
     if isinstance(eager, torch.Tensor):
         return ref.to(eager.dtype) if eager.is_floating_point() else eager
-    return type(eager)(_cast_like(r, e) for r, e in zip(ref, eager))
+    return type(eager)(_cast_like(r, e) for r, e in zip(ref, eager, strict=True))
 
 
 def assert_close(out, ref, what: str = ""):
     if isinstance(ref, (tuple, list)):
         assert isinstance(out, (tuple, list)) and len(out) == len(ref), what
-        for o, r in zip(out, ref):
+        for o, r in zip(out, ref, strict=True):
             assert_close(o, r, what)
         return
     assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} != {ref.dtype}"

@@ -80,7 +80,7 @@ def test_use_prev_bev_switch(model: BEVFormer) -> None:
         off_zero = model(images, l2i, can_bus, torch.zeros_like(rand_prev), torch.tensor(0.0))
         off_rand = model(images, l2i, can_bus, rand_prev, torch.tensor(0.0))
         on_rand = model(images, l2i, can_bus, rand_prev, torch.tensor(1.0))
-    for a, b in zip(off_zero, off_rand):
+    for a, b in zip(off_zero, off_rand, strict=True):
         assert torch.equal(a, b)
     assert not torch.allclose(off_rand[2], on_rand[2])
 
@@ -101,8 +101,8 @@ def test_export_matches_eager(model: BEVFormer, exported: torch.export.ExportedP
         if isinstance(val, Tensor):
             assert all(isinstance(s, int) for s in val.shape), n
     eager = _two_frames(model, model.cfg)
-    for e_out, x_out in zip(eager, _two_frames(exported.module(), model.cfg)):
-        for e, x in zip(e_out, x_out):
+    for e_out, x_out in zip(eager, _two_frames(exported.module(), model.cfg), strict=True):
+        for e, x in zip(e_out, x_out, strict=True):
             torch.testing.assert_close(x, e, atol=EXPORT_ATOL, rtol=EXPORT_RTOL)
 
 
@@ -113,8 +113,8 @@ def test_decomposed_matches_eager(model: BEVFormer, exported: torch.export.Expor
                               if n.op == "call_function")
     assert ops["aten.grid_sampler_2d.default"] > 0
     eager = _two_frames(model, model.cfg)
-    for e_out, d_out in zip(eager, _two_frames(decomposed.module(), model.cfg)):
-        for e, d in zip(e_out, d_out):
+    for e_out, d_out in zip(eager, _two_frames(decomposed.module(), model.cfg), strict=True):
+        for e, d in zip(e_out, d_out, strict=True):
             torch.testing.assert_close(d, e, atol=EXPORT_ATOL, rtol=EXPORT_RTOL)
 
 

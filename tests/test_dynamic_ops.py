@@ -140,7 +140,7 @@ def _run_samples(name: str, samples, exercised: set[str], failures: list[str], t
         if compiled.report.unsupported:
             continue  # partly eager: the eager ops are not what this test is about
         outs = list(outs)[len(outs) - n_user:]
-        for k, (o, e) in enumerate(zip(outs, eager)):
+        for k, (o, e) in enumerate(zip(outs, eager, strict=True)):
             bad = compare(o, e, None)
             if bad:
                 failures.append(f"{name}: output {k}: {bad}")

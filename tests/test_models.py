@@ -84,5 +84,5 @@ def test_training_keeps_gradients():
     (out.square().sum()).backward()
     (ref.square().sum()).backward()
     torch.testing.assert_close(x1.grad, x2.grad, **MODEL_TOL)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, **MODEL_TOL)

@@ -256,6 +256,6 @@ def test_bevformer_test_tiny_two_frames():
         out0, ref0 = compiled(*frame0), model(*frame0)
         frame1 = make_test_inputs(model.cfg, frame=1, prev_bev=ref0[2])
         out1, ref1 = compiled(*frame1), model(*frame1)
-    for got, want in zip(out0 + out1, ref0 + ref1):
+    for got, want in zip(out0 + out1, ref0 + ref1, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     assert vortex.last_counters(compiled)["cycles"] > 0

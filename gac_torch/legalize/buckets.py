@@ -3,7 +3,7 @@ always run eagerly, each with its reason."""
 
 from __future__ import annotations
 
-from gac_torch.legalize.registry import aten, decompose, fallback
+from gac_torch.legalize.registry import COLLECTIVE, aten, decompose, fallback, namespace_overloads
 
 # Decompose: torch's decomposition (torch._decomp, or the op's CompositeImplicit kernel) gives
 # only ops we lower, and a dedicated lowering would not be simpler.
@@ -76,3 +76,5 @@ fallback("bags with data-dependent offsets", aten._embedding_bag.default)
 fallback("scatter-add of overlapping patches (fold)", aten.col2im.default)
 fallback("torch's decomposition disagrees with the kernel when a target row has -1 before its end",
          aten.multilabel_margin_loss_forward.default)
+# Communication stays torch's own NCCL/gloo call: gac compiles the local compute around it.
+fallback(COLLECTIVE, *namespace_overloads("_c10d_functional", "_c10d_functional_autograd"))

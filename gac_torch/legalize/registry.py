@@ -87,9 +87,25 @@ def decompose_with(*overloads: OpOverload):
     return register
 
 
+# The reason of the ops that run in torch by design, not because gac lacks them: communication
+# (torch.distributed's functional collectives). The report lists them apart, not as fallbacks.
+COLLECTIVE = "collective: runs in torch"
+
+
 def fallback(reason: str, *overloads: OpOverload) -> None:
     for ov in overloads:
         _add(Entry(ov, "fallback", reason=reason))
+
+
+def namespace_overloads(*namespaces: str) -> list[OpOverload]:
+    """Every overload the dispatcher knows in these op namespaces (e.g. "_c10d_functional")."""
+    found = []
+    for full in sorted(torch._C._dispatch_get_all_op_names()):
+        namespace, _, name = full.partition("::")
+        if namespace in namespaces:
+            packet = getattr(getattr(torch.ops, namespace), name.partition(".")[0])
+            found += [getattr(packet, ov) for ov in packet.overloads()]
+    return sorted(set(found), key=str)
 
 
 def _is_composite(ov: OpOverload) -> bool:

@@ -17,6 +17,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from gac_torch.legalize import node_support
 from gac_torch.legalize.context import HOST_SIZE_MATH
+from gac_torch.legalize.registry import COLLECTIVE
 
 _SKIP = {"placeholder", "output", "get_attr"}
 
@@ -49,6 +50,7 @@ class GraphReport:
     compiled: int = 0
     partitions: int = 0
     unsupported: Counter = field(default_factory=Counter)  # (op, reason) -> count
+    in_torch: Counter = field(default_factory=Counter)  # op -> count: collectives, torch's by design
 
     @property
     def compiler_errors(self) -> int:
@@ -65,6 +67,9 @@ class GraphReport:
         if self.unsupported:
             falls = ", ".join(f"{op} x{n} ({why})" for (op, why), n in sorted(self.unsupported.items()))
             line += f"; eager fallback: {falls}"
+        if self.in_torch:
+            line += "; left to torch: " + ", ".join(f"{op} x{n}" for op, n in sorted(self.in_torch.items()))
+            line += f" ({COLLECTIVE})"
         return line
 
     __str__ = summary
@@ -80,6 +85,9 @@ def analyze(gm: fx.GraphModule) -> tuple[dict[fx.Node, str | None], GraphReport]
         decisions[node] = why
         if node.op == "call_function" and node.target is operator.getitem or why == HOST_SIZE_MATH:
             continue  # bookkeeping (tuple access, size arithmetic on Python ints), not an op
+        if why == COLLECTIVE:  # communication is torch's job: neither compiled nor a fallback
+            report.in_torch[op_name(node)] += 1
+            continue
         report.total += 1
         if why is None:
             report.compiled += 1
