@@ -351,3 +351,25 @@ def test_cpu_export_compiled_for_cuda_keeps_metadata_asserts_valid():
     ep = torch.export.export(Fn(fn), (x,))  # on the CPU
     compiled = gac_torch.compile(ep, target="cuda", options=STRICT)
     torch.testing.assert_close(compiled(x.cuda()).cpu(), fn(x))
+
+
+# The same on the GPU (run on the H200): zero-size buffers reach the cuda runtime, and the
+# scalar policy must give CUDA eager's bits.
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(ZERO_SIZE))
+def test_zero_size_tensors_cuda(name):
+    g = torch.Generator().manual_seed(4)
+    e, x = torch.randn(0, 3, generator=g).cuda(), torch.randn(4, 3, generator=g).cuda()
+    fn = ZERO_SIZE[name]
+    compiled = gac_torch.compile(Fn(fn), (e, x), target="cuda", options=STRICT)
+    assert_close(compiled(e, x), reference(fn, [e, x]), name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(SCALAR_OPS))
+def test_python_scalar_matches_cuda_eager_bits(name, dtype):
+    fn = SCALAR_OPS[name]
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(8)).to(dtype).cuda()
+    compiled = gac_torch.compile(Fn(fn), (x,), target="cuda", options=STRICT)
+    torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0)
