@@ -15,6 +15,7 @@ from gac_torch.errors import TargetUnavailable
 from gac_torch.ir.dialect import make_context
 from gac_torch.ir.verifier import verify_gac
 from gac_torch.legalize import build_module
+from gac_torch.legalize.context import is_empty_output
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.dce import gac_dce
 from gac_torch.passes.fusion import annotate_kernels
@@ -93,9 +94,10 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
                 continue
             with open(os.path.join(dump_dir, f"{name}.{stage}"), "w") as f:
                 f.write(text)
+    live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
     try:
         target.check_available()
-        executable = target.load(artifact, signature, options)
+        executable = target.load(artifact, live, options)
     except TargetUnavailable as e:
         # Compiling needs no device (e.g. PTX on a CPU machine); running does: fail then, clearly.
         executable = _Unavailable(e)

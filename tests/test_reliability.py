@@ -177,7 +177,9 @@ def test_transformer_encoder_layer_trains_under_bf16_autocast():
     """The crash ("expected scalar type Float but found BFloat16": a bf16 attention matrix read as
     the f32 log-sum-exp) and the wrong gradients (relative error ~4 on in_proj_weight) are gone.
     The bound is loose: gac's bf16 gradients are still ~6x further from float64 than eager's
-    (4e-2 vs 7e-3 on in_proj_weight, 1e-1 vs 4e-3 on linear1), an open precision gap."""
+    (4e-2 vs 7e-3 on in_proj_weight, 1e-1 vs 4e-3 on linear1), an open precision gap. It comes
+    from the sdpa decomposition itself (aot_autograd with only that decomposition and no
+    compiler shows it too), not from gac's code generation."""
     ref = _encoder_grads("eager", torch.float64)
     gac = _encoder_grads("gac", autocast=True)
     for name in ref:
@@ -345,7 +347,29 @@ def test_cuda_device_gets_its_index():
 @pytest.mark.cuda
 def test_cpu_export_compiled_for_cuda_keeps_metadata_asserts_valid():
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(12))
-    fn = lambda t: t.to(torch.bool).to(torch.float32) * t + 1  # noqa: E731
+    fn = lambda t: t.to(torch.bool).to(torch.float32) * t + 1
     ep = torch.export.export(Fn(fn), (x,))  # on the CPU
     compiled = gac_torch.compile(ep, target="cuda", options=STRICT)
     torch.testing.assert_close(compiled(x.cuda()).cpu(), fn(x))
+
+
+# The same on the GPU (run on the H200): zero-size buffers reach the cuda runtime, and the
+# scalar policy must give CUDA eager's bits.
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(ZERO_SIZE))
+def test_zero_size_tensors_cuda(name):
+    g = torch.Generator().manual_seed(4)
+    e, x = torch.randn(0, 3, generator=g).cuda(), torch.randn(4, 3, generator=g).cuda()
+    fn = ZERO_SIZE[name]
+    compiled = gac_torch.compile(Fn(fn), (e, x), target="cuda", options=STRICT)
+    assert_close(compiled(e, x), reference(fn, [e, x]), name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(SCALAR_OPS))
+def test_python_scalar_matches_cuda_eager_bits(name, dtype):
+    fn = SCALAR_OPS[name]
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(8)).to(dtype).cuda()
+    compiled = gac_torch.compile(Fn(fn), (x,), target="cuda", options=STRICT)
+    torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0)

@@ -36,6 +36,12 @@ def is_static_tensor(v) -> bool:
     return isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in v.shape)
 
 
+def is_empty_output(v) -> bool:
+    """A statically zero-size tensor (or spec): never an output of a compiled kernel program."""
+    return isinstance(getattr(v, "shape", None), (tuple, torch.Size)) and any(
+        isinstance(s, int) and s == 0 for s in v.shape)
+
+
 def is_size_value(v) -> bool:
     return isinstance(v, torch.SymInt)
 
@@ -195,7 +201,8 @@ def build_module(gm: fx.GraphModule, ctx: ir.Context) -> ir.Module:
                 if node.op == "output":
                     outs = node.args[0]
                     outs = outs if isinstance(outs, (list, tuple)) else [outs]
-                    results = [env[o] for o in outs]
+                    # A zero-size output needs no buffer: the runtime makes it (is_empty_output).
+                    results = [env[o] for o in outs if not is_empty_output(meta_val(o))]
                     func.ReturnOp(results)
                     continue
                 env[node] = _legalize_node(b, node, env, sizes, known)

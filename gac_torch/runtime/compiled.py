@@ -93,8 +93,12 @@ class CompiledGraph(torch.nn.Module):
                   if isinstance(a, torch.Tensor) else int(a) for a in args]
         outputs = [torch.empty(shape, dtype=s.dtype, device=device)
                    for shape, s in zip(out_shapes, self.signature.outputs)]
-        if any(o.numel() for o in outputs):  # empty inputs give e.g. a reduction's identity
-            self.executable.run(inputs, outputs)
+        # Statically empty outputs are made here, not by the program (legalize/context.py);
+        # empty inputs still run it (a reduction over an empty dim gives its identity).
+        live = [o for o, s in zip(outputs, self.signature.outputs)
+                if not any(isinstance(d, int) and d == 0 for d in s.shape)]
+        if any(o.numel() for o in live):
+            self.executable.run(inputs, live)
         return tuple(outputs) if self.tuple_output else outputs[0]
 
 
