@@ -114,7 +114,8 @@ def test_dropped_training_program_is_freed():
 
 def _process_caches() -> dict[str, int]:
     """Process-wide caches a compile used to add to for good: torch.fx's generated source (one
-    entry per GraphModule.recompile()) and ctypes' pointer types (one per descriptor class)."""
+    entry per GraphModule.recompile()), ctypes' pointer types (one per descriptor class) and
+    dynamo's guard callbacks on long-lived objects (~16 per compile, ~100 KB)."""
     import ctypes
     import linecache
 
@@ -122,7 +123,8 @@ def _process_caches() -> dict[str, int]:
 
     return {"fx sources": len(graph_module._loader.eval_cache),
             "linecache": sum(str(k).startswith("<eval_with_key>") for k in linecache.cache),
-            "ctypes pointer types": len(ctypes._pointer_type_cache)}
+            "ctypes pointer types": len(ctypes._pointer_type_cache),
+            "finalizers": len(weakref.finalize._registry)}
 
 
 @pytest.mark.parametrize("frontend", ["export", "dynamo"])
