@@ -74,13 +74,14 @@ def main() -> None:
         r = measure(fe, args.cycles, args.warmup, sample_every=max(1, args.cycles // 100), fresh=fresh)
         rows.append(r)
         print(r, flush=True)
+    about = ("Each cycle: compile a 4-op MLP (Linear-GELU-Linear-LayerNorm), call it once, drop it, "
+             "gc.collect(); dynamo cycles call torch._dynamo.reset() before and after. aot_eager is "
+             "torch alone in the dynamo loop (what torch itself keeps per cycle). RSS growth from "
+             f"cycle {args.warmup} to the last; slope by least squares over samples.")
+    header = ("| front-end | cycles | s | RSS start MB | RSS at warm-up MB | RSS end MB | growth MB | "
+              "KB/cycle | compiled objects alive |")
     lines = [f"# Memory over compile cycles ({datetime.date.today()}, cpu, torch {torch.__version__})", "",
-             "Each cycle: compile a 4-op MLP (Linear-GELU-Linear-LayerNorm), call it once, drop it, "
-             "gc.collect(); dynamo cycles call torch._dynamo.reset() before and after. aot_eager is torch "
-             "alone in the dynamo loop (what torch itself keeps per cycle). RSS growth from "
-             f"cycle {args.warmup} to the last; slope by least squares over samples.", "",
-             "| front-end | cycles | s | RSS start MB | RSS at warm-up MB | RSS end MB | growth MB | "
-             "KB/cycle | compiled objects alive |", "|---|---|---|---|---|---|---|---|---|"]
+             about, "", header, "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['frontend']} | {r['cycles']} | {r['seconds']:.0f} | {r['rss_start']:.1f} | "
               f"{r['rss_warm']:.1f} | {r['rss_end']:.1f} | {r['growth']:+.1f} | {r['kb_per_cycle']:+.1f} | "
               f"{r['alive']}/{r['watched']} |" for r in rows]

@@ -27,10 +27,10 @@ def main() -> None:
     good = sum(all(r is True for r in got) for got in results)
     errors = sorted({str(r) for got in results for r in got if r is not True})
     test_training_after_threaded_compiles_gets_every_gradient()  # raises if a gradient is lost
-    lines = [f"# Concurrent compiles ({datetime.date.today()}, cpu)", "",
-             f"{args.threads} threads x {args.rounds} rounds: {good}/{args.rounds} rounds with every "
-             f"thread's program equal to eager ({seconds:.1f} s); training afterwards: every gradient "
-             "equal to eager.", ""]
+    summary = (f"{args.threads} threads x {args.rounds} rounds: {good}/{args.rounds} rounds with every "
+               f"thread's program equal to eager ({seconds:.1f} s); training afterwards: every gradient "
+               "equal to eager.")
+    lines = [f"# Concurrent compiles ({datetime.date.today()}, cpu)", "", summary, ""]
     lines += [f"- error: {e}" for e in errors]
     write_report("\n".join(lines) + "\n", args.out)
     if good != args.rounds:

@@ -157,3 +157,22 @@ def test_outputs_require_grad_and_gradients_match_eager(target):
         torch.testing.assert_close(p.grad, q.grad, **TOL)
     with torch.no_grad():
         assert not compiled(x).requires_grad
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_training_dropout_backward_sees_the_forward_mask(target):
+    """The backward recomputes with the forward's RNG state: the same dropout mask as eager's."""
+    dev = device_of(target)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)).train()
+    eager, compiled, model = _pair(net, (_randn(5, 6, device=dev),), target)
+    x = _randn(5, 6, seed=7, device=dev)
+    torch.manual_seed(1)
+    expected = eager(x)
+    torch.manual_seed(1)
+    got = compiled(x)
+    torch.testing.assert_close(got, expected, **TOL)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)

@@ -34,13 +34,13 @@ def compile_in_threads(programs, rounds: int) -> list[list[object]]:
     for _ in range(rounds):
         got: list[object] = [None] * len(programs)
 
-        def work(i: int) -> None:
+        def work(i: int, got: list = got) -> None:
             m, x, ep = programs[i]
             try:
                 compiled = gac_torch.compile(ep, target="cpu")
                 with torch.no_grad():
                     got[i] = torch.allclose(compiled(x), m(x), rtol=1e-5, atol=1e-5)
-            except Exception as e:  # reported per thread, asserted below
+            except Exception as e:  # noqa: BLE001 (reported per thread, asserted below)
                 got[i] = f"{type(e).__name__}: {e}"
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(len(programs))]

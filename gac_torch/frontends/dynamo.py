@@ -15,7 +15,7 @@ import torch
 
 from gac_torch.frontends.fx import compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
-from gac_torch.frontends.torch_state import release_trace_globals
+from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_trace_globals
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import resolve
@@ -74,6 +74,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(graph, compile_static, reason=reason))
 
+    forget_stale_dynamo_guards()
     try:
         return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
                             decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)

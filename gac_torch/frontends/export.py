@@ -68,10 +68,12 @@ class CompiledProgram:
     (export_semantics.py)."""
 
     def __init__(self, ep: ExportedProgram, compiled: CompiledFx | SpecializedFx,
-                 semantics: ExportSemantics):
+                 semantics: ExportSemantics | None = None):
         self.exported_program = ep
         self.compiled = compiled
-        self.semantics = semantics
+        # from the functional graph before compile_graph rewrote it (its eager copy is what a
+        # backward recomputes); ep's graph serves only where it is still eager ATen
+        self.semantics = semantics or ExportSemantics(ep, ep.graph_module)
         self.dynamic = compiled.dynamic
         specs = ep.graph_signature.input_specs
         self._lifted = [(i, _lifted_value(ep, s)) for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT]

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 
 TRACE_LOCK = threading.RLock()
+_STALE_SEEN: weakref.WeakSet = weakref.WeakSet()  # dynamo guard managers seen without a cache entry
 
 
 def release_trace_globals() -> None:
@@ -74,3 +76,28 @@ def tracing() -> Iterator[None]:
             yield
         finally:
             release_trace_globals()
+
+
+def forget_stale_dynamo_guards() -> None:
+    """Every dynamo compile registers weakref.finalize callbacks on the long-lived objects its
+    guards ID-match (torch.nn.functional, module classes, builtins). They keep the guard manager
+    (~100 KB) until those objects die, i.e. forever, though after torch._dynamo.reset() the
+    callback does nothing (CheckFunctionManager.invalidate needs a cache entry; reset clears it).
+    Detaches the callbacks of managers without a cache entry at two successive gac compiles (a
+    manager being built has none for a moment, then gets one). Called under dynamo's compile lock."""
+    try:
+        from torch._dynamo.guards import CheckFunctionManager
+    except ImportError:
+        return
+    invalidate = getattr(CheckFunctionManager, "invalidate", None)
+    for fin, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+        method = getattr(getattr(info, "func", None), "func", None)
+        if invalidate is None or getattr(method, "__func__", None) is not invalidate:
+            continue
+        manager = method.__self__
+        if getattr(getattr(manager, "guard_manager", None), "cache_entry", True) is not None:
+            continue
+        if manager in _STALE_SEEN:
+            fin.detach()
+        else:
+            _STALE_SEEN.add(manager)
