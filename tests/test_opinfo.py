@@ -11,10 +11,11 @@ cannot rot); GAC_OPINFO_SHARD=i/n runs every n-th OpInfo from the i-th (to sprea
 over processes); GAC_OPINFO_PART=k/n runs only the samples whose index is k modulo n (to spread
 one long case over processes; "each dtype needs one pass" then holds per part).
 
-Per sample: a pass must be compiled entirely by gac and match eager; a fallback, mismatch or
-error must be covered by an EXPECTED entry (with its reason); each dtype needs one pass, unless
-no sample of it can be compiled: every one is skipped (eager rejects it, e.g. integer matmul on
-CUDA) or empty (ZERO_SIZE).
+Per sample: a pass must be compiled entirely by gac and match eager; a fallback, mismatch,
+error or untraceable sample (eager runs it, AOTAutograd cannot trace it) must be covered by an
+EXPECTED entry (with its reason); each dtype needs one pass, unless no sample of it can be
+compiled: every one is skipped (eager rejects it, e.g. integer matmul on CUDA), empty (ZERO_SIZE)
+or expected untraceable. The counts of skipped and untraceable samples are printed per case.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ CI_SAMPLES = {torch.float32: 3, torch.float16: 2, torch.bfloat16: 2, torch.int32
 class Expect:
     """One skip/xfail. kind: "skip" (the case does not run), "fallback" (samples may run in
     eager when the reason contains `match`), "xfail" (a mismatch or error whose detail contains
-    `match`). op "*" applies to every OpInfo; dtypes () to every dtype; targets () to every target."""
+    `match`), "untraceable" (samples AOTAutograd cannot trace, the exception containing `match`).
+    op "*" applies to every OpInfo; dtypes () to every dtype; targets () to every target."""
 
     op: str
     kind: str
@@ -95,6 +97,17 @@ EXPECTED: list[Expect] = [
            match="data-dependent output shape"),
     Expect("nn.functional.dropout", "xfail", "training-mode dropout draws a random mask (it runs in eager, "
            "but two draws differ)", match="random dropout mask (training)"),
+    Expect("nn.functional.soft_margin_loss", "xfail", "eager's fp16 kernel overflows (exp(-y*x) in fp16) "
+           "and gives inf where the fp64 value is 30.6; gac gives 30.6, as torch's decomposition does in "
+           "eager. Non-finite eager elements must be matched exactly, so this stays a listed mismatch",
+           match="eager=inf (as torch's decomposition gives", dtypes=(F16,)),
+    # Samples that never reach gac: AOTAutograd's tracing cannot take a size from a tensor's value.
+    Expect("narrow", "untraceable", "narrow.Tensor's start is a tensor: its value is read on the host "
+           "(_local_scalar_dense), a data-dependent size", match="DataDependentOutputException"),
+    Expect("tensor_split", "untraceable", "indices or sections given as a tensor are read on the host "
+           "(_local_scalar_dense), data-dependent sizes", match="DataDependentOutputException"),
+    Expect("repeat_interleave", "untraceable", "repeats given as a tensor: the output size is "
+           "data-dependent", match="DynamicOutputShapeException"),
     *[Expect(n, "xfail", "torch's decomposition (compiled by gac) rounds differently from its own eager "
              "kernel; gac equals the decomposed graph run in eager",
              match="as torch's decomposition gives", dtypes=(F16, BF16, I32, I64))
@@ -132,7 +145,7 @@ def _argsort_check(sample, outs, eager) -> str | None:
 
 def _metadata_only(sample, outs, eager) -> str | None:
     """empty*: the values are whatever memory held; only dtype and shape are defined."""
-    for o, e in zip(outs, eager):
+    for o, e in zip(outs, eager, strict=True):
         if o.dtype != e.dtype or o.shape != e.shape:
             return f"{o.dtype}{list(o.shape)} != eager {e.dtype}{list(e.shape)}"
     return None
@@ -175,7 +188,7 @@ _TARGETS_RUN: set[str] = set()
 
 
 def _explained(op: str, dtype: torch.dtype, target: str, r: SampleResult) -> Expect | None:
-    kind = "fallback" if r.status == "fallback" else "xfail"
+    kind = r.status if r.status in ("fallback", "untraceable") else "xfail"
     if kind == "fallback":  # every "op: reason" part must be covered
         parts = r.detail.split("; ")
         hits = [next((e for e in EXPECTED if e.covers(op, dtype, kind, target, part)), None) for part in parts]
@@ -184,8 +197,10 @@ def _explained(op: str, dtype: torch.dtype, target: str, r: SampleResult) -> Exp
 
 
 def _compiles_nothing(name: str, dtype: torch.dtype, target: str, r: SampleResult) -> bool:
-    """A sample gac cannot compile by design: eager rejects it, or it only falls back for empty
-    tensors."""
+    """A sample gac cannot compile by design: eager rejects it, it cannot be traced (as EXPECTED
+    says), or it only falls back for empty tensors."""
+    if r.status == "untraceable":
+        return _explained(name, dtype, target, r) is not None
     return r.status == "skipped" or r.status == "fallback" and all(
         ZERO_SIZE.covers(name, dtype, "fallback", target, part) for part in r.detail.split("; "))
 
@@ -204,6 +219,9 @@ def test_opinfo(name, dtype, target):
                               and (not e.targets or target in e.targets)))
     problems = []
     for dt, results in run_cases(op, plan, target=target, check=CHECKS.get(op.name), part=PART).items():
+        counts = {k: sum(r.status == k for r in results) for k in ("pass", "skipped", "untraceable")}
+        print(f"{name} {dt} on {target}: {len(results)} samples, "
+              + ", ".join(f"{k} {v}" for k, v in counts.items()))
         for r in results:
             if r.status in ("pass", "skipped"):
                 continue
@@ -223,7 +241,7 @@ def test_expected_table_is_consistent():
     claimed = set(_claimed())
     for e in EXPECTED:
         assert e.reason, e
-        assert e.kind in ("skip", "fallback", "xfail"), e
+        assert e.kind in ("skip", "fallback", "xfail", "untraceable"), e
         assert set(e.targets) <= set(TARGET_NAMES), e
         assert e.op == "*" or e.op in claimed, f"{e.op} is not swept (not claimed by the registry)"
 

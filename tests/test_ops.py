@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,19 @@ import gac_torch
 from conftest import TARGETS
 from parity import Fn, assert_close, check_op, device_of, reference
 
-G = torch.Generator().manual_seed(1234)
+G = torch.Generator().manual_seed(1234)  # import-time inputs; each test gets its own (below)
+
+
+def _seed(test_name: str) -> int:
+    return zlib.crc32(test_name.encode())
+
+
+@pytest.fixture(autouse=True)
+def _generator_per_test(request):
+    """Each test draws from its own generator, seeded from its id: its inputs do not depend on
+    which tests ran before it (-k, xdist, a new test earlier in the file)."""
+    global G
+    G = torch.Generator().manual_seed(_seed(request.node.name))
 
 
 def r(*shape, dtype=torch.float32, lo=-2.0, hi=2.0):
@@ -30,6 +44,20 @@ def bools(*shape):
     return torch.rand(shape, generator=G) > 0.5
 
 
+# Values where comparisons, logical ops and NaN/inf tests are not constant: ties, signed zeros,
+# zeros (false), NaN (unequal to itself, truthy) and both infinities.
+SPECIAL = torch.tensor([0.0, -0.0, 1.0, -1.5, 2.0, float("inf"), float("-inf"), float("nan")])
+
+
+def mixed(*shape):
+    return SPECIAL[torch.randint(0, len(SPECIAL), shape, generator=G)]
+
+
+def not_constant(ref: torch.Tensor, what: str) -> None:
+    """The test's inputs must make a bool answer vary, or a compiler returning a constant passes."""
+    assert ref.dtype == torch.bool and bool(ref.any()) and not bool(ref.all()), f"{what}: constant answer {ref}"
+
+
 SHAPES = [(7,), (3, 5), (2, 3, 4)]
 
 UNARY = {
@@ -40,8 +68,7 @@ UNARY = {
     "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "floor": torch.floor,
     "ceil": torch.ceil, "round": torch.round, "trunc": torch.trunc, "sign": torch.sign,
     "asin": lambda x: torch.asin(x * 0.45), "acos": lambda x: torch.acos(x * 0.45),
-    "atanh": lambda x: torch.atanh(x * 0.45), "isnan": torch.isnan, "isinf": torch.isinf,
-    "logical_not": torch.logical_not,
+    "atanh": lambda x: torch.atanh(x * 0.45),
 }
 POSITIVE_UNARY = {
     "log": torch.log, "log2": torch.log2, "log10": torch.log10, "log1p": torch.log1p,
@@ -52,13 +79,19 @@ BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
     "add_alpha": lambda a, b: torch.add(a, b, alpha=0.5), "rsub": lambda a, b: 3.0 - a + b * 0,
     "maximum": torch.maximum, "minimum": torch.minimum, "atan2": torch.atan2,
-    "eq": lambda a, b: a == b.round(), "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+    "lt": torch.lt, "le": torch.le,
     "gt": torch.gt, "ge": torch.ge, "where": lambda a, b: torch.where(a > b, a, b),
     "div_floor": lambda a, b: torch.div(a, b, rounding_mode="floor"),
     "div_trunc": lambda a, b: torch.div(a, b, rounding_mode="trunc"),
     "remainder": torch.remainder, "fmod": torch.fmod, "lerp": lambda a, b: torch.lerp(a, b, 0.3),
-    "logical_and": torch.logical_and, "logical_or": torch.logical_or, "logical_xor": torch.logical_xor,
     "scalar_ops": lambda a, b: (a * 2.5 + 1) / 4 - b, "masked_fill": lambda a, b: a.masked_fill(b > 0, -1.5),
+}
+# Bool-valued ops: run on mixed() inputs (ties, zeros, NaN, inf), which make the answer vary.
+PREDICATES = {"isnan": torch.isnan, "isinf": torch.isinf, "logical_not": torch.logical_not,
+              "isfinite": torch.isfinite, "eq_scalar": lambda x: x == 1.0, "ne_scalar": lambda x: x != 0.0}
+COMPARISONS = {
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "logical_and": torch.logical_and, "logical_or": torch.logical_or, "logical_xor": torch.logical_xor,
 }
 INT_BINARY = {
     "add": torch.add, "mul": torch.mul, "sub": torch.sub, "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
@@ -77,6 +110,55 @@ def _nonzero(t):
 def test_unary(name, target):
     for shape in SHAPES:
         check_op(UNARY[name], [r(*shape)], target, f"{name}{shape}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(PREDICATES))
+def test_predicates(name, target):
+    for shape in [(9,), (3, 5), (2, 3, 4)]:
+        x = mixed(*shape)
+        x.view(-1)[:4] = SPECIAL[torch.tensor([0, 2, 5, 7])]  # 0, 1, inf, nan: every answer occurs
+        not_constant(PREDICATES[name](x), f"{name}{shape}")
+        check_op(PREDICATES[name], [x], target, f"{name}{shape}")
+
+
+def _pairs():
+    """(a, b, whether every op's answer varies) with equal and unequal elements under
+    broadcasting, float, integer and bool."""
+    a = mixed(3, 5)
+    yield a, torch.where(bools(3, 5), a, mixed(3, 5)), True  # same shape, about half tied
+    row = mixed(5)
+    yield torch.where(bools(3, 5), row, mixed(3, 5)), row, True  # (3, 5) against a row
+    # every pair of special values (clones: two views of one storage are issue 12's item 3)
+    yield SPECIAL.view(8, 1).clone(), SPECIAL.view(1, 8).clone(), True
+    x = mixed(6)
+    x[:4] = torch.tensor([1.0, 2.0, -1.5, 0.0])
+    yield x, x[0].clone(), False  # against a 0-d 1.0: comparisons vary; logical_or is all true
+    # ints and bools: the first four columns hold (0,1) (1,1) (1,0) (0,0), every truth table row
+    i = torch.randint(-1, 2, (4, 6), generator=G)
+    j = torch.where(bools(4, 6), i, torch.randint(-1, 2, (4, 6), generator=G))
+    i[0, :4], j[0, :4] = torch.tensor([0, 1, 1, 0]), torch.tensor([1, 1, 0, 0])
+    yield i, j, True
+    a, b = bools(4, 6), bools(6)
+    a[0, :4], b[:4] = torch.tensor([0, 1, 1, 0]).bool(), torch.tensor([1, 1, 0, 0]).bool()
+    yield a, b, True
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(COMPARISONS))
+def test_comparisons_and_logical(name, target):
+    fn = COMPARISONS[name]
+    for k, (a, b, varies) in enumerate(_pairs()):
+        what = f"{name} pair {k} {a.dtype}{list(a.shape)} {list(b.shape)}"
+        if varies or not name.startswith("logical"):
+            not_constant(fn(a, b), what)
+        check_op(fn, [a, b], target, what)
+
+
+def test_inputs_depend_only_on_the_test_id(request):
+    """The autouse fixture reseeds per test: this test's first draw is fixed by its name."""
+    want = torch.rand((4,), generator=torch.Generator().manual_seed(_seed(request.node.name)))
+    assert torch.equal(torch.rand((4,), generator=G), want)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -115,7 +197,11 @@ def test_casts(dtype, target):
     check_op(lambda x: x.to(dtype), [r(4, 6) * 10], target)
     check_op(lambda x: x.to(torch.float32) * 2, [(r(4, 6) * 10).to(dtype)], target)
     check_op(lambda x: (x > 0).to(dtype), [r(5)], target)
-    check_op(lambda x: x.to(torch.bool), [r(5).to(dtype)], target)
+    # zeros, NaN and inf (floats) or zeros (ints) among the values: the answer varies
+    x = ints(9, lo=-2, hi=3, dtype=dtype) if not dtype.is_floating_point else mixed(9).to(dtype)
+    x[:2] = torch.tensor([0, 1])
+    not_constant(x.to(torch.bool), f"{dtype} to bool")
+    check_op(lambda x: x.to(torch.bool), [x], target)
 
 
 @pytest.mark.parametrize("target", TARGETS)
