@@ -3,7 +3,7 @@
 gac compiles a graph with symbolic sizes (dynamo `dynamic=True` / `mark_dynamic`, export `Dim`s)
 once, with kernels that take the sizes at run time, when its target and every op's lowering
 handle run-time sizes (frontends/fx.py specialization_reason) and the target's compiler does not
-refuse them (backends/base.py StaticShapesOnly). Otherwise it is compiled once per distinct
+refuse them (gac_torch.errors.StaticShapesOnly). Otherwise it is compiled once per distinct
 concrete input signature seen at run time: the symbolic graph is re-traced with the
 call's real shapes (make_fx in fake mode: no data is touched), and that static graph goes through
 compile_graph. Dynamo compiles (and guards) once; gac keeps a small LRU of specializations.
