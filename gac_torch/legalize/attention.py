@@ -1,6 +1,6 @@
 """Fused scaled-dot-product attention kernels that export picks on CUDA
-(`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to the math form,
-softmax(q @ k^T * scale + mask) @ v. Only the attention output may be used (the log-sum-exp and
+(`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to one gac.attention,
+softmax(q @ k^T * scale + mask) @ v (a target may run it as one flash-attention kernel). Only the attention output may be used (the log-sum-exp and
 RNG outputs exist for training) and dropout must be off."""
 
 from __future__ import annotations
@@ -26,29 +26,22 @@ def _inference_only(dropout_pos: int):
 
 
 def _attention(cx: Cx, q, k, v, bias, is_causal: bool, scale):
+    """One gac.attention (the fused unit targets may run as flash attention)."""
     dt = cx.dtype_of(q)
     qs, ks = cx.shape(q), cx.shape(k)
-    rank = len(qs)
-    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
-    kt = cx.b.transpose(k, perm=perm)
     if ks[:-2] != qs[:-2]:  # grouped / broadcast batch dims
-        kt = cx.b.broadcast(kt, shape=qs[:-2] + [ks[-1], ks[-2]])
+        k = cx.b.broadcast(k, shape=qs[:-2] + ks[-2:])
         v = cx.b.broadcast(v, shape=qs[:-2] + cx.shape(v)[-2:])
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else scale
-    scores = cx.b.binary(cx.matmul(q, kt), cx.to(float(scale), dt), kind="mul")
-    length, source = qs[-2], ks[-2]
-    if is_causal:
-        rows = cx.b.iota([length, source], 0, torch.int64)
-        cols = cx.b.iota([length, source], 1, torch.int64)
-        future = cx.b.binary(cols, rows, kind="gt")
-        scores = cx.b.select(future, cx.to(float("-inf"), dt), scores)
+    operands = [q, k, v]
     if bias is not None:
-        if cx.dtype_of(bias) == torch.bool:
-            scores = cx.b.select(bias, scores, cx.to(float("-inf"), dt))
-        else:
-            scores = cx.b.binary(scores, cx.to(bias, dt), kind="add")
-    probs = cx.b.softmax(scores, dim=rank - 1, log=0)
-    return cx.matmul(probs, v)
+        if cx.dtype_of(bias) != torch.bool:
+            bias = cx.to(bias, dt)
+        bs = cx.shape(bias)
+        full = qs[:-1] + [ks[-2]]
+        bias = cx.b.reshape(bias, [1] * (len(full) - len(bs)) + bs)
+        operands.append(bias)
+    return cx.b.attention(*operands, scale=float(scale), causal=int(bool(is_causal)))
 
 
 @lower(aten._scaled_dot_product_efficient_attention.default, check=_inference_only(5))
