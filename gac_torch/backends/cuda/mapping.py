@@ -1382,8 +1382,13 @@ def map_to_gpu(module: ir.Module, limits: MappingLimits, map_op: MapOp | None = 
     """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels.
     `map_op` picks template kernels per op (default: cuda_templates); everything else becomes
     `loops` kernels (scf.parallel linearized onto a 1-D grid) or `serial` ones."""
-    map_op = map_op or cuda_templates(limits)
     fn = main_func(module)
+    # --- fused attention (issue 15): calls of gac.attention's maths become flash-attention
+    # kernels with cuda's own templates, and are inlined otherwise (backends/cuda/attention.py)
+    from gac_torch.backends.cuda.attention import map_attention
+    map_attention(module, fn, limits if map_op is None else None)
+    # --- end fused attention
+    map_op = map_op or cuda_templates(limits)
     _generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
     bufferize(module, fn)

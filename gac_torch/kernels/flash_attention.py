@@ -1,0 +1,554 @@
+"""Flash attention for the cuda target: O = softmax(Q Kᵀ · scale + mask) V without the score
+matrix in memory (FlashAttention-2's schedule on warp-level `mma.sync`, sm_80+).
+
+  kinds  f16 / bf16   Q Kᵀ and P V on m16n8k16 (P rounded to the operand type), f32 accumulators
+         tf32         m16n8k8 on operands rounded with cvt.rna (when TF32 is allowed)
+         f32x3        exact-f32 mode: each f32 operand split into tf32 big + small parts and
+                      a·b ≈ a_big·b_big + a_big·b_small + a_small·b_big (three m16n8k8 per
+                      product; error at f32 level, as CUTLASS's 3xTF32)
+  masks  none | add (q's type, broadcast dims of size 1) | bool (i8, nonzero keeps); causal
+         hides key j > query i; a row with every key hidden gives 0.
+
+One CTA of W warps owns BM = 16·W query rows of one batch index and one DVC-wide chunk of the
+output columns (Dv > 128 takes several chunks: Q Kᵀ is recomputed per chunk so the O
+accumulators stay at most 64 registers). Lane l of warp w: g = l / 4, t = l % 4; it owns query
+rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
+
+  1. locate     block -> (query tile m0, column chunk c0, batch index); warp, g, t
+  2. stage Q    the BM x D tile of Q into shared memory (zero outside L and D), barrier
+  3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row):
+     3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
+     3b. S = Q Kᵀ  per k-step, A fragments of Q and B fragments of K from shared memory;
+                   S tile 16 x BN per warp in f32 accumulators
+     3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
+                   hides it or the key is past S
+     3d. softmax   row max over the lane's values, then the quad (shfl.xor 1, 2); m_new =
+                   max(m, tile max) (0 where it is -inf); corr = exp(m - m_new); p = exp(s -
+                   m_new); the lane's partial row sums l = l·corr + Σp; O *= corr
+     3e. O += P V  P stays in registers: the S accumulator layout is the A fragment layout
+                   of the next mma (f16/bf16: S n-tiles 2kk, 2kk+1 make k-step kk; tf32: keys
+                   permuted inside each 8-key step, k-index t <-> key 2t, t+4 <-> 2t+1, and V's
+                   B fragments are read with the same permutation)
+     3f. stage     barrier; the prefetched K, V registers go to shared memory; barrier
+  4. finish     l summed over the quad; O / l (0 where l == 0), rounded to O's type, stored
+
+The body (`_kernel`) is written once against the builder verbs of cuda_mma (MLIR text and a
+numpy lockstep twin that checks shared-memory races) plus the float verbs in this file;
+`emulate` runs a grid on the CPU for the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_A16, FRAG_B8, FRAG_B16, FRAG_C, RaceError, _round
+
+KINDS = ("f16", "bf16", "tf32", "f32x3")
+_ES = {"f16": 2, "bf16": 2, "f32": 4}
+_WG = "#gpu.address_space<workgroup>"
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A memref as the kernel sees it (rank = batch + 2), identity-or-strided, static shape."""
+
+    type: str
+    elem: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str
+    q: Buf  # (batch..., L, D)
+    k: Buf  # (batch..., S, D)
+    v: Buf  # (batch..., S, Dv)
+    o: Buf  # (batch..., L, Dv)
+    mask: Buf | None  # (batch or 1..., L or 1, S or 1)
+    mask_kind: str  # none | add | bool
+    scale: float
+    causal: bool
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        return self.q.shape[:-2]
+
+    L = property(lambda s: s.q.shape[-2])
+    S = property(lambda s: s.k.shape[-2])
+    D = property(lambda s: s.q.shape[-1])
+    Dv = property(lambda s: s.v.shape[-1])
+
+    @property
+    def elem(self) -> str:  # operands' type in shared memory
+        return "f32" if self.kind in ("tf32", "f32x3") else self.kind
+
+
+@dataclass(frozen=True)
+class Plan:
+    warps: int
+    bn: int  # keys per tile
+    dp: int  # D padded to the k-step
+    dvc: int  # output columns per CTA
+    pad: int  # shared-memory row padding (elements)
+    vq: int  # elements per global vector load of Q / K, V
+    vkv: int
+    grid: tuple[int, int, int]
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.warps
+
+
+def kind_for(elem: str, allow_tf32: bool) -> str | None:
+    return {"f16": "f16", "bf16": "bf16", "f32": "tf32" if allow_tf32 else "f32x3"}.get(elem)
+
+
+def smem_bytes(spec: Spec, bm: int, bn: int, dp: int, dvc: int, pad: int) -> int:
+    return _ES[spec.elem] * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvc + pad))
+
+
+def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
+    if buf.strides[-1] != 1 and buf.shape[-1] > 1:
+        return None
+    for v in (8, 4, 2, 1) if es == 2 else (4, 2, 1):
+        if (buf.shape[-1] % v == 0 and cols % v == 0 and all(s % v == 0 for s in buf.strides[:-1])
+                and (rows * cols // v) % threads == 0):
+            return v
+    return None
+
+
+def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024) -> Plan | None:
+    """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused)."""
+    if spec.kind not in KINDS or min(spec.L, spec.S, spec.D, spec.Dv) < 1 or spec.D > 256 or spec.Dv > 256:
+        return None
+    bufs = [spec.q, spec.k, spec.v, spec.o] + ([spec.mask] if spec.mask is not None else [])
+    if any(b.elem != spec.elem for b in (spec.q, spec.k, spec.v)):
+        return None
+    if spec.o.elem not in ("f16", "bf16", "f32") or any(len(b.shape) != len(spec.q.shape) for b in bufs):
+        return None
+    ks = 16 if spec.elem in ("f16", "bf16") else 8
+    dp = -(-spec.D // ks) * ks
+    dv8 = -(-spec.Dv // 8) * 8
+    dvc = dv8 if dv8 <= 128 else -(-dv8 // 2 // 8) * 8
+    pad = 8 if _ES[spec.elem] == 2 else 4
+    es = _ES[spec.elem]
+    for warps, bn in ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
+        if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
+            continue
+        t = 32 * warps
+        vq = _vec(spec.q, dp, 16 * warps, t, es)
+        vk = _vec(spec.k, dp, bn, t, es)
+        vv = _vec(spec.v, dvc, bn, t, es)
+        if None in (vq, vk, vv):
+            continue
+        grid = (-(-spec.L // (16 * warps)), -(-dv8 // dvc), math.prod(spec.batch))
+        if any(x > lim for x, lim in zip(grid, max_grid)):
+            return None
+        return Plan(warps, bn, dp, dvc, pad, vq, min(vk, vv), grid)  # type: ignore[type-var]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel, once, against a builder
+
+
+def _kernel(b: Any, spec: Spec, p: Plan) -> None:
+    T, BM, BN, DP, DVC = p.threads, p.bm, p.bn, p.dp, p.dvc
+    c = b.const
+    half = spec.elem in ("f16", "bf16")
+    KS = 16 if half else 8
+    NT, NO = BN // 8, DVC // 8
+    neg = -math.inf
+    # 1. locate
+    tid = b.tid()
+    m0, c0 = b.mul(b.bid(0), c(BM)), b.mul(b.bid(1), c(DVC))
+    bidx, rest = [], b.bid(2)
+    for j in range(len(spec.batch) - 1, -1, -1):
+        ext = spec.batch[j]
+        bidx.insert(0, rest if j == 0 else b.rem(rest, c(ext)))
+        if j:
+            rest = b.div(rest, c(ext))
+    warp, lane = b.div(tid, c(32)), b.rem(tid, c(32))
+    g, t = b.div(lane, c(4)), b.rem(lane, c(4))
+    t2 = b.mul(t, c(2))
+    wrow = b.mul(warp, c(16))
+    rows = [b.add(m0, b.add(wrow, b.add(g, c(r)))) for r in (0, 8)]  # the lane's query rows
+
+    def tile_loads(which: str, r0: Any, nrows: int, col0: Any, ncols: int, ext_r: int,
+                   ext_c: int, vec: int) -> list[tuple[Any, Any, Any]]:
+        """Global loads of a tile (rows r0.., cols col0..) as (smem row, smem col, value)."""
+        out = []
+        per_row = ncols // vec
+        for i in range(nrows * ncols // vec // T):
+            lin = b.add(tid, c(i * T))
+            r, col = b.div(lin, c(per_row)), b.mul(b.rem(lin, c(per_row)), c(vec))
+            gr, gc = b.add(r0, r), b.add(col0, col)
+            ok = b.and_(b.lt(gr, c(ext_r)), b.lt(gc, c(ext_c)))
+            out.append((r, col, b.load_global(which, bidx + [gr, gc], vec, ok)))
+        return out
+
+    def stage(which: str, loads: list, vec: int) -> None:
+        for r, col, val in loads:
+            b.store_smem(which, [r, col], val, vec)
+
+    # 2. stage Q
+    stage("Q", tile_loads("Q", m0, BM, c(0), DP, spec.L, spec.D, p.vq), p.vq)
+    kv0 = (tile_loads("K", c(0), BN, c(0), DP, spec.S, spec.D, p.vkv),
+           tile_loads("V", c(0), BN, c0, DVC, spec.S, spec.Dv, p.vkv))
+    stage("K", kv0[0], p.vkv)
+    stage("V", kv0[1], p.vkv)
+    b.barrier()
+
+    nkt = -(-spec.S // BN)
+    if spec.causal:  # tiles with a key <= the block's last row
+        ntiles = b.min(c(nkt), b.div(b.add(m0, c(BM + BN - 1)), c(BN)))
+    else:
+        ntiles = c(nkt)
+
+    def body(kt: Any, state: list[Any]) -> list[Any]:
+        mrow, lrow, acc = state[0:2], state[2:4], state[4:]
+        n0 = b.mul(kt, c(BN))
+        nn0 = b.add(n0, c(BN))
+        # 3a. prefetch
+        nk = tile_loads("K", nn0, BN, c(0), DP, spec.S, spec.D, p.vkv)
+        nv = tile_loads("V", nn0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
+        # 3b. S = Q Kᵀ
+        s = [b.fconst(0.0)] * (NT * 4)
+        for k0 in range(0, DP, KS):
+            if half:
+                fa = [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t2, c(k0 + cc))], 2)
+                      for r, cc in FRAG_A16]
+            else:
+                fa = [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
+                      for r, cc in FRAG_A8]
+            for j in range(NT):
+                key = b.add(g, c(8 * j))
+                if half:
+                    fb = [b.load_smem("K", [key, b.add(t2, c(k0 + kk))], 2) for kk in FRAG_B16]
+                else:
+                    fb = [b.load_smem("K", [key, b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
+                s[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, s[4 * j:4 * j + 4])
+        # 3c. mask
+        for j in range(NT):
+            for q, (rq, cq) in enumerate(FRAG_C):
+                row = rows[rq // 8]
+                key = b.add(n0, b.add(t2, c(8 * j + cq)))
+                x = b.fmul(s[4 * j + q], b.fconst(spec.scale))
+                hide = b.ge(key, c(spec.S))
+                if spec.causal:
+                    hide = b.or_(hide, b.gt(key, row))
+                if spec.mask_kind != "none":
+                    ok = b.and_(b.lt(row, c(spec.L)), b.lt(key, c(spec.S)))
+                    mb = spec.mask  # type: ignore[union-attr]
+                    idx = [c(0) if mb.shape[d] == 1 else bidx[d] for d in range(len(bidx))]
+                    idx += [c(0) if mb.shape[-2] == 1 else row, c(0) if mb.shape[-1] == 1 else key]
+                    mv = b.load_mask(idx, ok)
+                    if spec.mask_kind == "add":
+                        x = b.fadd(x, mv)
+                    else:
+                        hide = b.or_(hide, mv)  # the builder's load_mask gives `hidden` for bool
+                s[4 * j + q] = b.fsel(hide, b.fconst(neg), x)
+        # 3d. online softmax
+        corr, mnew = [], []
+        for h in range(2):
+            mx = mrow[h]
+            for j in range(NT):
+                for q in (2 * h, 2 * h + 1):
+                    mx = b.fmax(mx, s[4 * j + q])
+            mx = b.fmax(mx, b.shfl_xor(mx, 1))
+            mx = b.fmax(mx, b.shfl_xor(mx, 2))
+            use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
+            corr.append(b.fexp(b.fsub(mrow[h], use)))
+            mnew.append(mx)
+        lnew = [b.fmul(lrow[0], corr[0]), b.fmul(lrow[1], corr[1])]
+        for j in range(NT):
+            for q in range(4):
+                h = q // 2
+                use = b.fsel(b.feq(mnew[h], b.fconst(neg)), b.fconst(0.0), mnew[h])
+                s[4 * j + q] = b.fexp(b.fsub(s[4 * j + q], use))
+                lnew[h] = b.fadd(lnew[h], s[4 * j + q])
+        acc = [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)]
+        # 3e. O += P V
+        if half:
+            steps = [(kk, [b.pack_f32(s[8 * kk + 0], s[8 * kk + 1]), b.pack_f32(s[8 * kk + 2], s[8 * kk + 3]),
+                           b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])])
+                     for kk in range(BN // 16)]
+        else:
+            steps = [(kk, [s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]]) for kk in range(NT)]
+        for kk, fa in steps:
+            for j in range(NO):
+                col = b.add(g, c(8 * j))
+                if half:
+                    fb = [b.pack(b.load_smem("V", [b.add(t2, c(16 * kk + e)), col], 1),
+                                 b.load_smem("V", [b.add(t2, c(16 * kk + e + 1)), col], 1)) for e in FRAG_B16]
+                else:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
+                    fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), col], 1) for e in (0, 1)]
+                acc[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, acc[4 * j:4 * j + 4])
+        # 3f. stage
+        b.barrier()
+        stage("K", nk, p.vkv)
+        stage("V", nv, p.vkv)
+        b.barrier()
+        return mnew + lnew + acc
+
+    init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + NO * 4)
+    state = b.loop(ntiles, init, body)
+    # 4. finish
+    lsum = []
+    for h in range(2):
+        x = state[2 + h]
+        x = b.fadd(x, b.shfl_xor(x, 1))
+        lsum.append(b.fadd(x, b.shfl_xor(x, 2)))
+    acc = state[4:]
+    for j in range(NO):
+        for q, (rq, cq) in enumerate(FRAG_C):
+            row, h = rows[rq // 8], rq // 8
+            col = b.add(c0, b.add(t2, c(8 * j + cq)))
+            val = b.fsel(b.feq(lsum[h], b.fconst(0.0)), b.fconst(0.0), b.fdiv(acc[4 * j + q], lsum[h]))
+            ok = b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.Dv)))
+            b.store_out(bidx + [row, col], val, ok)
+
+
+# --------------------------------------------------------------------------------------------
+# builder 1: MLIR text
+
+
+_MMA = {"f16": (16, 8, 16, "f16"), "bf16": (16, 8, 16, "bf16"), "tf32": (16, 8, 8, "tf32"),
+        "f32x3": (16, 8, 8, "tf32")}
+
+
+class _Text:
+    def __init__(self, spec: Spec, p: Plan):
+        self.spec, self.p = spec, p
+        self.lines: list[str] = []
+        self.n = 0
+        self.consts: dict[tuple, str] = {}
+        e = spec.elem
+        self.smem = {"Q": f"memref<{p.bm}x{p.dp + p.pad}x{e}, {_WG}>",
+                     "K": f"memref<{p.bn}x{p.dp + p.pad}x{e}, {_WG}>",
+                     "V": f"memref<{p.bn}x{p.dvc + p.pad}x{e}, {_WG}>"}
+        self.bufs = {"Q": spec.q, "K": spec.k, "V": spec.v}
+
+    def _v(self) -> str:
+        self.n += 1
+        return f"%v{self.n}"
+
+    def w(self, line: str) -> None:
+        self.lines.append(line)
+
+    def _const(self, x: Any, ty: str) -> str:
+        key = (repr(x), ty)
+        if key not in self.consts:
+            r = self._v()
+            lit = x if ty != "f32" else ("0xFF800000" if x == -math.inf else repr(float(x)))
+            self.w(f"{r} = arith.constant {lit} : {ty}")
+            self.consts[key] = r
+        return self.consts[key]
+
+    def const(self, x: int) -> str:
+        return self._const(int(x), "index")
+
+    def fconst(self, x: float) -> str:
+        return self._const(float(x), "f32")
+
+    def tid(self) -> str:
+        return "%tid"
+
+    def bid(self, axis: int) -> str:
+        return ("%bx", "%by", "%bz")[axis]
+
+    def _op(self, op: str, x: str, y: str, ty: str) -> str:
+        r = self._v()
+        self.w(f"{r} = {op} {x}, {y} : {ty}")
+        return r
+
+    add = lambda s, x, y: s._op("arith.addi", x, y, "index")  # noqa: E731
+    sub = lambda s, x, y: s._op("arith.subi", x, y, "index")  # noqa: E731
+    mul = lambda s, x, y: s._op("arith.muli", x, y, "index")  # noqa: E731
+    div = lambda s, x, y: s._op("arith.divui", x, y, "index")  # noqa: E731
+    rem = lambda s, x, y: s._op("arith.remui", x, y, "index")  # noqa: E731
+    min = lambda s, x, y: s._op("arith.minui", x, y, "index")  # noqa: E731
+    lt = lambda s, x, y: s._op("arith.cmpi ult,", x, y, "index")  # noqa: E731
+    ge = lambda s, x, y: s._op("arith.cmpi uge,", x, y, "index")  # noqa: E731
+    gt = lambda s, x, y: s._op("arith.cmpi ugt,", x, y, "index")  # noqa: E731
+    and_ = lambda s, x, y: s._op("arith.andi", x, y, "i1")  # noqa: E731
+    or_ = lambda s, x, y: s._op("arith.ori", x, y, "i1")  # noqa: E731
+    fadd = lambda s, x, y: s._op("arith.addf", x, y, "f32")  # noqa: E731
+    fsub = lambda s, x, y: s._op("arith.subf", x, y, "f32")  # noqa: E731
+    fmul = lambda s, x, y: s._op("arith.mulf", x, y, "f32")  # noqa: E731
+    fdiv = lambda s, x, y: s._op("arith.divf", x, y, "f32")  # noqa: E731
+    fmax = lambda s, x, y: s._op("arith.maximumf", x, y, "f32")  # noqa: E731
+    feq = lambda s, x, y: s._op("arith.cmpf oeq,", x, y, "f32")  # noqa: E731
+
+    def fsel(self, cond: str, x: str, y: str) -> str:
+        r = self._v()
+        self.w(f"{r} = arith.select {cond}, {x}, {y} : f32")
+        return r
+
+    def fexp(self, x: str) -> str:
+        r = self._v()
+        self.w(f"{r} = math.exp {x} : f32")
+        return r
+
+    def shfl_xor(self, x: str, m: int) -> str:
+        r = self._v()
+        self.w(f"{r}, {r}_ok = gpu.shuffle xor {x}, {self._const(m, 'i32')}, {self._const(32, 'i32')} : f32")
+        return r
+
+    def load_global(self, which: str, idx: list[str], vec: int, ok: str) -> str:
+        buf = self.bufs[which]
+        vt = f"vector<{vec}x{buf.elem}>"
+        r, z = self._v(), self._v()
+        self.w(f"{r} = scf.if {ok} -> ({vt}) {{")
+        self.w(f"  %ld{self.n} = vector.load %{which}[{', '.join(idx)}] : {buf.type}, {vt}")
+        self.w(f"  scf.yield %ld{self.n} : {vt}\n}} else {{")
+        self.w(f"  {z} = arith.constant dense<0.0> : {vt}\n  scf.yield {z} : {vt}\n}}")
+        return r
+
+    def store_smem(self, which: str, idx: list[str], val: str, vec: int) -> None:
+        e = self.spec.elem
+        self.w(f"vector.store {val}, %S{which}[{', '.join(idx)}] : {self.smem[which]}, vector<{vec}x{e}>")
+
+    def load_smem(self, which: str, idx: list[str], n: int) -> str:
+        r = self._v()
+        if n == 1:
+            self.w(f"{r} = memref.load %S{which}[{', '.join(idx)}] : {self.smem[which]}")
+        else:
+            self.w(f"{r} = vector.load %S{which}[{', '.join(idx)}] : {self.smem[which]}, vector<{n}x{self.spec.elem}>")
+        return r
+
+    def pack(self, lo: str, hi: str) -> str:
+        r = self._v()
+        self.w(f"{r} = vector.from_elements {lo}, {hi} : vector<2x{self.spec.elem}>")
+        return r
+
+    def pack_f32(self, lo: str, hi: str) -> str:
+        e = self.spec.elem
+        a, b = self._v(), self._v()
+        self.w(f"{a} = arith.truncf {lo} : f32 to {e}\n{b} = arith.truncf {hi} : f32 to {e}")
+        return self.pack(a, b)
+
+    def barrier(self) -> None:
+        self.w("gpu.barrier")
+
+    def _tf32(self, x: str) -> tuple[str, str]:
+        """(i32 operand, its value as f32)."""
+        q, f = self._v(), self._v()
+        self.w(f"{q} = nvvm.convert.float.to.tf32 {x} {{rnd = #nvvm.fp_rnd_mode<rna>}}")
+        self.w(f"{f} = arith.bitcast {q} : i32 to f32")
+        return q, f
+
+    def _operand(self, kind: str, reg: str) -> str:
+        if kind == "f16":
+            return reg
+        r = self._v()
+        if kind == "bf16":
+            v = self._v()
+            self.w(f"{v} = vector.bitcast {reg} : vector<2xbf16> to vector<1xi32>")
+            self.w(f"{r} = vector.extract {v}[0] : i32 from vector<1xi32>")
+            return r
+        return self._tf32(reg)[0]
+
+    def _mma1(self, kind: str, ao: list[str], bo: list[str], acc: list[str]) -> list[str]:
+        m, n, k, pt = _MMA[kind]
+        ot = "vector<2xf16>" if kind == "f16" else "i32"
+        d = self._v()
+        self.w(f"{d} = nvvm.mma.sync A[{', '.join(ao)}] B[{', '.join(bo)}] C[{', '.join(acc)}] "
+               f"{{layoutA = #nvvm.mma_layout<row>, layoutB = #nvvm.mma_layout<col>, "
+               f"multiplicandAPtxType = #nvvm.mma_type<{pt}>, multiplicandBPtxType = #nvvm.mma_type<{pt}>, "
+               f"shape = #nvvm.shape<m = {m}, n = {n}, k = {k}>}} : ({ot}, {ot}, f32) -> "
+               "!llvm.struct<(f32, f32, f32, f32)>")
+        out = []
+        for q in range(4):
+            r = self._v()
+            self.w(f"{r} = llvm.extractvalue {d}[{q}] : !llvm.struct<(f32, f32, f32, f32)>")
+            out.append(r)
+        return out
+
+    def mma(self, kind: str, a: list[str], bregs: list[str], acc: list[str]) -> list[str]:
+        if kind != "f32x3":
+            return self._mma1(kind, [self._operand(kind, x) for x in a],
+                              [self._operand(kind, x) for x in bregs], acc)
+
+        def split(x: str) -> tuple[str, str]:
+            big, bigf = self._tf32(x)
+            return big, self._tf32(self.fsub(x, bigf))[0]
+        sa, sb = [split(x) for x in a], [split(x) for x in bregs]
+        acc = self._mma1(kind, [x[1] for x in sa], [x[0] for x in sb], acc)  # small terms first
+        acc = self._mma1(kind, [x[0] for x in sa], [x[1] for x in sb], acc)
+        return self._mma1(kind, [x[0] for x in sa], [x[0] for x in sb], acc)
+
+    def load_mask(self, idx: list[str], ok: str) -> str:
+        mb = self.spec.mask
+        assert mb is not None
+        r, x = self._v(), self._v()
+        ty = "i1" if self.spec.mask_kind == "bool" else "f32"
+        self.w(f"{r} = scf.if {ok} -> ({ty}) {{\n  {x} = memref.load %M[{', '.join(idx)}] : {mb.type}")
+        if self.spec.mask_kind == "bool":
+            z, h = self._v(), self._v()
+            self.w(f"  {z} = arith.constant 0 : {mb.elem}\n  {h} = arith.cmpi eq, {x}, {z} : {mb.elem}")
+            self.w(f"  scf.yield {h} : i1\n}} else {{\n  %t{self.n} = arith.constant true\n"
+                   f"  scf.yield %t{self.n} : i1\n}}")
+        else:
+            y = x
+            if mb.elem != "f32":
+                y = self._v()
+                self.w(f"  {y} = arith.extf {x} : {mb.elem} to f32")
+            self.w(f"  scf.yield {y} : f32\n}} else {{\n  %z{self.n} = arith.constant 0.0 : f32\n"
+                   f"  scf.yield %z{self.n} : f32\n}}")
+        return r
+
+    def store_out(self, idx: list[str], val: str, ok: str) -> None:
+        o = self.spec.o
+        self.w(f"scf.if {ok} {{")
+        if o.elem != "f32":
+            r = self._v()
+            self.w(f"  {r} = arith.truncf {val} : f32 to {o.elem}")
+            val = r
+        self.w(f"  memref.store {val}, %O[{', '.join(idx)}] : {o.type}\n}}")
+
+    def loop(self, n: str, init: list[str], body: Callable[[Any, list[Any]], list[Any]]) -> list[str]:
+        res = self._v()
+        kt = f"%kt{self.n}"
+        iters = [f"%it{self.n}_{i}" for i in range(len(init))]
+        lo, one = self.const(0), self.const(1)
+        types = ", ".join(["f32"] * len(init))
+        self.w(f"{res}:{len(init)} = scf.for {kt} = {lo} to {n} step {one} iter_args("
+               + ", ".join(f"{a} = {v}" for a, v in zip(iters, init)) + f") -> ({types}) {{")
+        saved = self.consts
+        self.consts = dict(saved)  # constants defined inside the loop stay inside
+        out = body(kt, iters)
+        self.consts = saved
+        self.w(f"scf.yield {', '.join(out)} : {types}\n}}")
+        return [f"{res}#{i}" for i in range(len(init))]
+
+
+def template(spec: Spec, p: Plan) -> str:
+    """`func.func @tmpl(%Q, %K, %V, [%M,] %O)` holding one gpu.launch."""
+    b = _Text(spec, p)
+    _kernel(b, spec, p)
+    gx, gy, gz = p.grid
+    args = [f"%Q: {spec.q.type}", f"%K: {spec.k.type}", f"%V: {spec.v.type}"]
+    if spec.mask is not None:
+        args.append(f"%M: {spec.mask.type}")
+    args.append(f"%O: {spec.o.type}")
+    head = [
+        f"func.func @tmpl({', '.join(args)}) {{",
+        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+        f"%nt = arith.constant {p.threads} : index",
+        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+         f"workgroup(%SQ : {b.smem['Q']}, %SK : {b.smem['K']}, %SV : {b.smem['V']}) {{"),
+    ]
+    return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])
