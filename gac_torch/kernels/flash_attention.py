@@ -44,9 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_A16, FRAG_B8, FRAG_B16, FRAG_C, RaceError, _round
+from gac_torch.kernels.cuda_mma import (
+    FRAG_A8,
+    FRAG_A16,
+    FRAG_B8,
+    FRAG_B16,
+    FRAG_C,
+)
 
 KINDS = ("f16", "bf16", "tf32", "f32x3")
 _ES = {"f16": 2, "bf16": 2, "f32": 4}
@@ -372,23 +376,23 @@ class _Text:
         self.w(f"{r} = {op} {x}, {y} : {ty}")
         return r
 
-    add = lambda s, x, y: s._op("arith.addi", x, y, "index")  # noqa: E731
-    sub = lambda s, x, y: s._op("arith.subi", x, y, "index")  # noqa: E731
-    mul = lambda s, x, y: s._op("arith.muli", x, y, "index")  # noqa: E731
-    div = lambda s, x, y: s._op("arith.divui", x, y, "index")  # noqa: E731
-    rem = lambda s, x, y: s._op("arith.remui", x, y, "index")  # noqa: E731
-    min = lambda s, x, y: s._op("arith.minui", x, y, "index")  # noqa: E731
-    lt = lambda s, x, y: s._op("arith.cmpi ult,", x, y, "index")  # noqa: E731
-    ge = lambda s, x, y: s._op("arith.cmpi uge,", x, y, "index")  # noqa: E731
-    gt = lambda s, x, y: s._op("arith.cmpi ugt,", x, y, "index")  # noqa: E731
-    and_ = lambda s, x, y: s._op("arith.andi", x, y, "i1")  # noqa: E731
-    or_ = lambda s, x, y: s._op("arith.ori", x, y, "i1")  # noqa: E731
-    fadd = lambda s, x, y: s._op("arith.addf", x, y, "f32")  # noqa: E731
-    fsub = lambda s, x, y: s._op("arith.subf", x, y, "f32")  # noqa: E731
-    fmul = lambda s, x, y: s._op("arith.mulf", x, y, "f32")  # noqa: E731
-    fdiv = lambda s, x, y: s._op("arith.divf", x, y, "f32")  # noqa: E731
-    fmax = lambda s, x, y: s._op("arith.maximumf", x, y, "f32")  # noqa: E731
-    feq = lambda s, x, y: s._op("arith.cmpf oeq,", x, y, "f32")  # noqa: E731
+    add = lambda s, x, y: s._op("arith.addi", x, y, "index")
+    sub = lambda s, x, y: s._op("arith.subi", x, y, "index")
+    mul = lambda s, x, y: s._op("arith.muli", x, y, "index")
+    div = lambda s, x, y: s._op("arith.divui", x, y, "index")
+    rem = lambda s, x, y: s._op("arith.remui", x, y, "index")
+    min = lambda s, x, y: s._op("arith.minui", x, y, "index")
+    lt = lambda s, x, y: s._op("arith.cmpi ult,", x, y, "index")
+    ge = lambda s, x, y: s._op("arith.cmpi uge,", x, y, "index")
+    gt = lambda s, x, y: s._op("arith.cmpi ugt,", x, y, "index")
+    and_ = lambda s, x, y: s._op("arith.andi", x, y, "i1")
+    or_ = lambda s, x, y: s._op("arith.ori", x, y, "i1")
+    fadd = lambda s, x, y: s._op("arith.addf", x, y, "f32")
+    fsub = lambda s, x, y: s._op("arith.subf", x, y, "f32")
+    fmul = lambda s, x, y: s._op("arith.mulf", x, y, "f32")
+    fdiv = lambda s, x, y: s._op("arith.divf", x, y, "f32")
+    fmax = lambda s, x, y: s._op("arith.maximumf", x, y, "f32")
+    feq = lambda s, x, y: s._op("arith.cmpf oeq,", x, y, "f32")
 
     def fsel(self, cond: str, x: str, y: str) -> str:
         r = self._v()
@@ -410,21 +414,24 @@ class _Text:
         vt = f"vector<{vec}x{buf.elem}>"
         r, z = self._v(), self._v()
         self.w(f"{r} = scf.if {ok} -> ({vt}) {{")
-        self.w(f"  %ld{self.n} = vector.load %{which}[{', '.join(idx)}] : {buf.type}, {vt}")
+        al = vec * _ES.get(buf.elem, 1)
+        self.w(f"  %ld{self.n} = vector.load %{which}[{', '.join(idx)}] {{alignment = {al}}} : {buf.type}, {vt}")
         self.w(f"  scf.yield %ld{self.n} : {vt}\n}} else {{")
         self.w(f"  {z} = arith.constant dense<0.0> : {vt}\n  scf.yield {z} : {vt}\n}}")
         return r
 
     def store_smem(self, which: str, idx: list[str], val: str, vec: int) -> None:
         e = self.spec.elem
-        self.w(f"vector.store {val}, %S{which}[{', '.join(idx)}] : {self.smem[which]}, vector<{vec}x{e}>")
+        self.w(f"vector.store {val}, %S{which}[{', '.join(idx)}] {{alignment = {vec * _ES[e]}}} : "
+               f"{self.smem[which]}, vector<{vec}x{e}>")
 
     def load_smem(self, which: str, idx: list[str], n: int) -> str:
         r = self._v()
         if n == 1:
             self.w(f"{r} = memref.load %S{which}[{', '.join(idx)}] : {self.smem[which]}")
         else:
-            self.w(f"{r} = vector.load %S{which}[{', '.join(idx)}] : {self.smem[which]}, vector<{n}x{self.spec.elem}>")
+            self.w(f"{r} = vector.load %S{which}[{', '.join(idx)}] {{alignment = {n * _ES[self.spec.elem]}}} : "
+                   f"{self.smem[which]}, vector<{n}x{self.spec.elem}>")
         return r
 
     def pack(self, lo: str, hi: str) -> str:

@@ -12,7 +12,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_A16, FRAG_B8, FRAG_B16, FRAG_C, RaceError, _round
+from gac_torch.kernels.cuda_mma import (
+    FRAG_A8,
+    FRAG_A16,
+    FRAG_B8,
+    FRAG_B16,
+    FRAG_C,
+    RaceError,
+    _round,
+)
 from gac_torch.kernels.flash_attention import Plan, Spec, _kernel
 
 

@@ -20,8 +20,18 @@ from mlir.dialects import math as mmath
 
 from gac_torch.ir.builder import op_attrs
 from gac_torch.lowering.core import (
-    PARALLEL, REDUCTION, accumulator_type, const, convert, dim_map, elem, empty, full, generic,
-    index, shape,
+    PARALLEL,
+    REDUCTION,
+    accumulator_type,
+    const,
+    convert,
+    dim_map,
+    elem,
+    empty,
+    full,
+    generic,
+    index,
+    shape,
 )
 from gac_torch.lowering.registry import lowers
 
@@ -35,7 +45,7 @@ def _d(*ds: int) -> list[ir.AffineExpr]:
 def _maths(q, k, v, mask, scale: float, causal: bool, out_elem: ir.Type) -> ir.Value:
     qs, ks, vs = shape(q), shape(k), shape(v)
     nb = len(qs) - 2
-    L, S, Dv = qs[-2], ks[-2], vs[-1]
+    S, Dv = ks[-2], vs[-1]
     acc = accumulator_type(elem(q))
     b = list(range(nb))
     i, j, d = nb, nb + 1, nb + 2  # iteration dims of the score generics
@@ -106,8 +116,7 @@ def _module_of(block: ir.Block) -> ir.Operation:
 @lowers("attention", moves_data_only=True)  # (a bool mask arrives in its i8 storage form)
 def lower_attention(op, operands):
     attrs = op_attrs(op)
-    q, k, v, *rest = operands
-    mask = rest[0] if rest else None
+    mask = operands[3] if len(operands) > 3 else None
     out_t = ir.RankedTensorType.get(list(ir.RankedTensorType(op.results[0].type).shape),
                                     ir.RankedTensorType(op.results[0].type).element_type)
     here = ir.InsertionPoint.current
