@@ -3,13 +3,18 @@ tracing graphs that contain them (fake mode needs no CUDA kernel) against PyTorc
 
 from __future__ import annotations
 
+import functools
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import gac_torch
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.options import resolve
+from tests.parity import Fn, assert_close, reference
 
 aten = torch.ops.aten
 CASES = {
@@ -34,12 +39,6 @@ def test_fused_sdpa_lowered_to_math(kind, causal):
 # gac.attention: sdpa and the written-out maths become one op (passes/attention.py), whose shared
 # lowering is the plain maths: cpu parity through export and torch.compile
 
-import functools  # noqa: E402
-import os  # noqa: E402
-
-import gac_torch  # noqa: E402
-from tests.parity import Fn, assert_close, reference  # noqa: E402
-
 
 def _inputs(seed, *shapes, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
@@ -63,7 +62,7 @@ SDPA_CASES = [  # (B, H, L, S, D, Dv, mask kind, mask shape, causal, scale)
 
 
 def _sdpa_inputs(case, seed=3):
-    B, H, L, S, D, Dv, mk, ms, causal, scale = case
+    B, H, L, S, D, Dv, mk, ms, _causal, _scale = case
     q, k, v = _inputs(seed, (B, H, L, D), (B, H, S, D), (B, H, S, Dv))
     if mk == "add":
         return [q, k, v, _inputs(seed + 1, ms)[0]]
@@ -91,7 +90,7 @@ def test_sdpa_dynamo_is_one_attention(case, tmp_path, monkeypatch):
     inputs = _sdpa_inputs(case, seed=8)
     out = torch.compile(fn, backend=gac_torch.backend, fullgraph=True)(*inputs)
     assert_close(out, reference(fn, inputs))
-    gac = "".join(open(os.path.join(d, f)).read() for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".gac"))
+    gac = "".join(f.read_text() for f in pathlib.Path(tmp_path).rglob("*.gac"))
     assert gac.count("gac.attention") == 1 and "gac.softmax" not in gac
 
 
