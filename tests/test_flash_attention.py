@@ -80,6 +80,17 @@ def test_twin_matches_float64(case):
     assert err < TOL[kind], err
 
 
+@pytest.mark.parametrize("kind", ["bf16", "f32x3"])
+def test_twin_eight_warps(kind):
+    spec, q, k, v, mask = _case(kind, (1,), 130, 70, 32, 48, "add", (1, 1, 70), True)
+    p = fa.plan(spec, big=True)
+    assert p.warps == 8 and p.bm == 128
+    out = twin.emulate(spec, p, q, k, v, mask)
+    e = _ELEM[kind]
+    ref = twin.reference(_round(q, e), _round(k, e), _round(v, e), _round(mask, e), "add", spec.scale, True)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
 def test_fully_masked_rows_give_zero():
     spec, q, k, v, _ = _case("bf16", (1,), 9, 20, 16, 16, "none")
     mask = np.ones((1, 9, 20), dtype=np.int8)

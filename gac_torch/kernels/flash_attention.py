@@ -21,9 +21,9 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
      3b. S = Q Kᵀ  per k-step, A fragments of Q and B fragments of K from shared memory;
                    S tile 16 x BN per warp in f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
-                   hides it or the key is past S
+                   hides it or the key is past S; kept in base 2 (times log2 e) for exp2
      3d. softmax   row max over the lane's values, then the quad (shfl.xor 1, 2); m_new =
-                   max(m, tile max) (0 where it is -inf); corr = exp(m - m_new); p = exp(s -
+                   max(m, tile max) (0 where it is -inf); corr = exp2(m - m_new); p = exp2(s -
                    m_new); the lane's partial row sums l = l·corr + Σp; O *= corr
      3e. O += P V  P stays in registers: the S accumulator layout is the A fragment layout
                    of the next mma (f16/bf16: S n-tiles 2kk, 2kk+1 make k-step kk; tf32: keys
@@ -53,6 +53,8 @@ from gac_torch.kernels.cuda_mma import (
 )
 
 KINDS = ("f16", "bf16", "tf32", "f32x3")
+LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x · log2 e)
+SM_COUNT_HINT = 132  # H200: 8-warp blocks once they still make about two waves
 _ES = {"f16": 2, "bf16": 2, "f32": 4}
 _WG = "#gpu.address_space<workgroup>"
 
@@ -131,8 +133,10 @@ def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
     return None
 
 
-def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024) -> Plan | None:
-    """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused)."""
+def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024,
+         big: bool | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused).
+    `big` forces (or forbids) the 8-warp block."""
     if spec.kind not in KINDS or min(spec.L, spec.S, spec.D, spec.Dv) < 1 or spec.D > 256 or spec.Dv > 256:
         return None
     bufs = [spec.q, spec.k, spec.v, spec.o] + ([spec.mask] if spec.mask is not None else [])
@@ -146,7 +150,9 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     dvc = dv8 if dv8 <= 128 else -(-dv8 // 2 // 8) * 8
     pad = 8 if _ES[spec.elem] == 2 else 4
     es = _ES[spec.elem]
-    for warps, bn in ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
+    if big is None:
+        big = -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT
+    for warps, bn in ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
         if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
             continue
         t = 32 * warps
@@ -247,7 +253,7 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
             for q, (rq, cq) in enumerate(FRAG_C):
                 row = rows[rq // 8]
                 key = b.add(n0, b.add(t2, c(8 * j + cq)))
-                x = b.fmul(s[4 * j + q], b.fconst(spec.scale))
+                x = b.fmul(s[4 * j + q], b.fconst(spec.scale * LOG2E))
                 hide = b.ge(key, c(spec.S))
                 if spec.causal:
                     hide = b.or_(hide, b.gt(key, row))
@@ -258,7 +264,7 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
                     idx += [c(0) if mb.shape[-2] == 1 else row, c(0) if mb.shape[-1] == 1 else key]
                     mv = b.load_mask(idx, ok)
                     if spec.mask_kind == "add":
-                        x = b.fadd(x, mv)
+                        x = b.fadd(x, b.fmul(mv, b.fconst(LOG2E)))
                     else:
                         hide = b.or_(hide, mv)  # the builder's load_mask gives `hidden` for bool
                 s[4 * j + q] = b.fsel(hide, b.fconst(neg), x)
@@ -272,14 +278,14 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
             mx = b.fmax(mx, b.shfl_xor(mx, 1))
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
             use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
-            corr.append(b.fexp(b.fsub(mrow[h], use)))
+            corr.append(b.fexp2(b.fsub(mrow[h], use)))
             mnew.append(mx)
         lnew = [b.fmul(lrow[0], corr[0]), b.fmul(lrow[1], corr[1])]
         for j in range(NT):
             for q in range(4):
                 h = q // 2
                 use = b.fsel(b.feq(mnew[h], b.fconst(neg)), b.fconst(0.0), mnew[h])
-                s[4 * j + q] = b.fexp(b.fsub(s[4 * j + q], use))
+                s[4 * j + q] = b.fexp2(b.fsub(s[4 * j + q], use))
                 lnew[h] = b.fadd(lnew[h], s[4 * j + q])
         acc = [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)]
         # 3e. O += P V
@@ -399,9 +405,9 @@ class _Text:
         self.w(f"{r} = arith.select {cond}, {x}, {y} : f32")
         return r
 
-    def fexp(self, x: str) -> str:
+    def fexp2(self, x: str) -> str:
         r = self._v()
-        self.w(f"{r} = math.exp {x} : f32")
+        self.w(f"{r} = math.exp2 {x} : f32")
         return r
 
     def shfl_xor(self, x: str, m: int) -> str:

@@ -81,9 +81,9 @@ class _Numpy:
             return (x / y).astype(np.float32)
 
     @staticmethod
-    def fexp(x):
+    def fexp2(x):
         with np.errstate(over="ignore"):
-            return np.exp(x.astype(np.float64)).astype(np.float32)
+            return np.exp2(x.astype(np.float64)).astype(np.float32)
 
     def shfl_xor(self, x: np.ndarray, m: int) -> np.ndarray:
         return x[np.arange(self.T) ^ m]
