@@ -18,8 +18,9 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
   2. stage Q    the BM x D tile of Q into shared memory (zero outside L and D), barrier
   3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row):
      3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
-     3b. S = Q Kᵀ  per k-step, A fragments of Q and B fragments of K from shared memory;
-                   S tile 16 x BN per warp in f32 accumulators
+     3b. S = Q Kᵀ  per k-step, A fragments of Q (loaded once before the loop when they fit
+                   in 32 registers) and B fragments of K from shared memory; S tile 16 x BN per
+                   warp in f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
      3d. softmax   row max over the lane's values, then the quad (shfl.xor 1, 2); m_new =
@@ -150,8 +151,9 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     dvc = dv8 if dv8 <= 128 else -(-dv8 // 2 // 8) * 8
     pad = 8 if _ES[spec.elem] == 2 else 4
     es = _ES[spec.elem]
-    if big is None:
-        big = -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT
+    if big is None:  # (only where ~128 registers a thread still let two blocks share an SM)
+        big = (spec.elem in ("f16", "bf16") and dp <= 64
+               and -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT)
     for warps, bn in ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
         if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
             continue
@@ -225,6 +227,16 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
     else:
         ntiles = c(nkt)
 
+    def q_frag(k0: int) -> list[Any]:
+        if half:
+            return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t2, c(k0 + cc))], 2)
+                    for r, cc in FRAG_A16]
+        return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
+                for r, cc in FRAG_A8]
+
+    # Q's A fragments stay in registers across key tiles while they fit (<= 32 registers)
+    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if DP * (2 if half else 4) <= 256 else {}
+
     def body(kt: Any, state: list[Any]) -> list[Any]:
         mrow, lrow, acc = state[0:2], state[2:4], state[4:]
         n0 = b.mul(kt, c(BN))
@@ -235,12 +247,7 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
         # 3b. S = Q Kᵀ
         s = [b.fconst(0.0)] * (NT * 4)
         for k0 in range(0, DP, KS):
-            if half:
-                fa = [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t2, c(k0 + cc))], 2)
-                      for r, cc in FRAG_A16]
-            else:
-                fa = [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
-                      for r, cc in FRAG_A8]
+            fa = qfrags[k0] if qfrags else q_frag(k0)
             for j in range(NT):
                 key = b.add(g, c(8 * j))
                 if half:
