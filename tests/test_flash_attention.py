@@ -52,6 +52,7 @@ def _case(kind, batch, L, S, D, Dv, mask_kind="none", mshape=None, causal=False,
 # (kind, batch, L, S, D, Dv, mask kind, mask shape, causal): seq 1/7/65/130, head dims 16..256
 CASES = [
     ("f16", (1,), 1, 7, 16, 16, "none", None, False),
+    ("f16", (1,), 9, 33, 48, 24, "none", None, True),  # an odd count of 8-column output tiles
     ("bf16", (2, 1), 7, 65, 32, 32, "none", None, True),
     ("f16", (1, 2), 65, 130, 64, 64, "add", (1, 1, 1, 130), False),
     ("bf16", (1,), 130, 65, 80, 80, "bool", None, False),

@@ -18,9 +18,9 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
   2. stage Q    the BM x D tile of Q into shared memory (zero outside L and D), barrier
   3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row):
      3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
-     3b. S = Q Kᵀ  per k-step, A fragments of Q (loaded once before the loop when they fit
-                   in 32 registers) and B fragments of K from shared memory; S tile 16 x BN per
-                   warp in f32 accumulators
+     3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32: loaded once before the loop when they
+                   fit in 32 registers) and B fragments of K from shared memory (f16/bf16: ldmatrix
+                   x4, two fragments per instruction); S tile 16 x BN per warp in f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
      3d. softmax   row max over the lane's values, then the quad (shfl.xor 1, 2); m_new =
@@ -29,7 +29,8 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
      3e. O += P V  P stays in registers: the S accumulator layout is the A fragment layout
                    of the next mma (f16/bf16: S n-tiles 2kk, 2kk+1 make k-step kk; tf32: keys
                    permuted inside each 8-key step, k-index t <-> key 2t, t+4 <-> 2t+1, and V's
-                   B fragments are read with the same permutation)
+                   B fragments are read with the same permutation); f16/bf16 read V's B
+                   fragments with ldmatrix.trans
      3f. stage     barrier; the prefetched K, V registers go to shared memory; barrier
   4. finish     l summed over the quad; O / l (0 where l == 0), rounded to O's type, stored
 
@@ -227,15 +228,18 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
     else:
         ntiles = c(nkt)
 
+    # ldmatrix (f16/bf16): lane l gives the address of row l % 8 of 8x8 matrix l / 8
+    l8, l8h, l16 = b.rem(lane, c(8)), b.mul(b.rem(b.div(lane, c(8)), c(2)), c(8)), b.mul(b.div(lane, c(16)), c(8))
+
     def q_frag(k0: int) -> list[Any]:
-        if half:
-            return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t2, c(k0 + cc))], 2)
-                    for r, cc in FRAG_A16]
+        if half:  # matrices (rows +0/+8) x (cols k0/k0+8) = FRAG_A16's four registers
+            return b.ldmatrix("Q", b.add(wrow, b.add(l8, l8h)), b.add(l16, c(k0)), 4, False)
         return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
                 for r, cc in FRAG_A8]
 
-    # Q's A fragments stay in registers across key tiles while they fit (<= 32 registers)
-    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if DP * (2 if half else 4) <= 256 else {}
+    # tf32: Q's A fragments (16 scalar loads a k-step) stay in registers across key tiles while
+    # they fit in 32; f16/bf16 reload them with one ldmatrix a k-step (registers are tighter)
+    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if not half and DP <= 64 else {}
 
     def body(kt: Any, state: list[Any]) -> list[Any]:
         mrow, lrow, acc = state[0:2], state[2:4], state[4:]
@@ -249,11 +253,12 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
         for k0 in range(0, DP, KS):
             fa = qfrags[k0] if qfrags else q_frag(k0)
             for j in range(NT):
-                key = b.add(g, c(8 * j))
+                if half and j % 2 == 0:  # B fragments of n-tiles j, j + 1 (keys x cols k0/k0+8)
+                    fbs = b.ldmatrix("K", b.add(l8, b.add(l16, c(8 * j))), b.add(l8h, c(k0)), 4, False)
                 if half:
-                    fb = [b.load_smem("K", [key, b.add(t2, c(k0 + kk))], 2) for kk in FRAG_B16]
+                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
                 else:
-                    fb = [b.load_smem("K", [key, b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
+                    fb = [b.load_smem("K", [b.add(g, c(8 * j)), b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
                 s[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, s[4 * j:4 * j + 4])
         # 3c. mask
         for j in range(NT):
@@ -304,12 +309,14 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
             steps = [(kk, [s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]]) for kk in range(NT)]
         for kk, fa in steps:
             for j in range(NO):
-                col = b.add(g, c(8 * j))
+                if half and j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
+                    num = 4 if j + 1 < NO else 2
+                    fbs = b.ldmatrix("V", b.add(l8, b.add(l8h, c(16 * kk))), b.add(l16 if num == 4 else c(0), c(8 * j)),
+                                     num, True)
                 if half:
-                    fb = [b.pack(b.load_smem("V", [b.add(t2, c(16 * kk + e)), col], 1),
-                                 b.load_smem("V", [b.add(t2, c(16 * kk + e + 1)), col], 1)) for e in FRAG_B16]
+                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
                 else:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
-                    fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), col], 1) for e in (0, 1)]
+                    fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
                 acc[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, acc[4 * j:4 * j + 4])
         # 3f. stage
         b.barrier()
@@ -451,6 +458,26 @@ class _Text:
         r = self._v()
         self.w(f"{r} = vector.from_elements {lo}, {hi} : vector<2x{self.spec.elem}>")
         return r
+
+    def ldmatrix(self, which: str, row: str, col: str, num: int, trans: bool) -> list[str]:
+        """ldmatrix.sync.x{num}[.trans] of 8x8 b16 matrices: this lane's row address is
+        (row, col) of the shared buffer; returns num registers as vector<2 x elem>."""
+        e, st = self.spec.elem, {"Q": self.p.dp, "K": self.p.dp, "V": self.p.dvc}[which] + self.p.pad
+        base, off, a, i, ptr, r = (self._v() for _ in range(6))
+        self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
+        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * 2)>({row}, {col})")
+        self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
+        self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
+        rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
+        self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
+               f"shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>}} "
+               f": (!llvm.ptr<3>) -> {rt}")
+        out = []
+        for q in range(num):
+            x, y = self._v(), self._v()
+            self.w(f"{x} = llvm.extractvalue {r}[{q}] : {rt}\n{y} = llvm.bitcast {x} : i32 to vector<2x{e}>")
+            out.append(y)
+        return out
 
     def pack_f32(self, lo: str, hi: str) -> str:
         e = self.spec.elem

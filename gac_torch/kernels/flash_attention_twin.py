@@ -137,6 +137,27 @@ class _Numpy:
             raise AssertionError(f"smem {which}: read of an element never written")
         return vals if n > 1 else vals[:, 0]
 
+    def ldmatrix(self, which: str, row: np.ndarray, col: np.ndarray, num: int, trans: bool) -> list[np.ndarray]:
+        """Lane l of each warp supplies row l % 8 of matrix l / 8 (16-byte aligned rows of 8);
+        register i of lane l: matrix i's (row l/4, cols 2(l%4), +1), or transposed (rows
+        2(l%4), +1; col l/4)."""
+        assert (col % 8 == 0).all(), "ldmatrix rows must be 16-byte aligned"
+        cells = self._touch(which, [row, col], 8, False)
+        rows = np.stack([self.S[which].data[at] for at in cells], axis=1)  # (T, 8)
+        if np.isnan(rows).any():
+            raise AssertionError(f"smem {which}: ldmatrix of an element never written")
+        lane, warp = np.arange(self.T) % 32, np.arange(self.T) // 32
+        out = []
+        for i in range(num):
+            mats = rows[warp[:, None] * 32 + 8 * i + np.arange(8)[None, :]]  # (T, 8 rows, 8 cols)
+            r, cc = (2 * (lane % 4), lane // 4) if trans else (lane // 4, 2 * (lane % 4))
+            if trans:
+                pair = np.stack([mats[np.arange(self.T), r, cc], mats[np.arange(self.T), r + 1, cc]], axis=1)
+            else:
+                pair = np.stack([mats[np.arange(self.T), r, cc], mats[np.arange(self.T), r, cc + 1]], axis=1)
+            out.append(pair)
+        return out
+
     @staticmethod
     def pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.stack([lo, hi], axis=1)
