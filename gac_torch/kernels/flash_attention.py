@@ -48,9 +48,7 @@ from typing import Any
 
 from gac_torch.kernels.cuda_mma import (
     FRAG_A8,
-    FRAG_A16,
     FRAG_B8,
-    FRAG_B16,
     FRAG_C,
 )
 

@@ -158,10 +158,6 @@ class _Numpy:
             out.append(pair)
         return out
 
-    @staticmethod
-    def pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        return np.stack([lo, hi], axis=1)
-
     def pack_f32(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return np.stack([_round(lo, self.spec.elem), _round(hi, self.spec.elem)], axis=1)
 
