@@ -142,3 +142,16 @@ def test_encoder_training_gradients_match_eager():
     torch.testing.assert_close(out, ref_model(x), rtol=1e-4, atol=1e-5)
     for (n, p), r in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_sdpa_with_run_time_sizes_stays_correct():
+    """Run-time sequence lengths: the pattern is left unfused (its reshapes would need size
+    operands) and the graph still compiles once for every length."""
+    q, k, v = _inputs(9, (1, 2, 9, 16), (1, 2, 9, 16), (1, 2, 9, 16))
+    fn = _sdpa("none", True, None)
+    n = torch.export.Dim("n", min=2, max=64)
+    ep = torch.export.export(Fn(fn), (q, k, v), dynamic_shapes=({2: n}, {2: n}, {2: n}))
+    compiled = gac_torch.compile(ep, target="cpu", options={"fallback": False})
+    for size in (5, 13):
+        inputs = _inputs(size, *[(1, 2, size, 16)] * 3)
+        assert_close(compiled(*inputs), reference(fn, inputs))

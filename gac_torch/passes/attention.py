@@ -17,7 +17,7 @@ import math
 from mlir import ir
 
 from gac_torch.ir.builder import GacBuilder, op_attrs
-from gac_torch.ir.types import shape_of
+from gac_torch.ir.types import DYN, shape_of
 from gac_torch.passes.dce import gac_dce
 
 _PASS = ("gac.reshape", "gac.cast")
@@ -114,6 +114,9 @@ def _match(mm2: ir.Operation):
     if o is None or (not first and not _one_use(o.results[0])) or (
             first and not _one_use(o.results[0], {sm} | guard_users)):
         return None
+    if any(DYN in shape_of(x.type) for st in [o, mm2] + [op for _, op in steps]
+           for x in list(st.operands) + list(st.results) if isinstance(x.type, ir.RankedTensorType)):
+        return None  # run-time sizes: the reshapes here would need size operands; left unfused
     kinds = [k for k, _ in reversed(steps) if k != "pass"]
     if "scale" in kinds and any(k in ("add", "keep") for k in kinds[:kinds.index("scale") + 1]) \
             or sum(k in ("add", "keep") for k in kinds) > 1:
