@@ -150,7 +150,7 @@ def test_sdpa_with_run_time_sizes_stays_correct():
     q, k, v = _inputs(9, (1, 2, 9, 16), (1, 2, 9, 16), (1, 2, 9, 16))
     fn = _sdpa("none", True, None)
     n = torch.export.Dim("n", min=2, max=64)
-    ep = torch.export.export(Fn(fn), (q, k, v), dynamic_shapes=({2: n}, {2: n}, {2: n}))
+    ep = torch.export.export(Fn(fn), (q, k, v), dynamic_shapes=(({2: n}, {2: n}, {2: n}),))
     compiled = gac_torch.compile(ep, target="cpu", options={"fallback": False})
     for size in (5, 13):
         inputs = _inputs(size, *[(1, 2, size, 16)] * 3)
