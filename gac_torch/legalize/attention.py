@@ -1,9 +1,9 @@
 """Fused scaled-dot-product attention kernels that export picks on CUDA
 (`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to one gac.attention,
 softmax(q @ k^T * scale + mask) @ v (a target may run it as one flash-attention kernel).
-Training: when the log-sum-exp is used (by the backward) or dropout is on, the check below sends
-the node to eager (its kernel and its backward run there), so training keeps working unfused. Only the attention output may be used (the log-sum-exp and
-RNG outputs exist for training) and dropout must be off."""
+Only the attention output may be used (the log-sum-exp and RNG outputs exist for training) and
+dropout must be off; otherwise (training) the check sends the node to eager, whose kernel and
+backward run there, so training keeps working."""
 
 from __future__ import annotations
 
