@@ -32,7 +32,7 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
                    B fragments are read with the same permutation); f16/bf16 read V's B
                    fragments with ldmatrix.trans
      3f. stage     barrier; the prefetched K, V registers go to shared memory; barrier
-  4. finish     l summed over the quad; O / l (0 where l == 0), rounded to O's type, stored
+  4. finish     l summed over the quad; O · (1 / l) (0 where l == 0), rounded to O's type, stored
 
 The body (`_kernel`) is written once against the builder verbs of cuda_mma (MLIR text and a
 numpy lockstep twin that checks shared-memory races) plus the float verbs in this file;
@@ -332,11 +332,12 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
         x = b.fadd(x, b.shfl_xor(x, 1))
         lsum.append(b.fadd(x, b.shfl_xor(x, 2)))
     acc = state[4:]
+    inv = [b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)) for x in lsum]
     for j in range(NO):
         for q, (rq, cq) in enumerate(FRAG_C):
             row, h = rows[rq // 8], rq // 8
             col = b.add(c0, b.add(t2, c(8 * j + cq)))
-            val = b.fsel(b.feq(lsum[h], b.fconst(0.0)), b.fconst(0.0), b.fdiv(acc[4 * j + q], lsum[h]))
+            val = b.fmul(acc[4 * j + q], inv[h])
             ok = b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.Dv)))
             b.store_out(bidx + [row, col], val, ok)
 
