@@ -155,3 +155,24 @@ def test_sdpa_with_run_time_sizes_stays_correct():
     for size in (5, 13):
         inputs = _inputs(size, *[(1, 2, size, 16)] * 3)
         assert_close(compiled(*inputs), reference(fn, inputs))
+
+
+def test_hand_written_attention_fuses():
+    """BEVFormer's decoder self-attention (q scaled before bmm, softmax, bmm) and a mask added on
+    the left of the scores both become one gac.attention."""
+    from gac_torch.models.bevformer.attention import MultiheadSelfAttention
+
+    torch.manual_seed(7)
+    mod = MultiheadSelfAttention(32, 4).eval()
+    q, pos = _inputs(10, (2, 11, 32), (2, 11, 32))
+    with torch.no_grad():
+        compiled = gac_torch.compile(mod, (q, pos), target="cpu", options={"fallback": False})
+        assert compiled.ir("gac").count("gac.attention") == 1
+        assert_close(compiled(q, pos), reference(mod, [q, pos]))
+
+    def fn(q, k, v, m):
+        return torch.softmax(m + q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+    inputs = _inputs(11, (2, 9, 16), (2, 7, 16), (2, 7, 8), (9, 7))
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cpu", options={"fallback": False})
+    assert compiled.ir("gac").count("gac.attention") == 1
+    assert_close(compiled(*inputs), reference(fn, inputs))

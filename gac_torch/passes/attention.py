@@ -65,6 +65,19 @@ def _guard(sel: ir.Operation) -> ir.Value | None:
     return eq.operands[0]
 
 
+def _to_matmul(v: ir.Value) -> bool:
+    """Whether v is the score chain (reshapes, casts, scalings, masks back to a matmul)."""
+    o = _op(v)
+    while o is not None and o.name != "gac.matmul":
+        if o.name in _PASS or (o.name == "gac.binary" and op_attrs(o)["kind"] in ("mul", "div", "add")):
+            o = _op(o.operands[0])
+        elif o.name == "gac.select":
+            o = _op(o.operands[1])
+        else:
+            return False
+    return o is not None
+
+
 def _match(mm2: ir.Operation):
     """(q', kᵀ', v', score ops from the first matmul on, softmax) or None."""
     p, v = mm2.operands
@@ -98,26 +111,27 @@ def _match(mm2: ir.Operation):
             return None
         first = False
         if o.name in _PASS:
-            steps.append(("pass", o))
+            steps.append(("pass", o, None))
             o = _op(o.operands[0])
         elif o.name == "gac.binary" and op_attrs(o)["kind"] in ("mul", "div") and _scalar(o.operands[1]) is not None:
-            steps.append(("scale", o))
+            steps.append(("scale", o, None))
             o = _op(o.operands[0])
         elif o.name == "gac.binary" and op_attrs(o)["kind"] == "add":
-            steps.append(("add", o))
-            o = _op(o.operands[0])
+            chain = 1 if not _to_matmul(o.operands[0]) and _to_matmul(o.operands[1]) else 0
+            steps.append(("add", o, 1 - chain))  # (the mask is the other operand)
+            o = _op(o.operands[chain])
         elif o.name == "gac.select" and _scalar(o.operands[2]) == -math.inf:
-            steps.append(("keep", o))
+            steps.append(("keep", o, 0))
             o = _op(o.operands[1])
         else:
             return None
     if o is None or (not first and not _one_use(o.results[0])) or (
             first and not _one_use(o.results[0], {sm} | guard_users)):
         return None
-    if any(DYN in shape_of(x.type) for st in [o, mm2] + [op for _, op in steps]
+    if any(DYN in shape_of(x.type) for st in [o, mm2] + [op for _, op, _ in steps]
            for x in list(st.operands) + list(st.results) if isinstance(x.type, ir.RankedTensorType)):
         return None  # run-time sizes: the reshapes here would need size operands; left unfused
-    kinds = [k for k, _ in reversed(steps) if k != "pass"]
+    kinds = [k for k, _, _ in reversed(steps) if k != "pass"]
     if "scale" in kinds and any(k in ("add", "keep") for k in kinds[:kinds.index("scale") + 1]) \
             or sum(k in ("add", "keep") for k in kinds) > 1:
         return None  # a scale after the mask, or two masks
@@ -155,12 +169,12 @@ def _rewrite(b: GacBuilder, mm2, mm1, steps, sm, v) -> None:
     k4 = b.transpose(b.reshape(kt, batch + [D, S]), perm=list(range(len(batch))) + [len(batch) + 1, len(batch)])
     v4 = b.cast(b.reshape(v, batch + [S, Dv]), e)
     scale, mask = 1.0, None
-    for kind, o in steps:
+    for kind, o, at in steps:
         if kind == "scale":
             c = _scalar(o.operands[1])
             scale *= c if op_attrs(o)["kind"] == "mul" else 1.0 / c
         elif kind in ("add", "keep"):
-            mv = o.operands[1] if kind == "add" else o.operands[0]
+            mv = o.operands[at]
             here = list(shape_of(o.results[0].type))
             ms = list(shape_of(mv.type))
             ms = [1] * (len(here) - len(ms)) + ms
