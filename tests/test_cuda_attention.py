@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import gac_torch
 from tests.parity import Fn
+from tests.test_flash_attention import tf32
 
 pytestmark = pytest.mark.cuda
 # ‖out − ref‖ / ‖ref‖ (METHOD.md); f32 is the exact mode (3xTF32), tf32 the TF32 one
@@ -48,8 +49,8 @@ def test_sdpa_flash_parity(kind, case):
 
     def fn(q, k, v, *m):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m[0] if m else None, is_causal=causal)
-    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda",
-                                 options={"fallback": False, "allow_tf32": kind == "tf32"})
+    with tf32(kind == "tf32"):
+        compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda", options={"fallback": False})
     ptx = compiled.ir("ptx")
     assert ptx.count("_flash(") == 1 and "_reduce(" not in ptx, compiled.ir("gpu")
     out = compiled(*inputs)

@@ -4,6 +4,7 @@ the PTX of every kind through the cuda pipeline (ptxas: no spills)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -119,6 +120,19 @@ def test_plan_fits_shared_memory_and_splits_wide_values():
     assert fa.plan(spec) is None  # head dims over 256: the unfused maths
 
 
+@contextlib.contextmanager
+def tf32(allowed: bool):
+    """torch's TF32 flag (gac follows it at compile time), restored afterwards."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.set_float32_matmul_precision("high" if allowed else "highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.set_float32_matmul_precision(saved[1])
+
+
 # ------------------------------------------------------------------------------------------------
 # PTX through the cuda pipeline: one flash kernel per attention, the kind's mma, no spills
 
@@ -139,11 +153,13 @@ def test_ptx_per_kind(kind, D, mask, causal):
     m = None if mask is None else (torch.rand(2, 1, 65, 65) > 0.5 if mask == "bool" else torch.randn(1, 3, 65, 65, dtype=dt))
     fn = lambda a, b, c, mm: torch.ops.aten._scaled_dot_product_efficient_attention(
         a, b, c, mm, False, 0.0, causal)[0]
-    for arch in ("sm_80", "sm_90"):
+    def ptx_for(arch: str, allow_tf32: bool) -> str:
         gm = make_fx(fn, tracing_mode="fake")(q, k, v, m)  # (compiling rewrites the graph)
-        compiled = compile_graph(gm, resolve({"target": "cuda", "fallback": False, "arch": arch,
-                                              "allow_tf32": kind == "tf32"}))
-        ptx = compiled.ir("ptx")
+        with tf32(allow_tf32):
+            return compile_graph(gm, resolve({"target": "cuda", "fallback": False, "arch": arch})).ir("ptx")
+
+    for arch in ("sm_80", "sm_90"):
+        ptx = ptx_for(arch, kind == "tf32")
         assert [line for line in ptx.splitlines() if ".entry" in line and "flash" in line], ptx[:2000]
         assert {line.split()[0] for line in ptx.splitlines() if "mma.sync" in line} == {_MMA[kind]}
         if _PTXAS is None:
@@ -151,3 +167,7 @@ def test_ptx_per_kind(kind, D, mask, causal):
         result = ptxas.assemble(ptx, arch, _PTXAS)
         assert result.ok, result.log
         assert " 0 bytes spill stores" in result.log and "spill stores" in result.log, result.log
+    if kind == "tf32":  # the exact mode issues three mma per product
+        def n_mma(ptx: str) -> int:
+            return sum("mma.sync" in line for line in ptx.splitlines())
+        assert n_mma(ptx_for("sm_90", False)) == 3 * n_mma(ptx)

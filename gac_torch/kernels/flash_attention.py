@@ -18,8 +18,8 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
   2. stage Q    the BM x D tile of Q into shared memory (zero outside L and D), barrier
   3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row):
      3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
-     3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32: loaded once before the loop when they
-                   fit in 32 registers) and B fragments of K from shared memory (f16/bf16: ldmatrix
+     3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32 only: loaded once before the loop when
+                   they fit in 32 registers) and B fragments of K from shared memory (f16/bf16: ldmatrix
                    x4, two fragments per instruction); S tile 16 x BN per warp in f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
@@ -236,8 +236,9 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
                 for r, cc in FRAG_A8]
 
     # tf32: Q's A fragments (16 scalar loads a k-step) stay in registers across key tiles while
-    # they fit in 32; f16/bf16 reload them with one ldmatrix a k-step (registers are tighter)
-    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if not half and DP <= 64 else {}
+    # they fit in 32; f16/bf16 reload them with one ldmatrix a k-step, and f32x3 (whose split
+    # parts would stay live too) from shared memory: registers are tighter there
+    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind == "tf32" and DP <= 64 else {}
 
     def body(kt: Any, state: list[Any]) -> list[Any]:
         mrow, lrow, acc = state[0:2], state[2:4], state[4:]
