@@ -151,7 +151,7 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     pad = 8 if _ES[spec.elem] == 2 else 4
     es = _ES[spec.elem]
     if big is None:  # (only where ~128 registers a thread still let two blocks share an SM)
-        big = (spec.elem in ("f16", "bf16") and dp <= 64
+        big = (dp <= (64 if spec.elem in ("f16", "bf16") else 32)
                and -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT)
     for warps, bn in ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
         if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
