@@ -16,7 +16,8 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
 
   1. locate     block -> (query tile m0, column chunk c0, batch index); warp, g, t
   2. stage Q    the BM x D tile of Q into shared memory (zero outside L and D), barrier
-  3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row):
+  3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row; the
+     last tile is peeled: it alone masks keys past S and prefetches nothing):
      3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
      3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32 only: loaded once before the loop when
                    they fit in 32 registers) and B fragments of K from shared memory (f16/bf16: ldmatrix
@@ -240,13 +241,14 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
     # parts would stay live too) from shared memory: registers are tighter there
     qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind == "tf32" and DP <= 64 else {}
 
-    def body(kt: Any, state: list[Any]) -> list[Any]:
+    def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
         mrow, lrow, acc = state[0:2], state[2:4], state[4:]
         n0 = b.mul(kt, c(BN))
         nn0 = b.add(n0, c(BN))
-        # 3a. prefetch
-        nk = tile_loads("K", nn0, BN, c(0), DP, spec.S, spec.D, p.vkv)
-        nv = tile_loads("V", nn0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
+        # 3a. prefetch (not in the last tile)
+        if not last:
+            nk = tile_loads("K", nn0, BN, c(0), DP, spec.S, spec.D, p.vkv)
+            nv = tile_loads("V", nn0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
         # 3b. S = Q Kᵀ
         s = [b.fconst(0.0)] * (NT * 4)
         for k0 in range(0, DP, KS):
@@ -265,9 +267,10 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
                 row = rows[rq // 8]
                 key = b.add(n0, b.add(t2, c(8 * j + cq)))
                 x = b.fmul(s[4 * j + q], b.fconst(spec.scale * LOG2E))
-                hide = b.ge(key, c(spec.S))
+                # keys past S exist in the last tile only (S % BN of them)
+                hide = b.ge(key, c(spec.S)) if last and spec.S % BN else None
                 if spec.causal:
-                    hide = b.or_(hide, b.gt(key, row))
+                    hide = b.gt(key, row) if hide is None else b.or_(hide, b.gt(key, row))
                 if spec.mask_kind != "none":
                     ok = b.and_(b.lt(row, c(spec.L)), b.lt(key, c(spec.S)))
                     mb = spec.mask  # type: ignore[union-attr]
@@ -277,8 +280,8 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
                     if spec.mask_kind == "add":
                         x = b.fadd(x, b.fmul(mv, b.fconst(LOG2E)))
                     else:
-                        hide = b.or_(hide, mv)  # the builder's load_mask gives `hidden` for bool
-                s[4 * j + q] = b.fsel(hide, b.fconst(neg), x)
+                        hide = mv if hide is None else b.or_(hide, mv)  # load_mask: `hidden` for bool
+                s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
         # 3d. online softmax
         corr, mnew = [], []
         for h in range(2):
@@ -318,14 +321,17 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
                     fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
                 acc[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, acc[4 * j:4 * j + 4])
         # 3f. stage
-        b.barrier()
-        stage("K", nk, p.vkv)
-        stage("V", nv, p.vkv)
-        b.barrier()
+        if not last:
+            b.barrier()
+            stage("K", nk, p.vkv)
+            stage("V", nv, p.vkv)
+            b.barrier()
         return mnew + lnew + acc
 
+    # every tile but the last in the loop; the last one peeled (no prefetch, the S tail masked)
     init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + NO * 4)
-    state = b.loop(ntiles, init, body)
+    state = b.loop(b.sub(ntiles, c(1)), init, lambda kt, st: body(kt, st, False))
+    state = body(b.sub(ntiles, c(1)), state, True)
     # 4. finish
     lsum = []
     for h in range(2):
@@ -391,9 +397,9 @@ class _Text:
     def bid(self, axis: int) -> str:
         return ("%bx", "%by", "%bz")[axis]
 
-    def _op(self, op: str, x: str, y: str, ty: str) -> str:
+    def _op(self, op: str, x: str, y: str, ty: str, flags: str = "") -> str:
         r = self._v()
-        self.w(f"{r} = {op} {x}, {y} : {ty}")
+        self.w(f"{r} = {op} {x}, {y}{flags} : {ty}")
         return r
 
     add = lambda s, x, y: s._op("arith.addi", x, y, "index")
@@ -407,9 +413,10 @@ class _Text:
     gt = lambda s, x, y: s._op("arith.cmpi ugt,", x, y, "index")
     and_ = lambda s, x, y: s._op("arith.andi", x, y, "i1")
     or_ = lambda s, x, y: s._op("arith.ori", x, y, "i1")
-    fadd = lambda s, x, y: s._op("arith.addf", x, y, "f32")
-    fsub = lambda s, x, y: s._op("arith.subf", x, y, "f32")
-    fmul = lambda s, x, y: s._op("arith.mulf", x, y, "f32")
+    # (contract: LLVM may fuse a multiply and an add into one fma, as nvcc does by default)
+    fadd = lambda s, x, y: s._op("arith.addf", x, y, "f32", " fastmath<contract>")
+    fsub = lambda s, x, y: s._op("arith.subf", x, y, "f32", " fastmath<contract>")
+    fmul = lambda s, x, y: s._op("arith.mulf", x, y, "f32", " fastmath<contract>")
     fdiv = lambda s, x, y: s._op("arith.divf", x, y, "f32")
     fmax = lambda s, x, y: s._op("arith.maximumf", x, y, "f32")
     feq = lambda s, x, y: s._op("arith.cmpf oeq,", x, y, "f32")
