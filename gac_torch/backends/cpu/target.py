@@ -21,7 +21,7 @@ from gac_torch.passes.copies import memref_copy_to_linalg
 # arguments stay plain pointers; memref.copy -> linalg.copy (no runtime library); loops; then
 # everything to LLVM.
 BUFFERIZE = ",".join([
-    "inline", "symbol-dce",
+    "inline{default-pipeline=}", "symbol-dce",
     "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map}",
     "canonicalize", "cse",
 ])

@@ -77,4 +77,4 @@ def map_attention(module: ir.Module, fn: ir.Operation, limits: m.MappingLimits |
             res = bufferization.ToTensorOp(rt, out, restrict=True, writable=True).result
         op.results[0].replace_all_uses_with(res)
         op.erase()
-    m.run_passes(module, "inline, symbol-dce")
+    m.run_passes(module, "inline{default-pipeline=}, symbol-dce")  # (no canonicalize of @main)
