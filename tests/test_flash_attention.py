@@ -171,3 +171,18 @@ def test_ptx_per_kind(kind, D, mask, causal):
         def n_mma(ptx: str) -> int:
             return sum("mma.sync" in line for line in ptx.splitlines())
         assert n_mma(ptx_for("sm_90", False)) == 3 * n_mma(ptx)
+
+
+def test_two_attentions_get_two_flash_kernels():
+    """Every attention of a graph gets its own kernel (the first version named both launches
+    alike, so outlining renamed the second and it lost its strategy name)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 33, 64)
+    with torch.no_grad():
+        import gac_torch
+
+        ptx = gac_torch.compile(enc, (x,), target="cuda", options={"fallback": False}).ir("ptx")
+    flash = [line for line in ptx.splitlines() if ".entry" in line and "_flash(" in line]
+    assert len(flash) == 2, [line for line in ptx.splitlines() if ".entry" in line]

@@ -54,6 +54,7 @@ def map_attention(module: ir.Module, fn: ir.Operation, limits: m.MappingLimits |
                 "mask": ir.StringAttr(d["mask"]).value}
     if not callees:
         return
+    n = 0
     for op in m._ops(m._block(fn)):
         if op.name != "func.call":
             continue
@@ -72,7 +73,9 @@ def map_attention(module: ir.Module, fn: ir.Operation, limits: m.MappingLimits |
                                                      v, read_only=True).result)
             rt = ir.RankedTensorType(op.results[0].type)
             out = memref.AllocOp(ir.MemRefType.get(list(rt.shape), rt.element_type), [], []).result
-        m._splice_template(fa.template(spec, p), op, [*args, out], None, "f32", "gac_k0_flash")  # type: ignore[arg-type]
+        # a unique name (outlining would rename a duplicate); _number_kernels renumbers them all
+        m._splice_template(fa.template(spec, p), op, [*args, out], None, "f32", f"gac_attn{n}_flash")  # type: ignore[arg-type]
+        n += 1
         with ir.InsertionPoint(op), op.location:
             res = bufferization.ToTensorOp(rt, out, restrict=True, writable=True).result
         op.results[0].replace_all_uses_with(res)
