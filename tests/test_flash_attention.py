@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import gac_torch
 from gac_torch.backends.cuda import ptxas
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.kernels import flash_attention as fa
@@ -181,8 +182,6 @@ def test_two_attentions_get_two_flash_kernels():
     enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
     x = torch.randn(2, 33, 64)
     with torch.no_grad():
-        import gac_torch
-
         ptx = gac_torch.compile(enc, (x,), target="cuda", options={"fallback": False}).ir("ptx")
     flash = [line for line in ptx.splitlines() if ".entry" in line and "_flash(" in line]
     assert len(flash) == 2, [line for line in ptx.splitlines() if ".entry" in line]
