@@ -24,7 +24,8 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
                    x4, two fragments per instruction); S tile 16 x BN per warp in f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
-     3d. softmax   row max over the lane's values, then the quad (shfl.xor 1, 2); m_new =
+     3d. softmax   row max over the lane's values (unscaled where no additive mask: the
+                   scale then goes into one fma per score), then the quad (shfl.xor 1, 2); m_new =
                    max(m, tile max) (0 where it is -inf); corr = exp2(m - m_new); p = exp2(s -
                    m_new); the lane's partial row sums l = l·corr + Σp; O *= corr
      3e. O += P V  P stays in registers: the S accumulator layout is the A fragment layout
@@ -241,6 +242,11 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
     # parts would stay live too) from shared memory: registers are tighter there
     qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind == "tf32" and DP <= 64 else {}
 
+    # Without an additive mask (and scale > 0) the row max is taken on the raw scores and the
+    # scale applied inside exp2(s·c - m·c), which contracts to one fma per score.
+    raw = spec.mask_kind != "add" and spec.scale > 0
+    sc = b.fconst(spec.scale * LOG2E)
+
     def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
         mrow, lrow, acc = state[0:2], state[2:4], state[4:]
         n0 = b.mul(kt, c(BN))
@@ -266,7 +272,7 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
             for q, (rq, cq) in enumerate(FRAG_C):
                 row = rows[rq // 8]
                 key = b.add(n0, b.add(t2, c(8 * j + cq)))
-                x = b.fmul(s[4 * j + q], b.fconst(spec.scale * LOG2E))
+                x = s[4 * j + q] if raw else b.fmul(s[4 * j + q], sc)
                 # keys past S exist in the last tile only (S % BN of them)
                 hide = b.ge(key, c(spec.S)) if last and spec.S % BN else None
                 if spec.causal:
@@ -283,7 +289,7 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
                         hide = mv if hide is None else b.or_(hide, mv)  # load_mask: `hidden` for bool
                 s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
         # 3d. online softmax
-        corr, mnew = [], []
+        corr, mnew, muse = [], [], []
         for h in range(2):
             mx = mrow[h]
             for j in range(NT):
@@ -292,14 +298,14 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
             mx = b.fmax(mx, b.shfl_xor(mx, 1))
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
             use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
-            corr.append(b.fexp2(b.fsub(mrow[h], use)))
+            corr.append(b.fexp2(b.fmul(b.fsub(mrow[h], use), sc) if raw else b.fsub(mrow[h], use)))
             mnew.append(mx)
+            muse.append(b.fmul(use, sc) if raw else use)
         lnew = [b.fmul(lrow[0], corr[0]), b.fmul(lrow[1], corr[1])]
         for j in range(NT):
             for q in range(4):
                 h = q // 2
-                use = b.fsel(b.feq(mnew[h], b.fconst(neg)), b.fconst(0.0), mnew[h])
-                s[4 * j + q] = b.fexp2(b.fsub(s[4 * j + q], use))
+                s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[h]))
                 lnew[h] = b.fadd(lnew[h], s[4 * j + q])
         acc = [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)]
         # 3e. O += P V
