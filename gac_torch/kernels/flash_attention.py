@@ -20,8 +20,8 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
      last tile is peeled: it alone masks keys past S and prefetches nothing):
      3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
      3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32 only: loaded once before the loop when
-                   they fit in 32 registers) and B fragments of K from shared memory (f16/bf16: ldmatrix
-                   x4, two fragments per instruction); S tile 16 x BN per warp in f32 accumulators
+                   they fit in 32 registers) and B fragments of K from shared memory (f16/bf16:
+                   ldmatrix x4, two fragments an instruction); S 16 x BN per warp, f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
      3d. softmax   row max over the lane's values (unscaled where no additive mask: the
@@ -36,9 +36,10 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
      3f. stage     barrier; the prefetched K, V registers go to shared memory; barrier
   4. finish     l summed over the quad; O · (1 / l) (0 where l == 0), rounded to O's type, stored
 
-The body (`_kernel`) is written once against the builder verbs of cuda_mma (MLIR text and a
-numpy lockstep twin that checks shared-memory races) plus the float verbs in this file;
-`emulate` runs a grid on the CPU for the tests.
+The body (`_kernel`) is written once against a builder with cuda_mma's verbs plus float ones:
+`_Text` here emits the MLIR (`template`: a `func.func @tmpl(%Q, %K, %V, [%M,] %O)` holding one
+gpu.launch, which backends/cuda/attention.py splices in); `_Numpy` in flash_attention_twin.py
+runs it on the CPU, threads in lockstep, checking shared-memory races (`emulate`, the tests).
 """
 
 from __future__ import annotations
