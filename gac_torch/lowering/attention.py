@@ -1,9 +1,10 @@
 """gac.attention -> a call of a private function holding the plain maths.
 
-Every target can run the call as it is (the cpu target bufferizes across function boundaries;
-the GPU mapping inlines it). A target with a fused kernel finds the calls by the callee's
-`gac.attention` attribute (scale, causal, mask kind) and replaces them: the cuda target's
-flash-attention kernel (gac_torch/kernels/flash_attention.py). The maths here is the reference
+A target without a fused kernel inlines the call (the cpu target first thing; the GPU mapping
+for each call it does not replace) and runs the maths like any other linalg. A target with one
+finds the calls by the callee's `gac.attention` attribute (scale, causal, mask kind) and
+replaces them: the cuda target's flash-attention kernel (gac_torch/kernels/flash_attention.py,
+hooked in by gac_torch/backends/cuda/attention.py). The maths here is the reference
 the kernel must match:
 
   s[.., i, j] = scale · Σ_d q[.., i, d] k[.., j, d]  (+ mask, or -inf where a bool mask is false,
