@@ -176,3 +176,15 @@ def test_hand_written_attention_fuses():
     compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cpu", options={"fallback": False})
     assert compiled.ir("gac").count("gac.attention") == 1
     assert_close(compiled(*inputs), reference(fn, inputs))
+
+
+def test_regrouped_scores_stay_unfused():
+    """Scores reshaped so a softmax row is not one query's keys' row: no attention (the rewrite
+    would regroup q and v wrongly; it used to fail on v's element count)."""
+    def fn(q, k, v):
+        s = (q @ k.transpose(-1, -2)).reshape(2, 3, 2, 4)
+        return torch.softmax(s, dim=-1).reshape(2, 6, 4) @ v
+    inputs = _inputs(12, (2, 6, 16), (2, 4, 16), (2, 4, 8))
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cpu", options={"fallback": False})
+    assert "gac.attention" not in compiled.ir("gac")
+    assert_close(compiled(*inputs), reference(fn, inputs))

@@ -131,6 +131,10 @@ def _match(mm2: ir.Operation):
     if any(DYN in shape_of(x.type) for st in [o, mm2] + [op for _, op, _ in steps]
            for x in list(st.operands) + list(st.results) if isinstance(x.type, ir.RankedTensorType)):
         return None  # run-time sizes: the reshapes here would need size operands; left unfused
+    full = shape_of(sm.results[0].type)
+    if any(list(shape_of(x.type))[-2:] != list(full[-2:]) or math.prod(shape_of(x.type)) != math.prod(full)
+           for x in (o.results[0], mm2.operands[0])):
+        return None  # the reshapes regroup query rows or keys: not one attention per row
     kinds = [k for k, _, _ in reversed(steps) if k != "pass"]
     if "scale" in kinds and any(k in ("add", "keep") for k in kinds[:kinds.index("scale") + 1]) \
             or sum(k in ("add", "keep") for k in kinds) > 1:
