@@ -188,3 +188,26 @@ def test_regrouped_scores_stay_unfused():
     compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cpu", options={"fallback": False})
     assert "gac.attention" not in compiled.ir("gac")
     assert_close(compiled(*inputs), reference(fn, inputs))
+
+
+def test_masked_fill_attention_fuses():
+    """scores.masked_fill(hide, -inf) (hand-written masking) is a bool mask of one attention."""
+    def fn(q, k, v, hide):
+        s = (q @ k.transpose(-1, -2)) / 4.0
+        return torch.softmax(s.masked_fill(hide, float("-inf")), dim=-1) @ v
+    q, k, v = _inputs(13, (2, 3, 9, 16), (2, 3, 7, 16), (2, 3, 7, 8))
+    hide = torch.rand(2, 1, 9, 7, generator=torch.Generator().manual_seed(1)) > 0.7
+    hide[..., 0] = False  # every query sees a key (eager's softmax of a row of -inf is NaN)
+    compiled = gac_torch.compile(Fn(fn), (q, k, v, hide), target="cpu", options={"fallback": False})
+    assert compiled.ir("gac").count("gac.attention") == 1, compiled.ir("gac")
+    assert_close(compiled(q, k, v, hide), reference(fn, [q, k, v, hide]))
+
+
+def test_scale_after_mask_stays_unfused():
+    """(s · a + mask) · b scales the mask too: not the attention's form, left as written."""
+    def fn(q, k, v, m):
+        return torch.softmax(((q @ k.transpose(-1, -2)) * 0.5 + m) * 0.5, dim=-1) @ v
+    inputs = _inputs(14, (2, 5, 16), (2, 6, 16), (2, 6, 8), (5, 6))
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cpu", options={"fallback": False})
+    assert "gac.attention" not in compiled.ir("gac")
+    assert_close(compiled(*inputs), reference(fn, inputs))

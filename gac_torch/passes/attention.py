@@ -1,6 +1,6 @@
 """gac-fuse-attention: the attention maths written out becomes one gac.attention.
 
-  matmul(Q, Kᵀ) [· c | / c]* [+ mask | select(mask, ·, -inf)]* -> softmax(-1)
+  matmul(Q, Kᵀ) [· c | / c]* [+ mask | select(keep, ·, -inf) | select(hide, -inf, ·)] -> softmax(-1)
   [-> select(all(s == -inf), 0, ·)  (torch's guard for rows with every key hidden)] -> matmul(·, V)
 
 with reshapes and float casts anywhere in the chain, is what torch's decomposition of
@@ -72,7 +72,7 @@ def _to_matmul(v: ir.Value) -> bool:
         if o.name in _PASS or (o.name == "gac.binary" and op_attrs(o)["kind"] in ("mul", "div", "add")):
             o = _op(o.operands[0])
         elif o.name == "gac.select":
-            o = _op(o.operands[1])
+            o = _op(o.operands[2] if _scalar(o.operands[1]) == -math.inf else o.operands[1])
         else:
             return False
     return o is not None
@@ -123,6 +123,9 @@ def _match(mm2: ir.Operation):
         elif o.name == "gac.select" and _scalar(o.operands[2]) == -math.inf:
             steps.append(("keep", o, 0))
             o = _op(o.operands[1])
+        elif o.name == "gac.select" and _scalar(o.operands[1]) == -math.inf:  # masked_fill(-inf)
+            steps.append(("hide", o, 0))
+            o = _op(o.operands[2])
         else:
             return None
     if o is None or (not first and not _one_use(o.results[0])) or (
@@ -136,8 +139,9 @@ def _match(mm2: ir.Operation):
            for x in (o.results[0], mm2.operands[0])):
         return None  # the reshapes regroup query rows or keys: not one attention per row
     kinds = [k for k, _, _ in reversed(steps) if k != "pass"]
-    if "scale" in kinds and any(k in ("add", "keep") for k in kinds[:kinds.index("scale") + 1]) \
-            or sum(k in ("add", "keep") for k in kinds) > 1:
+    masks = ("add", "keep", "hide")
+    last_scale = max((i for i, k in enumerate(kinds) if k == "scale"), default=-1)
+    if any(k in masks for k in kinds[:last_scale]) or sum(k in masks for k in kinds) > 1:
         return None  # a scale after the mask, or two masks
     if any(str(ir.RankedTensorType(r.type).element_type) not in ("f16", "bf16", "f32", "f64")
            for r in (o.results[0], mm2.results[0])):
@@ -177,8 +181,10 @@ def _rewrite(b: GacBuilder, mm2, mm1, steps, sm, v) -> None:
         if kind == "scale":
             c = _scalar(o.operands[1])
             scale *= c if op_attrs(o)["kind"] == "mul" else 1.0 / c
-        elif kind in ("add", "keep"):
+        elif kind in ("add", "keep", "hide"):
             mv = o.operands[at]
+            if kind == "hide":
+                mv = b.unary(mv, kind="logical_not")
             here = list(shape_of(o.results[0].type))
             ms = list(shape_of(mv.type))
             ms = [1] * (len(here) - len(ms)) + ms
