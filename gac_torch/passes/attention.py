@@ -82,14 +82,12 @@ def _match(mm2: ir.Operation):
     """(q', kᵀ', v', score ops from the first matmul on, softmax) or None."""
     p, v = mm2.operands
     guard_x = None
-    chain = []
     o = _op(p)
     while o is not None and (o.name in _PASS or o.name == "gac.select") and _one_use(o.results[0]):
         if o.name == "gac.select":
             guard_x = _guard(o)
             if guard_x is None:
                 return None
-            chain.append(o)
             o = _op(o.operands[2])
             continue
         o = _op(o.operands[0])
