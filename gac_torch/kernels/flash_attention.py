@@ -36,7 +36,7 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
      3f. stage     barrier; the prefetched K, V registers go to shared memory; barrier
   4. finish     l summed over the quad; O · (1 / l) (0 where l == 0), rounded to O's type, stored
 
-The body (`_kernel`) is written once against a builder with cuda_mma's verbs plus float ones:
+The body (`kernel`) is written once against a builder with cuda_mma's verbs plus float ones:
 `_Text` in flash_attention_text.py emits the MLIR (`template`: a `func.func @tmpl(%Q, %K, %V,
 [%M,] %O)` holding one gpu.launch, which backends/gpu/strategies/flash_attention.py splices in);
 `_Numpy` in flash_attention_twin.py runs it on the CPU, threads in lockstep, checking
@@ -58,8 +58,7 @@ from gac_torch.kernels.cuda_mma import (
 KINDS = ("f16", "bf16", "tf32", "f32x3")
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x · log2 e)
 SM_COUNT_HINT = 132  # H200: 8-warp blocks once they still make about two waves
-_ES = {"f16": 2, "bf16": 2, "f32": 4}
-_WG = "#gpu.address_space<workgroup>"
+ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ def kind_for(elem: str, allow_tf32: bool) -> str | None:
 
 
 def smem_bytes(spec: Spec, bm: int, bn: int, dp: int, dvc: int, pad: int) -> int:
-    return _ES[spec.elem] * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvc + pad))
+    return ELEM_BYTES[spec.elem] * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvc + pad))
 
 
 def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
@@ -151,8 +150,8 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     dp = -(-spec.D // ks) * ks
     dv8 = -(-spec.Dv // 8) * 8
     dvc = dv8 if dv8 <= 128 else -(-dv8 // 2 // 8) * 8
-    pad = 8 if _ES[spec.elem] == 2 else 4
-    es = _ES[spec.elem]
+    pad = 8 if ELEM_BYTES[spec.elem] == 2 else 4
+    es = ELEM_BYTES[spec.elem]
     if big is None:  # (only where ~128 registers a thread still let two blocks share an SM)
         big = (dp <= (64 if spec.elem in ("f16", "bf16") else 32)
                and -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT)
@@ -176,7 +175,7 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
 # the kernel, once, against a builder
 
 
-def _kernel(b: Any, spec: Spec, p: Plan) -> None:
+def kernel(b: Any, spec: Spec, p: Plan) -> None:
     T, BM, BN, DP, DVC = p.threads, p.bm, p.bn, p.dp, p.dvc
     c = b.const
     half = spec.elem in ("f16", "bf16")

@@ -8,7 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gac_torch.kernels.flash_attention import _ES, _WG, Plan, Spec, _kernel
+from gac_torch.kernels.builder import WORKGROUP
+from gac_torch.kernels.flash_attention import ELEM_BYTES, Plan, Spec, kernel
 
 _MMA = {"f16": (16, 8, 16, "f16"), "bf16": (16, 8, 16, "bf16"), "tf32": (16, 8, 8, "tf32"),
         "f32x3": (16, 8, 8, "tf32")}
@@ -21,9 +22,9 @@ class _Text:
         self.n = 0
         self.consts: dict[tuple, str] = {}
         e = spec.elem
-        self.smem = {"Q": f"memref<{p.bm}x{p.dp + p.pad}x{e}, {_WG}>",
-                     "K": f"memref<{p.bn}x{p.dp + p.pad}x{e}, {_WG}>",
-                     "V": f"memref<{p.bn}x{p.dvc + p.pad}x{e}, {_WG}>"}
+        self.smem = {"Q": f"memref<{p.bm}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
+                     "K": f"memref<{p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
+                     "V": f"memref<{p.bn}x{p.dvc + p.pad}x{e}, {WORKGROUP}>"}
         self.bufs = {"Q": spec.q, "K": spec.k, "V": spec.v}
 
     def _v(self) -> str:
@@ -98,7 +99,7 @@ class _Text:
         vt = f"vector<{vec}x{buf.elem}>"
         r, z = self._v(), self._v()
         self.w(f"{r} = scf.if {ok} -> ({vt}) {{")
-        al = vec * _ES.get(buf.elem, 1)
+        al = vec * ELEM_BYTES.get(buf.elem, 1)
         self.w(f"  %ld{self.n} = vector.load %{which}[{', '.join(idx)}] {{alignment = {al}}} : {buf.type}, {vt}")
         self.w(f"  scf.yield %ld{self.n} : {vt}\n}} else {{")
         self.w(f"  {z} = arith.constant dense<0.0> : {vt}\n  scf.yield {z} : {vt}\n}}")
@@ -106,7 +107,7 @@ class _Text:
 
     def store_smem(self, which: str, idx: list[str], val: str, vec: int) -> None:
         e = self.spec.elem
-        self.w(f"vector.store {val}, %S{which}[{', '.join(idx)}] {{alignment = {vec * _ES[e]}}} : "
+        self.w(f"vector.store {val}, %S{which}[{', '.join(idx)}] {{alignment = {vec * ELEM_BYTES[e]}}} : "
                f"{self.smem[which]}, vector<{vec}x{e}>")
 
     def load_smem(self, which: str, idx: list[str], n: int) -> str:
@@ -114,7 +115,7 @@ class _Text:
         if n == 1:
             self.w(f"{r} = memref.load %S{which}[{', '.join(idx)}] : {self.smem[which]}")
         else:
-            self.w(f"{r} = vector.load %S{which}[{', '.join(idx)}] {{alignment = {n * _ES[self.spec.elem]}}} : "
+            self.w(f"{r} = vector.load %S{which}[{', '.join(idx)}] {{alignment = {n * ELEM_BYTES[self.spec.elem]}}} : "
                    f"{self.smem[which]}, vector<{n}x{self.spec.elem}>")
         return r
 
@@ -247,7 +248,7 @@ class _Text:
 def template(spec: Spec, p: Plan) -> str:
     """`func.func @tmpl(%Q, %K, %V, [%M,] %O)` holding one gpu.launch."""
     b = _Text(spec, p)
-    _kernel(b, spec, p)
+    kernel(b, spec, p)
     gx, gy, gz = p.grid
     args = [f"%Q: {spec.q.type}", f"%K: {spec.k.type}", f"%V: {spec.v.type}"]
     if spec.mask is not None:

@@ -1,4 +1,4 @@
-"""The numpy lockstep twin of kernels/flash_attention.py: the same `_kernel` body run on the CPU,
+"""The numpy lockstep twin of kernels/flash_attention.py: the same `kernel` body run on the CPU,
 one block at a time, all its threads in lockstep (every value is an array over the threads).
 mma.sync is emulated from the fragment tables, shfl.xor by lane permutation, and every
 shared-memory access is checked against the barriers: a read or write of an element another
@@ -20,7 +20,7 @@ from gac_torch.kernels.cuda_mma import (
     FRAG_C,
 )
 from gac_torch.kernels.builder import RaceError, round_to
-from gac_torch.kernels.flash_attention import Plan, Spec, _kernel
+from gac_torch.kernels.flash_attention import Plan, Spec, kernel
 
 
 class _Smem:
@@ -230,7 +230,7 @@ def emulate(spec: Spec, p: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
             for bx in range(p.grid[0]):
-                _kernel(_Numpy(spec, p, arrays, (bx, by, bz)), spec, p)
+                kernel(_Numpy(spec, p, arrays, (bx, by, bz)), spec, p)
     return arrays["O"]
 
 
