@@ -1,8 +1,10 @@
 """Fused scaled-dot-product attention kernels that export picks on CUDA
-(`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to the math form,
-softmax(q @ k^T * scale + mask) @ v. Only the attention output may be used (the log-sum-exp and
-RNG outputs exist for training) and dropout must be off. The CPU kernel that training graphs
-use (`_scaled_dot_product_flash_attention_for_cpu`) is decomposed instead, with both outputs."""
+(`_scaled_dot_product_{efficient,flash,cudnn}_attention`): lowered to one gac.attention,
+softmax(q @ k^T * scale + mask) @ v (a target may run it as one flash-attention kernel).
+Only the attention output may be used (the log-sum-exp and RNG outputs exist for training) and
+dropout must be off; otherwise (training) the check sends the node to eager, whose kernel and
+backward run there, so training keeps working. The CPU kernel that training graphs use
+(`_scaled_dot_product_flash_attention_for_cpu`) is decomposed instead, with both outputs."""
 
 from __future__ import annotations
 
@@ -27,29 +29,22 @@ def _inference_only(dropout_pos: int):
 
 
 def _attention(cx: Cx, q, k, v, bias, is_causal: bool, scale):
+    """One gac.attention (the fused unit targets may run as flash attention)."""
     dt = cx.dtype_of(q)
     qs, ks = cx.shape(q), cx.shape(k)
-    rank = len(qs)
-    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
-    kt = cx.b.transpose(k, perm=perm)
     if ks[:-2] != qs[:-2]:  # grouped / broadcast batch dims
-        kt = cx.b.broadcast(kt, shape=qs[:-2] + [ks[-1], ks[-2]])
+        k = cx.b.broadcast(k, shape=qs[:-2] + ks[-2:])
         v = cx.b.broadcast(v, shape=qs[:-2] + cx.shape(v)[-2:])
     scale = 1.0 / math.sqrt(qs[-1]) if scale is None else scale
-    scores = cx.b.binary(cx.matmul(q, kt), cx.to(float(scale), dt), kind="mul")
-    length, source = qs[-2], ks[-2]
-    if is_causal:
-        rows = cx.b.iota([length, source], 0, torch.int64)
-        cols = cx.b.iota([length, source], 1, torch.int64)
-        future = cx.b.binary(cols, rows, kind="gt")
-        scores = cx.b.select(future, cx.to(float("-inf"), dt), scores)
+    operands = [q, k, v]
     if bias is not None:
-        if cx.dtype_of(bias) == torch.bool:
-            scores = cx.b.select(bias, scores, cx.to(float("-inf"), dt))
-        else:
-            scores = cx.b.binary(scores, cx.to(bias, dt), kind="add")
-    probs = cx.b.softmax(scores, dim=rank - 1, log=0)
-    return cx.matmul(probs, v)
+        if cx.dtype_of(bias) != torch.bool:
+            bias = cx.to(bias, dt)
+        bs = cx.shape(bias)
+        full = qs[:-1] + [ks[-2]]
+        bias = cx.b.reshape(bias, [1] * (len(full) - len(bs)) + bs)
+        operands.append(bias)
+    return cx.b.attention(*operands, scale=float(scale), causal=int(bool(is_causal)))
 
 
 @lower(aten._scaled_dot_product_efficient_attention.default, check=_inference_only(5))
@@ -91,13 +86,15 @@ def sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, att
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.to(acc))
+    # The output as torch's _safe_softmax writes it, the form passes/attention.py fuses into one
+    # gac.attention when the log-sum-exp is dead (inference); training keeps both, unfused.
+    probs = torch.softmax(scores, -1)
+    hidden = scores.eq(float("-inf")).all(-1, keepdim=True)
+    out = (torch.where(hidden, torch.zeros_like(probs), probs) @ v).to(query.dtype)
     top = scores.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)
-    weights = torch.exp(scores - top)
-    total = weights.sum(-1, keepdim=True)
-    empty = total == 0
-    out = torch.where(empty, 0.0, (weights @ v) / total).to(query.dtype)
-    lse = torch.where(empty, 0.0, top + torch.log(total)).squeeze(-1)
+    total = torch.exp(scores - top).sum(-1, keepdim=True)
+    lse = torch.where(total == 0, 0.0, top + torch.log(total)).squeeze(-1)
     # The kernel's layouts: output (N, L, H, E) and log-sum-exp (N, L, H) in memory.
     out = out.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     return out, lse.transpose(1, 2).contiguous().transpose(1, 2)

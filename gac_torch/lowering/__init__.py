@@ -23,7 +23,7 @@ from mlir.dialects import tensor as tensor_d
 from gac_torch.ir.builder import op_attrs
 from gac_torch.ir.types import DYN
 from gac_torch.lowering import core
-from gac_torch.lowering import elementwise, reduction, shape, structured  # noqa: F401 (registers)
+from gac_torch.lowering import attention, elementwise, reduction, shape, structured  # noqa: F401 (registers)
 from gac_torch.lowering.core import convert, elem, elementwise as ew
 from gac_torch.lowering.registry import DATA_MOVEMENT, LOWERINGS
 from gac_torch.errors import GacUnsupportedError
@@ -129,6 +129,8 @@ def _reify(op, name: str, operands: list) -> list[list]:
         return [[dims[0][p] for p in attrs["perm"]]]
     if name == "matmul":
         return [dims[0][:-1] + dims[1][-1:]]
+    if name == "attention":
+        return [dims[0][:-1] + dims[2][-1:]]
     if name == "index_select":
         d = attrs["dim"] % len(dims[0])
         return [dims[0][:d] + dims[1] + dims[0][d + 1:]]

@@ -16,9 +16,12 @@ from mlir.execution_engine import ExecutionEngine
 from gac_torch.backends.base import Signature, SizeSpec, Stage, Target
 from gac_torch.passes.copies import memref_copy_to_linalg
 
-# Why each step: bufferize with identity layouts at the boundary so arguments stay plain
-# pointers; memref.copy -> linalg.copy (no runtime library); loops; then everything to LLVM.
+# Why each step: inline the private functions of fused units (gac.attention's maths: a target
+# without a template runs it in place); bufferize with identity layouts at the boundary so
+# arguments stay plain pointers; memref.copy -> linalg.copy (no runtime library); loops; then
+# everything to LLVM.
 BUFFERIZE = ",".join([
+    "inline{default-pipeline=}", "symbol-dce",
     "one-shot-bufferize{bufferize-function-boundaries function-boundary-type-conversion=identity-layout-map}",
     "canonicalize", "cse",
 ])

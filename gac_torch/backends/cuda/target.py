@@ -54,7 +54,7 @@ def default_arch() -> str:
 def compile_options(options: dict | None) -> Any:
     """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
-    from gac_torch.backends.gpu.strategies import mma, reduce, simt_matmul
+    from gac_torch.backends.gpu.strategies import flash_attention, mma, reduce, simt_matmul
     from gac_torch.backends.gpu.strategy import GpuLimits
 
     arch = (options or {}).get("arch") or default_arch()
@@ -67,10 +67,12 @@ def compile_options(options: dict | None) -> Any:
         allow_tf32 = torch_allows_tf32()
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
                        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
-    # Tried in order on each linalg op; what none takes becomes a `loops` kernel.
+    # Tried in order on each linalg op (flash: on each gac.attention call); what none takes
+    # becomes a `loops` kernel (a gac.attention call: inlined first).
+    mma_ok = int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH
     strategies = (
-        *([mma.strategy(allow_tf32=bool(allow_tf32))]
-          if int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH else []),
+        *([flash_attention.strategy(allow_tf32=bool(allow_tf32)),
+           mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         simt_matmul.strategy(big_tile_min_blocks=256),
         reduce.strategy(reduce.ReduceParams(threads=256, warp_max=1024, min_extent=128)),
     )

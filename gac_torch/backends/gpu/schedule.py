@@ -2,7 +2,8 @@
 
 Order of work (all in one MLIR module, in place):
 
-1. Tensor level: elementwise fusion, then bufferization (bufferize.py), one `linalg.generic`
+1. Tensor level: calls of gac.attention go to the target's "attention" strategies (e.g. one
+   flash-attention kernel) or are inlined (attention.py); elementwise fusion, then bufferization (bufferize.py), one `linalg.generic`
    on memrefs per kernel.
 2. Each generic is offered to the target's strategies in order (strategy.py); the first whose
    matcher accepts it emits its kernel (named gac_k<i>_<strategy>).
@@ -30,6 +31,7 @@ from mlir.dialects import arith, gpu, memref, scf
 
 from gac_torch.errors import GacUnsupportedError
 from gac_torch.backends.gpu.analysis import analyze
+from gac_torch.backends.gpu.attention import map_attention
 from gac_torch.backends.gpu.bufferize import (
     bufferize, copies_to_linalg, generalize_elementwise_named_ops, reshapes_to_views,
 )
@@ -51,6 +53,8 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     generic goes to the first of `strategies` that matches it, else to a `loops` kernel; scalar
     host code goes to `serial` kernels."""
     fn = main_func(module)
+    counter = iter(range(1 << 30))
+    map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
     generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
     bufferize(module, fn)
@@ -58,7 +62,6 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
 
-    counter = iter(range(1 << 30))
     block = func_block(fn)
     for op in block_ops(block):
         if op.name != "linalg.generic":
@@ -101,10 +104,11 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
 def _apply_strategy(op: ir.Operation, strategies: Sequence[Strategy], limits: GpuLimits,
                     counter) -> bool:
     """The first strategy whose matcher accepts `op` emits it (True), or declines (False)."""
-    g = analyze(op) if strategies else None
+    mine = [s for s in strategies if s.on == "generic"]
+    g = analyze(op) if mine else None
     if g is None:
         return False
-    for s in strategies:
+    for s in mine:
         m = s.match(g, limits)
         if m is not None:
             return s.emit(m, f"gac_k{next(counter)}_{s.name}", limits)

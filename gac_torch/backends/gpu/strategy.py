@@ -37,11 +37,14 @@ class GpuLimits:
 
 @dataclass(frozen=True)
 class Strategy:
-    """`name` is the kernel name's suffix (gac_k<i>_<name>) and the launch's `strategy`."""
+    """`name` is the kernel name's suffix (gac_k<i>_<name>) and the launch's `strategy`. `on`
+    says what `match` is offered: "generic" (a bufferized Generic), or "attention" (a call of a
+    gac.attention function on tensors, an AttentionCall: attention.py)."""
 
     name: str
-    match: Callable[[Generic, GpuLimits], Any | None]  # None: not this strategy's op
+    match: Callable[[Any, GpuLimits], Any | None]  # None: not this strategy's op
     emit: Callable[[Any, str, GpuLimits], bool]  # False: declined, the op becomes `loops`
+    on: str = "generic"
 
 
 def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
@@ -61,7 +64,6 @@ def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
         op.move_before(before)
         if op.name == "gpu.launch":
             set_kernel_name(op, name)
-
 
 
 def splice_fused(text: str, g: Generic, fill: tuple[ir.Operation, ir.Value] | None, acc: str,

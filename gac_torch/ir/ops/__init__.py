@@ -1,3 +1,3 @@
 """gac op definitions, one module per family; importing this package registers them all."""
 
-from gac_torch.ir.ops import elementwise, reduction, structured, shape  # noqa: F401
+from gac_torch.ir.ops import attention, elementwise, reduction, structured, shape  # noqa: F401

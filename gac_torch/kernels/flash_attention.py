@@ -1,0 +1,355 @@
+"""Flash attention for the cuda target: O = softmax(Q Kᵀ · scale + mask) V without the score
+matrix in memory (FlashAttention-2's schedule on warp-level `mma.sync`, sm_80+).
+
+  kinds  f16 / bf16   Q Kᵀ and P V on m16n8k16 (P rounded to the operand type), f32 accumulators
+         tf32         m16n8k8 on operands rounded with cvt.rna (when TF32 is allowed)
+         f32x3        exact-f32 mode: each f32 operand split into tf32 big + small parts and
+                      a·b ≈ a_big·b_big + a_big·b_small + a_small·b_big (three m16n8k8 per
+                      product; error at f32 level, as CUTLASS's 3xTF32)
+  masks  none | add (q's type, broadcast dims of size 1) | bool (i8, nonzero keeps); causal
+         hides key j > query i; a row with every key hidden gives 0.
+
+One CTA of W warps owns BM = 16·W query rows of one batch index and one DVC-wide chunk of the
+output columns (Dv > 128 takes several chunks: Q Kᵀ is recomputed per chunk so the O
+accumulators stay at most 64 registers). Lane l of warp w: g = l / 4, t = l % 4; it owns query
+rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
+
+  1. locate     block -> (query tile m0, column chunk c0, batch index); warp, g, t
+  2. stage Q    the BM x D tile of Q into shared memory (zero outside L and D), barrier
+  3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row; the
+     last tile is peeled: it alone masks keys past S and prefetches nothing):
+     3a. prefetch  global loads of the next K and V tiles into registers (zero outside S)
+     3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32 only: loaded once before the loop when
+                   they fit in 32 registers) and B fragments of K from shared memory (f16/bf16:
+                   ldmatrix x4, two fragments an instruction); S 16 x BN per warp, f32 accumulators
+     3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
+                   hides it or the key is past S; kept in base 2 (times log2 e) for exp2
+     3d. softmax   row max over the lane's values (unscaled where no additive mask: the
+                   scale then goes into one fma per score), then the quad (shfl.xor 1, 2); m_new =
+                   max(m, tile max) (0 where it is -inf); corr = exp2(m - m_new); p = exp2(s -
+                   m_new); the lane's partial row sums l = l·corr + Σp; O *= corr
+     3e. O += P V  P stays in registers: the S accumulator layout is the A fragment layout
+                   of the next mma (f16/bf16: S n-tiles 2kk, 2kk+1 make k-step kk; tf32: keys
+                   permuted inside each 8-key step, k-index t <-> key 2t, t+4 <-> 2t+1, and V's
+                   B fragments are read with the same permutation); f16/bf16 read V's B
+                   fragments with ldmatrix.trans
+     3f. stage     barrier; the prefetched K, V registers go to shared memory; barrier
+  4. finish     l summed over the quad; O · (1 / l) (0 where l == 0), rounded to O's type, stored
+
+The body (`kernel`) is written once against a builder with cuda_mma's verbs plus float ones:
+`_Text` in flash_attention_text.py emits the MLIR (`template`: a `func.func @tmpl(%Q, %K, %V,
+[%M,] %O)` holding one gpu.launch, which backends/gpu/strategies/flash_attention.py splices in);
+`_Numpy` in flash_attention_twin.py runs it on the CPU, threads in lockstep, checking
+shared-memory races (`emulate`, the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gac_torch.kernels.cuda_mma import (
+    FRAG_A8,
+    FRAG_B8,
+    FRAG_C,
+)
+
+KINDS = ("f16", "bf16", "tf32", "f32x3")
+LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x · log2 e)
+SM_COUNT_HINT = 132  # H200: 8-warp blocks once they still make about two waves
+ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A memref as the kernel sees it (rank = batch + 2), identity-or-strided, static shape."""
+
+    type: str
+    elem: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str
+    q: Buf  # (batch..., L, D)
+    k: Buf  # (batch..., S, D)
+    v: Buf  # (batch..., S, Dv)
+    o: Buf  # (batch..., L, Dv)
+    mask: Buf | None  # (batch or 1..., L or 1, S or 1)
+    mask_kind: str  # none | add | bool
+    scale: float
+    causal: bool
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        return self.q.shape[:-2]
+
+    L = property(lambda s: s.q.shape[-2])
+    S = property(lambda s: s.k.shape[-2])
+    D = property(lambda s: s.q.shape[-1])
+    Dv = property(lambda s: s.v.shape[-1])
+
+    @property
+    def elem(self) -> str:  # operands' type in shared memory
+        return "f32" if self.kind in ("tf32", "f32x3") else self.kind
+
+
+@dataclass(frozen=True)
+class Plan:
+    warps: int
+    bn: int  # keys per tile
+    dp: int  # D padded to the k-step
+    dvc: int  # output columns per CTA
+    pad: int  # shared-memory row padding (elements)
+    vq: int  # elements per global vector load of Q / K, V
+    vkv: int
+    grid: tuple[int, int, int]
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.warps
+
+
+def kind_for(elem: str, allow_tf32: bool) -> str | None:
+    return {"f16": "f16", "bf16": "bf16", "f32": "tf32" if allow_tf32 else "f32x3"}.get(elem)
+
+
+def smem_bytes(spec: Spec, bm: int, bn: int, dp: int, dvc: int, pad: int) -> int:
+    return ELEM_BYTES[spec.elem] * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvc + pad))
+
+
+def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
+    if buf.strides[-1] != 1 and buf.shape[-1] > 1:
+        return None
+    for v in (8, 4, 2, 1) if es == 2 else (4, 2, 1):
+        if (buf.shape[-1] % v == 0 and cols % v == 0 and all(s % v == 0 for s in buf.strides[:-1])
+                and (rows * cols // v) % threads == 0):
+            return v
+    return None
+
+
+def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024,
+         big: bool | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused).
+    `big` forces (or forbids) the 8-warp block."""
+    if spec.kind not in KINDS or min(spec.L, spec.S, spec.D, spec.Dv) < 1 or spec.D > 256 or spec.Dv > 256:
+        return None
+    bufs = [spec.q, spec.k, spec.v, spec.o] + ([spec.mask] if spec.mask is not None else [])
+    if any(b.elem != spec.elem for b in (spec.q, spec.k, spec.v)):
+        return None
+    if spec.o.elem not in ("f16", "bf16", "f32") or any(len(b.shape) != len(spec.q.shape) for b in bufs):
+        return None
+    ks = 16 if spec.elem in ("f16", "bf16") else 8
+    dp = -(-spec.D // ks) * ks
+    dv8 = -(-spec.Dv // 8) * 8
+    dvc = dv8 if dv8 <= 128 else -(-dv8 // 2 // 8) * 8
+    pad = 8 if ELEM_BYTES[spec.elem] == 2 else 4
+    es = ELEM_BYTES[spec.elem]
+    if big is None:  # (only where ~128 registers a thread still let two blocks share an SM)
+        big = (dp <= (64 if spec.elem in ("f16", "bf16") else 32)
+               and -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT)
+    for warps, bn in ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
+        if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
+            continue
+        t = 32 * warps
+        vq = _vec(spec.q, dp, 16 * warps, t, es)
+        vk = _vec(spec.k, dp, bn, t, es)
+        vv = _vec(spec.v, dvc, bn, t, es)
+        if None in (vq, vk, vv):
+            continue
+        grid = (-(-spec.L // (16 * warps)), -(-dv8 // dvc), math.prod(spec.batch))
+        if any(x > lim for x, lim in zip(grid, max_grid)):
+            return None
+        return Plan(warps, bn, dp, dvc, pad, vq, min(vk, vv), grid)  # type: ignore[type-var]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel, once, against a builder
+
+
+def kernel(b: Any, spec: Spec, p: Plan) -> None:
+    T, BM, BN, DP, DVC = p.threads, p.bm, p.bn, p.dp, p.dvc
+    c = b.const
+    half = spec.elem in ("f16", "bf16")
+    KS = 16 if half else 8
+    NT, NO = BN // 8, DVC // 8
+    neg = -math.inf
+    # 1. locate
+    tid = b.tid()
+    m0, c0 = b.mul(b.bid(0), c(BM)), b.mul(b.bid(1), c(DVC))
+    bidx, rest = [], b.bid(2)
+    for j in range(len(spec.batch) - 1, -1, -1):
+        ext = spec.batch[j]
+        bidx.insert(0, rest if j == 0 else b.rem(rest, c(ext)))
+        if j:
+            rest = b.div(rest, c(ext))
+    warp, lane = b.div(tid, c(32)), b.rem(tid, c(32))
+    g, t = b.div(lane, c(4)), b.rem(lane, c(4))
+    t2 = b.mul(t, c(2))
+    wrow = b.mul(warp, c(16))
+    rows = [b.add(m0, b.add(wrow, b.add(g, c(r)))) for r in (0, 8)]  # the lane's query rows
+
+    def tile_loads(which: str, r0: Any, nrows: int, col0: Any, ncols: int, ext_r: int,
+                   ext_c: int, vec: int) -> list[tuple[Any, Any, Any]]:
+        """Global loads of a tile (rows r0.., cols col0..) as (smem row, smem col, value)."""
+        out = []
+        per_row = ncols // vec
+        for i in range(nrows * ncols // vec // T):
+            lin = b.add(tid, c(i * T))
+            r, col = b.div(lin, c(per_row)), b.mul(b.rem(lin, c(per_row)), c(vec))
+            gr, gc = b.add(r0, r), b.add(col0, col)
+            ok = b.and_(b.lt(gr, c(ext_r)), b.lt(gc, c(ext_c)))
+            out.append((r, col, b.load_global(which, bidx + [gr, gc], vec, ok)))
+        return out
+
+    def stage(which: str, loads: list, vec: int) -> None:
+        for r, col, val in loads:
+            b.store_smem(which, [r, col], val, vec)
+
+    # 2. stage Q
+    stage("Q", tile_loads("Q", m0, BM, c(0), DP, spec.L, spec.D, p.vq), p.vq)
+    kv0 = (tile_loads("K", c(0), BN, c(0), DP, spec.S, spec.D, p.vkv),
+           tile_loads("V", c(0), BN, c0, DVC, spec.S, spec.Dv, p.vkv))
+    stage("K", kv0[0], p.vkv)
+    stage("V", kv0[1], p.vkv)
+    b.barrier()
+
+    nkt = -(-spec.S // BN)
+    if spec.causal:  # tiles with a key <= the block's last row
+        ntiles = b.min(c(nkt), b.div(b.add(m0, c(BM + BN - 1)), c(BN)))
+    else:
+        ntiles = c(nkt)
+
+    # ldmatrix (f16/bf16): lane l gives the address of row l % 8 of 8x8 matrix l / 8
+    l8, l8h, l16 = b.rem(lane, c(8)), b.mul(b.rem(b.div(lane, c(8)), c(2)), c(8)), b.mul(b.div(lane, c(16)), c(8))
+
+    def q_frag(k0: int) -> list[Any]:
+        if half:  # matrices (rows +0/+8) x (cols k0/k0+8) = FRAG_A16's four registers
+            return b.ldmatrix("Q", b.add(wrow, b.add(l8, l8h)), b.add(l16, c(k0)), 4, False)
+        return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
+                for r, cc in FRAG_A8]
+
+    # tf32: Q's A fragments (16 scalar loads a k-step) stay in registers across key tiles while
+    # they fit in 32; f16/bf16 reload them with one ldmatrix a k-step, and f32x3 (whose split
+    # parts would stay live too) from shared memory: registers are tighter there
+    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind == "tf32" and DP <= 64 else {}
+
+    # Without an additive mask (and scale > 0) the row max is taken on the raw scores and the
+    # scale applied inside exp2(s·c - m·c), which contracts to one fma per score.
+    raw = spec.mask_kind != "add" and spec.scale > 0
+    sc = b.fconst(spec.scale * LOG2E)
+
+    def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
+        mrow, lrow, acc = state[0:2], state[2:4], state[4:]
+        n0 = b.mul(kt, c(BN))
+        nn0 = b.add(n0, c(BN))
+        # 3a. prefetch (not in the last tile)
+        if not last:
+            nk = tile_loads("K", nn0, BN, c(0), DP, spec.S, spec.D, p.vkv)
+            nv = tile_loads("V", nn0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
+        # 3b. S = Q Kᵀ
+        s = [b.fconst(0.0)] * (NT * 4)
+        for k0 in range(0, DP, KS):
+            fa = qfrags[k0] if qfrags else q_frag(k0)
+            for j in range(NT):
+                if half and j % 2 == 0:  # B fragments of n-tiles j, j + 1 (keys x cols k0/k0+8)
+                    fbs = b.ldmatrix("K", b.add(l8, b.add(l16, c(8 * j))), b.add(l8h, c(k0)), 4, False)
+                if half:
+                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
+                else:
+                    fb = [b.load_smem("K", [b.add(g, c(8 * j)), b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
+                s[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, s[4 * j:4 * j + 4])
+        # 3c. mask
+        for j in range(NT):
+            for q, (rq, cq) in enumerate(FRAG_C):
+                row = rows[rq // 8]
+                key = b.add(n0, b.add(t2, c(8 * j + cq)))
+                x = s[4 * j + q] if raw else b.fmul(s[4 * j + q], sc)
+                # keys past S exist in the last tile only (S % BN of them)
+                hide = b.ge(key, c(spec.S)) if last and spec.S % BN else None
+                if spec.causal:
+                    hide = b.gt(key, row) if hide is None else b.or_(hide, b.gt(key, row))
+                if spec.mask_kind != "none":
+                    ok = b.and_(b.lt(row, c(spec.L)), b.lt(key, c(spec.S)))
+                    mb = spec.mask  # type: ignore[union-attr]
+                    idx = [c(0) if mb.shape[d] == 1 else bidx[d] for d in range(len(bidx))]
+                    idx += [c(0) if mb.shape[-2] == 1 else row, c(0) if mb.shape[-1] == 1 else key]
+                    mv = b.load_mask(idx, ok)
+                    if spec.mask_kind == "add":
+                        x = b.fadd(x, b.fmul(mv, b.fconst(LOG2E)))
+                    else:
+                        hide = mv if hide is None else b.or_(hide, mv)  # load_mask: `hidden` for bool
+                s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
+        # 3d. online softmax
+        corr, mnew, muse = [], [], []
+        for h in range(2):
+            mx = mrow[h]
+            for j in range(NT):
+                for q in (2 * h, 2 * h + 1):
+                    mx = b.fmax(mx, s[4 * j + q])
+            mx = b.fmax(mx, b.shfl_xor(mx, 1))
+            mx = b.fmax(mx, b.shfl_xor(mx, 2))
+            use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
+            corr.append(b.fexp2(b.fmul(b.fsub(mrow[h], use), sc) if raw else b.fsub(mrow[h], use)))
+            mnew.append(mx)
+            muse.append(b.fmul(use, sc) if raw else use)
+        lnew = [b.fmul(lrow[0], corr[0]), b.fmul(lrow[1], corr[1])]
+        for j in range(NT):
+            for q in range(4):
+                h = q // 2
+                s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[h]))
+                lnew[h] = b.fadd(lnew[h], s[4 * j + q])
+        acc = [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)]
+        # 3e. O += P V
+        if half:
+            steps = [(kk, [b.pack_f32(s[8 * kk + 0], s[8 * kk + 1]), b.pack_f32(s[8 * kk + 2], s[8 * kk + 3]),
+                           b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])])
+                     for kk in range(BN // 16)]
+        else:
+            steps = [(kk, [s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]]) for kk in range(NT)]
+        for kk, fa in steps:
+            for j in range(NO):
+                if half and j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
+                    num = 4 if j + 1 < NO else 2
+                    fbs = b.ldmatrix("V", b.add(l8, b.add(l8h, c(16 * kk))), b.add(l16 if num == 4 else c(0), c(8 * j)),
+                                     num, True)
+                if half:
+                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
+                else:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
+                    fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
+                acc[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, acc[4 * j:4 * j + 4])
+        # 3f. stage
+        if not last:
+            b.barrier()
+            stage("K", nk, p.vkv)
+            stage("V", nv, p.vkv)
+            b.barrier()
+        return mnew + lnew + acc
+
+    # every tile but the last in the loop; the last one peeled (no prefetch, the S tail masked)
+    init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + NO * 4)
+    state = b.loop(b.sub(ntiles, c(1)), init, lambda kt, st: body(kt, st, False))
+    state = body(b.sub(ntiles, c(1)), state, True)
+    # 4. finish
+    lsum = []
+    for h in range(2):
+        x = state[2 + h]
+        x = b.fadd(x, b.shfl_xor(x, 1))
+        lsum.append(b.fadd(x, b.shfl_xor(x, 2)))
+    acc = state[4:]
+    inv = [b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)) for x in lsum]
+    for j in range(NO):
+        for q, (rq, cq) in enumerate(FRAG_C):
+            row, h = rows[rq // 8], rq // 8
+            col = b.add(c0, b.add(t2, c(8 * j + cq)))
+            val = b.fmul(acc[4 * j + q], inv[h])
+            ok = b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.Dv)))
+            b.store_out(bidx + [row, col], val, ok)

@@ -1,0 +1,71 @@
+"""Flash attention on the GPU (marked cuda): parity with a float64 reference and with eager for
+sdpa (every kind: f16, bf16, f32 exact via 3xTF32, TF32 when allowed), masks, causal, odd shapes,
+and the encoder layer; each compiled graph must hold one flash kernel and no score matrix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gac_torch
+from tests.parity import Fn
+from tests.test_flash_attention import tf32
+
+pytestmark = pytest.mark.cuda
+# ‖out − ref‖ / ‖ref‖ (METHOD.md); f32 is the exact mode (3xTF32), tf32 the TF32 one
+REL = {"f32": 2e-5, "tf32": 3e-3, "f16": 3e-3, "bf16": 1.5e-2}
+DT = {"f32": torch.float32, "tf32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _rel(out, ref):
+    assert not out.isnan().any()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+CASES = [  # (B, H, L, S, D, Dv, mask, causal)
+    (2, 3, 1, 7, 16, 16, None, False),
+    (1, 2, 65, 130, 64, 64, "add", False),
+    (2, 1, 130, 65, 80, 80, "bool", False),
+    (1, 2, 7, 7, 128, 128, None, True),
+    (1, 1, 65, 65, 256, 256, "bool", True),
+    (8, 8, 250, 250, 32, 32, None, False),
+]
+
+
+@pytest.mark.parametrize("kind", list(REL))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sdpa_flash_parity(kind, case):
+    B, H, L, S, D, Dv, mk, causal = case
+    dt = DT[kind]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(B, H, n, d, device="cuda", dtype=dt, generator=g)
+               for n, d in ((L, D), (S, D), (S, Dv)))
+    inputs = [q, k, v]
+    if mk == "add":
+        inputs.append(torch.randn(1, H, L, S, device="cuda", dtype=dt, generator=g))
+    elif mk == "bool":
+        inputs.append(torch.rand(B, 1, L, S, device="cuda", generator=g) > 0.3)
+
+    def fn(q, k, v, *m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m[0] if m else None, is_causal=causal)
+    with tf32(kind == "tf32"):
+        compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda", options={"fallback": False})
+    ptx = compiled.ir("ptx")
+    assert ptx.count("_flash(") == 1 and "_reduce(" not in ptx, compiled.ir("gpu")
+    out = compiled(*inputs)
+    ref = fn(*[t.double() if t.is_floating_point() else t for t in inputs])
+    assert _rel(out, ref) < REL[kind]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encoder_layer_flash_parity(dtype):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(256, 8, 512, dropout=0.0, batch_first=True).eval().to("cuda", dtype)
+    x = torch.randn(1, 500, 256, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        compiled = gac_torch.compile(layer, (x,), target="cuda", options={"fallback": False})
+        assert compiled.ir("ptx").count("_flash(") == 1
+        out = compiled(x)
+        ref = layer.double()(x.double())
+    assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 3e-2)
