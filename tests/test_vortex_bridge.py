@@ -296,3 +296,14 @@ def test_soak_simx_memory_is_flat(vecadd):
         print(f"\n[soak simx] 1000 launches in {time.perf_counter() - t0:.1f} s: "
               f"allocated {before[0]} -> {after[0]} B")
         assert after[0] <= before[0]
+
+
+def test_functional_reused_memory_is_zeroed():
+    """A freed block is reused, zeroed: results must not depend on which graph ran before."""
+    dev = bridge.FunctionalDevice()
+    a = dev.upload(np.arange(1, 17, dtype=np.float32))
+    addr = a.address
+    del a
+    b = dev.alloc(64)
+    assert b.address == addr and dev.heap_bytes == 64
+    assert dev.read(b) == bytes(64)

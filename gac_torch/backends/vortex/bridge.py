@@ -156,7 +156,12 @@ class FunctionalDevice(VortexDevice):
         # freed blocks are reused by size class (64-byte multiples), else the bump allocator grows
         rounded = max(64, (size + 63) // 64 * 64)
         free = self._free_blocks.get(rounded)
-        addr = free.pop() if free else self.sim.alloc(rounded)
+        if free:
+            addr = free.pop()
+            # zeroed like fresh memory: results must not depend on what ran before
+            self.sim.write(addr, bytes(rounded))
+        else:
+            addr = self.sim.alloc(rounded)
         self._buffer_count += 1
         self._blocks[self._buffer_count] = (addr, rounded)
         return self._buffer_count, addr
