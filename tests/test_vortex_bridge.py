@@ -50,7 +50,7 @@ int vx_queue_finish(void* q, uint64_t t) {
   if (launched && getenv("FAKE_VX_HANG")) for (;;) sleep(1);
   return 0; }
 int vx_buffer_create(void* d, uint64_t size, uint32_t flags, void** b) {
-  buf_t* x = malloc(sizeof *x); x->size = size; x->mem = calloc(size, 1);
+  buf_t* x = malloc(sizeof *x); x->size = size; x->mem = malloc(size ? size : 1); memset(x->mem, 0xAB, size);
   live += (long)size; report(); *b = x; return 0; }
 int vx_buffer_address(void* b, uint64_t* a) { *a = (uint64_t)(uintptr_t)((buf_t*)b)->mem & 0xffffffffu; return 0; }
 #ifndef OMIT_vx_buffer_release
@@ -138,6 +138,7 @@ def test_symbol_table_matches_the_worker():
 def test_complete_fake_runtime_opens(tmp_path, starts):
     with bridge.SimxDevice(fake_home(tmp_path)) as dev:
         assert (dev.config.cores, dev.config.warps, dev.config.threads) == (1, 4, 4)
+        assert dev.read(dev.alloc(24)) == bytes(24)     # the fake hands out 0xAB bytes
         buf = dev.upload(np.arange(5, dtype=np.float32))
         np.testing.assert_array_equal(dev.download(buf, np.float32), np.arange(5, dtype=np.float32))
 

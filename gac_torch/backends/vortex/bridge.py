@@ -365,6 +365,8 @@ class SimxDevice(VortexDevice):
 
     def _alloc(self, size: int) -> tuple[int, int]:
         h, addr = self._call("alloc", size)
+        # zeroed, as on the functional device: a released block may come back with old data
+        self._call("write", h, 0, bytes(size))
         return h, addr
 
     def _release(self, handles: list[int]) -> None:
