@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# Exact float32 convolutions unless a test asks for TF32: eager cuDNN and gac (which follows
+# torch.backends.cudnn.allow_tf32, True by default) would otherwise use TF32 and miss f32 tolerances.
+torch.backends.cudnn.allow_tf32 = False
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()

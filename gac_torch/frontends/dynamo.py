@@ -8,6 +8,7 @@ gac, so autograd stays correct (unsupported backward ops fall back to eager like
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 
 import torch
@@ -17,7 +18,7 @@ from gac_torch.frontends.fx import compile_graph, specialization_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
-from gac_torch.options import resolve
+from gac_torch.options import precision_flags, resolve
 
 log = logging.getLogger("gac_torch")
 # The most recently compiled graphs (CompiledFx: .report, .ir(stage)), newest last.
@@ -30,10 +31,24 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
     opts = resolve(options, **kw)
 
-    def compile_static(graph: torch.fx.GraphModule):
-        compiled = compile_graph(graph, opts)
+    def compile_now(graph: torch.fx.GraphModule):
+        compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
         compiled_graphs.append(compiled)
         return compiled.gm
+
+    def compile_static(graph: torch.fx.GraphModule):
+        # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
+        # other precision flags than the compile's gets (and keeps) its own compilation
+        pristine = copy.deepcopy(graph)  # (compiling rewrites the graph in place)
+        by_flags = {precision_flags(): compile_now(graph)}
+
+        def call(*args):
+            fn = by_flags.get(precision_flags())
+            if fn is None:
+                fn = by_flags[precision_flags()] = compile_now(copy.deepcopy(pristine))
+            return fn(*args)
+
+        return call
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.

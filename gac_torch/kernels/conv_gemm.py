@@ -181,7 +181,8 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     es = _ESIZE[op.elem]
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
-    for v in ((8, 4, 2) if es == 2 else (4, 2)):
+    # (tf32 at 4 wide: sm_90's ptxas caps the 64x64 kernel at 72 registers and spills; 2 wide not)
+    for v in ((8, 4, 2) if es == 2 else (4, 2) if simt else (2,)):
         if (run % v == 0 and op.offset % v == 0 and op.const % v == 0 and all(k % v == 0 for k in rest)
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v

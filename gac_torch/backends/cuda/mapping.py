@@ -94,6 +94,8 @@ class MappingLimits:
     reduce_min_extent: int = 128  # smaller reductions stay sequential per thread
     mma: bool = False  # tensor cores with mma.sync m16n8k16 / m16n8k8 (sm_80 and later)
     allow_tf32: bool = False  # f32 matmuls may run on tensor cores in TF32 (numerics option)
+    conv_allow_tf32: bool = False  # f32 convolutions likewise (torch.backends.cudnn.allow_tf32)
+    implicit_gemm: bool = True  # convs / multi-dim contractions on kernels/conv_gemm.py
 
 
 def is_size_math(op: ir.Operation) -> bool:
@@ -1369,6 +1371,12 @@ def cuda_templates(limits: MappingLimits) -> MapOp:
     """CUDA's choice: tensor-core / tiled matmuls and block reductions where they apply."""
     def map_op(op: ir.Operation, name: Callable[[str], str]) -> bool:
         g = _analyze(op)
+        # --- implicit-GEMM contractions over dim sets: convs, multi-dim GEMMs (helper kern) ---
+        if g is not None and _match_contraction(g) is None:
+            from gac_torch.backends.cuda import contraction
+            if contraction.emit(g, name, limits):
+                return True
+        # --- end implicit-GEMM ---
         kind = _strategy(g, limits)
         if kind == "matmul":
             return _emit_matmul(_match_contraction(g), name(kind), limits)  # type: ignore[arg-type]

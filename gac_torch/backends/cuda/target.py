@@ -63,10 +63,16 @@ def compile_options(options: dict | None) -> Any:
         from gac_torch.options import torch_allows_tf32
 
         allow_tf32 = torch_allows_tf32()
+    conv_tf32 = (options or {}).get("allow_tf32_conv")
+    if conv_tf32 is None:  # likewise: cuDNN's flag, unless TF32 was forbidden outright
+        from gac_torch.options import torch_allows_tf32_conv
+
+        conv_tf32 = torch_allows_tf32_conv() and (options or {}).get("allow_tf32") is not False
     limits = mapping.MappingLimits(
         warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
         max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
-        mma=int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH, allow_tf32=bool(allow_tf32))
+        mma=int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH, allow_tf32=bool(allow_tf32),
+        conv_allow_tf32=bool(conv_tf32))
     return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits)
 
 
@@ -92,5 +98,5 @@ TARGET = Target(
     load=_load,
     check_available=runtime.check_available,
     dynamic_shapes=True,
-    options={"arch": None, "allow_tf32": None},
+    options={"arch": None, "allow_tf32": None, "allow_tf32_conv": None},
 )
