@@ -23,35 +23,41 @@ def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _op(elem: str, shape: tuple[int, ...], terms, ndims: int,
-        strides: tuple[int, ...] | None = None) -> tuple[cg.Operand, tuple[int, ...]]:
+        strides: tuple[int, ...] | None = None, guarded: tuple[int, ...] = ()) -> tuple[cg.Operand, tuple[int, ...]]:
     strides = strides or _dense(shape)
     t = "memref<" + "x".join(map(str, shape)) + f"x{elem}>" if strides == _dense(shape) else (
         "memref<" + "x".join(map(str, shape)) + f"x{elem}, strided<[{', '.join(map(str, strides))}]>>")
-    return cg.operand(t, elem, shape, strides, 0, terms, ndims), strides
+    return cg.operand(t, elem, shape, strides, 0, terms, ndims, guarded), strides
 
 
 def conv_spec(kind: str, n: int, g: int, cg_: int, h: int, w: int, fg: int, kh: int, kw: int,
-              stride: int = 1, dil: int = 1, pad: int = 0, ec: str = "f32", fill: bool = True):
-    """(spec, shapes, strides): input [n, g, cg, h + 2 pad, w + 2 pad] (already padded)."""
+              stride: int = 1, dil: int = 1, pad: int = 0, ec: str = "f32", fill: bool = True,
+              fold_pad: bool = False, channels_last_k: bool = False):
+    """(spec, shapes, strides): input [n, g, cg, h + 2 pad, w + 2 pad] (already padded), or with
+    fold_pad the unpadded [n, g, cg, h, w] read through guards."""
     hp, wp = h + 2 * pad, w + 2 * pad
     oh, ow = (hp - dil * (kh - 1) - 1) // stride + 1, (wp - dil * (kw - 1) - 1) // stride + 1
     e = "f32" if kind in ("tf32", "f32") else kind
-    a, sa = _op(e, (n, g, cg_, hp, wp), [({N_: 1}, 0), ({G_: 1}, 0), ({C_: 1}, 0),
-                                          ({OH_: stride, KH_: dil}, 0), ({OW_: stride, KW_: dil}, 0)], 8)
+    sh = -pad if fold_pad else 0
+    xs = (n, g, cg_, h, w) if fold_pad else (n, g, cg_, hp, wp)
+    a, sa = _op(e, xs, [({N_: 1}, 0), ({G_: 1}, 0), ({C_: 1}, 0),
+                        ({OH_: stride, KH_: dil}, sh), ({OW_: stride, KW_: dil}, sh)], 8,
+                guarded=(3, 4) if fold_pad and pad else ())
     b, sb = _op(e, (g, fg, cg_, kh, kw), [({G_: 1}, 0), ({F_: 1}, 0), ({C_: 1}, 0), ({KH_: 1}, 0),
                                           ({KW_: 1}, 0)], 8)
     c, sc = _op(ec, (n, g, fg, oh, ow), [({d: 1}, 0) for d in (N_, G_, F_, OH_, OW_)], 8)
     ranges = (n, g, fg, oh, ow, cg_, kh, kw)
-    spec = cg.Spec(kind, (N_, OH_, OW_), (F_,), (C_, KH_, KW_), (G_,), ranges, a, b, c, fill)
-    shapes = ((n, g, cg_, hp, wp), (g, fg, cg_, kh, kw), (n, g, fg, oh, ow))
+    ks = (KH_, KW_, C_) if channels_last_k else (C_, KH_, KW_)
+    spec = cg.Spec(kind, (N_, OH_, OW_), (F_,), ks, (G_,), ranges, a, b, c, fill)
+    shapes = (xs, (g, fg, cg_, kh, kw), (n, g, fg, oh, ow))
     return spec, shapes, (sa, sb, sc)
 
 
-def _conv_ref(x: np.ndarray, w: np.ndarray, stride: int, dil: int) -> np.ndarray:
+def _conv_ref(x: np.ndarray, w: np.ndarray, stride: int, dil: int, pad: int = 0) -> np.ndarray:
     n, g, c, h, wd = x.shape
     y = torch.nn.functional.conv2d(torch.from_numpy(x.astype(np.float64)).reshape(n, g * c, h, wd),
                                    torch.from_numpy(w.astype(np.float64)).reshape(g * w.shape[1], *w.shape[2:]),
-                                   stride=stride, dilation=dil, groups=g)
+                                   stride=stride, dilation=dil, groups=g, padding=pad)
     return y.reshape(n, g, w.shape[1], *y.shape[2:]).numpy()
 
 
@@ -143,3 +149,97 @@ def test_vector_widths_follow_the_unit_stride_runs() -> None:
     # the stem: K = 3*7*7 = 147 is odd -> scalar weight loads
     spec, _, _ = conv_spec("f32", 1, 1, 3, 32, 32, 64, 7, 7, 2, 1, 3)
     assert cg.plan(spec).b.vec == 1
+
+
+def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str):
+    """Z = bf16/f32(relu((y - mean[f]) * rsqrt(var[f] + eps) * w[f] + b[f] + res[e])) over
+    e = (n, g, f, oh, ow), the BatchNorm-eval + residual + ReLU body the lowering emits."""
+    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+
+    nd = len(shape)
+    per_f = [_op("f32", (shape[2],), [({2: 1}, 0)], nd)[0] for _ in range(4)]
+    res, _ = _op("f32", shape, [({d: 1}, 0) for d in range(nd)], nd)
+    out, _ = _op(out_elem, shape, [({d: 1}, 0) for d in range(nd)], nd)
+    f, z = "f32", ("const", "0.000000e+00 : f32", "f32")
+    ops = (EOp("arith.addf", (("arg", 2), ("const", "9.99999974E-6 : f32", f)), "", (f, f), f),
+           EOp("math.rsqrt", (("op", 0),), "", (f,), f),
+           EOp("arith.subf", (("arg", 0), ("arg", 1)), "", (f, f), f),
+           EOp("arith.mulf", (("op", 2), ("op", 1)), "", (f, f), f),
+           EOp("arith.mulf", (("op", 3), ("arg", 3)), "", (f, f), f),
+           EOp("arith.addf", (("op", 4), ("arg", 4)), "", (f, f), f),
+           EOp("arith.addf", (("op", 5), ("arg", 5)), "", (f, f), f),
+           EOp("arith.cmpf", (("op", 6), z), "{predicate = 2 : i64}", (f, f), "i1"),
+           EOp("arith.cmpf", (("op", 6), ("op", 6)), "{predicate = 14 : i64}", (f, f), "i1"),
+           EOp("arith.select", (("op", 8), ("op", 6), z), "", ("i1", f, f), f),
+           EOp("arith.select", (("op", 7), ("op", 6), ("op", 9)), "", ("i1", f, f), f))
+    result = ("op", 10)
+    if out_elem != "f32":
+        ops += (EOp("arith.truncf", (("op", 10),), "", (f,), out_elem),)
+        result = ("op", 11)
+    return Epilogue(shape, (None, *per_f, res), out, ops, result)
+
+
+@pytest.mark.parametrize("kind,out_elem", [("f32", "f32"), ("bf16", "bf16"), ("tf32", "f32")])
+def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str) -> None:
+    import dataclasses
+
+    spec, shapes, strides = conv_spec(kind, 2, 1, 5, 9, 10, 12, 3, 3, pad=1)
+    ep = _bn_relu_residual_epilogue(shapes[2], out_elem)
+    spec = dataclasses.replace(spec, epilogue=ep)
+    p = cg.plan(spec)
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    mean, w, b = (rng.standard_normal(12).astype(np.float32) for _ in range(3))
+    var = rng.random(12).astype(np.float32) + 0.5
+    res = rng.standard_normal(shapes[2]).astype(np.float32)
+    params = [(v, (1,)) for v in (mean, var, w, b)]
+    z0 = np.full(shapes[2], np.nan, np.float32)
+    out = cg.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides, epi=(None, *params, (res, _dense(shapes[2]))),
+                     out=(z0, _dense(shapes[2]))).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    y = _conv_ref(cm._round(X, rnd), cm._round(W, rnd), 1, 1)
+    f = (None, None, slice(None), None, None)
+    ref = np.maximum((y - mean[f]) / np.sqrt(var[f] + 1e-5) * w[f] + b[f] + res, 0)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert not np.isnan(out).any() and err < max(_TOL[kind], _TOL.get(out_elem, 0) if out_elem != "f32" else 0), err
+    from mlir import ir
+
+    ir.Module.parse(cg.template(spec, p), ir.Context())  # the generated MLIR parses
+
+
+@pytest.mark.parametrize("kind,k,stride,dil,pad", [("f32", 3, 1, 1, 1), ("f16", 7, 2, 1, 3),
+                                                  ("tf32", 3, 2, 2, 2), ("bf16", 3, 1, 1, 1)])
+def test_fused_padding_reads_zeros_outside(kind: str, k: int, stride: int, dil: int, pad: int) -> None:
+    # the padding kernel folded into the loads: the unpadded input, guarded rows and columns
+    spec, shapes, strides = conv_spec(kind, 2, 1, 3, 11, 13, 9, k, k, stride, dil, pad, fold_pad=True)
+    assert spec.a.guards and shapes[0] == (2, 1, 3, 11, 13)
+    p = cg.plan(spec)
+    assert p.a.vec == 1
+    rng = np.random.default_rng(k + pad)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    out = cg.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    ref = _conv_ref(cm._round(X, rnd), cm._round(W, rnd), stride, dil, pad)
+    assert out.shape == ref.shape
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err
+
+
+@pytest.mark.parametrize("kind,c", [("f16", 64), ("f32", 32), ("tf32", 16), ("bf16", 32)])
+def test_k_ordered_kh_kw_c_splits_once_per_slice(kind: str, c: int) -> None:
+    # K = (kh, kw, c) with c a multiple of the slice depth: the kernel delinearises kbase once
+    # per slice and adds the element's offset to c (the backend's order for convs)
+    spec, shapes, strides = conv_spec(kind, 1, 1, c, 7, 9, 12, 3, 3, 1, 1, 1, fold_pad=True,
+                                      channels_last_k=True)
+    p = cg.plan(spec)
+    assert spec.ranges[spec.ks[-1]] % p.bk == 0
+    rng = np.random.default_rng(c)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    out = cg.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    ref = _conv_ref(cm._round(X, rnd), cm._round(W, rnd), 1, 1, 1)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err

@@ -76,6 +76,36 @@ def test_conv_compiles_to_implicit_gemm_without_spills(name: str, precision: str
     assert "gemm" in result.log and spills and all(int(m) == 0 for m in spills), result.log
 
 
+class _Block(torch.nn.Module):
+    """conv -> BatchNorm (eval) -> + residual -> ReLU, the ResNet bottleneck's tail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+@pytest.mark.parametrize("name", ["3x3", "block"])
+def test_padding_and_epilogue_run_inside_the_conv_kernel(name: str) -> None:
+    # zero padding read through bounds checks; bias / BatchNorm / residual / ReLU in the store
+    # step: the whole graph is one kernel writing the output
+    if name == "block":
+        from models import randomize_bn
+
+        model, x = randomize_bn(_Block()).eval(), torch.randn(2, 8, 9, 11)
+    else:
+        model, x = _model(name, torch.float32)
+    compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
+    (part,) = compiled.compiled.partitions.values()
+    kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
+    assert kernels == ["sgemm"], kernels
+    assert "alloc" not in part.ir("gpu").split("gpu.module")[0]  # no intermediate buffers
+    torch.testing.assert_close(gac_torch.compile(model, (x,), target="cpu")(x), model(x))
+
+
 def test_cudnn_tf32_flag_is_read_at_compile_time_and_guarded() -> None:
     # dynamo guards the matmul TF32 flag but not cuDNN's: gac's compiled graph checks it per call
     from gac_torch.frontends.dynamo import compiled_graphs

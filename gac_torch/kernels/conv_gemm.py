@@ -28,7 +28,8 @@ never materialised.
      4c. stage     the prefetched registers -> buffer (kt+1)%2 (tf32: rounded first); mma keeps
                    the global run's layout ([outer][k] or [k][outer]), simt always [k][outer]
      4d. barrier   one per slice (buffer (kt+1)%2 complete; kt%2 free for slice kt+2)
-  5. store      each accumulator to C at its coordinates, rounded to C's type, inside only
+  5. store      each accumulator to C at its coordinates, rounded to C's type, inside only; or,
+                with an epilogue (gemm_epilogue.py), through the elementwise consumer to its output
 
 Written once (`_kernel`) against cuda_mma's two builders, extended here: `_Text` (MLIR, a
 `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch for mapping._splice_template) and
@@ -38,13 +39,14 @@ Written once (`_kernel`) against cuda_mma's two builders, extended here: `_Text`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gac_torch.kernels import cuda_mma as mma
+from gac_torch.kernels import gemm_epilogue
+from gac_torch.kernels.gemm_epilogue import Epilogue
 
 KINDS = ("f16", "bf16", "tf32", "f32")
 _ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
@@ -62,6 +64,9 @@ class Operand:
     const: int
     offset: int
     span: int
+    # a fused zero padding: elements where some 0 <= const + sum coef[d] * i[d] < upper fails
+    # read as 0 (not loaded); each guard is (coef, const, upper)
+    guards: tuple[tuple[tuple[int, ...], int, int], ...] = ()
 
     @property
     def flat(self) -> str:
@@ -69,9 +74,10 @@ class Operand:
 
 
 def operand(type_text: str, elem: str, shape: tuple[int, ...], strides: tuple[int, ...],
-            offset: int, terms: list[tuple[dict[int, int], int]], ndims: int) -> Operand:
+            offset: int, terms: list[tuple[dict[int, int], int]], ndims: int,
+            guarded: tuple[int, ...] = ()) -> Operand:
     """From a strided memref and its indexing map as linear forms ({dim: coeff}, const) per
-    memref dim."""
+    memref dim; `guarded` memref dims may be indexed outside [0, size) (a fused padding)."""
     coef = [0] * ndims
     const = 0
     for st, (lin, c0) in zip(strides, terms):
@@ -79,7 +85,9 @@ def operand(type_text: str, elem: str, shape: tuple[int, ...], strides: tuple[in
             coef[d] += k * st
         const += c0 * st
     span = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 1
-    return Operand(type_text, elem, tuple(coef), const, offset, span)
+    guards = tuple((tuple(terms[j][0].get(d, 0) for d in range(ndims)), terms[j][1], shape[j])
+                   for j in guarded)
+    return Operand(type_text, elem, tuple(coef), const, offset, span, guards)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class Spec:
     b: Operand
     c: Operand
     fill: bool  # accumulators start from %init (a fused fill) instead of C
+    epilogue: Epilogue | None = None  # the elementwise consumer of C, run in step 5 (C not stored)
 
     def ext(self, dims: tuple[int, ...]) -> int:
         return math.prod(self.ranges[d] for d in dims)
@@ -181,12 +190,19 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     es = _ESIZE[op.elem]
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
+    if op.guards:  # a vector could straddle the padding's edge
+        return _fit(glob_k, simt, op, tile_o, bk, threads, 1)
     # (tf32 at 4 wide: sm_90's ptxas caps the 64x64 kernel at 72 registers and spills; 2 wide not)
     for v in ((8, 4, 2) if es == 2 else (4, 2) if simt else (2,)):
         if (run % v == 0 and op.offset % v == 0 and op.const % v == 0 and all(k % v == 0 for k in rest)
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v
             break
+    return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
+
+
+def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
+    es = _ESIZE[op.elem]
     if (tile_o * bk // vec) % threads:
         return None
     smem_k = glob_k and not simt
@@ -209,8 +225,8 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     if big is None:
         big = -(-spec.M // 128) * -(-spec.N // 128) * batch >= mma.SM_COUNT_HINT
     simt = spec.kind == "f32"
-    if not big:
-        bm, bn, wm, wn = 64, 64, 2, 2
+    if not big:  # (8 warps here too: at 4, sm_90's ptxas caps registers low and spills)
+        bm, bn, wm, wn = 64, 64, 2, 4
     elif spec.N <= 64:
         bm, bn, wm, wn = 128, 64, 4, 2
     else:
@@ -296,7 +312,10 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
         per = tile_o // st.vec
         return b.mul(b.rem(v, c(per)), c(st.vec)), b.div(v, c(per))
 
-    # 3a / 4a: a slice's global loads
+    # 3a / 4a: a slice's global loads. When the innermost K dim's extent is a multiple of BK
+    # (a conv's channels, K ordered (kh, kw, c)), only kbase is delinearised, once per slice.
+    uniform = len(spec.ks) > 1 and R[spec.ks[-1]] % BK == 0
+
     def load_slice(which: str, kbase: Any) -> list[Any]:
         op, st = (spec.a, p.a) if which == "A" else (spec.b, p.b)
         outer, o0, ext_o = (spec.ms, m0, spec.M) if which == "A" else (spec.ns, n0, spec.N)
@@ -306,8 +325,18 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
             lo, lk = coords(which, i)
             oi, ki = b.add(o0, lo), b.add(kbase, lk)
             ok = b.and_(b.lt(oi, c(ext_o)), b.lt(ki, c(spec.K)))
-            addr = _addr(b, op, _split(b, oi, outer, R), outer, obase)  # loop-invariant part
-            addr = _addr(b, op, _split(b, ki, spec.ks, R), spec.ks, addr)
+            io = _split(b, oi, outer, R)
+            if uniform:  # the slice shares every K dim but the last: split kbase, add lk
+                ik = dict(_split(b, kbase, spec.ks, R))
+                ik[spec.ks[-1]] = b.add(ik[spec.ks[-1]], lk)
+            else:
+                ik = _split(b, ki, spec.ks, R)
+            addr = _addr(b, op, io, outer, obase)  # loop-invariant part
+            addr = _addr(b, op, ik, spec.ks, addr)
+            for gc, g0, upper in op.guards:  # fused padding: outside reads as 0
+                gop = Operand("", "", gc, 0, 0, 0)
+                at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
+                ok = b.and_(ok, b.inb(at, c(upper)))
             vals.append(b.load_flat(which, addr, st.vec, ok))
         return vals
 
@@ -426,14 +455,17 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
     accs = b.loop(-(-spec.K // BK), accs, body)
     # 5. store
     for (addr, ok), val in zip(out_points(), accs):
-        b.store_cflat(addr, val, ok)
+        if spec.epilogue is not None:
+            gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr)
+        else:
+            b.store_cflat(addr, val, ok)
 
 
 # --------------------------------------------------------------------------------------------
 # builder 1: MLIR text (cuda_mma's, plus flat global access, scalar smem stores and FMAs)
 
 
-class _Text(mma._Text):
+class _Text(gemm_epilogue.TextMixin, mma._Text):
     def __init__(self, spec: Spec, p: Plan):
         super().__init__(spec, p)  # type: ignore[arg-type]
         self.e = _elem(spec.kind)
@@ -450,6 +482,9 @@ class _Text(mma._Text):
         self.w(f"  scf.yield %ld{self.n} : {vt}\n}} else {{")
         self.w(f"  {z} = arith.constant dense<0.0> : {vt}\n  scf.yield {z} : {vt}\n}}")
         return r
+
+    def inb(self, x: str, upper: str) -> str:
+        return self.lt(x, upper)  # unsigned: a negative index is huge
 
     def extract(self, val: str, j: int, vec: int) -> str:
         r = self._v()
@@ -490,12 +525,16 @@ def template(spec: Spec, p: Plan) -> str:
     b = _Text(spec, p)
     _kernel(b, spec, p)
     gx, gy, gz = p.grid
+    ep = spec.epilogue
+    extra = [] if ep is None else [(f"E{k}", op) for k, op in enumerate(ep.inputs) if op is not None] + [("Z", ep.out)]
     flat = []
-    for name, op in (("A", spec.a), ("B", spec.b), ("C", spec.c)):
+    uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
+    for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):
         flat.append(f"%{name}f = memref.reinterpret_cast %{name} to offset: [{op.offset}], "
                     f"sizes: [{op.span}], strides: [1] : {op.type} to {op.flat}")
     head = [
-        f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, %init: {spec.c.elem}) {{",
+        f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
+        + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {spec.c.elem}) {{",
         f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
         f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
         f"%nt = arith.constant {p.threads} : index",
@@ -511,7 +550,7 @@ def template(spec: Spec, p: Plan) -> str:
 # builder 2: numpy, one block at a time, threads in lockstep
 
 
-class _Numpy(mma._Numpy):
+class _Numpy(gemm_epilogue.NumpyMixin, mma._Numpy):
     def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                  init: float, block: tuple[int, int, int]):
         super().__init__(spec, p, A, B, C, init, block)  # type: ignore[arg-type]
@@ -526,6 +565,9 @@ class _Numpy(mma._Numpy):
             out[:, i] = np.where(ok, buf[at], 0.0)
         assert not np.isnan(out).any(), f"{which}: load of an element outside the buffer's view"
         return out
+
+    def inb(self, x: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        return (x >= 0) & (x < upper)
 
     def extract(self, val: np.ndarray, j: int, vec: int) -> np.ndarray:
         return val[:, j]
@@ -556,16 +598,24 @@ def _flat(arr: np.ndarray, op: Operand, shape: tuple[int, ...], strides: tuple[i
 
 def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
             strides: tuple[tuple[int, ...], ...], init: float = 0.0,
-            on_block: Callable[[Any], None] | None = None) -> np.ndarray:
+            epi: tuple[tuple[np.ndarray, tuple[int, ...]] | None, ...] = (),
+            out: tuple[np.ndarray, tuple[int, ...]] | None = None) -> np.ndarray:
     """Run the kernel on the CPU. A, B, C are arrays shaped like the memrefs, whose strides
-    (elements) are `strides`; returns C's new flat view (f32 holding values rounded to C's type).
+    (elements) are `strides`; returns C's new flat view (f32 holding values rounded to C's type),
+    or with an epilogue Z's (`epi`: (array, strides) per epilogue input, None for Y; `out`: Z).
     Raises RaceError on a shared-memory race, AssertionError on out-of-range accesses."""
     rnd = "f32" if spec.kind in ("tf32", "f32") else spec.kind
     fa = _flat(mma._round(A, rnd), spec.a, A.shape, strides[0])
     fb = _flat(mma._round(B, rnd), spec.b, B.shape, strides[1])
     fc = _flat(np.asarray(C, np.float32), spec.c, C.shape, strides[2])
+    ep = spec.epilogue
+    fe = [None if x is None else _flat(np.asarray(x[0], np.float32), op, x[0].shape, x[1])
+          for x, op in zip(epi, ep.inputs)] if ep is not None else []
+    fz = _flat(np.asarray(out[0], np.float32), ep.out, out[0].shape, out[1]) if ep is not None else None
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
             for bx in range(p.grid[0]):
-                _kernel(_Numpy(spec, p, fa, fb, fc, init, (bx, by, bz)), spec, p)
-    return fc
+                k = _Numpy(spec, p, fa, fb, fc, init, (bx, by, bz))
+                k.E, k.Z = fe, fz
+                _kernel(k, spec, p)
+    return fc if ep is None else fz

@@ -3,6 +3,10 @@ that is a contraction over dim *sets* with affine operand maps -- a convolution 
 N = f; K = c, kh, kw; batch = groups), or a GEMM with several M/N/K/batch dims or permuted
 operands -- on the implicit-GEMM template gac_torch/kernels/conv_gemm.py.
 
+Epilogue: when the op right after is an elementwise generic that is the result's only reader (a
+bias, BatchNorm-eval, ReLU, residual add, output cast), it runs in the kernel's store step and
+the intermediate buffer goes away.
+
 Precision: f16/bf16 operands use mma.sync with f32 accumulators; f32 ones use TF32 tensor cores
 when allowed (convolutions: torch.backends.cudnn.allow_tf32; other contractions: the matmul
 flags), else the exact SIMT kernel.
@@ -14,6 +18,7 @@ from mlir import ir
 
 from gac_torch.backends.cuda import mapping as mp
 from gac_torch.kernels import conv_gemm, cuda_mma
+from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
 
 def _linear(e: ir.AffineExpr) -> tuple[dict[int, int], int] | None:
@@ -92,6 +97,11 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
     ops = [_operand(v, m) for v, m in zip((*g.inputs, *g.outputs), g.maps)]
     if any(o is None for o in ops):
         return False
+    # a zero padding written by a fill + copy right before is read through guards instead
+    pads = [_padding(g, i) if limits.fuse_padding else None for i in range(2)]
+    for i, pad in enumerate(pads):
+        if pad is not None:
+            ops[i] = pad[1]
     a, b, c = ops
     used_a = {d for d, k in enumerate(a.coef) if k}  # type: ignore[union-attr]
     used_b = {d for d, k in enumerate(b.coef) if k}  # type: ignore[union-attr]
@@ -107,6 +117,12 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
     ms.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
     ns.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
     ks = sorted(red, key=lambda d: (-b.coef[d], -a.coef[d], d))  # type: ignore[union-attr]
+    # a K dim whose extent is a multiple of 32 goes innermost (a conv: (kh, kw, c)): each K
+    # slice then shares the outer K dims, so the im2col indices are computed once per slice
+    wide = [d for d in ks if r[d] > 1]
+    if wide and r[wide[-1]] % 32 and any(r[d] % 32 == 0 for d in wide):
+        inner = max((d for d in wide if r[d] % 32 == 0), key=lambda d: r[d])
+        ks = [d for d in ks if d != inner] + [inner]
     ms = ms or [d for d in par if r[d] == 1 and d not in batch][:1]
     ns = ns or [d for d in par if r[d] == 1 and d not in batch and d not in ms][:1]
     if not ms or not ns:
@@ -128,10 +144,210 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
     plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
     if plan is None:
         return False
+    fused = _epilogue(g, c, fill[0] if fill is not None else None) if limits.fuse_epilogue else None  # type: ignore[arg-type]
+    if fused is not None:
+        ops = mp._ops(g.op.block)
+        for op in ops[ops.index(g.op) + 1:ops.index(fused[0])]:
+            op.move_before(g.op)  # views / constants the epilogue reads, defined in between
+        spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     strategy = "sgemm" if kind == "f32" else "igemm"
-    mp._splice_template(conv_gemm.template(spec, plan), g.op, [*g.inputs, g.outputs[0]],
+    ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]
+    mp._splice_template(conv_gemm.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                         fill[1] if fill is not None else None, ec, name(strategy))
     if fill is not None:
         fill[0].erase()
     g.op.erase()
+    for pad, v in zip(pads, g.inputs):
+        if pad is not None:  # (already passed by the mapping loop)
+            for op in pad[2]:
+                op.erase()
+            _erase_if_unused(mp.buffer_root(v))
+    if fused is not None:  # erased when the mapping loop reaches it (see erase_fused)
+        fused[0].attributes[FUSED] = ir.UnitAttr.get()
     return True
+
+
+FUSED = "gac.fused_epilogue"  # an elementwise op that now runs in its producer's kernel
+
+
+def erase_fused(op: ir.Operation) -> None:
+    """Erase a consumer fused into a contraction's epilogue, and the intermediate it read."""
+    roots = [mp.buffer_root(v) for v in op.operands if isinstance(v.type, ir.MemRefType)]
+    op.erase()
+    for root in roots:
+        _erase_if_unused(root)
+
+
+def _padding(g: mp._Generic, i: int):
+    """(source, guarded operand, ops to erase) when input i is a scratch buffer P written only
+    by `fill P with 0` and `copy x -> subview(P)` (a zero padding of x) before g."""
+    v = g.inputs[i]
+    alloc = mp._defining_op(v)
+    if alloc is None or alloc.name != "memref.alloc" or not mp.static_memref(v.type):
+        return None
+    users = [u for u in mp._users(v) if u.name != "memref.dealloc"]
+    pt_rank = ir.MemRefType(v.type).rank
+    fills = [u for u in users if u != g.op and u.name == "linalg.generic" and len(u.operands) == 1
+             and u.operands[0] == v and len(mp._ops(u.regions[0].blocks[0])) == 1
+             and mp._dims(ir.AffineMapAttr(u.attributes["indexing_maps"][0]).value) == list(range(pt_rank))]
+    copies = [u for u in users if u not in fills and u != g.op]
+    if len(users) != 3 or len(fills) != 1 or len(copies) != 1:
+        return None
+    fill, copy = fills[0], copies[0]
+    if not (fill.block == copy.block == g.op.block and fill.is_before_in_block(copy)
+            and copy.is_before_in_block(g.op)):
+        return None
+    value = mp._ops(fill.regions[0].blocks[0])[0].operands[0]
+    cst = mp._defining_op(value)
+    if cst is None or cst.name != "arith.constant" or not isinstance(cst.attributes["value"], ir.FloatAttr) \
+            or ir.FloatAttr(cst.attributes["value"]).value != 0.0:
+        return None
+    cg = mp._analyze(copy)
+    if copy.name != "linalg.generic" or cg is None or len(cg.inputs) != 1 or len(cg.outputs) != 1:
+        return None
+    x, view = cg.inputs[0], cg.outputs[0]
+    sub = mp._defining_op(view)
+    ident = list(range(len(cg.iters)))
+    body = mp._ops(cg.body)
+    if (sub is None or sub.name != "memref.subview" or sub.operands[0] != v or len(body) != 1
+            or body[0].operands[0] != cg.body.arguments[0] or any(mp._dims(m) != ident for m in cg.maps)
+            or not mp.static_memref(x.type) or x.type == v.type):
+        return None
+    offsets = list(ir.DenseI64ArrayAttr(sub.attributes["static_offsets"]))
+    sizes = list(ir.DenseI64ArrayAttr(sub.attributes["static_sizes"]))
+    steps = list(ir.DenseI64ArrayAttr(sub.attributes["static_strides"]))
+    xt, pt = ir.MemRefType(x.type), ir.MemRefType(v.type)
+    if any(s != 1 for s in steps) or sizes != list(xt.shape) or len(sizes) != pt.rank:
+        return None
+    terms = [_linear(e) for e in g.maps[i].results]
+    if any(t is None for t in terms):
+        return None
+    shifted = [(lin, c0 - off) for (lin, c0), off in zip(terms, offsets)]  # type: ignore[misc]
+    guarded = tuple(j for j in range(pt.rank) if offsets[j] or sizes[j] != pt.shape[j])
+    strides, offset = xt.get_strides_and_offset()
+    op = conv_gemm.operand(str(xt), str(xt.element_type), tuple(xt.shape), tuple(strides), offset,
+                           shifted, g.maps[i].n_dims, guarded)
+    return x, op, [copy, sub, fill]
+
+
+def _dense(t: ir.MemRefType) -> bool:
+    strides, offset = t.get_strides_and_offset()
+    want, step = [], 1
+    for n in reversed(t.shape):
+        want.append(step)
+        step *= n
+    return offset == 0 and list(strides) == want[::-1]
+
+
+def _numel(t: ir.MemRefType) -> int:
+    n = 1
+    for x in t.shape:
+        n *= x
+    return n
+
+
+def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None):
+    """(consumer op, Epilogue, its extra template arguments, Y's root) when the op right after
+    `g` is an elementwise generic that alone reads g's result Y (a dense scratch buffer)."""
+    ops = mp._ops(g.op.block)
+    at = ops.index(g.op) + 1
+    while at < len(ops) and (ops[at].name in mp._HOISTABLE or ops[at].name == "arith.constant"):
+        at += 1  # views, allocations, constants: no memory touched in between
+    if at >= len(ops) or ops[at].name != "linalg.generic":
+        return None
+    e = mp._analyze(ops[at])
+    if e is None or e.dynamic or len(e.outputs) != 1 or "reduction" in e.iters:
+        return None
+    y = g.outputs[0]
+    root, yt = mp.buffer_root(y), ir.MemRefType(y.type)
+    alloc = mp._defining_op(root)
+    if alloc is None or alloc.name != "memref.alloc" or not _dense(yt) or _numel(yt) != _numel(ir.MemRefType(root.type)):
+        return None
+    readers = [k for k, v in enumerate(e.inputs) if isinstance(v.type, ir.MemRefType) and mp.buffer_root(v) == root]
+    if len(readers) != 1 or mp.buffer_root(e.outputs[0]) == root:
+        return None
+    ky = readers[0]
+    vy = ir.MemRefType(e.inputs[ky].type)
+    ident = list(range(len(e.iters)))
+    if mp._dims(e.maps[ky]) != ident or mp._dims(e.maps[-1]) != ident or not _dense(vy) or _numel(vy) != _numel(yt):
+        return None
+    allowed = {g.op, e.op} | ({fill} if fill is not None else set())
+    if any(u not in allowed and u.name != "memref.dealloc" for u in mp._users(root)):
+        return None
+    z = e.outputs[0]
+    conv_roots = {mp.buffer_root(v) for v in g.inputs}
+    if mp.buffer_root(z) in conv_roots or not mp.static_memref(z.type):
+        return None
+    inputs: list = []
+    extra: list[ir.Value] = []
+    for k, (v, m) in enumerate(zip(e.inputs, e.maps)):
+        if k == ky:
+            inputs.append(None)
+            continue
+        if not isinstance(v.type, ir.MemRefType) or not mp.static_memref(v.type):
+            return None
+        if mp.buffer_root(v) == mp.buffer_root(z) and (v.type != z.type or mp._dims(m) != ident):
+            return None  # reads Z's buffer elsewhere than at the point it writes
+        op = _operand(v, m)
+        if op is None:
+            return None
+        inputs.append(op)
+        extra.append(v)
+    out = _operand(z, e.maps[-1])
+    body = _body_ops(e)
+    if out is None or body is None:
+        return None
+    return e.op, Epilogue(tuple(e.ranges), tuple(inputs), out, *body), [*extra, z], root  # type: ignore[arg-type]
+
+
+def _body_ops(e: mp._Generic) -> tuple[tuple[EOp, ...], tuple] | None:
+    """The body as EOps (generic form), operands referring to block arguments, earlier ops or
+    constants from outside; None if it has regions, linalg.index or reads the output."""
+    args = list(e.body.arguments)
+    if list(args[-1].uses):
+        return None
+    refs: dict = {a: ("arg", i) for i, a in enumerate(args[:-1])}
+    out: list[EOp] = []
+
+    def ref(v: ir.Value):
+        if v in refs:
+            return refs[v]
+        d = mp._defining_op(v)
+        if d is not None and d.name == "arith.constant" and d.block != e.body:
+            return ("const", str(d.attributes["value"]), str(v.type))
+        return None
+
+    ops = mp._ops(e.body)
+    for op in ops[:-1]:
+        if op.regions or op.name.startswith("linalg.") or len(op.results) != 1:
+            return None
+        if op.name == "arith.constant":
+            refs[op.results[0]] = ("const", str(op.attributes["value"]), str(op.results[0].type))
+            continue
+        rs = [ref(v) for v in op.operands]
+        if any(x is None for x in rs):
+            return None
+        a = op.attributes
+        attrs = ", ".join(f"{a[i].name} = {a[i].attr}" for i in range(len(a)))
+        out.append(EOp(op.name, tuple(rs), "{" + attrs + "}" if attrs else "",
+                       tuple(str(v.type) for v in op.operands), str(op.results[0].type)))
+        refs[op.results[0]] = ("op", len(out) - 1)
+    result = ref(ops[-1].operands[0])
+    return (tuple(out), result) if result is not None else None
+
+
+def _erase_if_unused(root: ir.Value) -> None:
+    """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
+    alloc = mp._defining_op(root)
+    if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in mp._users(root)):
+        return
+
+    def drop(v: ir.Value) -> None:
+        for use in list(v.uses):
+            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+            if o.name in mp._VIEW_OPS:
+                drop(o.results[0])
+            o.erase()
+
+    drop(root)
+    alloc.erase()

@@ -96,6 +96,8 @@ class MappingLimits:
     allow_tf32: bool = False  # f32 matmuls may run on tensor cores in TF32 (numerics option)
     conv_allow_tf32: bool = False  # f32 convolutions likewise (torch.backends.cudnn.allow_tf32)
     implicit_gemm: bool = True  # convs / multi-dim contractions on kernels/conv_gemm.py
+    fuse_epilogue: bool = True  # ... with the elementwise consumer in their store step
+    fuse_padding: bool = True  # ... reading a zero-padded input through bounds checks
 
 
 def is_size_math(op: ir.Operation) -> bool:
@@ -1372,10 +1374,12 @@ def cuda_templates(limits: MappingLimits) -> MapOp:
     def map_op(op: ir.Operation, name: Callable[[str], str]) -> bool:
         g = _analyze(op)
         # --- implicit-GEMM contractions over dim sets: convs, multi-dim GEMMs (helper kern) ---
-        if g is not None and _match_contraction(g) is None:
-            from gac_torch.backends.cuda import contraction
-            if contraction.emit(g, name, limits):
-                return True
+        from gac_torch.backends.cuda import contraction
+        if contraction.FUSED in op.attributes:  # runs in its producer's epilogue
+            contraction.erase_fused(op)
+            return True
+        if g is not None and _match_contraction(g) is None and contraction.emit(g, name, limits):
+            return True
         # --- end implicit-GEMM ---
         kind = _strategy(g, limits)
         if kind == "matmul":
