@@ -136,8 +136,14 @@ def bevformer_tiny_convs() -> list[tuple[tuple[int, ...], torch.nn.Conv2d]]:
     return list(seen.values())
 
 
+CONV_FLAGS = {"tf32off": "fp32", "default": "tf32", "bf16autocast": "bf16"}
+conv_flags = "tf32off"  # --conv-flags
+
+
 def group_conv() -> Iterator[Workload]:
-    for shape, mod in bevformer_tiny_convs():
+    prec = CONV_FLAGS[conv_flags]
+    for i, (shape, mod) in enumerate(bevformer_tiny_convs()):
+        torch.manual_seed(i)
         conv = torch.nn.Conv2d(mod.in_channels, mod.out_channels, mod.kernel_size, mod.stride,
                                mod.padding, mod.dilation, mod.groups, mod.bias is not None)
         conv = conv.to("cuda").eval()
@@ -146,8 +152,9 @@ def group_conv() -> Iterator[Workload]:
         oh = (shape[2] + 2 * mod.padding[0] - k) // s + 1
         ow = (shape[3] + 2 * mod.padding[1] - k) // s + 1
         flops = 2 * shape[0] * mod.out_channels * oh * ow * mod.in_channels * k * k / mod.groups / 1e12
-        yield Workload(name, conv, lambda seed, shape=shape: (_rand(seed, *shape),), "tf32off", "fp32",
-                       TOL["fp32"], {"tflops_per_call": flops})
+        suffix = "" if conv_flags == "tf32off" else f"_{conv_flags}"
+        yield Workload(name + suffix, conv, lambda seed, shape=shape: (_rand(seed, *shape),), conv_flags, prec,
+                       TOL[prec], {"tflops_per_call": flops})
 
 
 def group_resnet() -> Iterator[Workload]:
@@ -281,7 +288,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--sample-ms", type=float, default=20.0, help="target time of one timed sample")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--conv-flags", default="tf32off", choices=list(CONV_FLAGS),
+                    help="precision of the conv group (rows get a _<flags> suffix unless tf32off)")
     args = ap.parse_args()
+    global conv_flags
+    conv_flags = args.conv_flags
     groups = [g for g in args.only.split(",") if g]
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:

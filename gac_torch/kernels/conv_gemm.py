@@ -473,14 +473,15 @@ class _Text(gemm_epilogue.TextMixin, mma._Text):
                      for w, s in (("A", p.a), ("B", p.b))}
 
     def load_flat(self, which: str, addr: str, vec: int, ok: str) -> str:
+        # branch-free: outside the tile, load element 0 (always valid) and select zero, so all
+        # of a slice's loads can be in flight at once
         op = self.spec.a if which == "A" else self.spec.b
         vt = f"vector<{vec}x{op.elem}>"
-        r, z = self._v(), self._v()
-        self.w(f"{r} = scf.if {ok} -> ({vt}) {{")
-        self.w(f"  %ld{self.n} = vector.load %{which}f[{addr}] {{alignment = {vec * _ESIZE[op.elem]}}}"
-               f" : {op.flat}, {vt}")
-        self.w(f"  scf.yield %ld{self.n} : {vt}\n}} else {{")
-        self.w(f"  {z} = arith.constant dense<0.0> : {vt}\n  scf.yield {z} : {vt}\n}}")
+        at, ld, z, r = self._v(), self._v(), self._v(), self._v()
+        self.w(f"{at} = arith.select {ok}, {addr}, {self.const(0)} : index")
+        self.w(f"{ld} = vector.load %{which}f[{at}] {{alignment = {vec * _ESIZE[op.elem]}}} : {op.flat}, {vt}")
+        self.w(f"{z} = arith.constant dense<0.0> : {vt}")
+        self.w(f"{r} = arith.select {ok}, {ld}, {z} : {vt}")
         return r
 
     def inb(self, x: str, upper: str) -> str:
