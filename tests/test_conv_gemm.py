@@ -176,7 +176,7 @@ def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str):
     if out_elem != "f32":
         ops += (EOp("arith.truncf", (("op", 10),), "", (f,), out_elem),)
         result = ("op", 11)
-    return Epilogue(shape, (None, *per_f, res), out, ops, result)
+    return Epilogue((None, *((x, shape) for x in (*per_f, res))), (out, shape), ops, result)
 
 
 @pytest.mark.parametrize("kind,out_elem", [("f32", "f32"), ("bf16", "bf16"), ("tf32", "f32")])

@@ -527,7 +527,7 @@ def template(spec: Spec, p: Plan) -> str:
     _kernel(b, spec, p)
     gx, gy, gz = p.grid
     ep = spec.epilogue
-    extra = [] if ep is None else [(f"E{k}", op) for k, op in enumerate(ep.inputs) if op is not None] + [("Z", ep.out)]
+    extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
     flat = []
     uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
     for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):
@@ -610,9 +610,9 @@ def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
     fb = _flat(mma._round(B, rnd), spec.b, B.shape, strides[1])
     fc = _flat(np.asarray(C, np.float32), spec.c, C.shape, strides[2])
     ep = spec.epilogue
-    fe = [None if x is None else _flat(np.asarray(x[0], np.float32), op, x[0].shape, x[1])
+    fe = [None if x is None else _flat(np.asarray(x[0], np.float32), op[0], x[0].shape, x[1])
           for x, op in zip(epi, ep.inputs)] if ep is not None else []
-    fz = _flat(np.asarray(out[0], np.float32), ep.out, out[0].shape, out[1]) if ep is not None else None
+    fz = _flat(np.asarray(out[0], np.float32), ep.out[0], out[0].shape, out[1]) if ep is not None else None
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
             for bx in range(p.grid[0]):

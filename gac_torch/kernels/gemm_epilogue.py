@@ -4,9 +4,11 @@ contraction's result runs in the kernel's store step instead of as its own pass.
     Z[e] = body(Y[e], X1[map1(e)], X2[map2(e)], ...)      e over Y's elements, row-major
 
 (bias, ReLU, BatchNorm-eval scale/shift, residual add, the output cast: whatever elementwise
-generic follows). Per accumulator: 1. the value rounded to Y's type, 2. its flat index in Y
-delinearised into e, 3. each other operand loaded at its linear address in e, 4. the body's ops
-(generic MLIR form in the text builder, a numpy table in the twin), 5. the store to Z.
+generics follow, chained through scratch buffers, each possibly over its own reshaped view of
+Y: every operand carries the iteration space its index e is taken in). Per accumulator: 1. the
+value rounded to Y's type, 2. its flat index in Y delinearised into e (per space), 3. each other
+operand loaded at its linear address in e, 4. the body's ops (generic MLIR form in the text
+builder, a numpy table in the twin), 5. the store to Z.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ class EOp:
 
 @dataclass(frozen=True)
 class Epilogue:
-    shape: tuple[int, ...]  # the elementwise op's iteration space (= Y's shape, row-major)
-    inputs: tuple[Any, ...]  # per body input argument: a conv_gemm.Operand over e, None for Y
-    out: Any  # Z as a conv_gemm.Operand over e
+    # per body argument ("arg", i): (conv_gemm.Operand over e, e's space), None for Y itself
+    inputs: tuple[tuple[Any, tuple[int, ...]] | None, ...]
+    out: tuple[Any, tuple[int, ...]]  # Z, likewise
     ops: tuple[EOp, ...]
-    result: Ref  # the yielded value
+    result: Ref  # the stored value
 
 
 def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any) -> None:
@@ -46,10 +48,16 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any)
     ep: Epilogue = spec.epilogue
     b.begin_if(ok)
     y = b.round_to(val, spec.c.elem)  # 1
-    dims = tuple(range(len(ep.shape)))
-    e = split(b, addr, dims, ep.shape)  # 2
-    args = [y if op is None else b.load_e(k, lin(b, op, e, dims, b.const(op.const)))  # 3
-            for k, op in enumerate(ep.inputs)]
+    spaces: dict[tuple[int, ...], Any] = {}
+
+    def at(x: tuple[Any, tuple[int, ...]]) -> Any:
+        op, shape = x
+        dims = tuple(range(len(shape)))
+        if shape not in spaces:
+            spaces[shape] = split(b, addr, dims, shape)  # 2
+        return lin(b, op, spaces[shape], dims, b.const(op.const))
+
+    args = [y if x is None else b.load_e(k, at(x)) for k, x in enumerate(ep.inputs)]  # 3
     results: list[Any] = []
 
     def value(r: Ref) -> Any:
@@ -57,7 +65,7 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any)
 
     for op in ep.ops:  # 4
         results.append(b.eop(op, [value(r) for r in op.args]))
-    b.store_e(lin(b, ep.out, e, dims, b.const(ep.out.const)), value(ep.result))  # 5
+    b.store_e(at(ep.out), value(ep.result))  # 5
     b.end_if()
 
 
@@ -125,7 +133,7 @@ class TextMixin:
 
     def load_e(self, k: int, addr: str) -> str:
         r = self._v()
-        self.w(f"{r} = memref.load %E{k}f[{addr}] : {self.spec.epilogue.inputs[k].flat}")
+        self.w(f"{r} = memref.load %E{k}f[{addr}] : {self.spec.epilogue.inputs[k][0].flat}")
         return r
 
     def econst(self, value: str, ty: str) -> str:
@@ -139,7 +147,7 @@ class TextMixin:
         return r
 
     def store_e(self, addr: str, val: str) -> None:
-        self.w(f"memref.store {val}, %Zf[{addr}] : {self.spec.epilogue.out.flat}")
+        self.w(f"memref.store {val}, %Zf[{addr}] : {self.spec.epilogue.out[0].flat}")
 
 
 class NumpyMixin:
@@ -174,4 +182,4 @@ class NumpyMixin:
         at = addr[self.mask]
         assert ((at >= 0) & (at < self.Z.size)).all(), "epilogue store out of bounds"
         assert len(np.unique(at)) == len(at), "two threads store one Z element"
-        self.Z[at] = mma._round(val[self.mask], self.spec.epilogue.out.elem)
+        self.Z[at] = mma._round(val[self.mask], self.spec.epilogue.out[0].elem)

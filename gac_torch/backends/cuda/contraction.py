@@ -14,6 +14,9 @@ flags), else the exact SIMT kernel.
 
 from __future__ import annotations
 
+import math
+import os
+
 from mlir import ir
 
 from gac_torch.backends.cuda import mapping as mp
@@ -83,6 +86,8 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
     """Emit `g` as an implicit-GEMM kernel and return True, or leave it (False)."""
     if len(g.inputs) != 2 or len(g.outputs) != 1 or g.dynamic or not limits.implicit_gemm:
         return False
+    if os.environ.get("GAC_IMPLICIT_GEMM") == "0":  # bisecting: the strategies before it
+        return False
     if not all(isinstance(v.type, ir.MemRefType) for v in (*g.inputs, *g.outputs)):
         return False
     out_dims = mp._dims(g.maps[2])
@@ -125,8 +130,8 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
         ks = [d for d in ks if d != inner] + [inner]
     ms = ms or [d for d in par if r[d] == 1 and d not in batch][:1]
     ns = ns or [d for d in par if r[d] == 1 and d not in batch and d not in ms][:1]
-    if not ms or not ns:
-        return False
+    if not ms or not ns or math.prod(r[d] for d in ns) < 8:
+        return False  # (N under one mma tile's 8, e.g. depthwise: the reduce/loops kernels)
     ea, eb, ec = a.elem, b.elem, c.elem  # type: ignore[union-attr]
     widen = [("arith.extf", "f32")]
     casts_ok = (a_casts in ([], widen) and b_casts in ([], widen)
@@ -147,8 +152,9 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
     fused = _epilogue(g, c, fill[0] if fill is not None else None) if limits.fuse_epilogue else None  # type: ignore[arg-type]
     if fused is not None:
         ops = mp._ops(g.op.block)
-        for op in ops[ops.index(g.op) + 1:ops.index(fused[0])]:
-            op.move_before(g.op)  # views / constants the epilogue reads, defined in between
+        for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
+            if op not in fused[0]:
+                op.move_before(g.op)  # views / constants the epilogue reads, defined in between
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     strategy = "sgemm" if kind == "f32" else "igemm"
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]
@@ -162,8 +168,9 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
             for op in pad[2]:
                 op.erase()
             _erase_if_unused(mp.buffer_root(v))
-    if fused is not None:  # erased when the mapping loop reaches it (see erase_fused)
-        fused[0].attributes[FUSED] = ir.UnitAttr.get()
+    if fused is not None:  # erased when the mapping loop reaches them (see erase_fused)
+        for op in fused[0]:
+            op.attributes[FUSED] = ir.UnitAttr.get()
     return True
 
 
@@ -246,11 +253,12 @@ def _numel(t: ir.MemRefType) -> int:
     return n
 
 
-def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None):
-    """(consumer op, Epilogue, its extra template arguments, Y's root) when the op right after
-    `g` is an elementwise generic that alone reads g's result Y (a dense scratch buffer)."""
-    ops = mp._ops(g.op.block)
-    at = ops.index(g.op) + 1
+def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
+    """The elementwise generic right after `prev` (views and constants aside) that reads the
+    dense scratch buffer y once, at its own point, or None. Returns (generic, index of its y
+    input, (Operand, iteration space) per other input, those inputs, its output, y's root)."""
+    ops = mp._ops(prev.block)
+    at = ops.index(prev) + 1
     while at < len(ops) and (ops[at].name in mp._HOISTABLE or ops[at].name == "arith.constant"):
         at += 1  # views, allocations, constants: no memory touched in between
     if at >= len(ops) or ops[at].name != "linalg.generic":
@@ -258,31 +266,28 @@ def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None):
     e = mp._analyze(ops[at])
     if e is None or e.dynamic or len(e.outputs) != 1 or "reduction" in e.iters:
         return None
-    y = g.outputs[0]
     root, yt = mp.buffer_root(y), ir.MemRefType(y.type)
     alloc = mp._defining_op(root)
     if alloc is None or alloc.name != "memref.alloc" or not _dense(yt) or _numel(yt) != _numel(ir.MemRefType(root.type)):
         return None
     readers = [k for k, v in enumerate(e.inputs) if isinstance(v.type, ir.MemRefType) and mp.buffer_root(v) == root]
-    if len(readers) != 1 or mp.buffer_root(e.outputs[0]) == root:
+    if len(readers) != 1:
         return None
     ky = readers[0]
     vy = ir.MemRefType(e.inputs[ky].type)
     ident = list(range(len(e.iters)))
     if mp._dims(e.maps[ky]) != ident or mp._dims(e.maps[-1]) != ident or not _dense(vy) or _numel(vy) != _numel(yt):
         return None
-    allowed = {g.op, e.op} | ({fill} if fill is not None else set())
-    if any(u not in allowed and u.name != "memref.dealloc" for u in mp._users(root)):
-        return None
     z = e.outputs[0]
-    conv_roots = {mp.buffer_root(v) for v in g.inputs}
-    if mp.buffer_root(z) in conv_roots or not mp.static_memref(z.type):
+    zt = ir.MemRefType(z.type)
+    if mp.buffer_root(z) in avoid or not mp.static_memref(z.type):
         return None
+    if mp.buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt)):
+        return None  # in place on y: only element for element
     inputs: list = []
-    extra: list[ir.Value] = []
+    values: list[ir.Value] = []
     for k, (v, m) in enumerate(zip(e.inputs, e.maps)):
         if k == ky:
-            inputs.append(None)
             continue
         if not isinstance(v.type, ir.MemRefType) or not mp.static_memref(v.type):
             return None
@@ -291,13 +296,67 @@ def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None):
         op = _operand(v, m)
         if op is None:
             return None
-        inputs.append(op)
-        extra.append(v)
-    out = _operand(z, e.maps[-1])
-    body = _body_ops(e)
-    if out is None or body is None:
-        return None
-    return e.op, Epilogue(tuple(e.ranges), tuple(inputs), out, *body), [*extra, z], root  # type: ignore[arg-type]
+        inputs.append((op, tuple(e.ranges)))
+        values.append(v)
+    return e, ky, inputs, values, z, root
+
+
+def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None, stages: int = 3):
+    """(consumer ops, Epilogue, its extra template arguments) for the longest chain (up to
+    `stages`) of elementwise generics after g, each reading the previous one's result (e.g. the
+    f32 -> bf16 -> f32 rounding in place, then BatchNorm + ReLU across a reshape), whose
+    intermediate buffers nothing else touches."""
+    conv_roots = {mp.buffer_root(v) for v in g.inputs}
+    found: list = []
+    prev, y = g.op, g.outputs[0]
+    while len(found) < stages:
+        st = _consumer(prev, y, conv_roots)
+        if st is None or _body_ops(st[0]) is None or _operand(st[4], st[0].maps[-1]) is None:
+            break
+        found.append(st)
+        prev, y = st[0].op, st[4]
+    for n in range(len(found), 0, -1):
+        chain = found[:n]
+        final = mp.buffer_root(chain[-1][4])
+        scratch = {st[5] for st in chain} | {mp.buffer_root(st[4]) for st in chain[:-1]}
+        scratch.discard(final)
+        allowed = {g.op, *(st[0].op for st in chain)} | ({fill} if fill is not None else set())
+        if any(u not in allowed and u.name != "memref.dealloc" for r in scratch for u in mp._users(r)):
+            continue
+        if any(mp.buffer_root(v) in scratch | ({final} if final in {st[5] for st in chain} else set())
+               for st in chain for v in st[3]):
+            continue  # a stage reads an intermediate other than through its chain input
+        return chain_epilogue(chain)
+    return None
+
+
+def chain_epilogue(chain: list):
+    inputs: list = [None]  # argument 0: the contraction's value
+    values: list[ir.Value] = []
+    ops: list[EOp] = []
+    result = None
+    for e, ky, more, vals, z, _ in chain:
+        body = _body_ops(e)
+        remap: dict = {}  # the stage's refs in the combined numbering; y is the previous value
+        j = 0
+        for k in range(len(e.inputs)):
+            if k == ky:
+                remap[k] = ("arg", 0) if result is None else result
+            else:
+                remap[k] = ("arg", len(inputs) + j)
+                j += 1
+        base = len(ops)
+
+        def fix(r, remap=remap, base=base):
+            return remap[r[1]] if r[0] == "arg" else ("op", r[1] + base) if r[0] == "op" else r
+
+        ops += [EOp(o.name, tuple(fix(r) for r in o.args), o.attrs, o.types, o.result) for o in body[0]]  # type: ignore[index]
+        result = fix(body[1])  # type: ignore[index]
+        inputs += more
+        values += vals
+    e, z = chain[-1][0], chain[-1][4]
+    out = (_operand(z, e.maps[-1]), tuple(e.ranges))
+    return [st[0].op for st in chain], Epilogue(tuple(inputs), out, tuple(ops), result), [*values, z]  # type: ignore[arg-type]
 
 
 def _body_ops(e: mp._Generic) -> tuple[tuple[EOp, ...], tuple] | None:
