@@ -149,3 +149,22 @@ def test_conv_matches_float64_on_gpu(name: str, precision: str) -> None:
         assert torch.isfinite(got).all()
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err < tol, (name, precision, err)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_fused_block_matches_float64_on_gpu(precision: str) -> None:
+    # conv (padding fused) -> BatchNorm -> + residual -> ReLU in one kernel (epilogue chain)
+    from models import randomize_bn
+
+    dtype, tf32, tol = PRECISIONS[precision]
+    torch.manual_seed(0)
+    model = randomize_bn(_Block()).eval()
+    x = torch.randn(3, 8, 17, 19)
+    ref = model.double()(x.double())
+    model, x = model.to("cuda", dtype), x.to("cuda", dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda")
+    got = compiled(x).double().cpu()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(got).all() and err < tol * 2, (precision, err)  # (+ the BN's rounding)
