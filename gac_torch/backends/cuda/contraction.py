@@ -149,7 +149,8 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
     plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
     if plan is None:
         return False
-    fused = _epilogue(g, c, fill[0] if fill is not None else None) if limits.fuse_epilogue else None  # type: ignore[arg-type]
+    ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
+    fused = _epilogue(g, ins, fill[0] if fill is not None else None) if limits.fuse_epilogue else None  # type: ignore[arg-type]
     if fused is not None:
         ops = mp._ops(g.op.block)
         for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
@@ -157,7 +158,8 @@ def emit(g: mp._Generic, name, limits: mp.MappingLimits) -> bool:
                 op.move_before(g.op)  # views / constants the epilogue reads, defined in between
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     strategy = "sgemm" if kind == "f32" else "igemm"
-    ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]
+    if fused is not None and mp.buffer_root(fused[2][-1]) in {mp.buffer_root(v) for v in ins}:
+        fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
     mp._splice_template(conv_gemm.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                         fill[1] if fill is not None else None, ec, name(strategy))
     if fill is not None:
@@ -280,7 +282,7 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
         return None
     z = e.outputs[0]
     zt = ir.MemRefType(z.type)
-    if mp.buffer_root(z) in avoid or not mp.static_memref(z.type):
+    if (mp.buffer_root(z) in avoid and not _renamable(z, e.op)) or not mp.static_memref(z.type):
         return None
     if mp.buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt)):
         return None  # in place on y: only element for element
@@ -301,12 +303,73 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
     return e, ky, inputs, values, z, root
 
 
-def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None, stages: int = 3):
+def _dead_after(root: ir.Value, first: ir.Operation, last: ir.Operation, allowed: set) -> bool:
+    """Between `first` and `last` only `allowed` ops touch root, and after `last` its value is
+    never read: the next op that touches it overwrites all of it (a reused buffer's other
+    lifetimes, before and after, are no concern)."""
+    block = first.block
+    tops = {}
+    for u in mp._users(root):
+        if u.name == "memref.dealloc":
+            continue
+        top = mp._top_level(u, block)
+        if top.is_before_in_block(first):
+            continue
+        if top in allowed:
+            continue
+        if not last.is_before_in_block(top):
+            return False  # between the chain's ops
+        tops[top] = True
+    if not tops:
+        return True
+    nxt = min(tops, key=lambda o: mp._ops(block).index(o))
+    if nxt.name != "linalg.generic":
+        return False
+    e = mp._analyze(nxt)
+    if e is None or any(isinstance(v.type, ir.MemRefType) and mp.buffer_root(v) == root for v in e.inputs):
+        return False
+    outs = [k for k, v in enumerate(e.outputs) if mp.buffer_root(v) == root]
+    if len(outs) != 1:
+        return False
+    v = e.outputs[outs[0]]
+    arg = e.body.arguments[len(e.inputs) + outs[0]]
+    vt = ir.MemRefType(v.type)
+    return (not list(arg.uses) and mp._dims(e.maps[len(e.inputs) + outs[0]]) == list(range(len(e.iters)))
+            and "reduction" not in e.iters and _dense(vt) and _numel(vt) == _numel(ir.MemRefType(root.type)))
+
+
+def _renamable(z: ir.Value, at: ir.Operation) -> bool:
+    """z is a whole scratch allocation that no view made before `at` reaches past it: from `at`
+    on, another allocation can stand in for it (see _rename_from)."""
+    d = mp._defining_op(z)
+    if d is None or d.name != "memref.alloc":
+        return False
+    for use in z.uses:
+        o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        if o.name in mp._VIEW_OPS and o.block == at.block and o.is_before_in_block(at) and any(
+                not mp._top_level(u, at.block).is_before_in_block(at) for u in mp._users(o.results[0])):
+            return False
+    return True
+
+
+def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
+    """A fresh allocation (made before `before`) takes over z's uses from op `first` on: the
+    fused kernel must not write the buffer its own inputs are read from."""
+    fresh = mp._defining_op(z).clone(ir.InsertionPoint(before)).results[0]
+    for use in list(z.uses):
+        o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        top = mp._top_level(o, first.block)
+        if top == first or first.is_before_in_block(top):
+            o.operands[use.operand_number] = fresh
+    return fresh
+
+
+def _epilogue(g: mp._Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3):
     """(consumer ops, Epilogue, its extra template arguments) for the longest chain (up to
     `stages`) of elementwise generics after g, each reading the previous one's result (e.g. the
     f32 -> bf16 -> f32 rounding in place, then BatchNorm + ReLU across a reshape), whose
     intermediate buffers nothing else touches."""
-    conv_roots = {mp.buffer_root(v) for v in g.inputs}
+    conv_roots = {mp.buffer_root(v) for v in ins}  # the kernel reads these until it ends
     found: list = []
     prev, y = g.op, g.outputs[0]
     while len(found) < stages:
@@ -321,7 +384,7 @@ def _epilogue(g: mp._Generic, c: conv_gemm.Operand, fill: ir.Operation | None, s
         scratch = {st[5] for st in chain} | {mp.buffer_root(st[4]) for st in chain[:-1]}
         scratch.discard(final)
         allowed = {g.op, *(st[0].op for st in chain)} | ({fill} if fill is not None else set())
-        if any(u not in allowed and u.name != "memref.dealloc" for r in scratch for u in mp._users(r)):
+        if any(not _dead_after(r, g.op, chain[-1][0].op, allowed) for r in scratch):
             continue
         if any(mp.buffer_root(v) in scratch | ({final} if final in {st[5] for st in chain} else set())
                for st in chain for v in st[3]):
