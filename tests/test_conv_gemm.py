@@ -151,15 +151,16 @@ def test_vector_widths_follow_the_unit_stride_runs() -> None:
     assert cg.plan(spec).b.vec == 1
 
 
-def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str):
+def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str, direct: bool = False):
     """Z = bf16/f32(relu((y - mean[f]) * rsqrt(var[f] + eps) * w[f] + b[f] + res[e])) over
     e = (n, g, f, oh, ow), the BatchNorm-eval + residual + ReLU body the lowering emits."""
     from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
-    nd = len(shape)
-    per_f = [_op("f32", (shape[2],), [({2: 1}, 0)], nd)[0] for _ in range(4)]
-    res, _ = _op("f32", shape, [({d: 1}, 0) for d in range(nd)], nd)
-    out, _ = _op(out_elem, shape, [({d: 1}, 0) for d in range(nd)], nd)
+    # e = (n, g, f, oh, ow); direct: the operands over the conv's own dims d0..d7 instead
+    nd, dims = (8, (N_, G_, F_, OH_, OW_)) if direct else (len(shape), tuple(range(len(shape))))
+    per_f = [_op("f32", (shape[2],), [({dims[2]: 1}, 0)], nd)[0] for _ in range(4)]
+    res, _ = _op("f32", shape, [({d: 1}, 0) for d in dims], nd)
+    out, _ = _op(out_elem, shape, [({d: 1}, 0) for d in dims], nd)
     f, z = "f32", ("const", "0.000000e+00 : f32", "f32")
     ops = (EOp("arith.addf", (("arg", 2), ("const", "9.99999974E-6 : f32", f)), "", (f, f), f),
            EOp("math.rsqrt", (("op", 0),), "", (f,), f),
@@ -176,15 +177,18 @@ def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str):
     if out_elem != "f32":
         ops += (EOp("arith.truncf", (("op", 10),), "", (f,), out_elem),)
         result = ("op", 11)
-    return Epilogue((None, *((x, shape) for x in (*per_f, res))), (out, shape), ops, result)
+    space = None if direct else shape
+    return Epilogue((None, *((x, space) for x in (*per_f, res))), (out, space), ops, result)
 
 
-@pytest.mark.parametrize("kind,out_elem", [("f32", "f32"), ("bf16", "bf16"), ("tf32", "f32")])
-def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str) -> None:
+@pytest.mark.parametrize("kind,out_elem,direct", [("f32", "f32", False), ("bf16", "bf16", False),
+                                                  ("tf32", "f32", False), ("f32", "f32", True),
+                                                  ("f16", "f16", True)])
+def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str, direct: bool) -> None:
     import dataclasses
 
     spec, shapes, strides = conv_spec(kind, 2, 1, 5, 9, 10, 12, 3, 3, pad=1)
-    ep = _bn_relu_residual_epilogue(shapes[2], out_elem)
+    ep = _bn_relu_residual_epilogue(shapes[2], out_elem, direct)
     spec = dataclasses.replace(spec, epilogue=ep)
     p = cg.plan(spec)
     rng = np.random.default_rng(5)

@@ -373,16 +373,26 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
         places = [(2 * i + rq // 8, 2 * j + cq) for i in range(p.mt) for j in range(p.nt)
                   for rq, cq in mma.FRAG_C]
 
+    row_iv: dict[int, dict[int, Any]] = {}  # per accumulator row / column: its M / N indices
+    col_iv: dict[int, dict[int, Any]] = {}
+
     def out_points() -> list[tuple[Any, Any]]:
         """(C address, inside) per accumulator."""
         r_at, c_at = {}, {}
         for i, row in enumerate(rows):
             gm = b.add(m0, row)
-            r_at[i] = (_addr(b, spec.c, _split(b, gm, spec.ms, R), spec.ms, c_base), b.lt(gm, c(spec.M)))
+            row_iv[i] = _split(b, gm, spec.ms, R)
+            r_at[i] = (_addr(b, spec.c, row_iv[i], spec.ms, c_base), b.lt(gm, c(spec.M)))
         for j, col in enumerate(cols):
             gn = b.add(n0, col)
-            c_at[j] = (_addr(b, spec.c, _split(b, gn, spec.ns, R), spec.ns), b.lt(gn, c(spec.N)))
+            col_iv[j] = _split(b, gn, spec.ns, R)
+            c_at[j] = (_addr(b, spec.c, col_iv[j], spec.ns), b.lt(gn, c(spec.N)))
         return [(b.add(r_at[i][0], c_at[j][0]), b.and_(r_at[i][1], c_at[j][1])) for i, j in places]
+
+    def direct(i: int, j: int) -> Any:
+        """Address of an epilogue operand given over the contraction's own dims at (i, j)."""
+        return lambda op: b.add(_addr(b, op, row_iv[i], spec.ms, _addr(b, op, bat, spec.batch, c(op.const))),
+                                _addr(b, op, col_iv[j], spec.ns))
 
     # 2. init
     if spec.fill:
@@ -454,9 +464,9 @@ def _kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     accs = b.loop(-(-spec.K // BK), accs, body)
     # 5. store
-    for (addr, ok), val in zip(out_points(), accs):
+    for (addr, ok), val, (i, j) in zip(out_points(), accs, places):
         if spec.epilogue is not None:
-            gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr)
+            gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
         else:
             b.store_cflat(addr, val, ok)
 

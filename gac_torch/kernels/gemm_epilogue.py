@@ -36,22 +36,28 @@ class EOp:
 
 @dataclass(frozen=True)
 class Epilogue:
-    # per body argument ("arg", i): (conv_gemm.Operand over e, e's space), None for Y itself
-    inputs: tuple[tuple[Any, tuple[int, ...]] | None, ...]
-    out: tuple[Any, tuple[int, ...]]  # Z, likewise
+    # per body argument ("arg", i): (conv_gemm.Operand over e, e's space), None for Y itself;
+    # a space None: the Operand is over the contraction's iteration dims
+    inputs: tuple[tuple[Any, tuple[int, ...] | None] | None, ...]
+    out: tuple[Any, tuple[int, ...] | None]  # Z, likewise
     ops: tuple[EOp, ...]
     result: Ref  # the stored value
 
 
-def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any) -> None:
-    """Steps 1-5 for one accumulator `val` at C address `addr` (Y dense: the flat index)."""
+def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any, direct: Any) -> None:
+    """Steps 1-5 for one accumulator `val` at C address `addr` (Y dense: the flat index).
+    Operands whose space is None are given over the contraction's own dims (a reshape that
+    only merges Y's dims keeps addresses linear in them): `direct(op)` is their address, no
+    delinearisation."""
     ep: Epilogue = spec.epilogue
     b.begin_if(ok)
     y = b.round_to(val, spec.c.elem)  # 1
     spaces: dict[tuple[int, ...], Any] = {}
 
-    def at(x: tuple[Any, tuple[int, ...]]) -> Any:
+    def at(x: tuple[Any, tuple[int, ...] | None]) -> Any:
         op, shape = x
+        if shape is None:
+            return direct(op)
         dims = tuple(range(len(shape)))
         if shape not in spaces:
             spaces[shape] = split(b, addr, dims, shape)  # 2

@@ -338,30 +338,54 @@ def _dead_after(root: ir.Value, first: ir.Operation, last: ir.Operation, allowed
             and "reduction" not in e.iters and _dense(vt) and _numel(vt) == _numel(ir.MemRefType(root.type)))
 
 
-def _renamable(z: ir.Value, at: ir.Operation) -> bool:
-    """z is a whole scratch allocation that no view made before `at` reaches past it: from `at`
-    on, another allocation can stand in for it (see _rename_from)."""
+def _view_chain(z: ir.Value) -> list[ir.Operation]:
+    """The view ops from z's allocation down to z (outermost first)."""
+    chain = []
     d = mp._defining_op(z)
+    while d is not None and d.name in mp._VIEW_OPS:
+        chain.append(d)
+        d = mp._defining_op(d.operands[0])
+    return chain[::-1]
+
+
+def _renamable(z: ir.Value, at: ir.Operation) -> bool:
+    """z is (a view of) a whole scratch allocation that no other view made before `at` reaches
+    past it: from `at` on, another allocation can stand in for it (see _rename_from)."""
+    root = mp.buffer_root(z)
+    d = mp._defining_op(root)
     if d is None or d.name != "memref.alloc":
         return False
-    for use in z.uses:
-        o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-        if o.name in mp._VIEW_OPS and o.block == at.block and o.is_before_in_block(at) and any(
-                not mp._top_level(u, at.block).is_before_in_block(at) for u in mp._users(o.results[0])):
-            return False
-    return True
+    own = set(_view_chain(z))
+
+    def leaks(v: ir.Value) -> bool:
+        for use in v.uses:
+            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+            if o.name in mp._VIEW_OPS and o not in own and o.block == at.block and o.is_before_in_block(at):
+                if any(not mp._top_level(u, at.block).is_before_in_block(at) for u in mp._users(o.results[0])):
+                    return True
+            elif o in own and leaks(o.results[0]):
+                return True
+        return False
+
+    return not leaks(root)
 
 
 def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
-    """A fresh allocation (made before `before`) takes over z's uses from op `first` on: the
-    fused kernel must not write the buffer its own inputs are read from."""
-    fresh = mp._defining_op(z).clone(ir.InsertionPoint(before)).results[0]
-    for use in list(z.uses):
+    """A fresh allocation (made before `before`) takes over z's buffer from op `first` on: the
+    fused kernel must not write a buffer its own inputs are read from. Returns z's view of it."""
+    root = mp.buffer_root(z)
+    fresh = mp._defining_op(root).clone(ir.InsertionPoint(before)).results[0]
+    for use in list(root.uses):
         o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
         top = mp._top_level(o, first.block)
         if top == first or first.is_before_in_block(top):
             o.operands[use.operand_number] = fresh
-    return fresh
+    v = fresh
+    for view in _view_chain(z):  # z's own views, rebuilt on the fresh buffer
+        new = view.clone(ir.InsertionPoint(before))
+        new.operands[0] = v
+        v = new.results[0]
+    return v
 
 
 def _epilogue(g: mp._Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3):
@@ -389,11 +413,39 @@ def _epilogue(g: mp._Generic, ins: list[ir.Value], fill: ir.Operation | None, st
         if any(mp.buffer_root(v) in scratch | ({final} if final in {st[5] for st in chain} else set())
                for st in chain for v in st[3]):
             continue  # a stage reads an intermediate other than through its chain input
-        return chain_epilogue(chain)
+        return chain_epilogue(chain, g)
     return None
 
 
-def chain_epilogue(chain: list):
+def _over_conv_dims(x: tuple, g: mp._Generic) -> tuple:
+    """(Operand over e-space S, S) -> (the same Operand over g's iteration dims, None) when S
+    only merges consecutive dims of g's output shape (addresses stay linear), else x."""
+    op, space = x
+    cdims, cshape = mp._dims(g.maps[2]), list(ir.MemRefType(g.outputs[0].type).shape)
+    lin: list[dict[int, int]] = []
+    i = 0
+    for n in space:
+        form: dict[int, int] = {}
+        size = 1
+        while size < n and i < len(cshape):
+            for d in form:
+                form[d] *= cshape[i]
+            form[cdims[i]] = form.get(cdims[i], 0) + 1  # type: ignore[index]
+            size *= cshape[i]
+            i += 1
+        if size != n:
+            return x
+        lin.append(form)
+    if any(cshape[k] != 1 for k in range(i, len(cshape))):
+        return x
+    coef = [0] * len(g.iters)
+    for k, form in zip(op.coef, lin):
+        for d, mult in form.items():
+            coef[d] += k * mult
+    return conv_gemm.Operand(op.type, op.elem, tuple(coef), op.const, op.offset, op.span), None
+
+
+def chain_epilogue(chain: list, g: mp._Generic):
     inputs: list = [None]  # argument 0: the contraction's value
     values: list[ir.Value] = []
     ops: list[EOp] = []
@@ -418,7 +470,8 @@ def chain_epilogue(chain: list):
         inputs += more
         values += vals
     e, z = chain[-1][0], chain[-1][4]
-    out = (_operand(z, e.maps[-1]), tuple(e.ranges))
+    out = _over_conv_dims((_operand(z, e.maps[-1]), tuple(e.ranges)), g)
+    inputs = [x if x is None else _over_conv_dims(x, g) for x in inputs]
     return [st[0].op for st in chain], Epilogue(tuple(inputs), out, tuple(ops), result), [*values, z]  # type: ignore[arg-type]
 
 
