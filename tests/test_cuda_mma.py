@@ -194,14 +194,14 @@ def test_mma_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch
     import numpy as np
 
     calls = []
-    real = cm._Numpy.barrier
+    real = cm.MmaNumpy.barrier
 
     def barrier(self):  # the loop's barrier (every one after the prologue's) is dropped
         calls.append(1)
         if len(calls) == 1:
             real(self)
 
-    monkeypatch.setattr(cm._Numpy, "barrier", barrier)
+    monkeypatch.setattr(cm.MmaNumpy, "barrier", barrier)
     A, B, C = (np.ones(s, np.float32) for s in (spec.a.shape, spec.b.shape, spec.c.shape))
     with pytest.raises(RaceError):
         cm.emulate(spec, plan, A, B, C)
