@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_twin as twin
 from gac_torch.kernels import cuda_mma as cm
 from gac_torch.kernels.builder import RaceError, round_to
 
@@ -86,7 +87,7 @@ def test_conv_twin_matches_float64(case) -> None:
     X = rng.standard_normal(shapes[0]).astype(np.float32)
     W = rng.standard_normal(shapes[1]).astype(np.float32)
     C0 = round_to(rng.standard_normal(shapes[2]).astype(np.float32), ec)
-    out = cg.emulate(spec, p, X, W, C0, strides, init=0.5).reshape(shapes[2])
+    out = twin.emulate(spec, p, X, W, C0, strides, init=0.5).reshape(shapes[2])
     rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
     ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), s, d)
     ref = ref + (0.5 if fill else C0.astype(np.float64))
@@ -115,7 +116,7 @@ def test_gemm_over_dim_sets_with_transposed_operands() -> None:
         p = cg.plan(spec)
         src = (A, Bm) if kind == "f32" else (round_to(A, "bf16"), round_to(Bm, "bf16"))
         ref = np.einsum("xbijy,nbyx->bijn", *(x.astype(np.float64) for x in src))
-        out = cg.emulate(spec, p, *src, np.zeros((2, 5, 7, 9), np.float32), (sa, sb, sc))
+        out = twin.emulate(spec, p, *src, np.zeros((2, 5, 7, 9), np.float32), (sa, sb, sc))
         err = np.linalg.norm(out.reshape(ref.shape) - ref) / np.linalg.norm(ref)
         assert err < (1e-5 if kind == "f32" else 1e-2), (kind, err)
 
@@ -134,7 +135,7 @@ def test_twin_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cm.MmaNumpy, "barrier", barrier)
     X, W, C0 = (np.ones(s, np.float32) for s in shapes)
     with pytest.raises(RaceError):
-        cg.emulate(spec, p, X, W, C0, strides)
+        twin.emulate(spec, p, X, W, C0, strides)
 
 
 def test_vector_widths_follow_the_unit_stride_runs() -> None:
@@ -200,7 +201,7 @@ def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str, direc
     res = rng.standard_normal(shapes[2]).astype(np.float32)
     params = [(v, (1,)) for v in (mean, var, w, b)]
     z0 = np.full(shapes[2], np.nan, np.float32)
-    out = cg.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides, epi=(None, *params, (res, _dense(shapes[2]))),
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides, epi=(None, *params, (res, _dense(shapes[2]))),
                      out=(z0, _dense(shapes[2]))).reshape(shapes[2])
     rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
     y = _conv_ref(round_to(X, rnd), round_to(W, rnd), 1, 1)
@@ -224,7 +225,7 @@ def test_fused_padding_reads_zeros_outside(kind: str, k: int, stride: int, dil: 
     rng = np.random.default_rng(k + pad)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
     W = rng.standard_normal(shapes[1]).astype(np.float32)
-    out = cg.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
     rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
     ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), stride, dil, pad)
     assert out.shape == ref.shape
@@ -243,7 +244,7 @@ def test_k_ordered_kh_kw_c_splits_once_per_slice(kind: str, c: int) -> None:
     rng = np.random.default_rng(c)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
     W = rng.standard_normal(shapes[1]).astype(np.float32)
-    out = cg.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
     rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
     ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), 1, 1, 1)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)

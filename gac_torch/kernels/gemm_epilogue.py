@@ -157,7 +157,7 @@ class TextMixin:
 
 
 class NumpyMixin:
-    """The twin's epilogue verbs (mixed into conv_gemm._Numpy); self.E: flat inputs, self.Z."""
+    """The twin's epilogue verbs (mixed into conv_gemm_twin._Numpy); self.E: flat inputs, self.Z."""
 
     emask: np.ndarray | None = None  # the epilogue's scf.if (builder.Numpy.mask is scf.if's)
 
