@@ -168,3 +168,13 @@ def test_fused_block_matches_float64_on_gpu(precision: str) -> None:
     got = compiled(x).double().cpu()
     err = ((got - ref).norm() / ref.norm()).item()
     assert torch.isfinite(got).all() and err < tol * 2, (precision, err)  # (+ the BN's rounding)
+
+
+def test_implicit_gemm_env_switch_leaves_convs_to_loops(monkeypatch) -> None:
+    # GAC_IMPLICIT_GEMM=0 bisects: the strategies igemm / sgemm then match nothing
+    from cuda_cases import CASES, compile_case
+
+    case = CASES["conv2d_nchw_stride2"]
+    assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"sgemm"}
+    monkeypatch.setenv("GAC_IMPLICIT_GEMM", "0")
+    assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"loops"}

@@ -222,11 +222,11 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
         fill[0].erase()
     g.op.erase()
     for pad, v in zip(pads, g.inputs):
-        if pad is not None:  # (already passed by the mapping loop)
+        if pad is not None:  # (already passed by schedule.map_to_gpu's loop)
             for op in pad[2]:
                 op.erase()
             _erase_if_unused(buffer_root(v))
-    if fused is not None:  # erased when the mapping loop reaches them (see erase_fused)
+    if fused is not None:  # erased by `fused_strategy` when the scheduler reaches them
         for op in fused[0]:
             op.attributes[FUSED] = ir.UnitAttr.get()
     return True
