@@ -165,8 +165,15 @@ def group_resnet() -> Iterator[Workload]:
                        NET_TOL[prec])
 
 
+def group_attention() -> Iterator[Workload]:
+    """SDPA and the encoder layer (issue 15), defined in bench_attention.py."""
+    import bench_attention
+
+    yield from bench_attention.group_attention()
+
+
 GROUPS: dict[str, Callable[[], Iterator[Workload]]] = {
-    "gemm": group_gemm, "conv": group_conv, "resnet": group_resnet,
+    "gemm": group_gemm, "conv": group_conv, "resnet": group_resnet, "attention": group_attention,
 }
 
 
