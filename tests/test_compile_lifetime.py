@@ -80,7 +80,8 @@ def test_dropped_cuda_program_frees_its_device_memory():
     del compiled
     assert _alive(watch) == 0
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    # nothing the compile allocated stays (seen on the H200: below `before`, as export's copies go too)
+    assert torch.cuda.memory_allocated() <= before
 
 
 def test_torch_compile_graphs_are_freed_by_dynamo_reset():
