@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,7 +85,8 @@ def main() -> int:
         if r["status"] in ("mismatch", "crash"):
             known = [k for k in KNOWN if k in r["features"]]
             by_class[", ".join(known) if known else "NEW (not in KNOWN)"].append(r)
-    rejected = collections.Counter(u for r in records for u in r["unsupported"])
+    rejected = collections.Counter(re.sub(r": \d+ node\(s\),", ":", u) for r in records
+                                   for u in set(r["unsupported"]))
 
     md = [f"# Fuzz run, target {args.target}", "",
           (f"Commit {commit}{dirty}, {args.jobs} job(s), {minutes:.0f} min; seeds {records[0]['seed']}.."

@@ -71,3 +71,26 @@ def test_flip_of_a_0d_tensor():
     (x,) = _inputs((3,))
     out = gac_torch.compile(torch.export.export(Fn(fn), (x,)), options=STRICT)(x)
     torch.testing.assert_close(out, fn(x))
+
+
+@pytest.mark.xfail(strict=True, reason="atan2 of two constant zeros (zeros_like) is NaN where eager "
+                   "gives 0 (atan2 of zero-valued inputs is right): fuzz seed 1463, both front-ends")
+def test_atan2_of_constant_zeros():
+    def fn(x):
+        return torch.atan2(torch.zeros_like(x), torch.zeros_like(x)) + x
+
+    (x,) = _inputs((4,))
+    out = gac_torch.compile(torch.export.export(Fn(fn), (x,)), options=STRICT)(x)
+    torch.testing.assert_close(out, fn(x))
+
+
+def test_atan2_of_zero_inputs():
+    """The control: zeros that arrive as inputs, signed, give eager's 0, pi, -0, -pi."""
+    def fn(y, x):
+        return torch.atan2(y, x)
+
+    y = torch.tensor([0.0, 0.0, -0.0, -0.0, 1.0, 0.0])
+    x = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0, 2.0])
+    out = gac_torch.compile(torch.export.export(Fn(fn), (y, x)), options=STRICT)(y, x)
+    torch.testing.assert_close(out, fn(y, x))
+    assert torch.equal(out.signbit(), fn(y, x).signbit())
