@@ -6,6 +6,7 @@ graphs and streams, and a throughput report."""
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -218,7 +219,10 @@ def test_runs_on_gpu(name: str) -> None:
     case = CASES[name]
     program = compile_case(case, compile_options({}).arch)
     exe = CudaExecutable(program, case.signature())
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    # a seed per case, printed (GAC_TEST_SEED overrides it to replay another draw)
+    seed = int(os.environ.get("GAC_TEST_SEED", zlib.crc32(name.encode())))
+    print(f"{name}: seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
     for trial in range(2):  # fresh inputs each time; the second run reuses the loaded module
         inputs = _inputs(case, gen)
         ref = case.reference(*[t.double() if t.dtype.is_floating_point else t for t in inputs])
