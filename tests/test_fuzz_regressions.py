@@ -62,9 +62,8 @@ def test_export_index_tables(name):
     torch.testing.assert_close(out, fn(*inputs))
 
 
-@pytest.mark.xfail(strict=True, reason="flip of a 0-d tensor (dims=[0]) fails to legalize: "
-                   "IndexError: list index out of range, both front-ends (fuzz seed 14)")
 def test_flip_of_a_0d_tensor():
+    """flip of a 0-d tensor (dims=[0]) failed to legalize: IndexError, both front-ends (seed 14)."""
     def fn(x):
         return x.sum().flip(0) + 1
 
@@ -107,3 +106,14 @@ def test_torch_compile_graph_with_a_tensor_constant():
     torch._dynamo.reset()
     out = torch.compile(Fn(fn), backend="gac", options=STRICT)(x)
     torch.testing.assert_close(out, fn(x))
+
+
+def test_split_of_a_0_size_dim():
+    """torch.split of a 0-size dim gives one empty chunk; the lowering made none, and taking
+    chunk [0] raised IndexError (fuzz seed 627 of the zero_size class)."""
+    def fn(x, y):
+        return x.split(2, 0)[0], torch.sinh(y)
+
+    x, y = torch.randn(0, 3), torch.randn(2, 3)
+    out = gac_torch.compile(torch.export.export(Fn(fn), (x, y)), options=STRICT)(x, y)
+    torch.testing.assert_close(out, fn(x, y))
