@@ -66,6 +66,14 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         compiled_graphs.append(compiled)
         return compiled.gm
 
+    def copy_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        # AOTAutograd calls the compilers under its fake mode: a deepcopy of a real constant
+        # (e.g. torch.tensor([0]) lifted into the graph) would make a meta tensor and fail
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return copy.deepcopy(graph)
+
     def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
         # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
         # other precision flags than the compile's gets (and keeps) its own compilation
@@ -74,18 +82,18 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         def call(*args):
             fn = by_flags.get(precision_flags())
             if fn is None:
-                fn = by_flags[precision_flags()] = compile_again(copy.deepcopy(pristine))
+                fn = by_flags[precision_flags()] = compile_again(copy_graph(pristine))
             return fn(*args)
 
         return call
 
     def compile_static(graph: torch.fx.GraphModule):
-        pristine = copy.deepcopy(graph)  # (compiling rewrites the graph in place)
+        pristine = copy_graph(graph)  # (compiling rewrites the graph in place)
         return per_flags(pristine, compile_now(graph), compile_now)
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
-        pristine = copy.deepcopy(graph)
+        pristine = copy_graph(graph)
         compiled, reason = compile_once_or_reason(graph, resolve(options, **kw))
         if compiled is not None:
             compiled_graphs.append(compiled)

@@ -243,7 +243,9 @@ def lower_masked_scatter(cx: Cx, x, mask, source):
 @lower(aten.flip.default)
 def lower_flip(cx: Cx, x, dims):
     shape = cx.shape(x)
-    for d in sorted({d % max(len(shape), 1) for d in dims}):
+    if not shape:  # a 0-d tensor (dims [0] or [-1]) is its own flip
+        return x
+    for d in sorted({d % len(shape) for d in dims}):
         if shape[d] > 1:
             rev = cx.b.constant(torch.arange(shape[d] - 1, -1, -1), torch.int64, (shape[d],))
             x = cx.b.index_select(x, rev, dim=d)

@@ -121,7 +121,8 @@ def lower_split(cx: Cx, x, sizes, dim=0):
     shape = cx.shape(x)
     dim %= len(shape)
     if isinstance(sizes, int):
-        sizes = [min(sizes, shape[dim] - i) for i in range(0, shape[dim], sizes)]
+        # torch gives one (empty) chunk of a 0-size dim
+        sizes = [min(sizes, shape[dim] - i) for i in range(0, shape[dim], sizes)] or [0]
     outs, off = [], 0
     for s in sizes:
         starts, limits = [0] * len(shape), list(shape)
