@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from gac_torch.options import OptionError
+from gac_torch.runtime import cache  # gac_torch.cache.clear(); GAC_CACHE=0 disables it
 
 __version__ = "0.1.0"
 
@@ -67,4 +68,4 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "explain", "backend", "OptionError", "__version__"]
+__all__ = ["compile", "explain", "backend", "cache", "OptionError", "__version__"]

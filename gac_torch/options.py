@@ -11,6 +11,7 @@ COMMON = {
     "min_block_size": 1,     # smallest number of ATen nodes worth a compiled partition
     "dump_dir": None,        # write FX graph, gac and every stage here (also GAC_DUMP_DIR)
     "verify": True,          # run gac-verify on every module
+    "cache": None,           # False: no on-disk compile cache; None: on unless GAC_CACHE=0
 }
 # Target-specific keys (validated here so a typo fails early, whatever the target).
 TARGET_KEYS = {

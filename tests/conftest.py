@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+# The suite tests compilation: no on-disk cache unless a test turns it on (tests/test_cache.py),
+# or the run asks for it (GAC_CACHE=1 in the environment).
+os.environ.setdefault("GAC_CACHE", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()

@@ -87,13 +87,20 @@ class Target:
     check_available: Callable[[], None] = lambda: None  # raises TargetUnavailable with a fix
     dynamic_shapes: bool = False  # compiles graphs with run-time sizes (else: one per shape)
     options: dict[str, Any] = field(default_factory=dict)  # target-specific option defaults
+    # The on-disk cache and saved artifacts (runtime/cache.py): `pack(artifact, options,
+    # required)` turns the last artifact into plain data (JSON-able meta, named blobs), or None
+    # when not worth caching (never when `required`); `unpack` that data into an executable
+    # without MLIR; `cache_key` names what else decides the code (e.g. cuda's arch).
+    pack: Callable[..., tuple[dict, dict[str, bytes]] | None] | None = None
+    unpack: Callable[[dict, dict[str, bytes], Signature, dict], Executable] | None = None
+    cache_key: Callable[[dict], dict] = lambda options: {}
 
 
 def stages_only(target: Target) -> Target:
     """The target's compiler without its device: "loading" hands back the last stage's artifact
     (e.g. the CudaProgram), so PTX can be produced and inspected on a machine without a GPU."""
     return dataclasses.replace(target, load=lambda artifact, signature, options: artifact,
-                               check_available=lambda: None)
+                               check_available=lambda: None, pack=None, unpack=None)
 
 
 class StaticShapesOnly(NotImplementedError):

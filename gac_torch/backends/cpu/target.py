@@ -7,6 +7,7 @@ generation (loops, no vectorization tricks) over speed.
 from __future__ import annotations
 
 import ctypes
+import platform
 from typing import Sequence
 
 import torch
@@ -88,10 +89,32 @@ def _load(artifact: ir.Module, signature: Signature, options: dict) -> CpuExecut
     return CpuExecutable(artifact, signature)
 
 
+def _pack(artifact: ir.Module, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]] | None:
+    """Native code for the cache and artifacts (native.py): a shared object. Not for the cache
+    below NATIVE_MIN_IR_BYTES: linking costs more (~0.3 s) than JIT-compiling a small module."""
+    from mlir.dialects.llvm import translate_module_to_llvmir
+
+    from gac_torch.backends.cpu import native
+
+    llvm_ir = translate_module_to_llvmir(artifact.operation)
+    if not required and len(llvm_ir) < native.NATIVE_MIN_IR_BYTES:
+        return None
+    return {"entry": native.ENTRY}, {"so": native.shared_object(llvm_ir)}
+
+
+def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict):
+    from gac_torch.backends.cpu import native
+
+    return native.NativeExecutable(blobs["so"], signature)
+
+
 TARGET = Target(
     name="cpu",
     device_type="cpu",
     stages=lambda options: [Stage("llvm", lower_to_llvm)],
     load=_load,
     dynamic_shapes=True,
+    pack=_pack,
+    unpack=_unpack,
+    cache_key=lambda options: {"machine": platform.machine()},
 )

@@ -85,6 +85,18 @@ def _load(program: CudaProgram, signature: Signature, options: dict) -> runtime.
     return runtime.CudaExecutable(program, signature)
 
 
+def _pack(program: CudaProgram, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
+    from gac_torch.backends.cuda.program import to_json
+
+    return {"program": to_json(program)}, {}
+
+
+def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict) -> runtime.CudaExecutable:
+    from gac_torch.backends.cuda.program import from_json
+
+    return runtime.CudaExecutable(from_json(meta["program"]), signature)
+
+
 TARGET = Target(
     name="cuda",
     device_type="cuda",
@@ -93,4 +105,7 @@ TARGET = Target(
     check_available=runtime.check_available,
     dynamic_shapes=True,
     options={"arch": None, "allow_tf32": None},
+    pack=_pack,
+    unpack=_unpack,
+    cache_key=lambda options: {"arch": options.get("arch") or default_arch()},
 )
