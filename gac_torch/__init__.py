@@ -61,6 +61,20 @@ def explain(model, *example_inputs, **example_kwargs):
     return report
 
 
+def save(compiled, path: str) -> None:
+    """Writes a program compiled from torch.export to one file (runtime/artifact.py)."""
+    from gac_torch.runtime.artifact import save as _save
+
+    _save(compiled, path)
+
+
+def load(path: str, target: str | None = None):
+    """Loads what save() wrote: runs without MLIR and without re-exporting."""
+    from gac_torch.runtime.artifact import load as _load
+
+    return _load(path, target)
+
+
 def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     """The dynamo backend (also registered as backend="gac")."""
     from gac_torch.frontends.dynamo import gac_backend
@@ -68,4 +82,4 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "explain", "backend", "cache", "OptionError", "__version__"]
+__all__ = ["compile", "explain", "save", "load", "backend", "cache", "OptionError", "__version__"]

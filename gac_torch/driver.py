@@ -167,6 +167,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
                        [p.name for p in placeholders], tuple_output, fx_graph=str(gm.graph))
     # what gac_torch.save needs: the plain-data entry, else the artifact to pack on demand
     cg.saved = (target, entry, artifact if entry is None else None, binaries, options)
+    cg.out_vals = [n.meta.get("val") for n in outs]  # fake outputs: a saved graph's metadata
     return cg
 
 

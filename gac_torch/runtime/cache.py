@@ -28,9 +28,10 @@ import struct
 import sys
 import tempfile
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger("gac_torch")
 
@@ -121,8 +122,9 @@ def precision_flags() -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def versions() -> dict[str, str]:
     """gac (with a digest of its sources), the MLIR bindings, torch, python and the platform."""
-    import torch
     from importlib import metadata
+
+    import torch
 
     import gac_torch
 

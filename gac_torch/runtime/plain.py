@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class PlainDataError(ValueError):

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ class NativeUnavailable(RuntimeError):
 def _llvm_tool(name: str) -> str:
     spec = importlib.util.find_spec("llvm")
     if spec and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], "bin", name)
+        path = os.path.join(next(iter(spec.submodule_search_locations)), "bin", name)
         if os.path.exists(path):
             return path
     found = shutil.which(name)

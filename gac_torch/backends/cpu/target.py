@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
-from mlir import ir, passmanager
-from mlir.execution_engine import ExecutionEngine
 
 from gac_torch.backends.base import Signature, SizeSpec, Stage, Target
-from gac_torch.passes.copies import memref_copy_to_linalg
+
+# MLIR is imported where it is used: a saved artifact loads this target without it.
+if TYPE_CHECKING:
+    from mlir import ir
 
 # Why each step: bufferize with identity layouts at the boundary so arguments stay plain
 # pointers; memref.copy -> linalg.copy (no runtime library); loops; then everything to LLVM.
@@ -41,6 +42,10 @@ TO_LLVM = ",".join([
 
 
 def lower_to_llvm(module: ir.Module) -> ir.Module:
+    from mlir import ir, passmanager
+
+    from gac_torch.passes.copies import memref_copy_to_linalg
+
     with module.context, ir.Location.unknown():
         passmanager.PassManager.parse(f"builtin.module({BUFFERIZE})").run(module.operation)
         memref_copy_to_linalg(module)
@@ -62,6 +67,8 @@ class CpuExecutable:
     size argument."""
 
     def __init__(self, module: ir.Module, signature: Signature):
+        from mlir.execution_engine import ExecutionEngine
+
         self.module = module  # keeps the context alive as long as the engine
         self.engine = ExecutionEngine(module, opt_level=2)
         self.desc_types = [ctypes.c_int64 if isinstance(s, SizeSpec) else _descriptor_type(len(s.shape))

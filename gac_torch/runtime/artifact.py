@@ -1,0 +1,243 @@
+"""gac_torch.save / gac_torch.load: a compiled torch.export program as one file that runs in a new
+process without MLIR and without re-exporting.
+
+The file is a zip:
+  manifest.json        format and version, gac / torch versions and platform, the target, and
+                       per file its sha256; per partition its signature and calling convention
+  program.pt2          torch.export.save of the partitioned program: eager (fallback) nodes as
+                       they were, each compiled partition a call to the custom op
+                       `gac::partition(name, tensors, sizes)`, parameters and constants
+  partitions/<p>.gac   each partition as plain data (runtime/cache.py's entry format): native
+                       code (cpu .so, cuda PTX + host program as JSON, vortex .vxbin + launches)
+
+Nothing is unpickled by gac. A file from another gac version, platform or target, or whose bytes
+do not match the manifest's checksums, is refused with ArtifactError. Checksums detect damage and
+edits, not a malicious author who rewrites them: load artifacts you trust, as any native code.
+Not saved (yet): ONNX programs, programs compiled per input shape, and run-time-size signatures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import operator
+import zipfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gac_torch.backends import get_target
+from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
+from gac_torch.runtime import cache
+from gac_torch.runtime.compiled import CompiledGraph
+
+FORMAT = "gac-torch-artifact"
+VERSION = 1
+_PARTITIONS: dict[str, CompiledGraph] = {}  # gac::partition's name argument -> loaded partition
+_lib: Any = None
+
+
+class ArtifactError(ValueError):
+    """The file is not a gac artifact this installation can run."""
+
+
+# -- the custom op standing for a compiled partition ---------------------------------------------
+
+def _define_op() -> None:
+    global _lib
+    if _lib is not None:
+        return
+    _lib = torch.library.Library("gac", "FRAGMENT")
+    _lib.define("partition(str name, Tensor[] tensors, SymInt[] sizes) -> Tensor[]")
+    _lib.impl("partition", _run_partition, "CompositeExplicitAutograd")
+    torch.library.register_fake("gac::partition", _fake_partition, lib=_lib)
+
+
+def _arguments(cg: CompiledGraph, tensors: Sequence, sizes: Sequence) -> list:
+    it_t, it_s = iter(tensors), iter(sizes)
+    return [next(it_s) if isinstance(s, SizeSpec) else next(it_t) for s in cg.signature.inputs]
+
+
+def _run_partition(name: str, tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    cg = _PARTITIONS.get(name)
+    if cg is None:
+        raise ArtifactError(f"gac partition {name!r} is not loaded (gac_torch.load the artifact first)")
+    out = cg(*_arguments(cg, tensors, sizes))
+    return list(out) if cg.tuple_output else [out]
+
+
+def _fake_partition(name: str, tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> list[torch.Tensor]:
+    cg = _PARTITIONS[name]
+    device = next((t.device for t in tensors), torch.device(cg.device_type))
+    return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in cg.signature.outputs]
+
+
+# -- save ----------------------------------------------------------------------------------------
+
+def _spec_json(s: TensorSpec | SizeSpec) -> dict:
+    if isinstance(s, SizeSpec) or not s.static:
+        raise ArtifactError("saving partitions with run-time sizes is not supported yet")
+    return {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
+
+
+def _entry(cg: CompiledGraph) -> cache.Entry:
+    from gac_torch.driver import pack_entry
+
+    target, entry, artifact, binaries, options = cg.saved
+    if entry is None:
+        entry = pack_entry(target, artifact, cg.stages, binaries, options, required=True)
+    return entry
+
+
+def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.ExportedProgram:
+    """The partitioned graph as an ExportedProgram: each CompiledGraph call -> gac::partition."""
+    from torch.export.exported_program import ExportedProgram
+    from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
+
+    ep = compiled.exported_program
+    fused = compiled.compiled.gm
+    graph = torch.fx.Graph()
+    env: dict = {}
+    out_node = None
+    for node in fused.graph.nodes:
+        if node.op == "call_module" and isinstance(getattr(fused, node.target), CompiledGraph):
+            cg = getattr(fused, node.target)
+            args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+            tensors = [a for a, s in zip(args, cg.signature.inputs) if not isinstance(s, SizeSpec)]
+            sizes = [a for a, s in zip(args, cg.signature.inputs) if isinstance(s, SizeSpec)]
+            call = graph.call_function(torch.ops.gac.partition.default, (names[node.target], tensors, sizes))
+            call.meta["val"] = list(cg.out_vals)
+            if cg.tuple_output:
+                env[node] = call
+            else:
+                env[node] = graph.call_function(operator.getitem, (call, 0))
+                env[node].meta["val"] = cg.out_vals[0]
+            continue
+        new = graph.node_copy(node, lambda n: env[n])
+        if node.op == "call_function" and node.target is operator.getitem and "val" not in new.meta:
+            src = node.args[0]
+            if src.op == "call_module":
+                new.meta["val"] = getattr(fused, src.target).out_vals[node.args[1]]
+        env[node] = new
+        if node.op == "output":
+            out_node = new
+    graph.lint()
+    root = torch.fx.GraphModule(fused, graph)
+    outs = out_node.args[0] if out_node is not None else []
+    sig = ep.graph_signature
+    out_specs = [OutputSpec(kind=s.kind, arg=TensorArgument(name=o.name) if isinstance(s.arg, TensorArgument) else s.arg,
+                            target=s.target) for s, o in zip(sig.output_specs, outs)]
+    signature = ExportGraphSignature(input_specs=list(sig.input_specs), output_specs=out_specs)
+    return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=ep.state_dict,
+                           range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
+                           example_inputs=None, constants=ep.constants, verifiers=[ep.verifier])
+
+
+def save(compiled: Any, path: str) -> None:
+    """Writes a program compiled from torch.export (gac_torch.compile) to `path` (see module doc)."""
+    from gac_torch.frontends.export import CompiledProgram, SpecializedFx
+
+    if not isinstance(compiled, CompiledProgram):
+        raise ArtifactError(f"gac_torch.save takes what gac_torch.compile returns for a torch.export "
+                            f"program or nn.Module, got {type(compiled).__name__}")
+    if isinstance(compiled.compiled, SpecializedFx):
+        raise ArtifactError("this program is compiled once per input shape; saving it is not supported yet")
+    _define_op()
+    parts = compiled.compiled.partitions
+    entries = {name: cache.pack_entry(name, _entry(cg)) for name, cg in parts.items()}
+    digest = hashlib.sha256(b"".join(entries[n] for n in sorted(entries))).hexdigest()[:16]
+    names = {name: f"{digest}/{name}" for name in parts}
+    for name, cg in parts.items():
+        _PARTITIONS[names[name]] = cg
+    buf = io.BytesIO()
+    torch.export.save(_saved_program(compiled, names), buf)
+    files = {"program.pt2": buf.getvalue(), **{f"partitions/{n}.gac": e for n, e in entries.items()}}
+    manifest = {
+        "format": FORMAT, "version": VERSION, "target": compiled.compiled.target,
+        "versions": cache.versions(),
+        "files": {f: hashlib.sha256(data).hexdigest() for f, data in files.items()},
+        "partitions": {names[n]: {"file": f"partitions/{n}.gac", "name": n, "device_type": cg.device_type,
+                                  "inputs": [_spec_json(s) for s in cg.signature.inputs],
+                                  "outputs": [_spec_json(s) for s in cg.signature.outputs],
+                                  "input_names": cg.input_names, "tuple_output": cg.tuple_output}
+                       for n, cg in parts.items()},
+    }
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
+        for f, data in files.items():
+            z.writestr(f, data)
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+class LoadedProgram:
+    """A loaded artifact: call it like the original module (`module` is torch's callable)."""
+
+    def __init__(self, module: torch.nn.Module, partitions: dict[str, CompiledGraph], target: str):
+        self.module = module
+        self.partitions = partitions
+        self.target = target
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def ir(self, stage: str) -> str:
+        return "\n".join(cg.ir(stage) for cg in self.partitions.values())
+
+
+def _signature(part: dict) -> Signature:
+    def spec(d: dict) -> TensorSpec:
+        dtype = getattr(torch, d["dtype"], None)
+        if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) for n in d["shape"]):
+            raise ArtifactError(f"bad tensor spec in the manifest: {d}")
+        return TensorSpec(tuple(d["shape"]), dtype)
+
+    return Signature(tuple(spec(d) for d in part["inputs"]), tuple(spec(d) for d in part["outputs"]))
+
+
+def _read(path: str) -> tuple[dict, dict[str, bytes]]:
+    try:
+        with zipfile.ZipFile(path) as z:
+            manifest = json.loads(z.read("manifest.json"))
+            files = {f: z.read(f) for f in manifest.get("files", {})}
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise ArtifactError(f"{path}: not a readable gac artifact ({e})") from e
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ArtifactError(f"{path}: format {manifest.get('format')!r} v{manifest.get('version')}; "
+                            f"this gac reads {FORMAT} v{VERSION}")
+    for f, data in files.items():
+        if hashlib.sha256(data).hexdigest() != manifest["files"][f]:
+            raise ArtifactError(f"{path}: {f} does not match its checksum (damaged or modified)")
+    return manifest, files
+
+
+def load(path: str, target: str | None = None) -> LoadedProgram:
+    """Loads what gac_torch.save wrote; no MLIR, no export. `target`, if given, must match."""
+    manifest, files = _read(path)
+    here, there = cache.versions(), manifest.get("versions", {})
+    for what in ("gac", "gac_sources", "torch", "platform"):
+        if there.get(what) != here[what]:
+            raise ArtifactError(f"{path}: saved with {what} {there.get(what)}, this is {here[what]}; "
+                                "compile and save it again with this installation")
+    if target is not None and target != manifest["target"]:
+        raise ArtifactError(f"{path}: compiled for target {manifest['target']!r}, not {target!r}")
+    tgt = get_target(manifest["target"])
+    tgt.check_available()
+    if tgt.unpack is None:
+        raise ArtifactError(f"target {tgt.name} cannot load saved partitions")
+    _define_op()
+    loaded: dict[str, CompiledGraph] = {}
+    for key, part in manifest["partitions"].items():
+        try:
+            entry = cache.unpack_entry(files[part["file"]], part["name"])
+        except (KeyError, cache.CacheError) as e:
+            raise ArtifactError(f"{path}: partition {part.get('name')}: {e}") from e
+        signature = _signature(part)
+        executable = tgt.unpack(entry.meta, entry.blobs, signature, {})
+        cg = CompiledGraph(part["name"], executable, signature, part["device_type"], entry.stages,
+                           part["input_names"], part["tuple_output"])
+        loaded[key] = _PARTITIONS[key] = cg
+    ep = torch.export.load(io.BytesIO(files["program.pt2"]))
+    return LoadedProgram(ep.module(), loaded, manifest["target"])
