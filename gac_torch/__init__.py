@@ -15,6 +15,9 @@ import torch
 
 from gac_torch.options import OptionError
 from gac_torch.runtime import cache  # gac_torch.cache.clear(); GAC_CACHE=0 disables it
+from gac_torch.runtime.progress import last_report, register_with_torch, reports
+
+register_with_torch()  # torch._logging.set_logs(gac=logging.INFO); TORCH_LOGS=gac_torch
 
 __version__ = "0.1.0"
 
@@ -82,4 +85,4 @@ def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     return gac_backend(gm, example_inputs, options=options, **kwargs)
 
 
-__all__ = ["compile", "explain", "save", "load", "backend", "cache", "OptionError", "__version__"]
+__all__ = ["compile", "explain", "save", "load", "backend", "cache", "reports", "last_report", "OptionError", "__version__"]

@@ -18,7 +18,7 @@ from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.dce import gac_dce
 from gac_torch.passes.fusion import annotate_kernels
 from gac_torch.lowering import lower_to_linalg
-from gac_torch.runtime import cache
+from gac_torch.runtime import cache, progress
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
@@ -58,11 +58,13 @@ def _run_stages(module: ir.Module, gac_text: str, target: Target, options: dict)
     """gac -> linalg -> the target's stages: (last artifact, stage texts, binary stages)."""
     stages: dict[str, str] = {}
     binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
+    progress.step("stage linalg")
     artifact: Any = lower_to_linalg(module)
     annotate_kernels(module, artifact)
     stages["gac"] = gac_text
     stages["linalg"] = str(artifact)
     for stage in target.stages(options):
+        progress.step(f"stage {stage.name}")
         artifact = stage.run(artifact)
         stages[stage.name] = stage_text(artifact)
         if isinstance(getattr(artifact, "binary", None), bytes):

@@ -230,3 +230,37 @@ def test_vortex_hit_identical(cache_on, monkeypatch):
     warm = gac_torch.compile(torch.export.export(fn, (x,)), target="vortex")
     assert torch.equal(warm(x), cold(x))
     torch.testing.assert_close(warm(x), fn(x), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_uses_the_cache_and_reports(cache_on, monkeypatch):
+    """torch.compile(backend="gac") hits the cache after a reset; gac_torch.reports() lists
+    the graphs (with fallbacks) and torch.compiler.reset() clears them; the profiler shows a
+    range per partition."""
+    model, x = _model()
+    torch.compiler.reset()
+    with torch.no_grad():
+        cold = torch.compile(model, backend="gac")(x)
+    assert len(_entries(cache_on)) == 1
+    report = gac_torch.last_report()
+    assert report is not None and report.partitions == 1 and gac_torch.reports() == [report]
+    torch.compiler.reset()
+    assert gac_torch.reports() == [] and gac_torch.last_report() is None
+    _no_stages(monkeypatch)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        warm = torch.compile(model, backend="gac")(x)
+    assert torch.equal(warm, cold)
+    assert any(e.name.startswith("gac:fused_") for e in prof.events())
+    assert len(gac_torch.reports()) == 1
+
+
+def test_slow_compile_says_so_once(monkeypatch, capsys):
+    from gac_torch.runtime import progress
+
+    monkeypatch.setattr(progress, "SLOW_SECONDS", 0.05)
+    import time
+
+    with progress.Compile("graph 7 on cpu") as c:
+        c.step("stage llvm", partition="partition 1 of 2 (fused_0)")
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert err.count("is taking over") == 1 and "partition 1 of 2 (fused_0): stage llvm" in err

@@ -18,6 +18,7 @@ from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import resolve
+from gac_torch.runtime import progress
 
 log = logging.getLogger("gac_torch")
 # The most recently compiled graphs (CompiledFx: .report, .ir(stage)), newest last.
@@ -33,6 +34,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     def compile_static(graph: torch.fx.GraphModule):
         compiled = compile_graph(graph, opts)
         compiled_graphs.append(compiled)
+        progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
         return compiled.gm
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):

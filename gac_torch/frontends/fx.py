@@ -16,6 +16,7 @@ from gac_torch.backends.base import StaticShapesOnly
 from gac_torch.driver import compile_partition
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
+from gac_torch.runtime import progress
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
@@ -106,28 +107,36 @@ def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = Non
 
     fused, names = partition(gm, decisions, options["min_block_size"])
     compiled: dict[str, CompiledGraph] = {}
-    for name in names:
-        sub = getattr(fused, name)
-        try:
-            cg = compile_partition(sub, name, target, options, dump_dir)
-        except StaticShapesOnly:
-            raise  # the front-end compiles the graph per shape instead
-        except Exception as e:  # never crash a user's model: this partition runs eagerly instead
-            if not options["fallback"]:
-                raise
-            n_ops = sum(1 for n in sub.graph.nodes  # counted as analyze() counts them
-                        if n.op == "call_function" and n.target is not operator.getitem)
-            report.compiled -= n_ops
-            report.unsupported[(f"partition {name}", f"compile failed: {type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:200]}")] += n_ops
-            log.warning("gac: graph %d partition %s falls back to eager: %s", graph_id, name, e)
-            continue
-        setattr(fused, name, cg)
-        compiled[name] = cg
+    with progress.Compile(f"graph {graph_id} on {target_name}") as running:
+        for k, name in enumerate(names):
+            running.step("legalize", partition=f"partition {k + 1} of {len(names)} ({name})")
+            _compile_one(fused, name, target, options, dump_dir, report, compiled, graph_id)
     report.partitions = len(compiled)
     fused.recompile()
     log.info("gac: graph %d on %s: %s", graph_id, target_name, report.summary())
     return CompiledFx(fused, report, compiled, target_name, dynamic=has_symbolic_shapes(gm))
+
+
+def _compile_one(fused: fx.GraphModule, name: str, target: Target, options: dict, dump_dir: str | None,
+                 report: GraphReport, compiled: dict, graph_id: int) -> None:
+    """Compiles partition `name` in place (or leaves it to eager, recording why)."""
+    sub = getattr(fused, name)
+    try:
+        cg = compile_partition(sub, name, target, options, dump_dir)
+    except StaticShapesOnly:
+        raise  # the front-end compiles the graph per shape instead
+    except Exception as e:  # never crash a user's model: this partition runs eagerly instead
+        if not options["fallback"]:
+            raise
+        n_ops = sum(1 for n in sub.graph.nodes  # counted as analyze() counts them
+                    if n.op == "call_function" and n.target is not operator.getitem)
+        report.compiled -= n_ops
+        report.unsupported[(f"partition {name}", f"compile failed: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}")] += n_ops
+        log.warning("gac: graph %d partition %s falls back to eager: %s", graph_id, name, e)
+        return
+    setattr(fused, name, cg)
+    compiled[name] = cg
 
 
 __all__ = ["compile_graph", "CompiledFx", "GacUnsupportedError", "Counter", "specialization_reason"]

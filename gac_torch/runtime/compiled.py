@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import sympy
@@ -98,10 +99,25 @@ class CompiledGraph(torch.nn.Module):
         outputs = [torch.empty(shape, dtype=s.dtype, device=device)
                    for shape, s in zip(out_shapes, self.signature.outputs)]
         if all(o.numel() for o in outputs) and all(t.numel() for t in tensors):
-            self.executable.run(inputs, outputs)
+            with _ranges(f"gac:{self.name}", device.type == "cuda"):
+                self.executable.run(inputs, outputs)
         elif any(o.numel() for o in outputs):
             raise GacInputError(f"{self.name}: empty inputs with non-empty outputs are not supported")
         return tuple(outputs) if self.tuple_output else outputs[0]
+
+
+@contextlib.contextmanager
+def _ranges(name: str, nvtx: bool):
+    """A torch.profiler range per partition (only while profiling), and an NVTX range on cuda."""
+    with torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+            else contextlib.nullcontext():
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
 
 
 def is_host_scalar(t: torch.Tensor) -> bool:
