@@ -34,7 +34,14 @@ def compile(program, example_inputs: Sequence[Any] | None = None, *, target: str
 
     opts = resolve(options, target=target)
     if isinstance(program, (str, os.PathLike)) or type(program).__name__ == "ModelProto":
-        from gac_torch.frontends.onnx import compile_onnx
+        if str(program).endswith(".pt2"):
+            program = torch.export.load(program)  # a torch.export archive, not ONNX
+            return compile_exported(program, opts)
+        try:
+            from gac_torch.frontends.onnx import compile_onnx
+        except ImportError as e:
+            raise ImportError(f"compiling ONNX models needs {e.name or 'onnx'}: "
+                              "pip install 'gac-torch[onnx]'") from e
 
         return compile_onnx(program, opts, example_inputs)
     if isinstance(program, torch.export.ExportedProgram):
@@ -55,12 +62,17 @@ def explain(model, *example_inputs, **example_kwargs):
     Exports the model (ExportedProgram accepted as is), decomposes to core ATen and asks the
     registry about every node. Returns a GraphReport; str() gives the summary line."""
     from gac_torch.legalize import decompositions
-    from gac_torch.passes.partition import analyze
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
 
     ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(
         model, tuple(example_inputs), example_kwargs or None)
     ep = ep.run_decompositions(decompositions())
-    _, report = analyze(ep.graph_module)
+    gm = ep.graph_module
+    drop_metadata_asserts(gm)  # as compile does, so the partition count is compile's
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    decisions, report = analyze(gm)
+    report.partitions = len(partition(gm, decisions)[1])
     return report
 
 

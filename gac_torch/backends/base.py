@@ -94,6 +94,18 @@ class Target:
     pack: Callable[..., tuple[dict, dict[str, bytes]] | None] | None = None
     unpack: Callable[[dict, dict[str, bytes], Signature, dict], Executable] | None = None
     cache_key: Callable[[dict], dict] = lambda options: {}
+    # Python modules compiling for this target needs, and the extra that installs them.
+    requires: tuple[str, ...] = ()
+    extra: str = ""
+
+    def check_requirements(self) -> None:
+        """Raises MissingDependency naming the extra, rather than every partition falling back."""
+        import importlib.util
+
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            raise MissingDependency(f"target {self.name} needs {', '.join(missing)}: "
+                                    f"pip install 'gac-torch[{self.extra}]'")
 
 
 def stages_only(target: Target) -> Target:
@@ -106,6 +118,10 @@ def stages_only(target: Target) -> Target:
 class StaticShapesOnly(NotImplementedError):
     """A target cannot compile this graph with its sizes left to run time (it can for concrete
     shapes): the front-ends then compile it once per shape, with this as the reason."""
+
+
+class MissingDependency(ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
 
 
 class TargetUnavailable(RuntimeError):

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from gac_torch.backends import Target, get_target
-from gac_torch.backends.base import StaticShapesOnly
+from gac_torch.backends.base import MissingDependency, StaticShapesOnly
 from gac_torch.driver import compile_partition
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import GraphReport, analyze, drop_metadata_asserts, partition
@@ -90,6 +90,7 @@ def compile_graph(gm: fx.GraphModule, options: dict, target: Target | None = Non
     target_name = target.name if target else options["target"] or default_target(gm)
     target = target or get_target(target_name)  # no silent fallback to another target: its errors surface
 
+    target.check_requirements()  # a missing extra is an error naming it, not a silent fallback
     drop_metadata_asserts(gm)
     gm.graph.eliminate_dead_code()  # e.g. getitems of unused statistics (keeps impure nodes)
     gm.recompile()
@@ -123,8 +124,8 @@ def _compile_one(fused: fx.GraphModule, name: str, target: Target, options: dict
     sub = getattr(fused, name)
     try:
         cg = compile_partition(sub, name, target, options, dump_dir)
-    except StaticShapesOnly:
-        raise  # the front-end compiles the graph per shape instead
+    except (StaticShapesOnly, MissingDependency):
+        raise  # the front-end compiles the graph per shape instead; an extra to install
     except Exception as e:  # never crash a user's model: this partition runs eagerly instead
         if not options["fallback"]:
             raise

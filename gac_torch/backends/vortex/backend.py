@@ -94,4 +94,6 @@ TARGET = Target(
     unpack=_unpack,
     # the internal switches change the code; the mode and home only where it runs
     cache_key=lambda options: {"flags": repr(_flags)},
+    requires=("ziglang", "elftools"),
+    extra="vortex",
 )
