@@ -46,8 +46,13 @@ def cache_on(tmp_path, monkeypatch):
     return tmp_path / "cache" / "partitions"
 
 
-def _entries(root) -> list:
-    return sorted(root.glob("*/*.gac")) if root.exists() else []
+def _entries(root, kind: str | None = None) -> list:
+    """Cache files; kind "program" (whole programs) or "partition" (compiled partitions)."""
+    files = sorted(root.glob("*/*.gac")) if root.exists() else []
+    if kind is None:
+        return files
+    is_program = [cache.unpack_entry(p.read_bytes(), p.stem).meta.get("kind") == "program" for p in files]
+    return [p for p, prog in zip(files, is_program) if prog == (kind == "program")]
 
 
 def _no_stages(monkeypatch):
@@ -62,43 +67,70 @@ def _compile(model, x, **kw):
 
 
 def test_cpu_hit_is_native_and_identical(cache_on, monkeypatch, caplog):
+    """A warm compile hits the whole program (no decomposition, no MLIR stage); without the
+    program entry it hits the partition (no MLIR stage); both give the cold run's bits."""
     model, x = _model()
     cold = _compile(model, x)
-    assert len(_entries(cache_on)) == 1
+    assert len(_entries(cache_on, "partition")) == 1 and len(_entries(cache_on, "program")) == 1
     ref = model(x)
     torch.testing.assert_close(cold(x), ref, rtol=1e-5, atol=1e-5)
     _no_stages(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="gac_torch"):
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="gac_torch"):
+        m.setattr(torch.export.ExportedProgram, "run_decompositions",
+                  lambda *a, **k: pytest.fail("decomposed on a program hit"))
         warm = _compile(model, x)
     assert "gac cache hit" in caplog.text
     (cg,) = warm.compiled.partitions.values()
     assert isinstance(cg.executable, native.NativeExecutable)
     assert torch.equal(warm(x), cold(x))
     assert warm.ir("llvm") == cold.ir("llvm")  # stage texts travel with the entry
+    assert warm.report.summary() == cold.report.summary()
+    for p in _entries(cache_on, "program"):
+        p.unlink()
+    again = _compile(model, x)
+    assert torch.equal(again(x), cold(x))
+    assert isinstance(next(iter(again.compiled.partitions.values())).executable, native.NativeExecutable)
+
+
+def test_program_hit_runs_the_callers_weights(cache_on):
+    """Same graph, other parameter values: the cached program runs with the new weights."""
+    model, x = _model()
+    _compile(model, x)
+    other = Net().eval()
+    torch.manual_seed(5)
+    for p in other.parameters():
+        p.data.normal_()
+    with torch.no_grad():
+        got = _compile(other, x)(x)
+        torch.testing.assert_close(got, other(x), rtol=1e-5, atol=1e-5)
+    assert len(_entries(cache_on, "program")) == 1  # it was a hit
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage"])
 def test_damaged_entry_is_recompiled_with_a_warning(cache_on, monkeypatch, caplog, damage):
     model, x = _model()
     cold = _compile(model, x)
-    (path,) = _entries(cache_on)
-    data = path.read_bytes()
-    if damage == "flip":
-        i = len(data) // 2
-        data = data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:]
-    elif damage == "truncate":
-        data = data[: len(data) // 3]
-    elif damage == "foreign":  # a whole, valid entry, but stored under another key
-        entry = cache.unpack_entry(data, None)
-        data = cache.pack_entry("0" * 64, entry)
-    else:
-        data = b"\x7fELF not an entry"
-    path.write_bytes(data)
+    paths = _entries(cache_on)
+    assert len(paths) == 2  # the partition and the whole program: both damaged
+    for path in paths:
+        data = path.read_bytes()
+        if damage == "flip":
+            i = len(data) // 2
+            data = data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:]
+        elif damage == "truncate":
+            data = data[: len(data) // 3]
+        elif damage == "foreign":  # a whole, valid entry, but stored under another key
+            entry = cache.unpack_entry(data, None)
+            data = cache.pack_entry("0" * 64, entry)
+        else:
+            data = b"\x7fELF not an entry"
+        path.write_bytes(data)
     with caplog.at_level(logging.WARNING, logger="gac_torch"):
         again = _compile(model, x)
-    assert "recompiling" in caplog.text
+    assert caplog.text.count("recompiling") == 2
     assert torch.equal(again(x), cold(x))
-    assert cache.unpack_entry(path.read_bytes(), path.stem)  # rewritten, whole
+    for path in paths:
+        assert cache.unpack_entry(path.read_bytes(), path.stem)  # rewritten, whole
 
 
 def test_other_versions_and_settings_miss(cache_on, monkeypatch):
@@ -118,16 +150,17 @@ def test_other_versions_and_settings_miss(cache_on, monkeypatch):
     versions = dict(real_versions(), torch="0.0.0")
     monkeypatch.setattr(cache, "versions", lambda: versions)
     _compile(model, x)
-    assert key_of["key"] != first and len(_entries(cache_on)) == 2
+    assert key_of["key"] != first and len(_entries(cache_on, "partition")) == 2
     monkeypatch.setattr(cache, "versions", real_versions)
     torch.set_float32_matmul_precision("high")
     try:
         _compile(model, x)
     finally:
         torch.set_float32_matmul_precision("highest")
-    assert len(_entries(cache_on)) == 3
+    assert len(_entries(cache_on, "partition")) == 3
     _compile(model, x, options={"min_block_size": 2})
-    assert len(_entries(cache_on)) == 4
+    assert len(_entries(cache_on, "partition")) == 4
+    assert len(_entries(cache_on, "program")) == 4
 
 
 def test_entry_from_another_format_is_refused():
@@ -154,9 +187,9 @@ def test_switches_clear_and_size_bound(cache_on, monkeypatch):
     monkeypatch.setenv("GAC_CACHE", "1")
     _compile(model, x)
     _compile(model, x, options={"min_block_size": 2})
-    assert len(_entries(cache_on)) == 2
+    assert len(_entries(cache_on)) == 4
     newest = max(_entries(cache_on), key=lambda p: p.stat().st_mtime)
-    cache.evict(newest.stat().st_size)  # room for one: the least recently used goes
+    cache.evict(newest.stat().st_size)  # room for one: the least recently used go
     assert _entries(cache_on) == [newest]
     assert gac_torch.cache.clear() == 1 and _entries(cache_on) == []
 
@@ -180,8 +213,7 @@ def test_concurrent_writers(cache_on, tmp_path):
         assert p.returncode == 0, err.decode()[-3000:]
     outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(4)]
     assert all(torch.equal(o, outs[0]) for o in outs)
-    (path,) = _entries(cache_on)
-    assert cache.unpack_entry(path.read_bytes(), path.stem)
+    assert len(_entries(cache_on, "partition")) == 1 and len(_entries(cache_on, "program")) == 1
     assert not [p for p in cache_on.rglob("*") if p.is_file() and p.suffix != ".gac"]
 
 

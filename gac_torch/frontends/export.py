@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -15,6 +16,8 @@ from gac_torch.frontends.fx import CompiledFx, compile_graph, specialization_rea
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
+from gac_torch.passes.partition import GraphReport
+from gac_torch.runtime import artifact, cache
 from gac_torch.runtime.compiled import GacInputError, is_host_scalar
 from gac_torch.runtime.sizes import bind_all
 
@@ -161,9 +164,37 @@ def _device_of(ep: ExportedProgram) -> str:
     return "cpu"
 
 
+def _from_cache(user_ep: ExportedProgram, hit) -> CompiledProgram:
+    """A cached program (runtime/artifact.py) bound to the caller's parameters and buffers."""
+    manifest, saved_ep, partitions = hit
+    r = manifest["report"]
+    report = GraphReport(r["total"], r["compiled"], r["partitions"],
+                         Counter({(op, why): n for op, why, n in r["unsupported"]}))
+    compiled = CompiledProgram(saved_ep, CompiledFx(saved_ep.graph_module, report, partitions, manifest["target"]))
+    specs = saved_ep.graph_signature.input_specs
+    compiled._lifted = [(i, user_ep.state_dict.get(specs[i].target, t)
+                         if specs[i].kind in (InputKind.PARAMETER, InputKind.BUFFER) else t)
+                        for i, t in compiled._lifted]
+    return compiled
+
+
 def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
     options = dict(options, target=target)
+    key = None
+    if cache.enabled(options):  # the whole program, before torch's decompositions
+        key = artifact.program_key(ep, options)
+        hit = artifact.cached_program(key)
+        if hit is not None:
+            return _from_cache(ep, hit)
+    compiled = _compile_exported(ep, options)
+    if key is not None and isinstance(compiled.compiled, CompiledFx) and not compiled.dynamic:
+        artifact.remember_program(key, compiled)
+    return compiled
+
+
+def _compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
+    target = options["target"]
     device = get_target(target).device_type
     if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):
         # A program exported on the CPU, compiled for a GPU: re-home its constants and device

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import operator
 import zipfile
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
 from gac_torch.runtime import cache
 from gac_torch.runtime.compiled import CompiledGraph
 
+log = logging.getLogger("gac_torch")
 FORMAT = "gac-torch-artifact"
 VERSION = 1
 _PARTITIONS: dict[str, CompiledGraph] = {}  # gac::partition's name argument -> loaded partition
@@ -137,6 +139,12 @@ def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.Exporte
 
 def save(compiled: Any, path: str) -> None:
     """Writes a program compiled from torch.export (gac_torch.compile) to `path` (see module doc)."""
+    data = to_bytes(compiled)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def to_bytes(compiled: Any) -> bytes:
     from gac_torch.frontends.export import CompiledProgram, SpecializedFx
 
     if not isinstance(compiled, CompiledProgram):
@@ -154,6 +162,7 @@ def save(compiled: Any, path: str) -> None:
     buf = io.BytesIO()
     torch.export.save(_saved_program(compiled, names), buf)
     files = {"program.pt2": buf.getvalue(), **{f"partitions/{n}.gac": e for n, e in entries.items()}}
+    report = compiled.compiled.report
     manifest = {
         "format": FORMAT, "version": VERSION, "target": compiled.compiled.target,
         "versions": cache.versions(),
@@ -163,11 +172,15 @@ def save(compiled: Any, path: str) -> None:
                                   "outputs": [_spec_json(s) for s in cg.signature.outputs],
                                   "input_names": cg.input_names, "tuple_output": cg.tuple_output}
                        for n, cg in parts.items()},
+        "report": {"total": report.total, "compiled": report.compiled, "partitions": report.partitions,
+                   "unsupported": [[op, why, n] for (op, why), n in report.unsupported.items()]},
     }
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         z.writestr("manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
         for f, data in files.items():
             z.writestr(f, data)
+    return out.getvalue()
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -197,7 +210,7 @@ def _signature(part: dict) -> Signature:
     return Signature(tuple(spec(d) for d in part["inputs"]), tuple(spec(d) for d in part["outputs"]))
 
 
-def _read(path: str) -> tuple[dict, dict[str, bytes]]:
+def _read(path: str | io.BytesIO) -> tuple[dict, dict[str, bytes]]:
     try:
         with zipfile.ZipFile(path) as z:
             manifest = json.loads(z.read("manifest.json"))
@@ -215,6 +228,12 @@ def _read(path: str) -> tuple[dict, dict[str, bytes]]:
 
 def load(path: str, target: str | None = None) -> LoadedProgram:
     """Loads what gac_torch.save wrote; no MLIR, no export. `target`, if given, must match."""
+    manifest, ep, loaded = read(path, target)
+    return LoadedProgram(ep.module(), loaded, manifest["target"])
+
+
+def read(path: str | io.BytesIO, target: str | None = None):
+    """(manifest, the saved ExportedProgram, its partitions by gac::partition name), checked."""
     manifest, files = _read(path)
     here, there = cache.versions(), manifest.get("versions", {})
     for what in ("gac", "gac_sources", "torch", "platform"):
@@ -240,4 +259,62 @@ def load(path: str, target: str | None = None) -> LoadedProgram:
                            part["input_names"], part["tuple_output"])
         loaded[key] = _PARTITIONS[key] = cg
     ep = torch.export.load(io.BytesIO(files["program.pt2"]))
-    return LoadedProgram(ep.module(), loaded, manifest["target"])
+    return manifest, ep, loaded
+
+
+# -- whole programs in the on-disk cache (gac_torch.compile's warm path) -------------------------
+
+def program_key(ep: torch.export.ExportedProgram, options: Any) -> str:
+    """What decides a compiled torch.export program, before torch's decompositions run (they
+    are most of a warm compile): the graph's code (and its subgraphs'), the input metadata,
+    signature, output structure, size ranges, tensor constants' bytes, and cache_key's rest.
+    Parameter and buffer values are inputs of the compiled code, not part of it."""
+    gm = ep.graph_module
+    code = [m.code for _, m in sorted(gm.named_modules()) if isinstance(m, torch.fx.GraphModule)]
+    metas = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder":
+            metas.append(f"{n.name}: {getattr(v, 'dtype', '')} {getattr(v, 'device', '')} "
+                         f"{list(v.shape) if isinstance(v, torch.Tensor) else v} "
+                         f"{list(v.stride()) if isinstance(v, torch.Tensor) else ''}")
+    consts = hashlib.sha256()
+    for name, c in sorted(ep.constants.items()):
+        consts.update(name.encode())
+        if isinstance(c, torch.Tensor):
+            consts.update(str((c.dtype, tuple(c.shape))).encode())
+            consts.update(c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            consts.update(repr(c).encode())
+    text = "\n".join([*code, *metas, str(ep.graph_signature), str(ep.call_spec.out_spec),
+                      repr(sorted((str(k), str(v)) for k, v in ep.range_constraints.items())),
+                      consts.hexdigest()])
+    target = options.get("target") if isinstance(options, dict) else getattr(options, "target", None)
+    return cache.cache_key(text, "program", options, f"program:{target}")
+
+
+def remember_program(key: str, compiled: Any) -> None:
+    """Stores the whole compiled program when every partition is already plain data (else the
+    packing would cost more than it saves, e.g. small cpu partitions); never raises."""
+    parts = compiled.compiled.partitions.values()
+    if any(getattr(cg, "saved", (None, None))[1] is None for cg in parts):
+        return
+    try:
+        data = to_bytes(compiled)
+    except Exception as e:  # noqa: BLE001  (an optimization: e.g. a graph torch cannot serialize)
+        log.debug("gac cache: program not cached: %s", e)
+        return
+    cache.store(key, cache.Entry({"kind": "program"}, {"artifact": data}))
+
+
+def cached_program(key: str):
+    """(manifest, saved ExportedProgram, partitions by name) for `key`, or None."""
+    entry = cache.load(key)
+    if entry is None or "artifact" not in entry.blobs:
+        return None
+    try:
+        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]))
+    except Exception as e:  # noqa: BLE001  (then compiled as if missed)
+        log.warning("gac cache: a cached program does not load (%s); recompiling", e)
+        return None
+    return manifest, ep, {cg.name: cg for cg in loaded.values()}
