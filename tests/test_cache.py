@@ -85,6 +85,8 @@ def test_cpu_hit_is_native_and_identical(cache_on, monkeypatch, caplog):
     assert torch.equal(warm(x), cold(x))
     assert warm.ir("llvm") == cold.ir("llvm")  # stage texts travel with the entry
     assert warm.report.summary() == cold.report.summary()
+    gac_torch.save(warm, str(cache_on.parent / "warm.gac"))  # a cached program saves as any other
+    assert torch.equal(gac_torch.load(str(cache_on.parent / "warm.gac"))(x), cold(x))
     for p in _entries(cache_on, "program"):
         p.unlink()
     again = _compile(model, x)

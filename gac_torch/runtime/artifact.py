@@ -118,6 +118,9 @@ def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.Exporte
                 env[node].meta["val"] = cg.out_vals[0]
             continue
         new = graph.node_copy(node, lambda n: env[n])
+        if node.op == "call_function" and node.target is torch.ops.gac.partition.default:
+            # a program that was itself loaded (e.g. a cache hit): its partitions' new names
+            new.args = (names[_PARTITIONS[node.args[0]].name], *new.args[1:])
         if node.op == "call_function" and node.target is operator.getitem and "val" not in new.meta:
             src = node.args[0]
             if src.op == "call_module":
@@ -257,6 +260,7 @@ def read(path: str | io.BytesIO, target: str | None = None):
         executable = tgt.unpack(entry.meta, entry.blobs, signature, {})
         cg = CompiledGraph(part["name"], executable, signature, part["device_type"], entry.stages,
                            part["input_names"], part["tuple_output"])
+        cg.saved = (tgt, entry, None, {}, {})  # what to_bytes needs to save it again
         loaded[key] = _PARTITIONS[key] = cg
     ep = torch.export.load(io.BytesIO(files["program.pt2"]))
     return manifest, ep, loaded

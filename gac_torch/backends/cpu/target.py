@@ -7,6 +7,7 @@ generation (loops, no vectorization tricks) over speed.
 from __future__ import annotations
 
 import ctypes
+import logging
 import platform
 from typing import TYPE_CHECKING, Sequence
 
@@ -14,6 +15,7 @@ import torch
 
 from gac_torch.backends.base import Signature, SizeSpec, Stage, Target
 
+log = logging.getLogger("gac_torch")
 # MLIR is imported where it is used: a saved artifact loads this target without it.
 if TYPE_CHECKING:
     from mlir import ir
@@ -92,7 +94,19 @@ class CpuExecutable:
                                      else ctypes.pointer(ctypes.pointer(d)) for d in descs])
 
 
-def _load(artifact: ir.Module, signature: Signature, options: dict) -> CpuExecutable:
+def _load(artifact: ir.Module, signature: Signature, options: dict):
+    """The in-process JIT, except for a huge module (one function of a whole model): the JIT's
+    O2 pipeline takes ~10x longer than llc on it, so it goes through native.py when it can."""
+    from mlir.dialects.llvm import translate_module_to_llvmir
+
+    from gac_torch.backends.cpu import native
+
+    llvm_ir = translate_module_to_llvmir(artifact.operation)
+    if len(llvm_ir) > native.OPT_MAX_IR_BYTES:
+        try:
+            return native.NativeExecutable(native.shared_object(llvm_ir), signature)
+        except native.NativeUnavailable as e:
+            log.info("gac: cpu native code unavailable (%s); JIT-compiling instead", e)
     return CpuExecutable(artifact, signature)
 
 
