@@ -189,15 +189,44 @@ def to_bytes(compiled: Any) -> bytes:
 # -- load ----------------------------------------------------------------------------------------
 
 class LoadedProgram:
-    """A loaded artifact: call it like the original module (`module` is torch's callable)."""
+    """A loaded artifact: call it like the original module. Runs the saved graph directly with
+    its parameters as inputs (no unlifting: ep.module() would copy and recompile the graph)."""
 
-    def __init__(self, module: torch.nn.Module, partitions: dict[str, CompiledGraph], target: str):
-        self.module = module
-        self.partitions = partitions
+    def __init__(self, ep: torch.export.ExportedProgram, partitions: dict[str, CompiledGraph], target: str):
+        from torch.export.graph_signature import InputKind, OutputKind
+
+        self.exported_program = ep
+        self.partitions = {cg.name: cg for cg in partitions.values()}
         self.target = target
+        specs = ep.graph_signature.input_specs
+        self._lifted = {i: (ep.state_dict[s.target] if s.target in ep.state_dict else ep.constants[s.target])
+                        for i, s in enumerate(specs) if s.kind != InputKind.USER_INPUT}
+        self._user = [i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT]
+        self._outs = [i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+        self._n = len(specs)
+        self._device = get_target(target).device_type
+        self._on_device = False
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        import torch.utils._pytree as pytree
+
+        from gac_torch.runtime.compiled import GacInputError
+
+        if not self._on_device:  # parameters move to the target's device on the first call
+            self._lifted = {i: t.to(self._device) if isinstance(t, torch.Tensor) else t
+                            for i, t in self._lifted.items()}
+            self._on_device = True
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        if len(flat) != len(self._user):
+            raise GacInputError(f"expected {len(self._user)} inputs, got {len(flat)}")
+        full: list[Any] = [None] * self._n
+        for i, t in self._lifted.items():
+            full[i] = t
+        for i, t in zip(self._user, flat):
+            full[i] = t
+        outs = self.exported_program.graph_module(*full)
+        outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+        return pytree.tree_unflatten([outs[i] for i in self._outs], self.exported_program.call_spec.out_spec)
 
     def ir(self, stage: str) -> str:
         return "\n".join(cg.ir(stage) for cg in self.partitions.values())
@@ -232,7 +261,7 @@ def _read(path: str | io.BytesIO) -> tuple[dict, dict[str, bytes]]:
 def load(path: str, target: str | None = None) -> LoadedProgram:
     """Loads what gac_torch.save wrote; no MLIR, no export. `target`, if given, must match."""
     manifest, ep, loaded = read(path, target)
-    return LoadedProgram(ep.module(), loaded, manifest["target"])
+    return LoadedProgram(ep, loaded, manifest["target"])
 
 
 def read(path: str | io.BytesIO, target: str | None = None):
