@@ -134,3 +134,17 @@ def test_bevformer_test_tiny_saved_and_loaded(tmp_path):
     gac_torch.save(compiled, str(path))
     got = _load_in_new_process(path, frame0, tmp_path)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.cuda
+def test_cuda_program_saved_and_loaded(tmp_path):
+    torch.manual_seed(0)
+    model = WithFallback().eval().cuda()
+    inputs = tuple(t.cuda() for t in _inputs())
+    with torch.no_grad():
+        compiled = gac_torch.compile(torch.export.export(model, inputs), target="cuda")
+        want = compiled(*inputs)
+    path = tmp_path / "cuda.gac"
+    gac_torch.save(compiled, str(path))
+    got = _load_in_new_process(path, inputs, tmp_path, target="cuda")
+    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))

@@ -298,3 +298,19 @@ def test_slow_compile_says_so_once(monkeypatch, capsys):
         time.sleep(0.3)
     err = capsys.readouterr().err
     assert err.count("is taking over") == 1 and "partition 1 of 2 (fused_0): stage llvm" in err
+
+
+@pytest.mark.cuda
+def test_cuda_hit_identical(cache_on, monkeypatch):
+    """On the GPU: the warm compile (no MLIR stage) replays the cached PTX + host program."""
+    model, x = _model()
+    model, x = model.cuda(), x.cuda()
+    with torch.no_grad():
+        cold = gac_torch.compile(torch.export.export(model, (x,)), target="cuda")
+        ref = cold(x)
+        _no_stages(monkeypatch)
+        monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
+                            lambda *a, **k: pytest.fail("decomposed on a program hit"))
+        warm = gac_torch.compile(torch.export.export(model, (x,)), target="cuda")
+        assert torch.equal(warm(x), ref)
+        torch.testing.assert_close(ref, model(x), rtol=1e-4, atol=1e-4)

@@ -199,7 +199,7 @@ def load(key: str) -> Entry | None:
     try:
         data = path.read_bytes()
     except OSError:
-        log.debug("gac cache miss %s", key[:16])
+        log.info("gac cache miss %s", key[:16])
         return None
     try:
         entry = unpack_entry(data, key)
