@@ -83,11 +83,11 @@ def save(compiled, path: str) -> None:
     _save(compiled, path)
 
 
-def load(path: str, target: str | None = None):
+def load(path: str, target: str | None = None, options: dict | None = None):
     """Loads what save() wrote: runs without MLIR and without re-exporting."""
     from gac_torch.runtime.artifact import load as _load
 
-    return _load(path, target)
+    return _load(path, target, options)
 
 
 def backend(gm, example_inputs, options: dict | None = None, **kwargs):

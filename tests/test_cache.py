@@ -258,10 +258,17 @@ def test_vortex_hit_identical(cache_on, monkeypatch):
     monkeypatch.delenv("VORTEX_HOME", raising=False)
     x = torch.randn(6, 10, generator=torch.Generator().manual_seed(2))
     fn = _Fn(lambda t: torch.tanh(t) * 3 + t.sum(-1, keepdim=True))
-    cold = gac_torch.compile(torch.export.export(fn, (x,)), target="vortex")
+    opts = {"vortex_mode": "functional"}
+    cold = gac_torch.compile(torch.export.export(fn, (x,)), target="vortex", options=opts)
     assert len(_entries(cache_on)) >= 1
     _no_stages(monkeypatch)
-    warm = gac_torch.compile(torch.export.export(fn, (x,)), target="vortex")
+    from gac_torch.backends.vortex import runtime
+
+    modes = []
+    real = runtime.resolve_mode
+    monkeypatch.setattr(runtime, "resolve_mode", lambda o: modes.append(o.get("vortex_mode")) or real(o))
+    warm = gac_torch.compile(torch.export.export(fn, (x,)), target="vortex", options=opts)
+    assert modes and set(modes) == {"functional"}  # the caller's run-time options reach the loader
     assert torch.equal(warm(x), cold(x))
     torch.testing.assert_close(warm(x), fn(x), rtol=1e-5, atol=1e-5)
 

@@ -184,7 +184,7 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
     key = None
     if cache.enabled(options):  # the whole program, before torch's decompositions
         key = artifact.program_key(ep, options)
-        hit = artifact.cached_program(key)
+        hit = artifact.cached_program(key, options)
         if hit is not None:
             return _from_cache(ep, hit)
     compiled = _compile_exported(ep, options)

@@ -258,14 +258,16 @@ def _read(path: str | io.BytesIO) -> tuple[dict, dict[str, bytes]]:
     return manifest, files
 
 
-def load(path: str, target: str | None = None) -> LoadedProgram:
-    """Loads what gac_torch.save wrote; no MLIR, no export. `target`, if given, must match."""
-    manifest, ep, loaded = read(path, target)
+def load(path: str, target: str | None = None, options: dict | None = None) -> LoadedProgram:
+    """Loads what gac_torch.save wrote; no MLIR, no export. `target`, if given, must match;
+    `options` are the target's run-time ones (e.g. vortex_mode, vortex_home)."""
+    manifest, ep, loaded = read(path, target, options)
     return LoadedProgram(ep, loaded, manifest["target"])
 
 
-def read(path: str | io.BytesIO, target: str | None = None):
-    """(manifest, the saved ExportedProgram, its partitions by gac::partition name), checked."""
+def read(path: str | io.BytesIO, target: str | None = None, options: dict | None = None):
+    """(manifest, the saved ExportedProgram, its partitions by gac::partition name), checked;
+    `options` reach the target's loader (e.g. vortex_mode)."""
     manifest, files = _read(path)
     here, there = cache.versions(), manifest.get("versions", {})
     for what in ("gac", "gac_sources", "torch", "platform"):
@@ -286,7 +288,7 @@ def read(path: str | io.BytesIO, target: str | None = None):
         except (KeyError, cache.CacheError) as e:
             raise ArtifactError(f"{path}: partition {part.get('name')}: {e}") from e
         signature = _signature(part)
-        executable = tgt.unpack(entry.meta, entry.blobs, signature, {})
+        executable = tgt.unpack(entry.meta, entry.blobs, signature, options or {})
         cg = CompiledGraph(part["name"], executable, signature, part["device_type"], entry.stages,
                            part["input_names"], part["tuple_output"])
         cg.saved = (tgt, entry, None, {}, {})  # what to_bytes needs to save it again
@@ -340,13 +342,13 @@ def remember_program(key: str, compiled: Any) -> None:
     cache.store(key, cache.Entry({"kind": "program"}, {"artifact": data}))
 
 
-def cached_program(key: str):
+def cached_program(key: str, options: dict | None = None):
     """(manifest, saved ExportedProgram, partitions by name) for `key`, or None."""
     entry = cache.load(key)
     if entry is None or "artifact" not in entry.blobs:
         return None
     try:
-        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]))
+        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]), options=options)
     except Exception as e:  # noqa: BLE001  (then compiled as if missed)
         log.warning("gac cache: a cached program does not load (%s); recompiling", e)
         return None
