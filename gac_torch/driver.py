@@ -54,14 +54,14 @@ def _specs(nodes) -> tuple:
     return tuple(_spec(n) for n in nodes)
 
 
-def _run_stages(module: ir.Module, gac_text: str, target: Target, options: dict):
+def _run_stages(module: ir.Module, target: Target, options: dict):
     """gac -> linalg -> the target's stages: (last artifact, stage texts, binary stages)."""
     stages: dict[str, str] = {}
     binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
     progress.step("stage linalg")
     artifact: Any = lower_to_linalg(module)
     annotate_kernels(module, artifact)
-    stages["gac"] = gac_text
+    stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
     stages["linalg"] = str(artifact)
     for stage in target.stages(options):
         progress.step(f"stage {stage.name}")
@@ -143,7 +143,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         entry = cache.load(key) if key else None
         executable = _unpack(target, entry, signature, options) if entry else None
         if executable is None:  # a miss (or an entry that would not load)
-            artifact, stages, binaries = _run_stages(module, gac_text, target, options)
+            artifact, stages, binaries = _run_stages(module, target, options)
             entry = _pack(target, artifact, stages, binaries, options) if key else None
             if entry is not None:
                 cache.store(key, entry)
