@@ -148,3 +148,31 @@ def test_cuda_program_saved_and_loaded(tmp_path):
     gac_torch.save(compiled, str(path))
     got = _load_in_new_process(path, inputs, tmp_path, target="cuda")
     assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+
+
+def test_run_time_sizes_saved_and_loaded(tmp_path):
+    """A program exported with a Dim (one compilation for every batch size) loads in a new
+    process and still takes any size in the range."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(12, 5)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)).softmax(-1) * x.sum(-1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = M().eval()
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(n, 12, generator=g) for n in (3, 7)]
+    ep = torch.export.export(model, (xs[0],), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    with torch.no_grad():
+        compiled = gac_torch.compile(ep, target="cpu")
+        assert compiled.dynamic
+        want = [compiled(x) for x in xs]
+    path = tmp_path / "dyn.gac"
+    gac_torch.save(compiled, str(path))
+    for x, w in zip(xs, want):
+        got = _load_in_new_process(path, (x,), tmp_path)
+        assert torch.equal(got, w)
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)

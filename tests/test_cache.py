@@ -321,3 +321,24 @@ def test_cuda_hit_identical(cache_on, monkeypatch):
         warm = gac_torch.compile(torch.export.export(model, (x,)), target="cuda")
         assert torch.equal(warm(x), ref)
         torch.testing.assert_close(ref, model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_program_hit_with_run_time_sizes(cache_on, monkeypatch):
+    """A program exported with a Dim comes back from the cache still taking every size."""
+    model, _ = _model()
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, 24, generator=g) for n in (2, 9)]
+    ep = torch.export.export(model, (xs[0],), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=32)},))
+    with torch.no_grad():
+        cold = gac_torch.compile(ep, target="cpu")
+        assert cold.dynamic
+        want = [cold(x) for x in xs]
+        with monkeypatch.context() as m:
+            m.setattr(torch.export.ExportedProgram, "run_decompositions",
+                      lambda *a, **k: pytest.fail("decomposed on a program hit"))
+            warm = gac_torch.compile(ep, target="cpu")
+        assert warm.dynamic
+        for x, w in zip(xs, want):
+            assert torch.equal(warm(x), w)
+        with pytest.raises(Exception, match="outside the exported range"):
+            warm(torch.randn(40, 24))

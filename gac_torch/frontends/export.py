@@ -170,7 +170,8 @@ def _from_cache(user_ep: ExportedProgram, hit) -> CompiledProgram:
     r = manifest["report"]
     report = GraphReport(r["total"], r["compiled"], r["partitions"],
                          Counter({(op, why): n for op, why, n in r["unsupported"]}))
-    compiled = CompiledProgram(saved_ep, CompiledFx(saved_ep.graph_module, report, partitions, manifest["target"]))
+    compiled = CompiledProgram(saved_ep, CompiledFx(saved_ep.graph_module, report, partitions, manifest["target"],
+                                                    dynamic=bool(manifest.get("dynamic"))))
     specs = saved_ep.graph_signature.input_specs
     compiled._lifted = [(i, user_ep.state_dict.get(specs[i].target, t)
                          if specs[i].kind in (InputKind.PARAMETER, InputKind.BUFFER) else t)
@@ -188,7 +189,7 @@ def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
         if hit is not None:
             return _from_cache(ep, hit)
     compiled = _compile_exported(ep, options)
-    if key is not None and isinstance(compiled.compiled, CompiledFx) and not compiled.dynamic:
+    if key is not None and isinstance(compiled.compiled, CompiledFx):
         artifact.remember_program(key, compiled)
     return compiled
 

@@ -13,7 +13,7 @@ The file is a zip:
 Nothing is unpickled by gac. A file from another gac version, platform or target, or whose bytes
 do not match the manifest's checksums, is refused with ArtifactError. Checksums detect damage and
 edits, not a malicious author who rewrites them: load artifacts you trust, as any native code.
-Not saved (yet): ONNX programs, programs compiled per input shape, and run-time-size signatures.
+Not saved (yet): ONNX programs, and programs compiled once per input shape.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from gac_torch.backends import get_target
 from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
 from gac_torch.runtime import cache
 from gac_torch.runtime.compiled import CompiledGraph
+from gac_torch.runtime.plain import PlainDataError, decode_size, encode_size
 
 log = logging.getLogger("gac_torch")
 FORMAT = "gac-torch-artifact"
@@ -79,9 +80,10 @@ def _fake_partition(name: str, tensors: Sequence[torch.Tensor], sizes: Sequence[
 # -- save ----------------------------------------------------------------------------------------
 
 def _spec_json(s: TensorSpec | SizeSpec) -> dict:
-    if isinstance(s, SizeSpec) or not s.static:
-        raise ArtifactError("saving partitions with run-time sizes is not supported yet")
-    return {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")}
+    """A signature entry as JSON; run-time sizes as plain.encode_size expressions."""
+    if isinstance(s, SizeSpec):
+        return {"size": encode_size(s.expr)}
+    return {"shape": [encode_size(d) for d in s.shape], "dtype": str(s.dtype).removeprefix("torch.")}
 
 
 def _entry(cg: CompiledGraph) -> cache.Entry:
@@ -168,7 +170,7 @@ def to_bytes(compiled: Any) -> bytes:
     report = compiled.compiled.report
     manifest = {
         "format": FORMAT, "version": VERSION, "target": compiled.compiled.target,
-        "versions": cache.versions(),
+        "versions": cache.versions(), "dynamic": bool(compiled.dynamic),
         "files": {f: hashlib.sha256(data).hexdigest() for f, data in files.items()},
         "partitions": {names[n]: {"file": f"partitions/{n}.gac", "name": n, "device_type": cg.device_type,
                                   "inputs": [_spec_json(s) for s in cg.signature.inputs],
@@ -233,11 +235,16 @@ class LoadedProgram:
 
 
 def _signature(part: dict) -> Signature:
-    def spec(d: dict) -> TensorSpec:
-        dtype = getattr(torch, d["dtype"], None)
-        if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) for n in d["shape"]):
-            raise ArtifactError(f"bad tensor spec in the manifest: {d}")
-        return TensorSpec(tuple(d["shape"]), dtype)
+    def spec(d: dict) -> TensorSpec | SizeSpec:
+        try:
+            if "size" in d:
+                return SizeSpec(decode_size(d["size"]))
+            dtype = getattr(torch, d["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise PlainDataError(f"dtype {d['dtype']!r}")
+            return TensorSpec(tuple(decode_size(n) for n in d["shape"]), dtype)
+        except (PlainDataError, KeyError, TypeError) as e:
+            raise ArtifactError(f"bad signature in the manifest: {str(d)[:200]} ({e})") from e
 
     return Signature(tuple(spec(d) for d in part["inputs"]), tuple(spec(d) for d in part["outputs"]))
 

@@ -63,3 +63,56 @@ def decode(data: Any, types: Iterable[type]) -> Any:
         return cls(**{k: go(v) for k, v in fields.items()})
 
     return go(data)
+
+
+# -- size expressions (sympy) ----------------------------------------------------------------------
+
+def _size_classes() -> dict[str, type]:
+    """The sympy classes a size expression may use: sympy's arithmetic and torch's size functions."""
+    import sympy
+    from torch.utils._sympy import functions as symfn
+
+    classes: dict[str, type] = {f"sympy.{c.__name__}": c for c in (
+        sympy.Add, sympy.Mul, sympy.Pow, sympy.Max, sympy.Min, sympy.floor, sympy.ceiling, sympy.Mod)}
+    for name in ("FloorDiv", "CleanDiv", "CeilDiv", "ModularIndexing", "Mod", "PythonMod", "Max", "Min",
+                 "IntTrueDiv", "FloorToInt", "CeilToInt", "TruncToInt", "Identity"):
+        if hasattr(symfn, name):
+            classes[f"torch.{name}"] = getattr(symfn, name)
+    return classes
+
+
+def encode_size(expr: Any) -> Any:
+    """An int or a sympy size expression as JSON: ints as is, symbols with their assumptions,
+    operations as [class name, args...] (decode_size accepts only _size_classes)."""
+    import sympy
+
+    if isinstance(expr, int) or (isinstance(expr, sympy.Integer)):
+        return int(expr)
+    if isinstance(expr, sympy.Rational):
+        return {"rational": [int(expr.p), int(expr.q)]}
+    if isinstance(expr, sympy.Symbol):
+        return {"symbol": expr.name, "assumptions": {k: v for k, v in expr.assumptions0.items() if v is not None}}
+    name = next((k for k, c in _size_classes().items() if type(expr) is c), None)
+    if name is None:
+        raise PlainDataError(f"size expression {expr} uses {type(expr).__name__}")
+    return {"op": name, "args": [encode_size(a) for a in expr.args]}
+
+
+def decode_size(data: Any) -> Any:
+    import sympy
+
+    if isinstance(data, int) and not isinstance(data, bool):
+        return data
+    if not isinstance(data, dict):
+        raise PlainDataError(f"not a size expression: {str(data)[:80]}")
+    if "rational" in data:
+        p, q = data["rational"]
+        return sympy.Rational(int(p), int(q))
+    if "symbol" in data:
+        assumptions = {k: bool(v) for k, v in data.get("assumptions", {}).items() if isinstance(k, str)}
+        return sympy.Symbol(str(data["symbol"]), **assumptions)
+    cls = _size_classes().get(data.get("op"))
+    if cls is None:
+        raise PlainDataError(f"size operation {data.get('op')!r} is not allowed")
+    args = [decode_size(a) for a in data.get("args", [])]
+    return cls(*[sympy.Integer(a) if isinstance(a, int) else a for a in args])
