@@ -176,3 +176,29 @@ def test_run_time_sizes_saved_and_loaded(tmp_path):
         got = _load_in_new_process(path, (x,), tmp_path)
         assert torch.equal(got, w)
         torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_partition_whose_compile_failed_travels_as_eager(tmp_path, monkeypatch):
+    """A partition that fell back at compile time (not by the registry) is saved as its ATen
+    nodes, inside the torch.export program."""
+    from gac_torch.frontends import fx
+
+    real = fx.compile_partition
+
+    def fail_second(sub, name, *a, **k):
+        if name == "fused_1":
+            raise RuntimeError("injected compile failure")
+        return real(sub, name, *a, **k)
+
+    monkeypatch.setattr(fx, "compile_partition", fail_second)
+    torch.manual_seed(0)
+    model, inputs = WithFallback().eval(), _inputs()
+    with torch.no_grad():
+        compiled = gac_torch.compile(torch.export.export(model, inputs), target="cpu", options={"cache": False})
+        want = compiled(*inputs)
+    assert list(compiled.compiled.partitions) == ["fused_0"]
+    assert any("injected" in why for _, why in compiled.report.unsupported)
+    path = tmp_path / "partly.gac"
+    gac_torch.save(compiled, str(path))
+    got = _load_in_new_process(path, inputs, tmp_path)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -95,6 +95,23 @@ def _entry(cg: CompiledGraph) -> cache.Entry:
     return entry
 
 
+def _inline(graph: torch.fx.Graph, sub: torch.fx.GraphModule, args: list) -> Any:
+    """Copies an eager partition's ATen nodes into `graph`; returns its output node(s)."""
+    local: dict = {}
+    placeholders = iter(args)
+    for n in sub.graph.nodes:
+        if n.op == "placeholder":
+            local[n] = next(placeholders)
+        elif n.op == "output":
+            out = n.args[0]
+            return [local[o] for o in out] if isinstance(out, (list, tuple)) else local[out]
+        elif n.op == "call_function":
+            local[n] = graph.node_copy(n, lambda m: local[m])
+        else:
+            raise ArtifactError(f"cannot save an eager partition holding a {n.op} node")
+    raise ArtifactError("an eager partition without an output")
+
+
 def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.ExportedProgram:
     """The partitioned graph as an ExportedProgram: each CompiledGraph call -> gac::partition."""
     from torch.export.exported_program import ExportedProgram
@@ -104,8 +121,16 @@ def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.Exporte
     fused = compiled.compiled.gm
     graph = torch.fx.Graph()
     env: dict = {}
+    inlined: dict = {}  # a partition left to eager (its compile failed) -> its output values
     out_node = None
     for node in fused.graph.nodes:
+        if node.op == "call_module" and not isinstance(getattr(fused, node.target), CompiledGraph):
+            inlined[node] = _inline(graph, getattr(fused, node.target), [env[a] for a in node.args])
+            env[node] = inlined[node] if isinstance(inlined[node], torch.fx.Node) else None
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in inlined:
+            env[node] = inlined[node.args[0]][node.args[1]]
+            continue
         if node.op == "call_module" and isinstance(getattr(fused, node.target), CompiledGraph):
             cg = getattr(fused, node.target)
             args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
