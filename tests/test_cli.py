@@ -89,7 +89,7 @@ def test_console_script(model_path):
     assert "ONNX nodes supported" in proc.stdout
 
 
-def test_ordinary_mistakes_are_one_line_without_traceback(model_path, tmp_path):
+def test_ordinary_mistakes_are_one_line_without_traceback(model_path, tmp_path, capsys):
     """Missing file, corrupt file, a bad or unknown --shape: exit status 2 (usage) or 1, one
     line on stderr, no Python traceback; `python -m gac_torch --version` works."""
     corrupt = tmp_path / "corrupt.onnx"
@@ -99,10 +99,13 @@ def test_ordinary_mistakes_are_one_line_without_traceback(model_path, tmp_path):
              (["report", model_path, "--shape", "nope=8x8"], 2, "no input named"),
              (["compile", str(corrupt), "-o", str(tmp_path / "o")], 1, "error")]
     for argv, status, message in cases:
-        p = subprocess.run([sys.executable, "-m", "gac_torch", *argv], capture_output=True, text=True,
-                           timeout=300)
-        assert p.returncode == status, (argv, p.stderr)
-        assert message in p.stderr and "Traceback" not in p.stderr, (argv, p.stderr)
+        assert main(argv) == status, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    p = subprocess.run([sys.executable, "-m", "gac_torch", "report", str(tmp_path / "missing.onnx")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith("gac-torch: error: no such file"), p.stderr
+    assert "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "gac_torch", "--version"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.startswith("gac-torch ")
 
