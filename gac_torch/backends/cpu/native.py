@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from gac_torch.backends.base import Signature, SizeSpec
+from gac_torch.backends.cpu.builtins import BUILTINS_LL
 from gac_torch.errors import GacError
 
 OPT_MAX_IR_BYTES = 256 * 1024  # above this, skip the IR optimizer (see step 2)
@@ -70,6 +71,7 @@ def shared_object(llvm_ir: str) -> bytes:
         src = os.path.join(d, "m.ll")
         with open(src, "w") as f:
             f.write(llvm_ir)
+            f.write(BUILTINS_LL)  # what generic x86-64 code calls for f16/bf16 conversions
         if len(llvm_ir) <= OPT_MAX_IR_BYTES:
             _run([_llvm_tool("opt"), "-O2", src, "-o", os.path.join(d, "m.bc")], "opt")
             src = os.path.join(d, "m.bc")
