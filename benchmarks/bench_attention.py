@@ -5,7 +5,7 @@ sdpa_{f32,bf16}_{8x8x2500x32,4x16x4096x64} and encoder_layer_1x2500x256.
                                                     # JSON (group "attention"); else the small
                                                     # runner below (same method, table only)
 
-`group_attention` is the workload group for bench_h200.GROUPS (the lead moves it there).
+`group_attention` is the workload group "attention" of bench_h200.GROUPS.
 """
 
 from __future__ import annotations

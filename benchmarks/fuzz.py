@@ -19,7 +19,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_fuzz import KNOWN
+from test_fuzz import KNOWN  # noqa: E402  (tests/ on the path first)
 
 
 def _git(*args: str) -> str:

@@ -26,6 +26,9 @@ TARGET_KEYS = {
     "vortex_mode": None,     # vortex: "simx" | "functional"; default: simx when available
     "allow_tf32": None,      # cuda: f32 matmuls may use TF32; recorded from torch's flags at
                              # compile time (False forbids it; True cannot override torch)
+    "allow_tf32_conv": None,  # cuda: f32 convolutions may use TF32; from
+                             # torch.backends.cudnn.allow_tf32 (default True) at compile time;
+                             # False here or in allow_tf32 forbids it
 }
 
 
@@ -44,6 +47,7 @@ class Options:
     vortex_home: str | None = None  # vortex
     vortex_mode: str | None = None  # vortex
     allow_tf32: bool | None = None  # cuda
+    allow_tf32_conv: bool | None = None  # cuda
 
     def __getitem__(self, key: str) -> Any:
         if key not in _FIELDS:
@@ -70,6 +74,7 @@ def resolve(options: dict[str, Any] | Options | None, **overrides) -> Options:
     if unknown:
         raise OptionError(f"unknown gac option(s) {unknown}; valid options: {sorted(opts)}")
     opts.update(given)
+    opts["allow_tf32_conv"] = _allow_tf32_conv(opts["allow_tf32_conv"], opts["allow_tf32"])
     opts["allow_tf32"] = _allow_tf32(opts["allow_tf32"])
     if opts["dump_dir"] is None and os.environ.get("GAC_DUMP_DIR"):
         opts["dump_dir"] = os.environ["GAC_DUMP_DIR"]
@@ -140,3 +145,21 @@ def _allow_tf32(given: Any) -> bool:
     if given is not None and not isinstance(given, bool):
         raise OptionError("option 'allow_tf32' must be True or False")
     return torch_allows_tf32() and given is not False
+
+
+def torch_allows_tf32_conv() -> bool:
+    """What torch itself would do for an f32 convolution on CUDA right now (cuDNN's flag)."""
+    import torch
+
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+def precision_flags() -> tuple[bool, bool]:
+    """torch's flags a compiled graph's numerics depend on (dynamo does not guard cuDNN's)."""
+    return torch_allows_tf32(), torch_allows_tf32_conv()
+
+
+def _allow_tf32_conv(given: Any, given_matmul: Any) -> bool:
+    if given is not None and not isinstance(given, bool):
+        raise OptionError("option 'allow_tf32_conv' must be True or False")
+    return torch_allows_tf32_conv() and given is not False and given_matmul is not False

@@ -10,6 +10,10 @@ os.environ.setdefault("GAC_STRICT_INTERNAL", "1")
 # or the run asks for it (GAC_CACHE=1 in the environment).
 os.environ.setdefault("GAC_CACHE", "0")
 
+# Exact float32 convolutions unless a test asks for TF32: eager cuDNN and gac (which follows
+# torch.backends.cudnn.allow_tf32, True by default) would otherwise use TF32 and miss f32 tolerances.
+torch.backends.cudnn.allow_tf32 = False
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()

@@ -22,7 +22,7 @@ from gac_torch.legalize import decompositions
 from gac_torch.options import resolve
 from gac_torch.runtime.compiled import _evaluate
 from models import MODEL_TOL, build
-from test_cuda_pipeline import _FakeDriver
+from test_cuda_runtime import _FakeDriver
 from test_dynamic import _no_size_one_specialization
 
 SHAPES = [(1, 7), (2, 9), (64, 130), (5, 33), (17, 64), (64, 7), (1, 130), (33, 100)]

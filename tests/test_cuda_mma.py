@@ -64,8 +64,9 @@ def test_allow_tf32_follows_torch_at_compile_time() -> None:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_flag
         torch.set_float32_matmul_precision(saved_precision)
-    assert "mma" not in [s.name for s in compile_options({"arch": "sm_75"}).strategies]
-    assert [s.name for s in compile_options({"arch": "sm_80"}).strategies] == ["mma", "matmul", "reduce"]
+    assert [s.name for s in compile_options({"arch": "sm_75"}).strategies] == ["fused", "sgemm", "matmul", "reduce"]
+    assert [s.name for s in compile_options({"arch": "sm_80"}).strategies] == [
+        "flash", "fused", "igemm", "sgemm", "mma", "matmul", "reduce"]
 
 
 def _upstream_fragments(elem: str, k: int) -> dict[str, list[tuple[str, str]]]:
@@ -194,14 +195,14 @@ def test_mma_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch
     import numpy as np
 
     calls = []
-    real = cm._Numpy.barrier
+    real = cm.MmaNumpy.barrier
 
     def barrier(self):  # the loop's barrier (every one after the prologue's) is dropped
         calls.append(1)
         if len(calls) == 1:
             real(self)
 
-    monkeypatch.setattr(cm._Numpy, "barrier", barrier)
+    monkeypatch.setattr(cm.MmaNumpy, "barrier", barrier)
     A, B, C = (np.ones(s, np.float32) for s in (spec.a.shape, spec.b.shape, spec.c.shape))
     with pytest.raises(RaceError):
         cm.emulate(spec, plan, A, B, C)

@@ -8,6 +8,7 @@ gac, so autograd stays correct (unsupported backward ops fall back to eager like
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import re
 import warnings
@@ -20,7 +21,7 @@ from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_trace_globals
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
-from gac_torch.options import OptionError, resolve
+from gac_torch.options import OptionError, precision_flags, resolve
 from gac_torch.runtime import progress
 
 log = logging.getLogger("gac_torch")
@@ -103,27 +104,45 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    opts = resolve(options, **kw)
+    resolve(options, **kw)  # unknown or ill-typed options fail here, before tracing
     _check_mode(mode)
 
-    def compile_static(graph: torch.fx.GraphModule):
-        compiled = compile_graph(graph, opts)
+    def compile_now(graph: torch.fx.GraphModule):
+        compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
         compiled_graphs.append(compiled)
         progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
         return compiled.gm
 
     user_names = _user_names(gm)
 
+    def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
+        # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
+        # other precision flags than the compile's gets (and keeps) its own compilation
+        by_flags = {precision_flags(): first}
+
+        def call(*args):
+            fn = by_flags.get(precision_flags())
+            if fn is None:
+                fn = by_flags[precision_flags()] = compile_again(copy.deepcopy(pristine))
+            return fn(*args)
+
+        return call
+
+    def compile_static(graph: torch.fx.GraphModule):
+        pristine = copy.deepcopy(graph)  # (compiling rewrites the graph in place)
+        return per_flags(pristine, compile_now(graph), compile_now)
+
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
-        compiled, reason = compile_once_or_reason(graph, opts)
+        pristine = copy.deepcopy(graph)
+        compiled, reason = compile_once_or_reason(graph, resolve(options, **kw))
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)
-            return make_boxed_func(compiled.gm)
+            return make_boxed_func(per_flags(pristine, compiled.gm, compile_now))
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
-        return make_boxed_func(ShapeSpecializing(graph, compile_static, reason=reason))
+        return make_boxed_func(ShapeSpecializing(pristine, compile_static, reason=reason))
 
     forget_stale_dynamo_guards()
     try:

@@ -30,9 +30,9 @@ One CTA of WARPS_M x WARPS_N warps computes a BM x BN tile of C; warp (wm, wn) o
                 type, inside the matrix only
 
 The kernel body is written once (`_kernel`) against a small builder interface with two
-implementations: `_Text` emits the MLIR (`template`, a `func.func @tmpl(%A, %B, %C, %init)`
+implementations: `MmaText` emits the MLIR (`template`, a `func.func @tmpl(%A, %B, %C, %init)`
 holding one gpu.launch, the form backends/gpu/strategy.splice_template splices into a graph) and
-`_Numpy` executes it on the CPU, all threads of a block in lockstep, emulating mma.sync from the
+`MmaNumpy` executes it on the CPU, all threads of a block in lockstep, emulating mma.sync from the
 same fragment tables and checking every shared-memory access against the barriers (a read or
 write of an element another thread wrote or read since the last barrier is a race). `emulate`
 runs a whole grid that way; the tests compare it with numpy's matmul.
@@ -366,7 +366,7 @@ _WG = WORKGROUP
 _MMA_SHAPE = {"f16": (16, 8, 16), "bf16": (16, 8, 16), "tf32": (16, 8, 8)}
 
 
-class _Text(Text):
+class MmaText(Text):
     def __init__(self, spec: Spec, p: Plan):
         super().__init__()
         self.spec, self.p = spec, p
@@ -482,7 +482,7 @@ class _Text(Text):
 
 def template(spec: Spec, p: Plan) -> str:
     """`func.func @tmpl(%A, %B, %C, %init)` holding the gpu.launch (see the banner)."""
-    b = _Text(spec, p)
+    b = MmaText(spec, p)
     _kernel(b, spec, p)
     gx, gy, gz = p.grid
     head = [
@@ -501,7 +501,7 @@ def template(spec: Spec, p: Plan) -> str:
 # builder 2: numpy, one block at a time, threads in lockstep
 
 
-class _Numpy(Numpy):
+class MmaNumpy(Numpy):
     def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                  init: float, block: tuple[int, int, int]):
         super().__init__(p.threads, block)
@@ -596,5 +596,5 @@ def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
             for bx in range(p.grid[0]):
-                _kernel(_Numpy(spec, p, A, B, C, init, (bx, by, bz)), spec, p)
+                _kernel(MmaNumpy(spec, p, A, B, C, init, (bx, by, bz)), spec, p)
     return C

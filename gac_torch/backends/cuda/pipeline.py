@@ -92,9 +92,14 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 op.operation.erase()
         if not host.kernel_funcs(module):
             return GpuStage(module, stage.program, opts)
-        for f in host.kernel_funcs(module).values():
+        for name, f in host.kernel_funcs(module).items():
             host.store_i1_as_bytes(f)
             _align_workgroup_buffers(f)
+            if name.endswith(("_igemm", "_sgemm")):  # implicit GEMM (strategies/implicit_gemm.py):
+                # given only .maxntid, sm_90's ptxas caps registers near 80 and spills; asking for
+                # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
+                # epilogue spilled). Occupancy vs. registers is for tuning on the device.
+                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
         run_passes(
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "

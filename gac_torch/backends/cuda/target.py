@@ -54,7 +54,7 @@ def default_arch() -> str:
 def compile_options(options: dict | None) -> Any:
     """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
-    from gac_torch.backends.gpu.strategies import flash_attention, mma, reduce, simt_matmul
+    from gac_torch.backends.gpu.strategies import flash_attention, implicit_gemm, mma, reduce, simt_matmul
     from gac_torch.backends.gpu.strategy import GpuLimits
 
     arch = (options or {}).get("arch") or default_arch()
@@ -65,14 +65,24 @@ def compile_options(options: dict | None) -> Any:
         from gac_torch.options import torch_allows_tf32
 
         allow_tf32 = torch_allows_tf32()
+    conv_tf32 = (options or {}).get("allow_tf32_conv")
+    if conv_tf32 is None:  # likewise: cuDNN's flag, unless TF32 was forbidden outright
+        from gac_torch.options import torch_allows_tf32_conv
+
+        conv_tf32 = torch_allows_tf32_conv() and (options or {}).get("allow_tf32") is not False
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
                        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
     # Tried in order on each linalg op (flash: on each gac.attention call); what none takes
-    # becomes a `loops` kernel (a gac.attention call: inlined first).
+    # becomes a `loops` kernel (a gac.attention call: inlined first). igemm / sgemm take convs
+    # and multi-dim contractions (not plain matmuls: those go on to mma / matmul).
     mma_ok = int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH
+    igemm = implicit_gemm.Params(mma=mma_ok, allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))
     strategies = (
-        *([flash_attention.strategy(allow_tf32=bool(allow_tf32)),
-           mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
+        *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
+        implicit_gemm.fused_strategy(),
+        *([implicit_gemm.strategy(igemm, simt=False)] if mma_ok else []),
+        implicit_gemm.strategy(igemm, simt=True),
+        *([mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         simt_matmul.strategy(big_tile_min_blocks=256),
         reduce.strategy(reduce.ReduceParams(threads=256, warp_max=1024, min_extent=128)),
     )

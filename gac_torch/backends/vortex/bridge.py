@@ -13,11 +13,13 @@ simulator. Both run the same .vxbin bytes with the same argument blobs.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -26,12 +28,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .funcsim import FunctionalSimulator
+from .funcsim import HEAP_BASE, FunctionalSimulator
 from .target import DEFAULT_CONFIG, VortexConfig
+from .vxbin import read_vxbin
 from gac_torch.errors import GacError, TargetUnavailable
 
 __all__ = ["DeviceBuffer", "VortexDevice", "FunctionalDevice", "SimxDevice", "SimxError",
-           "VortexNotFound", "find_vortex", "simx_available"]
+           "SimxTimeout", "SimxWorkerDied", "SimxRuntimeError", "VortexApiMismatch",
+           "VortexNotFound", "VORTEX_API", "RUNTIME_SYMBOLS", "find_vortex", "is_retryable",
+           "launch_timeout", "simx_available"]
 
 Dims = Sequence[int] | int
 
@@ -44,14 +49,41 @@ class DeviceBuffer:
 
 
 class VortexDevice(ABC):
+    """`alloc` returns a buffer whose device memory is released when the DeviceBuffer object dies
+    (or at `free`). The release is deferred to the device's next request, since a finalizer may
+    run in the middle of another request to the SimX worker."""
+
     kind: str = ""
     config: VortexConfig
+    allocated_bytes: int = 0          # live device buffers, in bytes
+
+    def alloc(self, size: int) -> DeviceBuffer:
+        self._flush_released()
+        handle, address = self._alloc(size)
+        buf = DeviceBuffer(handle, address, size)
+        self.__dict__.setdefault("_finalizers", {})[handle] = weakref.finalize(
+            buf, _defer_release, weakref.ref(self), handle, size)
+        self.allocated_bytes += size
+        return buf
+
+    def free(self, buf: DeviceBuffer) -> None:
+        fin = self.__dict__.get("_finalizers", {}).get(buf.handle)
+        if fin is not None:
+            fin()                    # runs once: queues the release
+        self._flush_released()
+
+    def _flush_released(self) -> None:
+        pending = self.__dict__.get("_released")
+        if pending:
+            self.__dict__["_released"] = []
+            self._release(pending)
 
     @abstractmethod
-    def alloc(self, size: int) -> DeviceBuffer: ...
+    def _alloc(self, size: int) -> tuple[int, int]:
+        """(handle, device address) of a new buffer."""
 
     @abstractmethod
-    def free(self, buf: DeviceBuffer) -> None: ...
+    def _release(self, handles: list[int]) -> None: ...
 
     @abstractmethod
     def write(self, buf: DeviceBuffer, data: bytes, offset: int = 0) -> None: ...
@@ -86,6 +118,14 @@ class VortexDevice(ABC):
         self.close()
 
 
+def _defer_release(dev_ref: "weakref.ref[VortexDevice]", handle: int, size: int) -> None:
+    dev = dev_ref()
+    if dev is not None:
+        dev.__dict__.setdefault("_released", []).append(handle)
+        dev.__dict__["_finalizers"].pop(handle, None)
+        dev.allocated_bytes -= size
+
+
 def _as_bytes(data: Any) -> bytes:
     if isinstance(data, np.ndarray):
         return np.ascontiguousarray(data).tobytes()
@@ -108,17 +148,33 @@ class FunctionalDevice(VortexDevice):
         self.sim = FunctionalSimulator(config, **sim_kw)
         self._loaded: int | None = None
         self._module_count = 0
-        self._buffers: dict[int, DeviceBuffer] = {}
+        self._blocks: dict[int, tuple[int, int]] = {}     # handle -> (address, rounded size)
+        self._free_blocks: dict[int, list[int]] = {}      # rounded size -> addresses
         self._buffer_count = 0
 
-    def alloc(self, size: int) -> DeviceBuffer:
+    def _alloc(self, size: int) -> tuple[int, int]:
+        # freed blocks are reused by size class (64-byte multiples), else the bump allocator grows
+        rounded = max(64, (size + 63) // 64 * 64)
+        free = self._free_blocks.get(rounded)
+        if free:
+            addr = free.pop()
+            # zeroed like fresh memory: results must not depend on what ran before
+            self.sim.write(addr, bytes(rounded))
+        else:
+            addr = self.sim.alloc(rounded)
         self._buffer_count += 1
-        buf = DeviceBuffer(self._buffer_count, self.sim.alloc(size), size)
-        self._buffers[buf.handle] = buf
-        return buf
+        self._blocks[self._buffer_count] = (addr, rounded)
+        return self._buffer_count, addr
 
-    def free(self, buf: DeviceBuffer) -> None:
-        self._buffers.pop(buf.handle, None)       # bump allocator: memory is not reused
+    def _release(self, handles: list[int]) -> None:
+        for h in handles:
+            addr, rounded = self._blocks.pop(h)
+            self._free_blocks.setdefault(rounded, []).append(addr)
+
+    @property
+    def heap_bytes(self) -> int:
+        """Device memory the allocator has ever handed out (its high-water mark)."""
+        return self.sim._brk - HEAP_BASE
 
     def write(self, buf: DeviceBuffer, data: bytes, offset: int = 0) -> None:
         data = _as_bytes(data)
@@ -149,8 +205,64 @@ class VortexNotFound(TargetUnavailable):
     pass
 
 
+# The runtime API the bridge (simx_worker.py) calls, checked symbol by symbol at device open.
+VORTEX_API = "Vortex 3.0 (vortex2.h API; checked against vortexgpgpu/vortex v3.0 sources)"
+RUNTIME_SYMBOLS = (
+    "vx_device_open", "vx_device_release", "vx_device_query", "vx_device_mpm_query",
+    "vx_queue_create", "vx_queue_release", "vx_queue_finish",
+    "vx_buffer_create", "vx_buffer_address", "vx_buffer_release",
+    "vx_enqueue_write", "vx_enqueue_read", "vx_enqueue_launch",
+    "vx_module_load_bytes", "vx_module_get_kernel", "vx_module_release", "vx_kernel_release",
+    "vx_result_string",
+)
+
+
+class VortexApiMismatch(VortexNotFound):
+    """libvortex.so lacks functions the bridge calls: a build from another Vortex tree."""
+
+
 class SimxError(GacError, RuntimeError):
-    pass
+    """A SimX request failed. `retryable`: whether a fresh SimX may succeed (see is_retryable)."""
+
+    retryable = False
+
+
+class SimxTimeout(SimxError):
+    retryable = True
+
+
+class SimxWorkerDied(SimxError):
+    retryable = True
+
+
+class SimxRuntimeError(SimxError):
+    """The Vortex runtime returned an error, or the request was bad: deterministic."""
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """The one place that decides whether rerunning on a fresh SimX can help: only a timeout
+    (SimX here now and then never reports a finished launch) or a dead worker. An error the
+    runtime returned, a missing symbol or a bad argument fails the same way every time."""
+    return isinstance(exc, SimxError) and exc.retryable
+
+
+# Launch timeout = base + estimated work / a pessimistic SimX speed, capped. Work: the measured
+# warp-instruction count of the same launch (kernel, grid, block) when seen before, else
+# ceil(threads / lanes) warps x the image's instruction words (a loop-free guess, x LOOP_GUESS).
+TIMEOUT_BASE_S = 60.0
+TIMEOUT_MAX_S = 3600.0
+SIMX_SLOW_RATE = 5_000.0      # warp-instructions / s; SimX runs 40-100 k/s on the 2-core machine
+LOOP_GUESS = 8
+
+
+def launch_timeout(threads: int, lanes: int, code_words: int, known_instructions: int | None = None,
+                   base: float = TIMEOUT_BASE_S, rate: float = SIMX_SLOW_RATE,
+                   cap: float = TIMEOUT_MAX_S) -> float:
+    if known_instructions is not None:
+        work = float(known_instructions)
+    else:
+        work = math.ceil(threads / max(lanes, 1)) * float(code_words) * LOOP_GUESS
+    return min(cap, base + work / rate)
 
 
 _LIB_DIRS = ("runtime/lib", "sw/runtime", "build/sw/runtime", "lib", ".")
@@ -189,11 +301,15 @@ class SimxDevice(VortexDevice):
 
     kind = "simx"
 
-    def __init__(self, vortex_home: str | os.PathLike | None = None, timeout: float = 300.0,
+    def __init__(self, vortex_home: str | os.PathLike | None = None, timeout: float | None = None,
                  driver: str | None = None) -> None:
+        """timeout: seconds for every request (fixed); None: TIMEOUT_BASE_S for host requests and
+        launch_timeout(...) for launches."""
         driver = driver or os.environ.get("VORTEX_DRIVER", "simx")
         libdir = find_vortex(vortex_home, driver)
         self.timeout = timeout
+        self._code_words = 0
+        self._known: dict[tuple, int] = {}       # (kernel, grid, block) -> warp-instructions
         self._log = tempfile.NamedTemporaryFile(prefix="gac-simx-", suffix=".log", delete=False)
         parent, child = socket.socketpair()
         env = dict(os.environ, VORTEX_DRIVER=driver,
@@ -205,7 +321,17 @@ class SimxDevice(VortexDevice):
             env=env, cwd=tempfile.gettempdir())
         child.close()
         self._conn = Connection(parent.detach())
-        caps = self._call("open", str(libdir / "libvortex.so"))
+        lib = libdir / "libvortex.so"
+        try:
+            missing = self._call("check", str(lib), RUNTIME_SYMBOLS)
+            if missing:
+                raise VortexApiMismatch(
+                    f"{lib} lacks {', '.join(missing)}: the bridge needs {VORTEX_API}; point "
+                    "VORTEX_HOME at a build of that tree")
+            caps = self._call("open", str(lib))
+        except BaseException:
+            self.close()
+            raise
         self.config = VortexConfig(cores=caps["cores"], warps=caps["warps"], threads=caps["threads"])
         self.caps = caps
 
@@ -215,30 +341,37 @@ class SimxDevice(VortexDevice):
         except OSError:
             return ""
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
         if self._proc.poll() is not None:
-            raise SimxError(f"the SimX worker is gone (exit {self._proc.returncode}); open a new device")
+            raise SimxWorkerDied(f"the SimX worker is gone (exit {self._proc.returncode}); "
+                                 "open a new device")
+        if op not in ("check", "open", "close", "free"):
+            self._flush_released()
+        wait = self.timeout if self.timeout is not None else (timeout or TIMEOUT_BASE_S)
         try:
             self._conn.send((op, *args))
-            if not self._conn.poll(self.timeout):
+            if not self._conn.poll(wait):
                 self._proc.kill()
-                raise SimxError(f"SimX did not finish `{op}` within {self.timeout:.0f} s (hang?); "
-                                f"worker killed.\n{self._log_tail()}")
+                raise SimxTimeout(f"SimX did not finish `{op}` within {wait:.0f} s (hang?); "
+                                  f"worker killed.\n{self._log_tail()}")
             status, value = self._conn.recv()
         except (EOFError, OSError, BrokenPipeError) as e:
             self._proc.wait(timeout=10)
-            raise SimxError(f"SimX worker died during `{op}` (exit {self._proc.returncode}):\n"
-                            f"{self._log_tail()}") from e
+            raise SimxWorkerDied(f"SimX worker died during `{op}` (exit {self._proc.returncode}):\n"
+                                 f"{self._log_tail()}") from e
         if status != "ok":
-            raise SimxError(f"{op}: {value}\n{self._log_tail(1000)}")
+            raise SimxRuntimeError(f"{op}: {value}\n{self._log_tail(1000)}")
         return value
 
-    def alloc(self, size: int) -> DeviceBuffer:
+    def _alloc(self, size: int) -> tuple[int, int]:
         h, addr = self._call("alloc", size)
-        return DeviceBuffer(h, addr, size)
+        # zeroed, as on the functional device: a released block may come back with old data
+        self._call("write", h, 0, bytes(size))
+        return h, addr
 
-    def free(self, buf: DeviceBuffer) -> None:
-        self._call("free", buf.handle)
+    def _release(self, handles: list[int]) -> None:
+        if self._proc.poll() is None:
+            self._call("free", handles)
 
     def write(self, buf: DeviceBuffer, data: bytes, offset: int = 0) -> None:
         self._call("write", buf.handle, offset, _as_bytes(data))
@@ -247,13 +380,26 @@ class SimxDevice(VortexDevice):
         return self._call("read", buf.handle, offset, buf.size - offset if size is None else size)
 
     def load_module(self, vxbin: bytes) -> int:
+        self._code_words = len(read_vxbin(bytes(vxbin)).image) // 4
+        self._known.clear()
         return self._call("load", bytes(vxbin))
+
+    def launch_timeout(self, kernel: str, grid: Dims, block: Dims) -> float:
+        g, b = _dims3(grid), _dims3(block)
+        threads = math.prod(g) * math.prod(b)
+        return launch_timeout(threads, self.config.threads, self._code_words,
+                              self._known.get((kernel, g, b)))
 
     def launch(self, module: int, kernel: str, args: bytes, grid: Dims, block: Dims,
                lmem_size: int = 0) -> dict[str, Any]:
-        return self._call("launch", module, kernel, bytes(args), _dims3(grid), _dims3(block), lmem_size)
+        g, b = _dims3(grid), _dims3(block)
+        out = self._call("launch", module, kernel, bytes(args), g, b, lmem_size,
+                         timeout=self.launch_timeout(kernel, g, b))
+        self._known[(kernel, g, b)] = int(out["instructions"])
+        return out
 
     def close(self) -> None:
+        self.__dict__["_released"] = []       # the worker releases everything at close
         if self._proc.poll() is None:
             try:
                 self._conn.send(("close",))

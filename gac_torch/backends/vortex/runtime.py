@@ -3,14 +3,16 @@
 Per call: inputs are copied to device buffers, the kernels are launched in order (grid, block,
 lmem_size from the program), outputs are copied back into the torch tensors. Device buffers
 (one per argument plus one workspace laid out by the static memory plan) are allocated once per
-executable and kept (releasing them on SimX made later launches hang here). One device per
+executable and released when the executable dies (bridge: a DeviceBuffer frees its device
+memory when dropped; releases are batched into the device's next request). One device per
 (mode, VORTEX_HOME) is shared by every executable of the process;
 only one module is resident at a time (every image links at 0x80000000), so an executable
 reloads its .vxbin when another one ran in between.
 
 Counters of the last call: `executable.last_counters` (also `vortex.last_counters(compiled)`):
 summed `instructions` (warp instructions), `cycles` (SimX; None on the functional simulator),
-`divergent_branches` (functional: must be 0), `simx_restarts` (see SIMX_RETRIES) and
+`divergent_branches` (functional: must be 0), `simx_restarts` (see SIMX_RETRIES: only a
+timeout or a dead worker is retried, bridge.is_retryable) and
 `kernels`, one entry per launch.
 """
 
@@ -34,6 +36,7 @@ from gac_torch.backends.vortex.bridge import (
     VortexDevice,
     VortexNotFound,
     find_vortex,
+    is_retryable,
 )
 from gac_torch.backends.vortex.pipeline import VortexProgram
 from gac_torch.backends.vortex.target import pack_args
@@ -43,8 +46,9 @@ _DEVICES: dict[tuple[str, str], VortexDevice] = {}
 _RESIDENT: dict[int, int] = {}          # id(device) -> id(executable) whose module is loaded
 # SimX (the build here) now and then never reports a launch as finished — at random, about once
 # per 100-200 launches issued after an idle gap; the simulated kernel had completed. A launch
-# that exceeds the timeout kills the worker; the call is then rerun on a fresh SimX.
-SIMX_TIMEOUT_ENV = "GAC_VORTEX_SIMX_TIMEOUT"   # seconds per device request; default 300
+# that exceeds its timeout (bridge.launch_timeout: scales with the work) kills the worker; the
+# call is then rerun on a fresh SimX.
+SIMX_TIMEOUT_ENV = "GAC_VORTEX_SIMX_TIMEOUT"   # fixed seconds per device request (overrides scaling)
 SIMX_RETRIES = 2
 _SUMMED = ("instructions", "thread_instructions", "divergent_branches", "divergent_splits",
            "barriers", "ctas")
@@ -69,7 +73,8 @@ def device(mode: str, vortex_home: str | None) -> VortexDevice:
             except VortexNotFound as e:
                 raise TargetUnavailable(f"vortex_mode='simx': {e}; or pass "
                                         "options={'vortex_mode': 'functional'}") from e
-            dev = SimxDevice(vortex_home, timeout=float(os.environ.get(SIMX_TIMEOUT_ENV, "300")))
+            fixed = os.environ.get(SIMX_TIMEOUT_ENV)
+            dev = SimxDevice(vortex_home, timeout=float(fixed) if fixed else None)
         else:
             dev = FunctionalDevice()
         _DEVICES[key] = dev
@@ -135,8 +140,8 @@ class VortexExecutable:
             try:
                 self.last_counters = dict(self._run_once(inputs, outputs), simx_restarts=attempt)
                 return
-            except SimxError:
-                if self.mode != "simx" or attempt == SIMX_RETRIES:
+            except SimxError as e:
+                if self.mode != "simx" or attempt == SIMX_RETRIES or not is_retryable(e):
                     raise
                 _drop_device(self.device)
 

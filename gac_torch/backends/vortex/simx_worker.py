@@ -32,6 +32,12 @@ class _LaunchInfo(C.Structure):
                 ("lmem_size", C.c_uint32), ("cluster_dim", C.c_uint32 * 3)]
 
 
+def missing_symbols(libvortex: str, names: list[str]) -> list[str]:
+    """The functions of `names` that libvortex.so does not export (looked up, not called)."""
+    lib = C.CDLL(libvortex)
+    return [n for n in names if not hasattr(lib, n)]
+
+
 class Runtime:
     def __init__(self, libvortex: str) -> None:
         self.lib = lib = C.CDLL(libvortex)
@@ -65,8 +71,9 @@ class Runtime:
         self.buffers[h] = buf
         return h, addr.value
 
-    def free(self, h: int) -> None:
-        self.lib.vx_buffer_release(self.buffers.pop(h))
+    def free(self, handles: list[int]) -> None:
+        for h in handles:
+            self._check(self.lib.vx_buffer_release(self.buffers.pop(h)), "vx_buffer_release")
 
     def write(self, h: int, off: int, data: bytes) -> None:
         src = C.create_string_buffer(data, len(data))
@@ -137,7 +144,9 @@ def main() -> None:
         except EOFError:
             return
         try:
-            if op == "open":
+            if op == "check":
+                value = missing_symbols(*args)
+            elif op == "open":
                 rt = Runtime(args[0])
                 value = {k: rt.query(k) for k in CAPS}
             elif op == "close":

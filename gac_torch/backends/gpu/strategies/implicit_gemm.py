@@ -1,0 +1,584 @@
+"""Strategies `igemm` (tensor cores) and `sgemm` (exact f32, SIMT): a bufferized linalg.generic
+that is a contraction over dim *sets* with affine operand maps -- a convolution (M = n, oh, ow;
+N = f; K = c, kh, kw; batch = groups), or a GEMM with several M/N/K/batch dims or permuted
+operands -- on the implicit-GEMM template gac_torch/kernels/conv_gemm.py.
+
+Epilogue: when the op right after is an elementwise generic that is the result's only reader (a
+bias, BatchNorm-eval, ReLU, residual add, output cast), it runs in the kernel's store step and
+the intermediate buffer goes away.
+
+Precision: f16/bf16 operands use mma.sync with f32 accumulators; f32 ones use TF32 tensor cores
+when allowed (convolutions: torch.backends.cudnn.allow_tf32; other contractions: the matmul
+flags), else the exact SIMT kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from mlir import ir
+
+from gac_torch.backends.gpu.analysis import (
+    Generic, analyze, cast_chain, fill_before, map_dims, match_contraction,
+)
+from gac_torch.backends.gpu.irutil import (
+    VIEW_OPS, block_ops, buffer_root, defining_op, static_memref, top_level, users,
+)
+from gac_torch.backends.gpu.schedule import HOISTABLE
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.kernels import conv_gemm, cuda_mma
+from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+
+
+def _linear(e: ir.AffineExpr) -> tuple[dict[int, int], int] | None:
+    """An affine expression as ({dim: coefficient}, constant), or None (mod, floordiv, ...)."""
+    if isinstance(e, ir.AffineDimExpr):
+        return {e.position: 1}, 0
+    if isinstance(e, ir.AffineConstantExpr):
+        return {}, e.value
+    if isinstance(e, ir.AffineAddExpr):
+        x, y = _linear(e.lhs), _linear(e.rhs)
+        if x is None or y is None:
+            return None
+        out = dict(x[0])
+        for d, k in y[0].items():
+            out[d] = out.get(d, 0) + k
+        return out, x[1] + y[1]
+    if isinstance(e, ir.AffineMulExpr):
+        x, y = _linear(e.lhs), _linear(e.rhs)
+        if x is None or y is None:
+            return None
+        (lin, k), c = (x, y[1]) if not y[0] else (y, x[1]) if not x[0] else (None, None)  # type: ignore[assignment]
+        if lin is None:
+            return None
+        return {d: v * c for d, v in lin.items()}, k * c
+    return None
+
+
+def _body(g: Generic) -> tuple[list, list, bool] | None:
+    """(A's casts, B's casts, float) if the body is out + cast*(a) * cast*(b)."""
+    body = list(g.body.operations)
+    a, b, c = g.body.arguments
+    add = defining_op(body[-1].operands[0])
+    if add is None or add.name not in ("arith.addf", "arith.addi") or len(body) > 12:
+        return None
+    lhs, rhs = add.operands
+    prod = rhs if lhs == c else lhs if rhs == c else None
+    mul = defining_op(prod) if prod is not None else None
+    if mul is None or mul.name not in ("arith.mulf", "arith.muli"):
+        return None
+    x, z = mul.operands
+    ca, cb = cast_chain(x, a), cast_chain(z, b)
+    if ca is None or cb is None:
+        ca, cb = cast_chain(z, a), cast_chain(x, b)
+    if ca is None or cb is None or len(body) != len(ca) + len(cb) + 3:
+        return None
+    return ca, cb, add.name == "arith.addf"
+
+
+def _operand(v: ir.Value, m: ir.AffineMap) -> conv_gemm.Operand | None:
+    t = ir.MemRefType(v.type)
+    if not static_memref(v.type):
+        return None
+    terms = [_linear(e) for e in m.results]
+    if any(x is None for x in terms):
+        return None
+    strides, offset = t.get_strides_and_offset()
+    return conv_gemm.operand(str(t), str(t.element_type), tuple(t.shape), tuple(strides), offset,
+                             terms, m.n_dims)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Params:
+    mma: bool  # tensor cores (sm_80+)
+    allow_tf32: bool = False  # f32 multi-dim contractions may use TF32 (the matmul flags)
+    conv_allow_tf32: bool = False  # f32 convolutions likewise (torch.backends.cudnn.allow_tf32)
+    fuse_epilogue: bool = True  # the elementwise consumer runs in the store step
+    fuse_padding: bool = True  # a zero-padded input is read through bounds checks
+
+
+@dataclass
+class _Match:
+    g: Generic
+    spec: conv_gemm.Spec
+    plan: conv_gemm.Plan
+    pads: list
+    fill: tuple[ir.Operation, ir.Value] | None
+
+
+def strategy(params: Params, simt: bool) -> Strategy:
+    """`igemm` (simt=False: tensor-core kinds) or `sgemm` (simt=True: exact f32). Plain matmuls
+    (`match_contraction`) are left to the strategies after these. GAC_IMPLICIT_GEMM=0 bisects."""
+
+    def match(g: Generic, limits: GpuLimits) -> _Match | None:
+        if os.environ.get("GAC_IMPLICIT_GEMM") == "0" or match_contraction(g) is not None:
+            return None
+        m = _match(g, limits, params)
+        return m if m is not None and (m.spec.kind == "f32") == simt else None
+
+    def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
+        return _emit(m, name, params)
+
+    return Strategy("sgemm" if simt else "igemm", match, emit)
+
+
+def fused_strategy() -> Strategy:
+    """Erases the elementwise consumers an igemm/sgemm kernel took into its epilogue; first in
+    the list (the consumer comes after its producer, which marked it)."""
+
+    def emit(g: Generic, name: str, limits: GpuLimits) -> bool:
+        erase_fused(g.op)
+        return True
+
+    return Strategy("fused", lambda g, limits: g if FUSED in g.op.attributes else None, emit)
+
+
+def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
+    """The implicit-GEMM plan for `g`, or None (nothing is changed)."""
+    if len(g.inputs) != 2 or len(g.outputs) != 1 or g.dynamic:
+        return None
+    if not all(isinstance(v.type, ir.MemRefType) for v in (*g.inputs, *g.outputs)):
+        return None
+    out_dims = map_dims(g.maps[2])
+    par = [d for d, t in enumerate(g.iters) if t == "parallel"]
+    red = [d for d, t in enumerate(g.iters) if t == "reduction"]
+    if out_dims is None or sorted(out_dims) != par or not red:
+        return None
+    body = _body(g)
+    if body is None or not body[2]:
+        return None
+    a_casts, b_casts, _ = body
+    ops = [_operand(v, m) for v, m in zip((*g.inputs, *g.outputs), g.maps)]
+    if any(o is None for o in ops):
+        return None
+    # a zero padding written by a fill + copy right before is read through guards instead
+    pads = [_padding(g, i) if params.fuse_padding else None for i in range(2)]
+    for i, pad in enumerate(pads):
+        if pad is not None:
+            ops[i] = pad[1]
+    a, b, c = ops
+    used_a = {d for d, k in enumerate(a.coef) if k}  # type: ignore[union-attr]
+    used_b = {d for d, k in enumerate(b.coef) if k}  # type: ignore[union-attr]
+    r = tuple(g.ranges)
+    if any(d not in used_a or d not in used_b for d in red if r[d] > 1):
+        return None
+    batch = tuple(d for d in par if d in used_a and d in used_b)
+    ms = [d for d in par if d in used_a and d not in used_b]
+    ns = [d for d in par if d in used_b and d not in used_a]
+    if any(d not in used_a and d not in used_b and r[d] > 1 for d in par):
+        return None
+    # each set outermost first by C's (K: B's, then A's) address step: unit-stride runs last
+    ms.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
+    ns.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
+    ks = sorted(red, key=lambda d: (-b.coef[d], -a.coef[d], d))  # type: ignore[union-attr]
+    # a K dim whose extent is a multiple of 32 goes innermost (a conv: (kh, kw, c)): each K
+    # slice then shares the outer K dims, so the im2col indices are computed once per slice
+    wide = [d for d in ks if r[d] > 1]
+    if wide and r[wide[-1]] % 32 and any(r[d] % 32 == 0 for d in wide):
+        inner = max((d for d in wide if r[d] % 32 == 0), key=lambda d: r[d])
+        ks = [d for d in ks if d != inner] + [inner]
+    ms = ms or [d for d in par if r[d] == 1 and d not in batch][:1]
+    ns = ns or [d for d in par if r[d] == 1 and d not in batch and d not in ms][:1]
+    if not ms or not ns or math.prod(r[d] for d in ns) < 8:
+        return None  # (N under one mma tile's 8, e.g. depthwise: the reduce/loops kernels)
+    ea, eb, ec = a.elem, b.elem, c.elem  # type: ignore[union-attr]
+    widen = [("arith.extf", "f32")]
+    casts_ok = (a_casts in ([], widen) and b_casts in ([], widen)
+                and (ec == "f32" or (not a_casts and not b_casts)))
+    conv = any(not isinstance(e, ir.AffineDimExpr) for m in g.maps[:2] for e in m.results)
+    allow_tf32 = params.conv_allow_tf32 if conv else params.allow_tf32
+    kind = cuda_mma.mma_kind(ea, eb, ec, casts_ok, allow_tf32) if params.mma else None
+    if kind is None and ea == eb == ec == "f32" and not a_casts and not b_casts:
+        kind = "f32"
+    if kind is None:
+        return None
+    fill = fill_before(g.op, g.outputs[0])
+    spec = conv_gemm.Spec(kind, tuple(ms), tuple(ns), tuple(ks), batch, r, a, b, c,  # type: ignore[arg-type]
+                          fill is not None)
+    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
+    if plan is None:
+        return None
+    return _Match(g, spec, plan, pads, fill)
+
+
+def _emit(m: _Match, name: str, params: Params) -> bool:
+    g, spec, plan, pads, fill = m.g, m.spec, m.plan, m.pads, m.fill
+    ec = spec.c.elem
+    ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
+    fused = _epilogue(g, ins, fill[0] if fill is not None else None) if params.fuse_epilogue else None  # type: ignore[arg-type]
+    if fused is not None:
+        ops = block_ops(g.op.block)
+        for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
+            if op not in fused[0]:
+                op.move_before(g.op)  # views / constants the epilogue reads, defined in between
+        spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
+    if fused is not None and buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
+        fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
+    splice_template(conv_gemm.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
+                    fill[1] if fill is not None else None, ec, name)
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
+    for pad, v in zip(pads, g.inputs):
+        if pad is not None:  # (already passed by schedule.map_to_gpu's loop)
+            for op in pad[2]:
+                op.erase()
+            _erase_if_unused(buffer_root(v))
+    if fused is not None:  # erased by `fused_strategy` when the scheduler reaches them
+        for op in fused[0]:
+            op.attributes[FUSED] = ir.UnitAttr.get()
+    return True
+
+
+FUSED = "gac.fused_epilogue"  # an elementwise op that now runs in its producer's kernel
+
+
+def erase_fused(op: ir.Operation) -> None:
+    """Erase a consumer fused into a contraction's epilogue, and the intermediate it read."""
+    roots = [buffer_root(v) for v in op.operands if isinstance(v.type, ir.MemRefType)]
+    op.erase()
+    for root in roots:
+        _erase_if_unused(root)
+
+
+def _padding(g: Generic, i: int):
+    """(source, guarded operand, ops to erase) when input i is a scratch buffer P written only
+    by `fill P with 0` and `copy x -> subview(P)` (a zero padding of x) before g."""
+    v = g.inputs[i]
+    alloc = defining_op(v)
+    if alloc is None or alloc.name != "memref.alloc" or not static_memref(v.type):
+        return None
+    readers = [u for u in users(v) if u.name != "memref.dealloc"]
+    pt_rank = ir.MemRefType(v.type).rank
+    fills = [u for u in readers if u != g.op and u.name == "linalg.generic" and len(u.operands) == 1
+             and u.operands[0] == v and len(block_ops(u.regions[0].blocks[0])) == 1
+             and map_dims(ir.AffineMapAttr(u.attributes["indexing_maps"][0]).value) == list(range(pt_rank))]
+    copies = [u for u in readers if u not in fills and u != g.op]
+    if len(readers) != 3 or len(fills) != 1 or len(copies) != 1:
+        return None
+    fill, copy = fills[0], copies[0]
+    if not (fill.block == copy.block == g.op.block and fill.is_before_in_block(copy)
+            and copy.is_before_in_block(g.op)):
+        return None
+    value = block_ops(fill.regions[0].blocks[0])[0].operands[0]
+    cst = defining_op(value)
+    if cst is None or cst.name != "arith.constant" or not isinstance(cst.attributes["value"], ir.FloatAttr) \
+            or ir.FloatAttr(cst.attributes["value"]).value != 0.0:
+        return None
+    cg = analyze(copy)
+    if copy.name != "linalg.generic" or cg is None or len(cg.inputs) != 1 or len(cg.outputs) != 1:
+        return None
+    x, view = cg.inputs[0], cg.outputs[0]
+    sub = defining_op(view)
+    ident = list(range(len(cg.iters)))
+    body = block_ops(cg.body)
+    if (sub is None or sub.name != "memref.subview" or sub.operands[0] != v or len(body) != 1
+            or body[0].operands[0] != cg.body.arguments[0] or any(map_dims(m) != ident for m in cg.maps)
+            or not static_memref(x.type) or x.type == v.type):
+        return None
+    offsets = list(ir.DenseI64ArrayAttr(sub.attributes["static_offsets"]))
+    sizes = list(ir.DenseI64ArrayAttr(sub.attributes["static_sizes"]))
+    steps = list(ir.DenseI64ArrayAttr(sub.attributes["static_strides"]))
+    xt, pt = ir.MemRefType(x.type), ir.MemRefType(v.type)
+    if any(s != 1 for s in steps) or sizes != list(xt.shape) or len(sizes) != pt.rank:
+        return None
+    terms = [_linear(e) for e in g.maps[i].results]
+    if any(t is None for t in terms):
+        return None
+    shifted = [(lin, c0 - off) for (lin, c0), off in zip(terms, offsets)]  # type: ignore[misc]
+    guarded = tuple(j for j in range(pt.rank) if offsets[j] or sizes[j] != pt.shape[j])
+    strides, offset = xt.get_strides_and_offset()
+    op = conv_gemm.operand(str(xt), str(xt.element_type), tuple(xt.shape), tuple(strides), offset,
+                           shifted, g.maps[i].n_dims, guarded)
+    return x, op, [copy, sub, fill]
+
+
+def _dense(t: ir.MemRefType) -> bool:
+    strides, offset = t.get_strides_and_offset()
+    want, step = [], 1
+    for n in reversed(t.shape):
+        want.append(step)
+        step *= n
+    return offset == 0 and list(strides) == want[::-1]
+
+
+def _numel(t: ir.MemRefType) -> int:
+    n = 1
+    for x in t.shape:
+        n *= x
+    return n
+
+
+def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
+    """The elementwise generic right after `prev` (views and constants aside) that reads the
+    dense scratch buffer y once, at its own point, or None. Returns (generic, index of its y
+    input, (Operand, iteration space) per other input, those inputs, its output, y's root)."""
+    ops = block_ops(prev.block)
+    at = ops.index(prev) + 1
+    while at < len(ops) and (ops[at].name in HOISTABLE or ops[at].name == "arith.constant"):
+        at += 1  # views, allocations, constants: no memory touched in between
+    if at >= len(ops) or ops[at].name != "linalg.generic":
+        return None
+    e = analyze(ops[at])
+    if e is None or e.dynamic or len(e.outputs) != 1 or "reduction" in e.iters:
+        return None
+    root, yt = buffer_root(y), ir.MemRefType(y.type)
+    alloc = defining_op(root)
+    if alloc is None or alloc.name != "memref.alloc" or not _dense(yt) or _numel(yt) != _numel(ir.MemRefType(root.type)):
+        return None
+    readers = [k for k, v in enumerate(e.inputs) if isinstance(v.type, ir.MemRefType) and buffer_root(v) == root]
+    if len(readers) != 1:
+        return None
+    ky = readers[0]
+    vy = ir.MemRefType(e.inputs[ky].type)
+    ident = list(range(len(e.iters)))
+    if map_dims(e.maps[ky]) != ident or map_dims(e.maps[-1]) != ident or not _dense(vy) or _numel(vy) != _numel(yt):
+        return None
+    z = e.outputs[0]
+    zt = ir.MemRefType(z.type)
+    if (buffer_root(z) in avoid and not _renamable(z, e.op)) or not static_memref(z.type):
+        return None
+    if buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt)):
+        return None  # in place on y: only element for element
+    inputs: list = []
+    values: list[ir.Value] = []
+    for k, (v, m) in enumerate(zip(e.inputs, e.maps)):
+        if k == ky:
+            continue
+        if not isinstance(v.type, ir.MemRefType) or not static_memref(v.type):
+            return None
+        if buffer_root(v) == buffer_root(z) and (v.type != z.type or map_dims(m) != ident):
+            return None  # reads Z's buffer elsewhere than at the point it writes
+        op = _operand(v, m)
+        if op is None:
+            return None
+        inputs.append((op, tuple(e.ranges)))
+        values.append(v)
+    return e, ky, inputs, values, z, root
+
+
+def _dead_after(root: ir.Value, first: ir.Operation, last: ir.Operation, allowed: set) -> bool:
+    """Between `first` and `last` only `allowed` ops touch root, and after `last` its value is
+    never read: the next op that touches it overwrites all of it (a reused buffer's other
+    lifetimes, before and after, are no concern)."""
+    block = first.block
+    tops = {}
+    for u in users(root):
+        if u.name == "memref.dealloc":
+            continue
+        top = top_level(u, block)
+        if top.is_before_in_block(first):
+            continue
+        if top in allowed:
+            continue
+        if not last.is_before_in_block(top):
+            return False  # between the chain's ops
+        tops[top] = True
+    if not tops:
+        return True
+    nxt = min(tops, key=lambda o: block_ops(block).index(o))
+    if nxt.name != "linalg.generic":
+        return False
+    e = analyze(nxt)
+    if e is None or any(isinstance(v.type, ir.MemRefType) and buffer_root(v) == root for v in e.inputs):
+        return False
+    outs = [k for k, v in enumerate(e.outputs) if buffer_root(v) == root]
+    if len(outs) != 1:
+        return False
+    v = e.outputs[outs[0]]
+    arg = e.body.arguments[len(e.inputs) + outs[0]]
+    vt = ir.MemRefType(v.type)
+    return (not list(arg.uses) and map_dims(e.maps[len(e.inputs) + outs[0]]) == list(range(len(e.iters)))
+            and "reduction" not in e.iters and _dense(vt) and _numel(vt) == _numel(ir.MemRefType(root.type)))
+
+
+def _view_chain(z: ir.Value) -> list[ir.Operation]:
+    """The view ops from z's allocation down to z (outermost first)."""
+    chain = []
+    d = defining_op(z)
+    while d is not None and d.name in VIEW_OPS:
+        chain.append(d)
+        d = defining_op(d.operands[0])
+    return chain[::-1]
+
+
+def _renamable(z: ir.Value, at: ir.Operation) -> bool:
+    """z is (a view of) a whole scratch allocation that no other view made before `at` reaches
+    past it: from `at` on, another allocation can stand in for it (see _rename_from)."""
+    root = buffer_root(z)
+    d = defining_op(root)
+    if d is None or d.name != "memref.alloc":
+        return False
+    own = set(_view_chain(z))
+
+    def leaks(v: ir.Value) -> bool:
+        for use in v.uses:
+            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+            if o.name in VIEW_OPS and o not in own and o.block == at.block and o.is_before_in_block(at):
+                if any(not top_level(u, at.block).is_before_in_block(at) for u in users(o.results[0])):
+                    return True
+            elif o in own and leaks(o.results[0]):
+                return True
+        return False
+
+    return not leaks(root)
+
+
+def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
+    """A fresh allocation (made before `before`) takes over z's buffer from op `first` on: the
+    fused kernel must not write a buffer its own inputs are read from. Returns z's view of it."""
+    root = buffer_root(z)
+    fresh = defining_op(root).clone(ir.InsertionPoint(before)).results[0]
+    for use in list(root.uses):
+        o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        top = top_level(o, first.block)
+        if top == first or first.is_before_in_block(top):
+            o.operands[use.operand_number] = fresh
+    v = fresh
+    for view in _view_chain(z):  # z's own views, rebuilt on the fresh buffer
+        new = view.clone(ir.InsertionPoint(before))
+        new.operands[0] = v
+        v = new.results[0]
+    return v
+
+
+def _epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3):
+    """(consumer ops, Epilogue, its extra template arguments) for the longest chain (up to
+    `stages`) of elementwise generics after g, each reading the previous one's result (e.g. the
+    f32 -> bf16 -> f32 rounding in place, then BatchNorm + ReLU across a reshape), whose
+    intermediate buffers nothing else touches."""
+    conv_roots = {buffer_root(v) for v in ins}  # the kernel reads these until it ends
+    found: list = []
+    prev, y = g.op, g.outputs[0]
+    while len(found) < stages:
+        st = _consumer(prev, y, conv_roots)
+        if st is None or _body_ops(st[0]) is None or _operand(st[4], st[0].maps[-1]) is None:
+            break
+        found.append(st)
+        prev, y = st[0].op, st[4]
+    for n in range(len(found), 0, -1):
+        chain = found[:n]
+        final = buffer_root(chain[-1][4])
+        scratch = {st[5] for st in chain} | {buffer_root(st[4]) for st in chain[:-1]}
+        scratch.discard(final)
+        allowed = {g.op, *(st[0].op for st in chain)} | ({fill} if fill is not None else set())
+        if any(not _dead_after(r, g.op, chain[-1][0].op, allowed) for r in scratch):
+            continue
+        if any(buffer_root(v) in scratch | ({final} if final in {st[5] for st in chain} else set())
+               for st in chain for v in st[3]):
+            continue  # a stage reads an intermediate other than through its chain input
+        return chain_epilogue(chain, g)
+    return None
+
+
+def _over_conv_dims(x: tuple, g: Generic) -> tuple:
+    """(Operand over e-space S, S) -> (the same Operand over g's iteration dims, None) when S
+    only merges consecutive dims of g's output shape (addresses stay linear), else x."""
+    op, space = x
+    cdims, cshape = map_dims(g.maps[2]), list(ir.MemRefType(g.outputs[0].type).shape)
+    lin: list[dict[int, int]] = []
+    i = 0
+    for n in space:
+        form: dict[int, int] = {}
+        size = 1
+        while size < n and i < len(cshape):
+            for d in form:
+                form[d] *= cshape[i]
+            form[cdims[i]] = form.get(cdims[i], 0) + 1  # type: ignore[index]
+            size *= cshape[i]
+            i += 1
+        if size != n:
+            return x
+        lin.append(form)
+    if any(cshape[k] != 1 for k in range(i, len(cshape))):
+        return x
+    coef = [0] * len(g.iters)
+    for k, form in zip(op.coef, lin):
+        for d, mult in form.items():
+            coef[d] += k * mult
+    return conv_gemm.Operand(op.type, op.elem, tuple(coef), op.const, op.offset, op.span), None
+
+
+def chain_epilogue(chain: list, g: Generic):
+    inputs: list = [None]  # argument 0: the contraction's value
+    values: list[ir.Value] = []
+    ops: list[EOp] = []
+    result = None
+    for e, ky, more, vals, z, _ in chain:
+        body = _body_ops(e)
+        remap: dict = {}  # the stage's refs in the combined numbering; y is the previous value
+        j = 0
+        for k in range(len(e.inputs)):
+            if k == ky:
+                remap[k] = ("arg", 0) if result is None else result
+            else:
+                remap[k] = ("arg", len(inputs) + j)
+                j += 1
+        base = len(ops)
+
+        def fix(r, remap=remap, base=base):
+            return remap[r[1]] if r[0] == "arg" else ("op", r[1] + base) if r[0] == "op" else r
+
+        ops += [EOp(o.name, tuple(fix(r) for r in o.args), o.attrs, o.types, o.result) for o in body[0]]  # type: ignore[index]
+        result = fix(body[1])  # type: ignore[index]
+        inputs += more
+        values += vals
+    e, z = chain[-1][0], chain[-1][4]
+    out = _over_conv_dims((_operand(z, e.maps[-1]), tuple(e.ranges)), g)
+    inputs = [x if x is None else _over_conv_dims(x, g) for x in inputs]
+    return [st[0].op for st in chain], Epilogue(tuple(inputs), out, tuple(ops), result), [*values, z]  # type: ignore[arg-type]
+
+
+def _body_ops(e: Generic) -> tuple[tuple[EOp, ...], tuple] | None:
+    """The body as EOps (generic form), operands referring to block arguments, earlier ops or
+    constants from outside; None if it has regions, linalg.index or reads the output."""
+    args = list(e.body.arguments)
+    if list(args[-1].uses):
+        return None
+    refs: dict = {a: ("arg", i) for i, a in enumerate(args[:-1])}
+    out: list[EOp] = []
+
+    def ref(v: ir.Value):
+        if v in refs:
+            return refs[v]
+        d = defining_op(v)
+        if d is not None and d.name == "arith.constant" and d.block != e.body:
+            return ("const", str(d.attributes["value"]), str(v.type))
+        return None
+
+    ops = block_ops(e.body)
+    for op in ops[:-1]:
+        if op.regions or op.name.startswith("linalg.") or len(op.results) != 1:
+            return None
+        if op.name == "arith.constant":
+            refs[op.results[0]] = ("const", str(op.attributes["value"]), str(op.results[0].type))
+            continue
+        rs = [ref(v) for v in op.operands]
+        if any(x is None for x in rs):
+            return None
+        a = op.attributes
+        attrs = ", ".join(f"{a[i].name} = {a[i].attr}" for i in range(len(a)))
+        out.append(EOp(op.name, tuple(rs), "{" + attrs + "}" if attrs else "",
+                       tuple(str(v.type) for v in op.operands), str(op.results[0].type)))
+        refs[op.results[0]] = ("op", len(out) - 1)
+    result = ref(ops[-1].operands[0])
+    return (tuple(out), result) if result is not None else None
+
+
+def _erase_if_unused(root: ir.Value) -> None:
+    """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
+    alloc = defining_op(root)
+    if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in users(root)):
+        return
+
+    def drop(v: ir.Value) -> None:
+        for use in list(v.uses):
+            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+            if o.name in VIEW_OPS:
+                drop(o.results[0])
+            o.erase()
+
+    drop(root)
+    alloc.erase()

@@ -1,0 +1,558 @@
+"""Implicit-GEMM contraction for the cuda target: convolutions, batched and transposed GEMMs.
+
+    C[p] = init + sum over K of A[map_a(i)] * B[map_b(i)],   i = (batch, M, N, K) dims
+
+where M, N, K and batch are *sets* of iteration dims, linearised in-kernel (last fastest), and
+every operand element is addressed through its affine map, flattened to one linear form
+`addr = const + sum_d coef[d] * i[d]` over the buffer's flat view. A conv after bufferization
+(padding already applied) is one: M = (n, oh, ow), N = (f), K = (c, kh, kw), batch = (g),
+A[n, g, c, oh*s + kh*d, ow*s + kw*d] -- im2col happens while staging tiles into shared memory,
+never materialised.
+
+  kinds   f16 / bf16: mma.sync m16n8k16, f32 accumulators (cuda_mma's fragment tables)
+          tf32: f32 operands rounded with cvt.rna, mma.sync m16n8k8
+          f32:  exact SIMT: 16x16 threads, each a TM x TN register tile (FMA), 128-bit
+                shared-memory reads
+
+  1. locate     block (bx, by, bz) -> tile origin (n0 = bx*BN, m0 = by*BM), batch dims from bz
+  2. init       accumulators = the fused fill's value, or C at the accumulator's coordinates
+  3. prologue   K slice 0 of A and B -> shared buffer 0 (3a load, 3d stage), barrier
+  4. per K slice kt (BK deep), double-buffered:
+     4a. prefetch  slice kt+1 into registers: element (outer o, k) of the tile delinearises o
+                   and k into their dims and loads at the operand's linear address; whole
+                   vectors (up to 16 bytes) along the operand's unit-stride run of dims (the
+                   run's extent, every other coefficient and the offset divisible by the
+                   width), else scalars; outside M/N/K: zero, not loaded
+     4b. compute   mma: fragments from buffer kt%2 (cuda_mma's FRAG tables) -> mma.sync;
+                   simt: per k, TM values of A and TN of B (float4 reads) -> TM*TN FMAs
+     4c. stage     the prefetched registers -> buffer (kt+1)%2 (tf32: rounded first); mma keeps
+                   the global run's layout ([outer][k] or [k][outer]), simt always [k][outer]
+     4d. barrier   one per slice (buffer (kt+1)%2 complete; kt%2 free for slice kt+2)
+  5. store      each accumulator to C at its coordinates, rounded to C's type, inside only; or,
+                with an epilogue (gemm_epilogue.py), through the elementwise consumer to its output
+
+Written once (`kernel`) against cuda_mma's two builders, extended here: `_Text` (MLIR, a
+`func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch for backends/gpu/strategy.splice_template) and
+`_Numpy` in conv_gemm_twin.py (all threads of a block in lockstep, shared-memory races checked at
+the barriers; `emulate`, the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+from gac_torch.kernels import cuda_mma as mma
+from gac_torch.kernels import gemm_epilogue
+from gac_torch.kernels.builder import WORKGROUP
+from gac_torch.kernels.gemm_epilogue import Epilogue
+
+KINDS = ("f16", "bf16", "tf32", "f32")
+_ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A buffer as the kernel sees it: its memref type, and the linear address of the element at
+    iteration point i: const + sum_d coef[d] * i[d], relative to `offset` in a flat view of
+    `span` elements."""
+
+    type: str
+    elem: str
+    coef: tuple[int, ...]  # per iteration dim (0: not used)
+    const: int
+    offset: int
+    span: int
+    # a fused zero padding: elements where some 0 <= const + sum coef[d] * i[d] < upper fails
+    # read as 0 (not loaded); each guard is (coef, const, upper)
+    guards: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+
+    @property
+    def flat(self) -> str:
+        return f"memref<{self.span}x{self.elem}, strided<[1], offset: {self.offset}>>"
+
+
+def operand(type_text: str, elem: str, shape: tuple[int, ...], strides: tuple[int, ...],
+            offset: int, terms: list[tuple[dict[int, int], int]], ndims: int,
+            guarded: tuple[int, ...] = ()) -> Operand:
+    """From a strided memref and its indexing map as linear forms ({dim: coeff}, const) per
+    memref dim; `guarded` memref dims may be indexed outside [0, size) (a fused padding)."""
+    coef = [0] * ndims
+    const = 0
+    for st, (lin, c0) in zip(strides, terms):
+        for d, k in lin.items():
+            coef[d] += k * st
+        const += c0 * st
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 1
+    guards = tuple((tuple(terms[j][0].get(d, 0) for d in range(ndims)), terms[j][1], shape[j])
+                   for j in guarded)
+    return Operand(type_text, elem, tuple(coef), const, offset, span, guards)
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str  # f16 | bf16 | tf32 | f32
+    ms: tuple[int, ...]  # iteration dims, outermost first
+    ns: tuple[int, ...]
+    ks: tuple[int, ...]
+    batch: tuple[int, ...]
+    ranges: tuple[int, ...]
+    a: Operand
+    b: Operand
+    c: Operand
+    fill: bool  # accumulators start from %init (a fused fill) instead of C
+    epilogue: Epilogue | None = None  # the elementwise consumer of C, run in step 5 (C not stored)
+
+    def ext(self, dims: tuple[int, ...]) -> int:
+        return math.prod(self.ranges[d] for d in dims)
+
+    @property
+    def M(self) -> int:
+        return self.ext(self.ms)
+
+    @property
+    def N(self) -> int:
+        return self.ext(self.ns)
+
+    @property
+    def K(self) -> int:
+        return self.ext(self.ks)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """One operand's BK-deep slice: global loads of `vec` elements along k (glob_k) or along
+    the outer dims; shared tile [rows][cols + pad] per buffer, [outer][k] when smem_k."""
+
+    glob_k: bool
+    smem_k: bool
+    rows: int
+    cols: int
+    pad: int
+    vec: int
+    per_thread: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    bm: int
+    bn: int
+    bk: int
+    ks: int  # k per mma; 0 for simt
+    warps_m: int
+    warps_n: int
+    a: Staging
+    b: Staging
+    grid: tuple[int, int, int]
+    tm: int = 0  # simt register tile
+    tn: int = 0
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def mt(self) -> int:
+        return self.bm // self.warps_m // 16
+
+    @property
+    def nt(self) -> int:
+        return self.bn // self.warps_n // 8
+
+
+def smem_elem(kind: str) -> str:
+    return "f32" if kind in ("tf32", "f32") else kind
+
+
+def _run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[int, set[int]]:
+    """Extent and dims of the unit-stride run at the end of `dims` (unit-extent dims skipped:
+    they move no address)."""
+    run, inside = 1, set()
+    for d in reversed(dims):
+        if ranges[d] == 1:
+            inside.add(d)
+            continue
+        if op.coef[d] != run:
+            break
+        run *= ranges[d]
+        inside.add(d)
+    return run, inside
+
+
+def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
+             simt: bool) -> Staging | None:
+    r = spec.ranges
+    (run_k, in_k), (run_o, in_o) = _run(op, spec.ks, r), _run(op, outer, r)
+    # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows)
+    glob_k = run_k >= run_o
+    run, inside, cols_g = (run_k, in_k, bk) if glob_k else (run_o, in_o, tile_o)
+    es = _ESIZE[op.elem]
+    rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
+    vec = 1
+    if op.guards:  # a vector could straddle the padding's edge
+        return _fit(glob_k, simt, op, tile_o, bk, threads, 1)
+    # (tf32 at 4 wide: sm_90's ptxas caps the 64x64 kernel at 72 registers and spills; 2 wide not)
+    for v in ((8, 4, 2) if es == 2 else (4, 2) if simt else (2,)):
+        if (run % v == 0 and op.offset % v == 0 and op.const % v == 0 and all(k % v == 0 for k in rest)
+                and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
+            vec = v
+            break
+    return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
+
+
+def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
+    es = _ESIZE[op.elem]
+    if (tile_o * bk // vec) % threads:
+        return None
+    smem_k = glob_k and not simt
+    rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
+    # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
+    pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
+    return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads)
+
+
+def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
+         smem_limit: int = 48 * 1024, big: bool | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
+    when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64."""
+    if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
+        return None
+    e = smem_elem(spec.kind)
+    if spec.a.elem != e or spec.b.elem != e:
+        return None
+    batch = spec.ext(spec.batch)
+    if big is None:
+        big = -(-spec.M // 128) * -(-spec.N // 128) * batch >= mma.SM_COUNT_HINT
+    simt = spec.kind == "f32"
+    if not big:  # (8 warps here too: at 4, sm_90's ptxas caps registers low and spills)
+        bm, bn, wm, wn = 64, 64, 2, 4
+    elif spec.N <= 64:
+        bm, bn, wm, wn = 128, 64, 4, 2
+    else:
+        bm, bn, wm, wn = 128, 128, 2, 4
+    if simt:
+        wm, wn = 2, 4  # 256 threads as 16 x 16
+        bk, ks, tm, tn = 16, 0, bm // 16, bn // 16
+    else:
+        bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
+    threads = 32 * wm * wn
+    sa = _staging(spec, spec.a, spec.ms, bm, bk, threads, simt)
+    sb = _staging(spec, spec.b, spec.ns, bn, bk, threads, simt)
+    if sa is None or sb is None:
+        return None
+    grid = (-(-spec.N // bn), -(-spec.M // bm), batch)
+    if any(x > lim for x, lim in zip(grid, max_grid)):
+        return None
+    p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn)
+    if smem_bytes(p, spec) > smem_limit:
+        return None
+    return p
+
+
+def smem_bytes(p: Plan, spec: Spec) -> int:
+    es = _ESIZE[smem_elem(spec.kind)]
+    return sum(2 * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel, once, against a builder
+
+
+def _split(b: Any, lin: Any, dims: tuple[int, ...], ranges: tuple[int, ...]) -> dict[int, Any]:
+    """Row-major indices of linear index `lin` over `dims` (last fastest)."""
+    out: dict[int, Any] = {}
+    for j in range(len(dims) - 1, -1, -1):
+        n = ranges[dims[j]]
+        if j == 0:
+            out[dims[j]] = lin
+        elif n == 1:
+            out[dims[j]] = b.const(0)
+        else:
+            out[dims[j]] = b.rem(lin, b.const(n))
+            lin = b.div(lin, b.const(n))
+    return out
+
+
+def _addr(b: Any, op: Operand, ivs: dict[int, Any], dims: tuple[int, ...], base: Any = None) -> Any:
+    """base + sum of coef[d] * i[d] over `dims`."""
+    acc = base
+    for d in dims:
+        k = op.coef[d]
+        if k == 0:
+            continue
+        term = ivs[d] if k == 1 else b.mul(ivs[d], b.const(k))
+        acc = term if acc is None else b.add(acc, term)
+    return b.const(0) if acc is None else acc
+
+
+def kernel(b: Any, spec: Spec, p: Plan) -> None:
+    T, BM, BN, BK = p.threads, p.bm, p.bn, p.bk
+    simt, tf32 = spec.kind == "f32", spec.kind == "tf32"
+    c, R = b.const, spec.ranges
+    # 1. locate
+    tid = b.tid()
+    bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
+    m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(BN))
+    bat = _split(b, bz, spec.batch, R) if spec.batch else {}
+
+    def base(op: Operand) -> Any:  # the batch part of an operand's address
+        return _addr(b, op, bat, spec.batch, c(op.const))
+
+    a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
+
+    def coords(which: str, i: int) -> tuple[Any, Any]:
+        """(outer, k) offsets inside the tile of the i-th vector a thread loads."""
+        st = p.a if which == "A" else p.b
+        tile_o = BM if which == "A" else BN
+        v = b.add(tid, c(i * T))
+        if st.glob_k:
+            per = BK // st.vec
+            return b.div(v, c(per)), b.mul(b.rem(v, c(per)), c(st.vec))
+        per = tile_o // st.vec
+        return b.mul(b.rem(v, c(per)), c(st.vec)), b.div(v, c(per))
+
+    # 3a / 4a: a slice's global loads. When the innermost K dim's extent is a multiple of BK
+    # (a conv's channels, K ordered (kh, kw, c)), only kbase is delinearised, once per slice.
+    uniform = len(spec.ks) > 1 and R[spec.ks[-1]] % BK == 0
+
+    def load_slice(which: str, kbase: Any) -> list[Any]:
+        op, st = (spec.a, p.a) if which == "A" else (spec.b, p.b)
+        outer, o0, ext_o = (spec.ms, m0, spec.M) if which == "A" else (spec.ns, n0, spec.N)
+        obase = a_base if which == "A" else b_base
+        vals = []
+        for i in range(st.per_thread):
+            lo, lk = coords(which, i)
+            oi, ki = b.add(o0, lo), b.add(kbase, lk)
+            ok = b.and_(b.lt(oi, c(ext_o)), b.lt(ki, c(spec.K)))
+            io = _split(b, oi, outer, R)
+            if uniform:  # the slice shares every K dim but the last: split kbase, add lk
+                ik = dict(_split(b, kbase, spec.ks, R))
+                ik[spec.ks[-1]] = b.add(ik[spec.ks[-1]], lk)
+            else:
+                ik = _split(b, ki, spec.ks, R)
+            addr = _addr(b, op, io, outer, obase)  # loop-invariant part
+            addr = _addr(b, op, ik, spec.ks, addr)
+            for gc, g0, upper in op.guards:  # fused padding: outside reads as 0
+                gop = Operand("", "", gc, 0, 0, 0)
+                at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
+                ok = b.and_(ok, b.inb(at, c(upper)))
+            vals.append(b.load_flat(which, addr, st.vec, ok))
+        return vals
+
+    # 3d / 4c: stage registers into a buffer
+    def stage(which: str, buf: Any, vals: list[Any]) -> None:
+        st = p.a if which == "A" else p.b
+        for i, val in enumerate(vals):
+            lo, lk = coords(which, i)
+            if tf32:
+                val = b.round_tf32(val, st.vec)
+            if st.smem_k:
+                b.store_smem(which, [buf, lo, lk], val, st.vec)
+            elif st.glob_k:  # simt: transpose k-runs into the [k][outer] tile
+                for j in range(st.vec):
+                    b.store_smem1(which, [buf, b.add(lk, c(j)), lo], b.extract(val, j, st.vec))
+            else:
+                b.store_smem(which, [buf, lk, lo], val, st.vec)
+
+    # accumulator coordinates (row in M tile, col in N tile) and their order in `accs`
+    if simt:
+        tx, ty = b.rem(tid, c(16)), b.div(tid, c(16))
+        m_fast = spec.c.coef[spec.ms[-1]] == 1  # lanes along C's contiguous side
+        tr, tc = (tx, ty) if m_fast else (ty, tx)
+        rows = [b.add(b.mul(tr, c(4)), c((i % 4) + (i // 4) * 64)) for i in range(p.tm)]
+        cols = [b.add(b.mul(tc, c(4)), c((j % 4) + (j // 4) * 64)) for j in range(p.tn)]
+        places = [(i, j) for i in range(p.tm) for j in range(p.tn)]
+    else:
+        warp, lane = b.div(tid, c(32)), b.rem(tid, c(32))
+        g, t = b.div(lane, c(4)), b.rem(lane, c(4))
+        wm, wn = b.div(warp, c(p.warps_n)), b.rem(warp, c(p.warps_n))
+        wrow, wcol = b.mul(wm, c(p.mt * 16)), b.mul(wn, c(p.nt * 8))
+        rows = [b.add(wrow, b.add(g, c(i * 16 + r))) for i in range(p.mt) for r in (0, 8)]
+        cols = [b.add(wcol, b.add(b.mul(t, c(2)), c(j * 8 + q))) for j in range(p.nt) for q in (0, 1)]
+        places = [(2 * i + rq // 8, 2 * j + cq) for i in range(p.mt) for j in range(p.nt)
+                  for rq, cq in mma.FRAG_C]
+
+    row_iv: dict[int, dict[int, Any]] = {}  # per accumulator row / column: its M / N indices
+    col_iv: dict[int, dict[int, Any]] = {}
+
+    def out_points() -> list[tuple[Any, Any]]:
+        """(C address, inside) per accumulator."""
+        r_at, c_at = {}, {}
+        for i, row in enumerate(rows):
+            gm = b.add(m0, row)
+            row_iv[i] = _split(b, gm, spec.ms, R)
+            r_at[i] = (_addr(b, spec.c, row_iv[i], spec.ms, c_base), b.lt(gm, c(spec.M)))
+        for j, col in enumerate(cols):
+            gn = b.add(n0, col)
+            col_iv[j] = _split(b, gn, spec.ns, R)
+            c_at[j] = (_addr(b, spec.c, col_iv[j], spec.ns), b.lt(gn, c(spec.N)))
+        return [(b.add(r_at[i][0], c_at[j][0]), b.and_(r_at[i][1], c_at[j][1])) for i, j in places]
+
+    def direct(i: int, j: int) -> Any:
+        """Address of an epilogue operand given over the contraction's own dims at (i, j)."""
+        return lambda op: b.add(_addr(b, op, row_iv[i], spec.ms, _addr(b, op, bat, spec.batch, c(op.const))),
+                                _addr(b, op, col_iv[j], spec.ns))
+
+    # 2. init
+    if spec.fill:
+        accs = [b.init_f32()] * len(places)
+    else:
+        accs = [b.load_cflat(addr, ok) for addr, ok in out_points()]
+
+    # 3. prologue
+    zero = c(0)
+    stage("A", zero, load_slice("A", zero))
+    stage("B", zero, load_slice("B", zero))
+    b.barrier()
+
+    def frag_load(which: str, buf: Any, outer: Any, k: Any, pair: bool) -> Any:
+        st = p.a if which == "A" else p.b
+        if st.smem_k:  # [outer][k]
+            return b.load_smem(which, [buf, outer, k], 2 if pair else 1)
+        if not pair:
+            return b.load_smem(which, [buf, k, outer], 1)
+        return b.pack(b.load_smem(which, [buf, k, outer], 1),
+                      b.load_smem(which, [buf, b.add(k, c(1)), outer], 1))
+
+    def mma_step(buf: Any, k0: int, accs: list[Any]) -> list[Any]:
+        fa, fb = [], []
+        for i in range(p.mt):
+            regs = []
+            for r, cc in (mma.FRAG_A8 if tf32 else mma.FRAG_A16):
+                row = b.add(wrow, b.add(g, c(i * 16 + r)))
+                col = b.add(t, c(k0 + cc)) if tf32 else b.add(b.mul(t, c(2)), c(k0 + cc))
+                regs.append(frag_load("A", buf, row, col, not tf32))
+            fa.append(regs)
+        for j in range(p.nt):
+            n = b.add(wcol, b.add(g, c(j * 8)))
+            regs = []
+            for kk in (mma.FRAG_B8 if tf32 else mma.FRAG_B16):
+                k = b.add(t, c(k0 + kk)) if tf32 else b.add(b.mul(t, c(2)), c(k0 + kk))
+                regs.append(frag_load("B", buf, n, k, not tf32))
+            fb.append(regs)
+        for i in range(p.mt):
+            for j in range(p.nt):
+                at = (i * p.nt + j) * 4
+                accs[at:at + 4] = b.mma(spec.kind, fa[i], fb[j], accs[at:at + 4])
+        return accs
+
+    def simt_step(buf: Any, kk: int, accs: list[Any]) -> list[Any]:
+        av = [b.load_smem("A", [buf, c(kk), b.add(b.mul(tr, c(4)), c(64 * h))], 4) for h in range(p.tm // 4)]
+        bv = [b.load_smem("B", [buf, c(kk), b.add(b.mul(tc, c(4)), c(64 * h))], 4) for h in range(p.tn // 4)]
+        xa = [b.extract(av[i // 4], i % 4, 4) for i in range(p.tm)]
+        xb = [b.extract(bv[j // 4], j % 4, 4) for j in range(p.tn)]
+        return [b.fma(xa[i], xb[j], accs[n]) for n, (i, j) in enumerate(places)]
+
+    # 4. K slices
+    def body(kt: Any, accs: list[Any]) -> list[Any]:
+        buf = b.rem(kt, c(2))
+        nbuf = b.sub(c(1), buf)
+        kn = b.mul(b.add(kt, c(1)), c(BK))
+        next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
+        accs = list(accs)
+        if simt:  # 4b
+            for kk in range(BK):
+                accs = simt_step(buf, kk, accs)
+        else:
+            for s in range(BK // p.ks):
+                accs = mma_step(buf, s * p.ks, accs)
+        stage("A", nbuf, next_a)  # 4c
+        stage("B", nbuf, next_b)
+        b.barrier()  # 4d
+        return accs
+
+    accs = b.loop(-(-spec.K // BK), accs, body)
+    # 5. store
+    for (addr, ok), val, (i, j) in zip(out_points(), accs, places):
+        if spec.epilogue is not None:
+            gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
+        else:
+            b.store_cflat(addr, val, ok)
+
+
+# --------------------------------------------------------------------------------------------
+# builder 1: MLIR text (cuda_mma's, plus flat global access, scalar smem stores and FMAs)
+
+
+class _Text(gemm_epilogue.TextMixin, mma.MmaText):
+    def __init__(self, spec: Spec, p: Plan):
+        super().__init__(spec, p)  # type: ignore[arg-type]
+        self.e = smem_elem(spec.kind)
+        self.smem = {w: f"memref<2x{s.rows}x{s.cols + s.pad}x{self.e}, {WORKGROUP}>"
+                     for w, s in (("A", p.a), ("B", p.b))}
+
+    def load_flat(self, which: str, addr: str, vec: int, ok: str) -> str:
+        # branch-free: outside the tile, load element 0 (always valid) and select zero, so all
+        # of a slice's loads can be in flight at once
+        op = self.spec.a if which == "A" else self.spec.b
+        vt = f"vector<{vec}x{op.elem}>"
+        at, ld, z, r = self.fresh(), self.fresh(), self.fresh(), self.fresh()
+        self.w(f"{at} = arith.select {ok}, {addr}, {self.const(0)} : index")
+        self.w(f"{ld} = vector.load %{which}f[{at}] {{alignment = {vec * _ESIZE[op.elem]}}} : {op.flat}, {vt}")
+        self.w(f"{z} = arith.constant dense<0.0> : {vt}")
+        self.w(f"{r} = arith.select {ok}, {ld}, {z} : {vt}")
+        return r
+
+    def inb(self, x: str, upper: str) -> str:
+        return self.lt(x, upper)  # unsigned: a negative index is huge
+
+    def extract(self, val: str, j: int, vec: int) -> str:
+        r = self.fresh()
+        self.w(f"{r} = vector.extract {val}[{j}] : {self.e} from vector<{vec}x{self.e}>")
+        return r
+
+    def store_smem1(self, which: str, idx: list[str], val: str) -> None:
+        self.w(f"memref.store {val}, %S{which}[{', '.join(idx)}] : {self.smem[which]}")
+
+    def fma(self, x: str, y: str, acc: str) -> str:
+        p, s = self.fresh(), self.fresh()  # contract: LLVM fuses these into one fma.rn.f32
+        self.w(f"{p} = arith.mulf {x}, {y} fastmath<contract> : f32")
+        self.w(f"{s} = arith.addf {acc}, {p} fastmath<contract> : f32")
+        return s
+
+    def load_cflat(self, addr: str, ok: str) -> str:
+        ec = self.spec.c.elem
+        r, x = self.fresh(), self.fresh()
+        self.w(f"{r} = scf.if {ok} -> (f32) {{")
+        self.w(f"  {x} = memref.load %Cf[{addr}] : {self.spec.c.flat}")
+        y = self._to_f32(x, ec)
+        z = self.fresh()
+        self.w(f"  scf.yield {y} : f32\n}} else {{\n  {z} = arith.constant 0.0 : f32\n  scf.yield {z} : f32\n}}")
+        return r
+
+    def store_cflat(self, addr: str, val: str, ok: str) -> None:
+        ec = self.spec.c.elem
+        self.w(f"scf.if {ok} {{")
+        if ec != "f32":
+            r = self.fresh()
+            self.w(f"  {r} = arith.truncf {val} : f32 to {ec}")
+            val = r
+        self.w(f"  memref.store {val}, %Cf[{addr}] : {self.spec.c.flat}\n}}")
+
+
+def template(spec: Spec, p: Plan) -> str:
+    """`func.func @tmpl(%A, %B, %C, %init)` holding the gpu.launch (see the banner)."""
+    b = _Text(spec, p)
+    kernel(b, spec, p)
+    gx, gy, gz = p.grid
+    ep = spec.epilogue
+    extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
+    flat = []
+    uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
+    for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):
+        flat.append(f"%{name}f = memref.reinterpret_cast %{name} to offset: [{op.offset}], "
+                    f"sizes: [{op.span}], strides: [1] : {op.type} to {op.flat}")
+    head = [
+        f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
+        + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {spec.c.elem}) {{",
+        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+        f"%nt = arith.constant {p.threads} : index",
+        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+         f"workgroup(%SA : {b.smem['A']}, %SB : {b.smem['B']}) {{"),
+        *flat,
+    ]
+    return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])

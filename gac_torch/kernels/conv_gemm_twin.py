@@ -1,0 +1,87 @@
+"""The numpy twin of kernels/conv_gemm.py's implicit-GEMM kernel: `_Numpy` runs `conv_gemm.kernel`
+on the CPU, all threads of a block in lockstep, shared-memory races checked at the barriers;
+`emulate` runs a whole grid (tests/test_conv_gemm.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gac_torch.kernels import cuda_mma as mma
+from gac_torch.kernels import gemm_epilogue
+from gac_torch.kernels.builder import round_to
+from gac_torch.kernels.conv_gemm import Operand, Plan, Spec, kernel, smem_elem
+
+
+# --------------------------------------------------------------------------------------------
+# builder 2: numpy, one block at a time, threads in lockstep
+
+
+class _Numpy(gemm_epilogue.NumpyMixin, mma.MmaNumpy):
+    def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
+                 init: float, block: tuple[int, int, int]):
+        super().__init__(spec, p, A, B, C, init, block)  # type: ignore[arg-type]
+        self.e = smem_elem(spec.kind)
+
+    def load_flat(self, which: str, addr: np.ndarray, vec: int, ok: np.ndarray) -> np.ndarray:
+        buf = self.A if which == "A" else self.B
+        out = np.zeros((self.T, vec), dtype=np.float32)
+        for i in range(vec):
+            at = np.where(ok, addr + i, 0)
+            assert ((at >= 0) & (at < buf.size)).all(), "global load out of bounds"
+            out[:, i] = np.where(ok, buf[at], 0.0)
+        assert not np.isnan(out).any(), f"{which}: load of an element outside the buffer's view"
+        return out
+
+    def inb(self, x: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        return (x >= 0) & (x < upper)
+
+    def extract(self, val: np.ndarray, j: int, vec: int) -> np.ndarray:
+        return val[:, j]
+
+    def store_smem1(self, which: str, idx: list[np.ndarray], val: np.ndarray) -> None:
+        self.store_smem(which, idx, val[:, None], 1)
+
+    def fma(self, x: np.ndarray, y: np.ndarray, acc: np.ndarray) -> np.ndarray:
+        return (x.astype(np.float64) * y + acc).astype(np.float32)  # one rounding, as fma
+
+    def load_cflat(self, addr: np.ndarray, ok: np.ndarray) -> np.ndarray:
+        return np.where(ok, self.C[np.where(ok, addr, 0)], 0.0).astype(np.float32)
+
+    def store_cflat(self, addr: np.ndarray, val: np.ndarray, ok: np.ndarray) -> None:
+        at = addr[ok]
+        assert ((at >= 0) & (at < self.C.size)).all(), "C store out of bounds"
+        assert len(np.unique(at)) == len(at), "two threads store one C element"
+        self.C[at] = round_to(val[ok], self.spec.c.elem)
+
+
+def _flat(arr: np.ndarray, op: Operand, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """The operand's flat view (from `offset`), holes NaN so that reading one is caught."""
+    flat = np.full(op.span, np.nan, dtype=np.float32)
+    view = np.lib.stride_tricks.as_strided(flat, shape, tuple(s * 4 for s in strides))
+    view[...] = arr
+    return flat
+
+
+def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
+            strides: tuple[tuple[int, ...], ...], init: float = 0.0,
+            epi: tuple[tuple[np.ndarray, tuple[int, ...]] | None, ...] = (),
+            out: tuple[np.ndarray, tuple[int, ...]] | None = None) -> np.ndarray:
+    """Run the kernel on the CPU. A, B, C are arrays shaped like the memrefs, whose strides
+    (elements) are `strides`; returns C's new flat view (f32 holding values rounded to C's type),
+    or with an epilogue Z's (`epi`: (array, strides) per epilogue input, None for Y; `out`: Z).
+    Raises RaceError on a shared-memory race, AssertionError on out-of-range accesses."""
+    rnd = "f32" if spec.kind in ("tf32", "f32") else spec.kind
+    fa = _flat(round_to(A, rnd), spec.a, A.shape, strides[0])
+    fb = _flat(round_to(B, rnd), spec.b, B.shape, strides[1])
+    fc = _flat(np.asarray(C, np.float32), spec.c, C.shape, strides[2])
+    ep = spec.epilogue
+    fe = [None if x is None else _flat(np.asarray(x[0], np.float32), op[0], x[0].shape, x[1])
+          for x, op in zip(epi, ep.inputs)] if ep is not None else []
+    fz = _flat(np.asarray(out[0], np.float32), ep.out[0], out[0].shape, out[1]) if ep is not None else None
+    for bz in range(p.grid[2]):
+        for by in range(p.grid[1]):
+            for bx in range(p.grid[0]):
+                k = _Numpy(spec, p, fa, fb, fc, init, (bx, by, bz))
+                k.E, k.Z = fe, fz
+                kernel(k, spec, p)
+    return fc if ep is None else fz

@@ -1,0 +1,191 @@
+"""Epilogue of the implicit-GEMM kernel (conv_gemm.py): an elementwise op that consumes the
+contraction's result runs in the kernel's store step instead of as its own pass.
+
+    Z[e] = body(Y[e], X1[map1(e)], X2[map2(e)], ...)      e over Y's elements, row-major
+
+(bias, ReLU, BatchNorm-eval scale/shift, residual add, the output cast: whatever elementwise
+generics follow, chained through scratch buffers, each possibly over its own reshaped view of
+Y: every operand carries the iteration space its index e is taken in). Per accumulator: 1. the
+value rounded to Y's type, 2. its flat index in Y delinearised into e (per space), 3. each other
+operand loaded at its linear address in e, 4. the body's ops (generic MLIR form in the text
+builder, a numpy table in the twin), 5. the store to Z.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gac_torch.kernels.builder import round_to
+
+Ref = tuple  # ("arg", i) | ("op", j) | ("const", value text, type)
+
+
+@dataclass(frozen=True)
+class EOp:
+    """One op of the body: name, operands, attribute dict text, operand types, result type."""
+
+    name: str
+    args: tuple[Ref, ...]
+    attrs: str
+    types: tuple[str, ...]
+    result: str
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    # per body argument ("arg", i): (conv_gemm.Operand over e, e's space), None for Y itself;
+    # a space None: the Operand is over the contraction's iteration dims
+    inputs: tuple[tuple[Any, tuple[int, ...] | None] | None, ...]
+    out: tuple[Any, tuple[int, ...] | None]  # Z, likewise
+    ops: tuple[EOp, ...]
+    result: Ref  # the stored value
+
+
+def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any, direct: Any) -> None:
+    """Steps 1-5 for one accumulator `val` at C address `addr` (Y dense: the flat index).
+    Operands whose space is None are given over the contraction's own dims (a reshape that
+    only merges Y's dims keeps addresses linear in them): `direct(op)` is their address, no
+    delinearisation."""
+    ep: Epilogue = spec.epilogue
+    b.begin_if(ok)
+    y = b.round_to(val, spec.c.elem)  # 1
+    spaces: dict[tuple[int, ...], Any] = {}
+
+    def at(x: tuple[Any, tuple[int, ...] | None]) -> Any:
+        op, shape = x
+        if shape is None:
+            return direct(op)
+        dims = tuple(range(len(shape)))
+        if shape not in spaces:
+            spaces[shape] = split(b, addr, dims, shape)  # 2
+        return lin(b, op, spaces[shape], dims, b.const(op.const))
+
+    args = [y if x is None else b.load_e(k, at(x)) for k, x in enumerate(ep.inputs)]  # 3
+    results: list[Any] = []
+
+    def value(r: Ref) -> Any:
+        return args[r[1]] if r[0] == "arg" else results[r[1]] if r[0] == "op" else b.econst(r[1], r[2])
+
+    for op in ep.ops:  # 4
+        results.append(b.eop(op, [value(r) for r in op.args]))
+    b.store_e(at(ep.out), value(ep.result))  # 5
+    b.end_if()
+
+
+# --------------------------------------------------------------------------------------------
+# the twin's op table (f32 arrays holding values of the op's type)
+
+_CMPF = {1: np.equal, 2: np.greater, 3: np.greater_equal, 4: np.less, 5: np.less_equal,
+         6: np.not_equal}
+_BIN = {"arith.addf": np.add, "arith.subf": np.subtract, "arith.mulf": np.multiply,
+        "arith.divf": np.divide, "arith.maximumf": np.maximum, "arith.minimumf": np.minimum,
+        "arith.maxnumf": np.fmax, "arith.minnumf": np.fmin}
+_UN = {"arith.negf": np.negative, "math.sqrt": np.sqrt, "math.rsqrt": lambda x: 1 / np.sqrt(x),
+       "math.exp": np.exp, "math.tanh": np.tanh, "math.absf": np.abs}
+
+
+def _elem(t: str) -> str:
+    return t if t in ("f16", "bf16") else "f32"
+
+
+def eval_op(op: EOp, ins: list[np.ndarray]) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        x = [np.asarray(v, np.float64) for v in ins]
+        if op.name in _BIN:
+            r = _BIN[op.name](x[0], x[1])
+        elif op.name in _UN:
+            r = _UN[op.name](x[0])
+        elif op.name in ("arith.extf", "arith.truncf"):
+            r = x[0]
+        elif op.name == "arith.select":
+            r = np.where(ins[0].astype(bool), x[1], x[2])
+        elif op.name == "arith.cmpf":
+            pred = int(op.attrs.split("predicate = ")[1].split(" ")[0])
+            unordered = np.isnan(x[0]) | np.isnan(x[1])
+            if pred == 14:  # uno
+                return unordered
+            if pred == 7:  # ord
+                return ~unordered
+            base = _CMPF.get(pred if pred < 8 else pred - 7)
+            if base is None:
+                raise NotImplementedError(f"cmpf predicate {pred} in the twin")
+            return base(x[0], x[1]) | (unordered if pred >= 8 else False)
+        else:
+            raise NotImplementedError(f"{op.name} in the epilogue twin")
+    return round_to(r.astype(np.float32), _elem(op.result))
+
+
+class TextMixin:
+    """The text builder's epilogue verbs (mixed into conv_gemm._Text)."""
+
+    def begin_if(self, ok: str) -> None:
+        self.w(f"scf.if {ok} {{")
+        self._saved = self.consts
+        self.consts = dict(self.consts)  # constants made inside stay inside
+
+    def end_if(self) -> None:
+        self.consts = self._saved
+        self.w("}")
+
+    def round_to(self, val: str, elem: str) -> str:
+        if elem == "f32":
+            return val
+        r = self.fresh()
+        self.w(f"{r} = arith.truncf {val} : f32 to {elem}")
+        return r
+
+    def load_e(self, k: int, addr: str) -> str:
+        r = self.fresh()
+        self.w(f"{r} = memref.load %E{k}f[{addr}] : {self.spec.epilogue.inputs[k][0].flat}")
+        return r
+
+    def econst(self, value: str, ty: str) -> str:
+        r = self.fresh()
+        self.w(f"{r} = arith.constant {value} : {ty}" if ":" not in value else f"{r} = arith.constant {value}")
+        return r
+
+    def eop(self, op: EOp, ins: list[str]) -> str:
+        r = self.fresh()
+        self.w(f'{r} = "{op.name}"({", ".join(ins)}) {op.attrs} : ({", ".join(op.types)}) -> {op.result}')
+        return r
+
+    def store_e(self, addr: str, val: str) -> None:
+        self.w(f"memref.store {val}, %Zf[{addr}] : {self.spec.epilogue.out[0].flat}")
+
+
+class NumpyMixin:
+    """The twin's epilogue verbs (mixed into conv_gemm_twin._Numpy); self.E: flat inputs, self.Z."""
+
+    emask: np.ndarray | None = None  # the epilogue's scf.if (builder.Numpy.mask is scf.if's)
+
+    def begin_if(self, ok: np.ndarray) -> None:
+        self.emask = ok
+
+    def end_if(self) -> None:
+        self.emask = None
+
+    def round_to(self, val: np.ndarray, elem: str) -> np.ndarray:
+        return round_to(val, elem)
+
+    def load_e(self, k: int, addr: np.ndarray) -> np.ndarray:
+        buf = self.E[k]
+        at = np.where(self.emask, addr, 0)
+        assert ((at >= 0) & (at < buf.size)).all(), "epilogue load out of bounds"
+        return np.where(self.emask, buf[at], 0.0).astype(np.float32)
+
+    def econst(self, value: str, ty: str) -> np.ndarray:
+        text = value.split(":")[0].strip()
+        v = np.uint32(int(text, 16)).view(np.float32) if text.startswith("0x") else np.float32(text)
+        return np.full(self.T, v, np.float32)
+
+    def eop(self, op: EOp, ins: list[np.ndarray]) -> np.ndarray:
+        return eval_op(op, ins)
+
+    def store_e(self, addr: np.ndarray, val: np.ndarray) -> None:
+        at = addr[self.emask]
+        assert ((at >= 0) & (at < self.Z.size)).all(), "epilogue store out of bounds"
+        assert len(np.unique(at)) == len(at), "two threads store one Z element"
+        self.Z[at] = round_to(val[self.emask], self.spec.epilogue.out[0].elem)

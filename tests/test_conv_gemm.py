@@ -1,0 +1,251 @@
+"""Implicit-GEMM kernels (gac_torch/kernels/conv_gemm.py) on the CPU: the numpy lockstep twin
+against float64 torch on odd shapes, its race check, and the generated MLIR -> PTX -> ptxas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_twin as twin
+from gac_torch.kernels import cuda_mma as cm
+from gac_torch.kernels.builder import RaceError, round_to
+
+# conv as the shared lowering emits it (conv_2d_ngchw_gfchw on the padded input):
+# dims d0..d7 = (n, g, f, oh, ow, c, kh, kw)
+N_, G_, F_, OH_, OW_, C_, KH_, KW_ = range(8)
+
+
+def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
+    st = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        st[i] = st[i + 1] * shape[i + 1]
+    return tuple(st)
+
+
+def _op(elem: str, shape: tuple[int, ...], terms, ndims: int,
+        strides: tuple[int, ...] | None = None, guarded: tuple[int, ...] = ()) -> tuple[cg.Operand, tuple[int, ...]]:
+    strides = strides or _dense(shape)
+    t = "memref<" + "x".join(map(str, shape)) + f"x{elem}>" if strides == _dense(shape) else (
+        "memref<" + "x".join(map(str, shape)) + f"x{elem}, strided<[{', '.join(map(str, strides))}]>>")
+    return cg.operand(t, elem, shape, strides, 0, terms, ndims, guarded), strides
+
+
+def conv_spec(kind: str, n: int, g: int, cg_: int, h: int, w: int, fg: int, kh: int, kw: int,
+              stride: int = 1, dil: int = 1, pad: int = 0, ec: str = "f32", fill: bool = True,
+              fold_pad: bool = False, channels_last_k: bool = False):
+    """(spec, shapes, strides): input [n, g, cg, h + 2 pad, w + 2 pad] (already padded), or with
+    fold_pad the unpadded [n, g, cg, h, w] read through guards."""
+    hp, wp = h + 2 * pad, w + 2 * pad
+    oh, ow = (hp - dil * (kh - 1) - 1) // stride + 1, (wp - dil * (kw - 1) - 1) // stride + 1
+    e = "f32" if kind in ("tf32", "f32") else kind
+    sh = -pad if fold_pad else 0
+    xs = (n, g, cg_, h, w) if fold_pad else (n, g, cg_, hp, wp)
+    a, sa = _op(e, xs, [({N_: 1}, 0), ({G_: 1}, 0), ({C_: 1}, 0),
+                        ({OH_: stride, KH_: dil}, sh), ({OW_: stride, KW_: dil}, sh)], 8,
+                guarded=(3, 4) if fold_pad and pad else ())
+    b, sb = _op(e, (g, fg, cg_, kh, kw), [({G_: 1}, 0), ({F_: 1}, 0), ({C_: 1}, 0), ({KH_: 1}, 0),
+                                          ({KW_: 1}, 0)], 8)
+    c, sc = _op(ec, (n, g, fg, oh, ow), [({d: 1}, 0) for d in (N_, G_, F_, OH_, OW_)], 8)
+    ranges = (n, g, fg, oh, ow, cg_, kh, kw)
+    ks = (KH_, KW_, C_) if channels_last_k else (C_, KH_, KW_)
+    spec = cg.Spec(kind, (N_, OH_, OW_), (F_,), ks, (G_,), ranges, a, b, c, fill)
+    shapes = (xs, (g, fg, cg_, kh, kw), (n, g, fg, oh, ow))
+    return spec, shapes, (sa, sb, sc)
+
+
+def _conv_ref(x: np.ndarray, w: np.ndarray, stride: int, dil: int, pad: int = 0) -> np.ndarray:
+    n, g, c, h, wd = x.shape
+    y = torch.nn.functional.conv2d(torch.from_numpy(x.astype(np.float64)).reshape(n, g * c, h, wd),
+                                   torch.from_numpy(w.astype(np.float64)).reshape(g * w.shape[1], *w.shape[2:]),
+                                   stride=stride, dilation=dil, groups=g, padding=pad)
+    return y.reshape(n, g, w.shape[1], *y.shape[2:]).numpy()
+
+
+_TOL = {"f32": 1e-5, "tf32": 3e-3, "f16": 2e-3, "bf16": 1e-2}
+
+CONVS = [  # kind, n, g, cg, h, w, fg, kh, kw, stride, dil, pad, ec, fill, big
+    ("f32", 2, 1, 3, 9, 11, 5, 3, 3, 1, 1, 1, "f32", True, False),  # odd everything
+    ("f32", 1, 1, 8, 8, 12, 70, 1, 1, 1, 1, 0, "f32", False, True),  # 1x1, N > 64, onto C, float4 A
+    ("f32", 1, 2, 3, 13, 9, 4, 3, 3, 2, 2, 2, "f32", True, False),  # groups, stride 2, dilation 2
+    ("tf32", 1, 1, 5, 10, 7, 9, 3, 3, 2, 1, 1, "f32", True, False),
+    ("f16", 2, 1, 3, 15, 15, 8, 7, 7, 2, 1, 3, "f32", True, False),  # 7x7 stride-2 stem
+    ("bf16", 1, 1, 16, 8, 8, 24, 1, 1, 1, 1, 0, "bf16", True, True),  # vector A loads, bf16 out
+    ("f16", 1, 4, 1, 9, 10, 1, 3, 3, 1, 1, 1, "f16", False, False),  # depthwise, accumulate
+    ("bf16", 1, 1, 8, 6, 9, 40, 3, 3, 1, 1, 1, "f32", True, True),  # 128x64 tile
+]
+
+
+@pytest.mark.parametrize("case", CONVS, ids=lambda c: "_".join(map(str, c[:12])))
+def test_conv_twin_matches_float64(case) -> None:
+    kind, n, g, c, h, w, f, kh, kw, s, d, pad, ec, fill, big = case
+    spec, shapes, strides = conv_spec(kind, n, g, c, h, w, f, kh, kw, s, d, pad, ec, fill)
+    p = cg.plan(spec, big=big)
+    assert p is not None
+    rng = np.random.default_rng(sum(shapes[0]) + f)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    C0 = round_to(rng.standard_normal(shapes[2]).astype(np.float32), ec)
+    out = twin.emulate(spec, p, X, W, C0, strides, init=0.5).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), s, d)
+    ref = ref + (0.5 if fill else C0.astype(np.float64))
+    tol = max(_TOL[kind], _TOL.get(ec, 0) if ec != "f32" else 0)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < tol, err
+    if kind == "f32":  # exact fp32: every element within a few ulps of the sum's magnitude
+        assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+def test_gemm_over_dim_sets_with_transposed_operands() -> None:
+    # C[b, i, j, n] = sum_{k1, k2} A[k1, b, i, j, k2] * B[n, b, k2, k1]: M = (i, j), K = (k1, k2)
+    B_, I_, J_, K1, K2, Nn = range(6)
+    r = (2, 5, 7, 3, 6, 9)
+    a, sa = _op("bf16", (3, 2, 5, 7, 6), [({K1: 1}, 0), ({B_: 1}, 0), ({I_: 1}, 0), ({J_: 1}, 0), ({K2: 1}, 0)], 6)
+    b, sb = _op("bf16", (9, 2, 6, 3), [({Nn: 1}, 0), ({B_: 1}, 0), ({K2: 1}, 0), ({K1: 1}, 0)], 6)
+    c, sc = _op("f32", (2, 5, 7, 9), [({B_: 1}, 0), ({I_: 1}, 0), ({J_: 1}, 0), ({Nn: 1}, 0)], 6)
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((3, 2, 5, 7, 6)).astype(np.float32)
+    Bm = rng.standard_normal((9, 2, 6, 3)).astype(np.float32)
+    for kind, aa, bb in (("bf16", a, b), ("f32", None, None)):
+        if kind == "f32":
+            aa, _ = _op("f32", (3, 2, 5, 7, 6), [({K1: 1}, 0), ({B_: 1}, 0), ({I_: 1}, 0), ({J_: 1}, 0), ({K2: 1}, 0)], 6)
+            bb, _ = _op("f32", (9, 2, 6, 3), [({Nn: 1}, 0), ({B_: 1}, 0), ({K2: 1}, 0), ({K1: 1}, 0)], 6)
+        spec = cg.Spec(kind, (I_, J_), (Nn,), (K1, K2), (B_,), r, aa, bb, c, True)
+        p = cg.plan(spec)
+        src = (A, Bm) if kind == "f32" else (round_to(A, "bf16"), round_to(Bm, "bf16"))
+        ref = np.einsum("xbijy,nbyx->bijn", *(x.astype(np.float64) for x in src))
+        out = twin.emulate(spec, p, *src, np.zeros((2, 5, 7, 9), np.float32), (sa, sb, sc))
+        err = np.linalg.norm(out.reshape(ref.shape) - ref) / np.linalg.norm(ref)
+        assert err < (1e-5 if kind == "f32" else 1e-2), (kind, err)
+
+
+def test_twin_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, shapes, strides = conv_spec("f32", 1, 1, 8, 10, 10, 16, 3, 3, pad=1)
+    p = cg.plan(spec, big=False)
+    calls = []
+    real = cm.MmaNumpy.barrier
+
+    def barrier(self):  # only the prologue's barrier survives
+        calls.append(1)
+        if len(calls) == 1:
+            real(self)
+
+    monkeypatch.setattr(cm.MmaNumpy, "barrier", barrier)
+    X, W, C0 = (np.ones(s, np.float32) for s in shapes)
+    with pytest.raises(RaceError):
+        twin.emulate(spec, p, X, W, C0, strides)
+
+
+def test_vector_widths_follow_the_unit_stride_runs() -> None:
+    # 1x1 stride 1: A's run is the whole (oh, ow) plane along M -> 16-byte loads of f16 (8 wide);
+    # the weight's run is the whole K (c, kh, kw) of a dense [f, c, kh, kw] -> 8 wide too
+    spec, _, _ = conv_spec("f16", 1, 1, 64, 16, 24, 64, 1, 1)
+    p = cg.plan(spec)
+    assert (p.a.glob_k, p.a.vec, p.b.glob_k, p.b.vec) == (False, 8, True, 8)
+    # 3x3 padded: A's runs break at each kw shift -> scalars; weight K = 64*9 still 8 wide
+    spec, _, _ = conv_spec("f16", 1, 1, 64, 16, 24, 64, 3, 3, pad=1)
+    p = cg.plan(spec)
+    assert (p.a.vec, p.b.vec) == (1, 8)
+    # the stem: K = 3*7*7 = 147 is odd -> scalar weight loads
+    spec, _, _ = conv_spec("f32", 1, 1, 3, 32, 32, 64, 7, 7, 2, 1, 3)
+    assert cg.plan(spec).b.vec == 1
+
+
+def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str, direct: bool = False):
+    """Z = bf16/f32(relu((y - mean[f]) * rsqrt(var[f] + eps) * w[f] + b[f] + res[e])) over
+    e = (n, g, f, oh, ow), the BatchNorm-eval + residual + ReLU body the lowering emits."""
+    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+
+    # e = (n, g, f, oh, ow); direct: the operands over the conv's own dims d0..d7 instead
+    nd, dims = (8, (N_, G_, F_, OH_, OW_)) if direct else (len(shape), tuple(range(len(shape))))
+    per_f = [_op("f32", (shape[2],), [({dims[2]: 1}, 0)], nd)[0] for _ in range(4)]
+    res, _ = _op("f32", shape, [({d: 1}, 0) for d in dims], nd)
+    out, _ = _op(out_elem, shape, [({d: 1}, 0) for d in dims], nd)
+    f, z = "f32", ("const", "0.000000e+00 : f32", "f32")
+    ops = (EOp("arith.addf", (("arg", 2), ("const", "9.99999974E-6 : f32", f)), "", (f, f), f),
+           EOp("math.rsqrt", (("op", 0),), "", (f,), f),
+           EOp("arith.subf", (("arg", 0), ("arg", 1)), "", (f, f), f),
+           EOp("arith.mulf", (("op", 2), ("op", 1)), "", (f, f), f),
+           EOp("arith.mulf", (("op", 3), ("arg", 3)), "", (f, f), f),
+           EOp("arith.addf", (("op", 4), ("arg", 4)), "", (f, f), f),
+           EOp("arith.addf", (("op", 5), ("arg", 5)), "", (f, f), f),
+           EOp("arith.cmpf", (("op", 6), z), "{predicate = 2 : i64}", (f, f), "i1"),
+           EOp("arith.cmpf", (("op", 6), ("op", 6)), "{predicate = 14 : i64}", (f, f), "i1"),
+           EOp("arith.select", (("op", 8), ("op", 6), z), "", ("i1", f, f), f),
+           EOp("arith.select", (("op", 7), ("op", 6), ("op", 9)), "", ("i1", f, f), f))
+    result = ("op", 10)
+    if out_elem != "f32":
+        ops += (EOp("arith.truncf", (("op", 10),), "", (f,), out_elem),)
+        result = ("op", 11)
+    space = None if direct else shape
+    return Epilogue((None, *((x, space) for x in (*per_f, res))), (out, space), ops, result)
+
+
+@pytest.mark.parametrize("kind,out_elem,direct", [("f32", "f32", False), ("bf16", "bf16", False),
+                                                  ("tf32", "f32", False), ("f32", "f32", True),
+                                                  ("f16", "f16", True)])
+def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str, direct: bool) -> None:
+    import dataclasses
+
+    spec, shapes, strides = conv_spec(kind, 2, 1, 5, 9, 10, 12, 3, 3, pad=1)
+    ep = _bn_relu_residual_epilogue(shapes[2], out_elem, direct)
+    spec = dataclasses.replace(spec, epilogue=ep)
+    p = cg.plan(spec)
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    mean, w, b = (rng.standard_normal(12).astype(np.float32) for _ in range(3))
+    var = rng.random(12).astype(np.float32) + 0.5
+    res = rng.standard_normal(shapes[2]).astype(np.float32)
+    params = [(v, (1,)) for v in (mean, var, w, b)]
+    z0 = np.full(shapes[2], np.nan, np.float32)
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides, epi=(None, *params, (res, _dense(shapes[2]))),
+                     out=(z0, _dense(shapes[2]))).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    y = _conv_ref(round_to(X, rnd), round_to(W, rnd), 1, 1)
+    f = (None, None, slice(None), None, None)
+    ref = np.maximum((y - mean[f]) / np.sqrt(var[f] + 1e-5) * w[f] + b[f] + res, 0)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert not np.isnan(out).any() and err < max(_TOL[kind], _TOL.get(out_elem, 0) if out_elem != "f32" else 0), err
+    from mlir import ir
+
+    ir.Module.parse(cg.template(spec, p), ir.Context())  # the generated MLIR parses
+
+
+@pytest.mark.parametrize("kind,k,stride,dil,pad", [("f32", 3, 1, 1, 1), ("f16", 7, 2, 1, 3),
+                                                  ("tf32", 3, 2, 2, 2), ("bf16", 3, 1, 1, 1)])
+def test_fused_padding_reads_zeros_outside(kind: str, k: int, stride: int, dil: int, pad: int) -> None:
+    # the padding kernel folded into the loads: the unpadded input, guarded rows and columns
+    spec, shapes, strides = conv_spec(kind, 2, 1, 3, 11, 13, 9, k, k, stride, dil, pad, fold_pad=True)
+    assert spec.a.guards and shapes[0] == (2, 1, 3, 11, 13)
+    p = cg.plan(spec)
+    assert p.a.vec == 1
+    rng = np.random.default_rng(k + pad)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), stride, dil, pad)
+    assert out.shape == ref.shape
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err
+
+
+@pytest.mark.parametrize("kind,c", [("f16", 64), ("f32", 32), ("tf32", 16), ("bf16", 32)])
+def test_k_ordered_kh_kw_c_splits_once_per_slice(kind: str, c: int) -> None:
+    # K = (kh, kw, c) with c a multiple of the slice depth: the kernel delinearises kbase once
+    # per slice and adds the element's offset to c (the backend's order for convs)
+    spec, shapes, strides = conv_spec(kind, 1, 1, c, 7, 9, 12, 3, 3, 1, 1, 1, fold_pad=True,
+                                      channels_last_k=True)
+    p = cg.plan(spec)
+    assert spec.ranges[spec.ks[-1]] % p.bk == 0
+    rng = np.random.default_rng(c)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), 1, 1, 1)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err

@@ -1,0 +1,180 @@
+"""Convolutions on the cuda target's implicit-GEMM kernels (backends/gpu/strategies/implicit_gemm.py,
+kernels/conv_gemm.py). CPU (CI): each conv of odd shape compiles for sm_90 to the `sgemm`
+(exact f32) or `igemm` (tensor cores) kernel, which ptxas accepts without spills; changing
+cuDNN's TF32 flag under torch.compile recompiles. GPU (-m cuda): parity with a float64
+reference at the precision's tolerance, for f32 exact, tf32, f16 and bf16."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import gac_torch
+from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
+
+# in_ch, out_ch, kernel, stride, padding, dilation, groups, H, W
+CONVS = {
+    "stem7x7s2": (3, 16, 7, 2, 3, 1, 1, 37, 41),
+    "3x3": (16, 24, 3, 1, 1, 1, 1, 19, 23),
+    "1x1": (24, 40, 1, 1, 0, 1, 1, 13, 17),
+    "3x3s2": (32, 36, 3, 2, 1, 1, 1, 15, 16),
+    "dilated": (16, 16, 3, 1, 2, 2, 1, 14, 15),
+    "grouped": (16, 32, 3, 1, 1, 1, 4, 12, 13),
+    "depthwise": (32, 32, 3, 1, 1, 1, 32, 12, 11),
+    "1x1_wide": (64, 136, 1, 1, 0, 1, 1, 20, 20),
+}
+# precision -> (dtype, cuDNN TF32 flag, relative-norm tolerance vs float64; METHOD.md's bands)
+PRECISIONS = {"f32": (torch.float32, False, 1e-5), "tf32": (torch.float32, True, 3e-3),
+              "f16": (torch.float16, False, 2e-3), "bf16": (torch.bfloat16, False, 1e-2)}
+
+
+@contextmanager
+def _cudnn_tf32(on: bool):
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+def _model(name: str, dtype: torch.dtype, device: str = "cpu"):
+    cin, cout, k, s, p, d, g, h, w = CONVS[name]
+    gen = torch.Generator().manual_seed(sum(CONVS[name]))
+    conv = torch.nn.Conv2d(cin, cout, k, stride=s, padding=p, dilation=d, groups=g, bias=True)
+    with torch.no_grad():
+        for t in conv.parameters():
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.2)
+    model = torch.nn.Sequential(conv, torch.nn.ReLU()).to(device=device, dtype=dtype).eval()
+    x = torch.randn(2, cin, h, w, generator=gen).to(device=device, dtype=dtype)
+    return model, x
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("name", list(CONVS))
+def test_conv_compiles_to_implicit_gemm_without_spills(name: str, precision: str) -> None:
+    dtype, tf32, _ = PRECISIONS[precision]
+    model, x = _model(name, dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
+    (part,) = compiled.compiled.partitions.values()
+    kernels = set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu")))
+    if name == "depthwise":  # one output channel per group: under an mma tile, left to reduce
+        assert not kernels & {"sgemm", "igemm"}, kernels
+        return
+    assert ("sgemm" if precision == "f32" else "igemm") in kernels, kernels
+    ptx = part.ir("ptx")
+    mma = {"f32": None, "tf32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+           "f16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+           "bf16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}[precision]
+    assert (mma in ptx) if mma else ("mma.sync" not in ptx and "fma.rn.f32" in ptx)
+    if find_ptxas() is None:
+        pytest.fail("ptxas missing: the dev extra installs nvidia-cuda-nvcc-cu12")
+    result = assemble(ptx, "sm_90")
+    assert result.ok, result.log
+    spills = re.findall(r"(\d+) bytes spill stores", result.log)
+    assert "gemm" in result.log and spills and all(int(m) == 0 for m in spills), result.log
+
+
+class _Block(torch.nn.Module):
+    """conv -> BatchNorm (eval) -> + residual -> ReLU, the ResNet bottleneck's tail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+@pytest.mark.parametrize("name,dtype", [("3x3", torch.float32), ("block", torch.float32),
+                                        ("block", torch.bfloat16)])
+def test_padding_and_epilogue_run_inside_the_conv_kernel(name: str, dtype: torch.dtype) -> None:
+    # zero padding read through bounds checks; bias / BatchNorm / residual / ReLU (bf16: after
+    # the rounding to bf16 and back, across a reshape) in the store step: the whole graph is one
+    # kernel writing the output
+    if name == "block":
+        from models import randomize_bn
+
+        model, x = randomize_bn(_Block()).eval().to(dtype), torch.randn(2, 8, 9, 11).to(dtype)
+    else:
+        model, x = _model(name, dtype)
+    compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
+    (part,) = compiled.compiled.partitions.values()
+    kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
+    assert kernels == ["sgemm" if dtype == torch.float32 else "igemm"], kernels
+    assert "alloc" not in part.ir("gpu").split("gpu.module")[0]  # no intermediate buffers
+    if dtype == torch.float32:
+        torch.testing.assert_close(gac_torch.compile(model, (x,), target="cpu")(x), model(x))
+
+
+def test_cudnn_tf32_flag_is_read_at_compile_time_and_guarded() -> None:
+    # dynamo guards the matmul TF32 flag but not cuDNN's: gac's compiled graph checks it per call
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    model, x = _model("3x3", torch.float32)
+    with _cudnn_tf32(False):
+        fn = torch.compile(model, backend="gac", options={"target": "cpu"})
+        before = len(compiled_graphs)
+        ref = fn(x)
+        once = len(compiled_graphs)
+        fn(x)
+        assert len(compiled_graphs) == once > before
+        torch.backends.cudnn.allow_tf32 = True
+        torch.testing.assert_close(fn(x), ref)
+        assert len(compiled_graphs) == once + 1
+        torch.backends.cudnn.allow_tf32 = False
+        fn(x)
+        assert len(compiled_graphs) == once + 1  # the first compilation is kept
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("name", list(CONVS))
+def test_conv_matches_float64_on_gpu(name: str, precision: str) -> None:
+    dtype, tf32, tol = PRECISIONS[precision]
+    model, x = _model(name, dtype, "cuda")
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda")
+    for seed in (0, 1):  # fresh inputs per check, outputs poisoned by the runtime's fresh allocs
+        x = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+        got = compiled(x)
+        ref = torch.nn.functional.relu(torch.nn.functional.conv2d(
+            x.double(), model[0].weight.double(), model[0].bias.double(), model[0].stride,
+            model[0].padding, model[0].dilation, model[0].groups))
+        assert torch.isfinite(got).all()
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < tol, (name, precision, err)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_fused_block_matches_float64_on_gpu(precision: str) -> None:
+    # conv (padding fused) -> BatchNorm -> + residual -> ReLU in one kernel (epilogue chain)
+    from models import randomize_bn
+
+    dtype, tf32, tol = PRECISIONS[precision]
+    torch.manual_seed(0)
+    model = randomize_bn(_Block()).eval()
+    x = torch.randn(3, 8, 17, 19)
+    ref = model.double()(x.double())
+    model, x = model.to("cuda", dtype), x.to("cuda", dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda")
+    got = compiled(x).double().cpu()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(got).all() and err < tol * 2, (precision, err)  # (+ the BN's rounding)
+
+
+def test_implicit_gemm_env_switch_leaves_convs_to_loops(monkeypatch) -> None:
+    # GAC_IMPLICIT_GEMM=0 bisects: the strategies igemm / sgemm then match nothing
+    from cuda_cases import CASES, compile_case
+
+    case = CASES["conv2d_nchw_stride2"]
+    assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"sgemm"}
+    monkeypatch.setenv("GAC_IMPLICIT_GEMM", "0")
+    assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"loops"}
