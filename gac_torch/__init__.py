@@ -17,8 +17,12 @@ import torch
 
 from gac_torch.errors import (
     CompileError, GacCompilerError, GacCompilerWarning, GacError, GacInputError,
-    GacUnsupportedError, OnnxLoadError, OptionError, StaticShapesOnly, TargetUnavailable,
+    GacUnsupportedError, MissingDependency, OnnxLoadError, OptionError, StaticShapesOnly, TargetUnavailable,
 )
+from gac_torch.runtime import cache  # gac_torch.cache.clear(); GAC_CACHE=0 disables it
+from gac_torch.runtime.progress import last_report, register_with_torch, reports
+
+register_with_torch()  # torch._logging.set_logs(gac=logging.INFO); TORCH_LOGS=gac_torch
 
 __version__ = "0.1.0"
 
@@ -35,7 +39,14 @@ def compile(program, example_inputs: Sequence[Any] | None = None, *, target: str
 
     opts = resolve(options, target=target)
     if isinstance(program, (str, os.PathLike)) or type(program).__name__ == "ModelProto":
-        from gac_torch.frontends.onnx import compile_onnx
+        if str(program).endswith(".pt2"):
+            program = torch.export.load(program)  # a torch.export archive, not ONNX
+            return compile_exported(program, opts)
+        try:
+            from gac_torch.frontends.onnx import compile_onnx
+        except ImportError as e:
+            raise ImportError(f"compiling ONNX models needs {e.name or 'onnx'}: "
+                              "pip install 'gac-torch[onnx]'") from e
 
         return compile_onnx(program, opts, example_inputs)
     if isinstance(program, torch.export.ExportedProgram):
@@ -57,13 +68,18 @@ def explain(model, *example_inputs, **example_kwargs):
     registry about every node. Returns a GraphReport; str() gives the summary line."""
     from gac_torch.frontends.torch_state import tracing
     from gac_torch.legalize import decompositions
-    from gac_torch.passes.partition import analyze
+    from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
 
     with tracing():
         ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(
             model, tuple(example_inputs), example_kwargs or None)
         ep = ep.run_decompositions(decompositions())
-    _, report = analyze(ep.graph_module)
+    gm = ep.graph_module
+    drop_metadata_asserts(gm)  # as compile does, so the partition count is compile's
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    decisions, report = analyze(gm)
+    report.partitions = len(partition(gm, decisions)[1])
     return report
 
 
@@ -83,6 +99,20 @@ def compile_stage_file(path: str | os.PathLike, *, target: str | None = None,
     return compile_from_stage(text, stage, get_target(opts["target"] or "cpu"), opts)
 
 
+def save(compiled, path: str) -> None:
+    """Writes a program compiled from torch.export to one file (runtime/artifact.py)."""
+    from gac_torch.runtime.artifact import save as _save
+
+    _save(compiled, path)
+
+
+def load(path: str, target: str | None = None, options: dict | None = None):
+    """Loads what save() wrote: runs without MLIR and without re-exporting."""
+    from gac_torch.runtime.artifact import load as _load
+
+    return _load(path, target, options)
+
+
 def backend(gm, example_inputs, options: dict | None = None, **kwargs):
     """The dynamo backend (also registered as backend="gac")."""
     from gac_torch.frontends.dynamo import gac_backend
@@ -98,7 +128,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gac_torch' has no attribute {name!r}")
 
 
-__all__ = ["compile", "compile_stage_file", "explain", "backend", "debug", "__version__",
+__all__ = ["compile", "compile_stage_file", "explain", "save", "load", "backend", "cache", "reports",
+           "last_report", "debug", "__version__",
            "GacError", "OptionError", "GacInputError", "GacUnsupportedError", "StaticShapesOnly",
            "CompileError", "GacCompilerError", "GacCompilerWarning", "TargetUnavailable",
-           "OnnxLoadError"]
+           "MissingDependency", "OnnxLoadError"]

@@ -17,16 +17,24 @@ from collections.abc import Sequence
 
 import torch
 
+from gac_torch.errors import GacError
 from gac_torch.options import TARGETS, OptionError, resolve
+
+
+class UsageError(GacError):
+    """An ordinary mistake on the command line: one line on stderr, exit status 2."""
 
 
 def _parse_shapes(items: Sequence[str]) -> dict[str, list[int]]:
     shapes = {}
     for item in items:
         name, _, dims = item.partition("=")
-        if not name or not dims:
-            raise SystemExit(f"--shape expects NAME=D0xD1x..., got {item!r}")
-        shapes[name] = [int(d) for d in dims.lower().split("x")]
+        try:
+            shapes[name] = [int(d) for d in dims.lower().split("x")]
+        except ValueError:
+            name = ""
+        if not name or not dims or any(d < 0 for d in shapes.get(name, [])):
+            raise UsageError(f"--shape expects NAME=D0xD1x... (sizes >= 0), got {item!r}")
     return shapes
 
 
@@ -42,7 +50,7 @@ def _load_onnx(path: str, shapes: dict[str, list[int]], strict: bool):
         inputs = [i for i in model.graph.input if i.name not in inits]
         unknown = sorted(set(shapes) - {i.name for i in inputs})
         if unknown:
-            raise SystemExit(
+            raise UsageError(
                 f"--shape: no input named {unknown}; inputs: {[i.name for i in inputs]}"
             )
         examples = [
@@ -58,11 +66,32 @@ def _load_onnx(path: str, shapes: dict[str, list[int]], strict: bool):
     return imported.gm, imported.report
 
 
+def _specialize(ep: torch.export.ExportedProgram, shapes: dict[str, list[int]]) -> torch.export.ExportedProgram:
+    """--shape for a .pt2: export its module again with inputs of the given (static) shapes."""
+    specs = [s for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    names = [s.arg.name for s in specs]
+    unknown = sorted(set(shapes) - set(names))
+    if unknown:
+        raise UsageError(f"--shape: no input named {unknown}; inputs: {names}")
+    metas = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    examples = []
+    for name in names:
+        val = metas[name]
+        shape = shapes.get(name) or [int(d) for d in val.shape]  # raises for a symbolic dim: say so
+        examples.append(torch.zeros(shape, dtype=val.dtype))
+    return torch.export.export(ep.module(), tuple(examples))
+
+
 def _load(path: str, shapes: dict[str, list[int]], strict: bool):
+    if not os.path.exists(path):
+        raise UsageError(f"no such file: {path}")
     if path.endswith(".pt2"):
         from gac_torch.legalize import decompositions
 
-        ep = torch.export.load(path).run_decompositions(decompositions())
+        ep = torch.export.load(path)
+        if shapes:
+            ep = _specialize(ep, shapes)
+        ep = ep.run_decompositions(decompositions())
         return ep.graph_module, None
     return _load_onnx(path, shapes, strict)
 
@@ -145,7 +174,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             target=args.target,
         )
     except OptionError as e:
-        raise SystemExit(f"gac-torch: {e}") from None
+        raise UsageError(str(e)) from None
     if _stage_of(args.model, options):
         return _compile_from_stage(args, options)
     gm, onnx_report = _load(args.model, _parse_shapes(args.shape), strict=args.strict)
@@ -157,8 +186,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         for stage, text in part.stages.items():
             _write(os.path.join(args.output, f"{name}.{stage}"), text)
         last = list(part.stages)[-1]
-        if isinstance(part.executable, bytes):  # a binary final stage (e.g. vxbin): exact bytes
-            _write(os.path.join(args.output, f"{name}.{last}"), part.executable)
+        binary = getattr(part.executable, "binary", None)  # the last stage's artifact (stages_only)
+        if isinstance(binary, bytes) and binary:  # a binary final stage (e.g. .vxbin): exact bytes
+            _write(os.path.join(args.output, f"{name}.{last}"), binary)
         print(f"{name}: -> {', '.join(f'{name}.{s}' for s in part.stages)}")
     lines = ([str(compiled.report)] if onnx_report is None
              else [f"ONNX: {onnx_report}", f"ATen: {compiled.report}"])
@@ -169,7 +199,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gac_torch import __version__
+
     p = argparse.ArgumentParser(prog="gac-torch", description="GAC-Torch: compile models with gac.")
+    p.add_argument("--version", action="version", version=f"gac-torch {__version__}")
+    p.add_argument("--traceback", action="store_true", help="show Python tracebacks of errors")
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("model", help="an ONNX model (.onnx), a torch.export archive (.pt2), or "
@@ -196,8 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs a command; an error is one line on stderr (exit 2 for usage, 1 for a failed compile)
+    unless --traceback asks for Python's traceback."""
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except Exception as e:
+        if args.traceback:
+            raise
+        status = 2 if isinstance(e, UsageError) else 1
+        what = "" if isinstance(e, UsageError) else f"{type(e).__name__}: "
+        first = str(e).strip() or type(e).__name__
+        print(f"gac-torch: error: {what}{first}", file=sys.stderr)
+        if status == 1:
+            print("gac-torch: (--traceback shows where)", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from gac_torch.passes.attention import fuse_attention
 from gac_torch.passes.dce import gac_dce
 from gac_torch.passes.fusion import annotate_kernels
 from gac_torch.lowering import lower_to_linalg
+from gac_torch.runtime import cache, progress
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
@@ -56,6 +57,72 @@ def _specs(nodes) -> tuple:
     return tuple(_spec(n) for n in nodes)
 
 
+def _run_stages(module: ir.Module, target: Target, options: dict):
+    """gac -> linalg -> the target's stages: (last artifact, stage texts, binary stages)."""
+    stages: dict[str, str] = {}
+    binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
+    progress.step("stage linalg")
+    artifact: Any = lower_to_linalg(module)
+    annotate_kernels(module, artifact)
+    stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
+    stages["linalg"] = str(artifact)
+    for stage in target.stages(options):
+        progress.step(f"stage {stage.name}")
+        artifact = stage.run(artifact)
+        stages[stage.name] = stage_text(artifact)
+        if isinstance(getattr(artifact, "binary", None), bytes):
+            binaries[stage.name] = artifact.binary
+    return artifact, stages, binaries
+
+
+def _load(target: Target, artifact: Any, signature: Signature, options: dict):
+    try:
+        target.check_available()
+        return target.load(artifact, signature, options)
+    except TargetUnavailable as e:
+        # Compiling needs no device (e.g. PTX on a CPU machine); running does: fail then, clearly.
+        return _Unavailable(e)
+
+
+_pack_warned: set[str] = set()
+
+
+def pack_entry(target: Target, artifact: Any, stages: dict, binaries: dict, options: dict,
+               required: bool = False) -> cache.Entry | None:
+    """The artifact as plain data (a cache entry); None when the target finds it not worth
+    caching. Raises when it cannot (e.g. no linker for cpu native code)."""
+    packed = target.pack(artifact, options, required) if target.pack else None
+    if packed is None:
+        if required:
+            raise ValueError(f"target {target.name} cannot save its compiled partitions")
+        return None
+    meta, blobs = packed
+    blobs = dict(blobs, **{f"stage:{k}": v for k, v in binaries.items()})
+    return cache.Entry(meta, blobs, stages)
+
+
+def _pack(target: Target, artifact: Any, stages: dict, binaries: dict, options: dict) -> cache.Entry | None:
+    try:
+        return pack_entry(target, artifact, stages, binaries, options)
+    except Exception as e:  # the cache is an optimization: never fail a compile for it
+        if target.name not in _pack_warned:
+            _pack_warned.add(target.name)
+            log.warning("gac cache: %s partitions are not cached: %s", target.name, e)
+        return None
+
+
+def _unpack(target: Target, entry: cache.Entry, signature: Signature, options: dict):
+    """The executable of a cache entry; None if it does not load (then recompiled)."""
+    try:
+        target.check_available()
+        return target.unpack(entry.meta, entry.blobs, signature, options)  # type: ignore[misc]
+    except TargetUnavailable as e:
+        return _Unavailable(e)
+    except Exception as e:
+        log.warning("gac cache: an entry for target %s does not load (%s); recompiling", target.name, e)
+        return None
+
+
 def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: dict,
                       dump_dir: str | None = None) -> CompiledGraph:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -67,23 +134,31 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
     if signature.dynamic and not target.dynamic_shapes:
         raise ValueError(f"target {target.name} compiles static shapes only (this partition has run-time sizes)")
 
-    stages: dict[str, str] = {}
-    binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
     ctx = make_context()
     module = fuse_attention(gac_dce(build_module(gm, ctx)))  # before verify: it checks the result
     with ctx, ir.Location.unknown():
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):
             verify_gac(module)  # shapes and dtypes
-        artifact: Any = lower_to_linalg(module)
-        annotate_kernels(module, artifact)
-        stages["gac"] = str(module)
-        stages["linalg"] = str(artifact)
-        for stage in target.stages(options):
-            artifact = stage.run(artifact)
-            stages[stage.name] = stage_text(artifact)
-            if isinstance(getattr(artifact, "binary", None), bytes):
-                binaries[stage.name] = artifact.binary
+        gac_text = str(module)
+        # statically empty outputs are made by the runtime, never by the program (runtime/compiled.py)
+        live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
+        key = (cache.cache_key(gac_text, repr(signature), options, target.name, target.cache_key(options))
+               if target.pack and cache.enabled(options) else None)
+        entry = cache.load(key) if key else None
+        executable = _unpack(target, entry, live, options) if entry else None
+        if executable is None:  # a miss (or an entry that would not load)
+            artifact, stages, binaries = _run_stages(module, target, options)
+            entry = _pack(target, artifact, stages, binaries, options) if key else None
+            if entry is not None:
+                cache.store(key, entry)
+                executable = _unpack(target, entry, live, options)
+            if executable is None:
+                executable = _load(target, artifact, live, options)
+        else:
+            stages = entry.stages
+            binaries = {k.removeprefix("stage:"): v for k, v in entry.blobs.items() if k.startswith("stage:")}
+            artifact = None
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
         with open(os.path.join(dump_dir, f"{name}.fx.txt"), "w") as f:
@@ -95,15 +170,12 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
                 continue
             with open(os.path.join(dump_dir, f"{name}.{stage}"), "w") as f:
                 f.write(text)
-    live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
-    try:
-        target.check_available()
-        executable = target.load(artifact, live, options)
-    except TargetUnavailable as e:
-        # Compiling needs no device (e.g. PTX on a CPU machine); running does: fail then, clearly.
-        executable = _Unavailable(e)
-    return CompiledGraph(name, executable, signature, target.device_type, stages,
-                         [p.name for p in placeholders], tuple_output, fx_graph=str(gm.graph))
+    cg = CompiledGraph(name, executable, signature, target.device_type, stages,
+                       [p.name for p in placeholders], tuple_output, fx_graph=str(gm.graph))
+    # what gac_torch.save needs: the plain-data entry, else the artifact to pack on demand
+    cg.saved = (target, entry, artifact if entry is None else None, binaries, options)
+    cg.out_vals = [n.meta.get("val") for n in outs]  # fake outputs: a saved graph's metadata
+    return cg
 
 
 SHARED_STAGES = ("gac", "linalg")

@@ -46,10 +46,14 @@ class TargetUnavailable(GacError, RuntimeError):
     """The target cannot run on this machine (no GPU, no Vortex runtime, ...)."""
 
 
+class MissingDependency(GacError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
 class OnnxLoadError(GacError, ValueError):
     """An ONNX model that cannot be read, checked or shape-inferred."""
 
 
 __all__ = ["GacError", "OptionError", "GacInputError", "GacUnsupportedError", "GacCompilerError",
            "GacCompilerWarning", "StaticShapesOnly",
-           "CompileError", "TargetUnavailable", "OnnxLoadError"]
+           "CompileError", "TargetUnavailable", "MissingDependency", "OnnxLoadError"]

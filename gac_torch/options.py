@@ -17,6 +17,7 @@ COMMON = {
     "min_block_size": 1,     # smallest number of ATen nodes worth a compiled partition
     "dump_dir": None,        # write FX graph, gac and every stage here (also GAC_DUMP_DIR)
     "verify": True,          # run gac-verify on every module
+    "cache": None,           # False: no on-disk compile cache; None: on unless GAC_CACHE=0
 }
 # Target-specific keys (validated here so a typo fails early, whatever the target).
 TARGET_KEYS = {
@@ -41,6 +42,7 @@ class Options:
     min_block_size: int = 1
     dump_dir: str | None = None
     verify: bool = True
+    cache: bool | None = None  # None: on unless GAC_CACHE=0 (runtime/cache.py)
     arch: str | None = None  # cuda
     vortex_home: str | None = None  # vortex
     vortex_mode: str | None = None  # vortex
@@ -92,6 +94,8 @@ VORTEX_MODES = ("simx", "functional")
 
 def _check_values(opts: dict[str, Any]) -> None:
     """Types and values of the other options, so a typo fails here and not deep in a target."""
+    if opts["cache"] is not None and not isinstance(opts["cache"], bool):
+        raise OptionError(f"option 'cache' must be True, False or None, not {opts['cache']!r}")
     if not isinstance(opts["verify"], bool):
         raise OptionError(f"option 'verify' must be True or False, not {opts['verify']!r}")
     if opts["vortex_mode"] is not None and opts["vortex_mode"] not in VORTEX_MODES:

@@ -6,6 +6,10 @@ import torch
 # A gac compiler error is a test failure, never a silent eager fallback (frontends/fx.py).
 os.environ.setdefault("GAC_STRICT_INTERNAL", "1")
 
+# The suite tests compilation: no on-disk cache unless a test turns it on (tests/test_cache.py),
+# or the run asks for it (GAC_CACHE=1 in the environment).
+os.environ.setdefault("GAC_CACHE", "0")
+
 # Exact float32 convolutions unless a test asks for TF32: eager cuDNN and gac (which follows
 # torch.backends.cudnn.allow_tf32, True by default) would otherwise use TF32 and miss f32 tolerances.
 torch.backends.cudnn.allow_tf32 = False

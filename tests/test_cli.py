@@ -64,9 +64,12 @@ def test_compile_cuda_ptx_without_gpu(model_path, tmp_path):
     assert {"fused_0.gac", "fused_0.linalg", "fused_0.llvm"} <= set(os.listdir(out_dir))
 
 
-def test_compile_strict_fails_on_fallback(model_path, tmp_path):
-    with pytest.raises(Exception, match="LRN"):
-        main(["compile", model_path, "--strict", "-o", str(tmp_path / "strict")])
+def test_compile_strict_fails_on_fallback(model_path, tmp_path, capsys):
+    assert main(["compile", model_path, "--strict", "-o", str(tmp_path / "strict")]) == 1
+    err = capsys.readouterr().err
+    assert "LRN" in err and "Traceback" not in err
+    with pytest.raises(Exception, match="LRN"):  # --traceback: the exception itself
+        main(["--traceback", "compile", model_path, "--strict", "-o", str(tmp_path / "strict")])
 
 
 def test_compile_torch_export_archive(tmp_path):
@@ -84,3 +87,50 @@ def test_console_script(model_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "ONNX nodes supported" in proc.stdout
+
+
+def test_ordinary_mistakes_are_one_line_without_traceback(model_path, tmp_path, capsys):
+    """Missing file, corrupt file, a bad or unknown --shape: exit status 2 (usage) or 1, one
+    line on stderr, no Python traceback; `python -m gac_torch --version` works."""
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"\x08\x07not a protobuf at all" * 3)
+    cases = [(["report", str(tmp_path / "missing.onnx")], 2, "no such file"),
+             (["report", model_path, "--shape", "x=8xQ"], 2, "--shape expects"),
+             (["report", model_path, "--shape", "nope=8x8"], 2, "no input named"),
+             (["compile", str(corrupt), "-o", str(tmp_path / "o")], 1, "error")]
+    for argv, status, message in cases:
+        assert main(argv) == status, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    p = subprocess.run([sys.executable, "-m", "gac_torch", "report", str(tmp_path / "missing.onnx")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith("gac-torch: error: no such file"), p.stderr
+    assert "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "gac_torch", "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("gac-torch ")
+
+
+def test_compile_vortex_writes_the_binary(model_path, tmp_path):
+    pytest.importorskip("ziglang")
+    pytest.importorskip("elftools")
+    from gac_torch.backends.vortex.vxbin import read_vxbin
+
+    out_dir = tmp_path / "vx"
+    assert main(["compile", model_path, "--target", "vortex", "-o", str(out_dir)]) == 0
+    data = (out_dir / "fused_0.vxbin").read_bytes()
+    assert read_vxbin(data).kernels  # a real .vxbin with kernels, not the text listing
+
+
+def test_shape_is_honoured_for_pt2(tmp_path):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x) * 2
+
+    ep = torch.export.export(M(), (torch.randn(5, 4),), dynamic_shapes=({0: torch.export.Dim("n")},))
+    path = str(tmp_path / "dyn.pt2")
+    torch.export.save(ep, path)
+    assert main(["compile", path, "-o", str(tmp_path / "dyn")]) == 0
+    assert "?x4" in (tmp_path / "dyn" / "fused_0.gac").read_text()  # run-time size without --shape
+    assert main(["compile", path, "--shape", "x=3x4", "-o", str(tmp_path / "st")]) == 0
+    gac = (tmp_path / "st" / "fused_0.gac").read_text()
+    assert "3x4" in gac and "?x4" not in gac

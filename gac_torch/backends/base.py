@@ -31,6 +31,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from gac_torch.errors import MissingDependency
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -100,11 +102,30 @@ class Target:
     load: Callable[[Any, Signature, dict], Executable]  # last artifact -> executable
     check_available: Callable[[], None] = lambda: None  # raises TargetUnavailable with a fix
     dynamic_shapes: bool = False  # compiles graphs with run-time sizes (else: one per shape)
+    # The on-disk cache and saved artifacts (runtime/cache.py): `pack(artifact, options,
+    # required)` turns the last artifact into plain data (JSON-able meta, named blobs), or None
+    # when not worth caching (never when `required`); `unpack` that data into an executable
+    # without MLIR; `cache_key` names what else decides the code (e.g. cuda's arch).
+    pack: Callable[..., tuple[dict, dict[str, bytes]] | None] | None = None
+    unpack: Callable[[dict, dict[str, bytes], Signature, dict], Executable] | None = None
+    cache_key: Callable[[dict], dict] = lambda options: {}
+    # Python modules compiling for this target needs, and the extra that installs them.
+    requires: tuple[str, ...] = ()
+    extra: str = ""
+
+    def check_requirements(self) -> None:
+        """Raises MissingDependency naming the extra, rather than every partition falling back."""
+        import importlib.util
+
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            raise MissingDependency(f"target {self.name} needs {', '.join(missing)}: "
+                                    f"pip install 'gac-torch[{self.extra}]'")
 
 
 def stages_only(target: Target) -> Target:
     """The target's compiler without its device: "loading" hands back the last stage's artifact
     (e.g. the GpuProgram), so PTX can be produced and inspected on a machine without a GPU."""
     return dataclasses.replace(target, load=lambda artifact, signature, options: artifact,
-                               check_available=lambda: None)
+                               check_available=lambda: None, pack=None, unpack=None)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import re
+import warnings
 import weakref
 
 import torch
@@ -19,7 +21,8 @@ from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_trace_globals
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
-from gac_torch.options import precision_flags, resolve
+from gac_torch.options import OptionError, precision_flags, resolve
+from gac_torch.runtime import progress
 
 log = logging.getLogger("gac_torch")
 
@@ -55,15 +58,59 @@ class RecentGraphs:
 compiled_graphs = RecentGraphs(64)
 
 
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_modes_warned: set = set()
+
+
+def _check_mode(mode) -> None:
+    """torch.compile's `mode`: gac has one way to compile today, so any other mode says so once."""
+    if mode not in MODES:
+        raise OptionError(f"unknown torch.compile mode {mode!r} for backend 'gac'; torch's modes: "
+                          f"{', '.join(m for m in MODES if m)}")
+    if mode not in (None, "default") and mode not in _modes_warned:
+        _modes_warned.add(mode)
+        warnings.warn(f"gac: mode={mode!r} has no effect yet (no autotuner, no CUDA graphs per mode); "
+                      "compiling as mode='default'", stacklevel=2)
+
+
+def _user_names(gm: torch.fx.GraphModule) -> list[str]:
+    """Per dynamo graph input, the name the user knows: `x` for L['x'], `linear.weight` for a
+    module's parameter (dynamo's sources), else dynamo's placeholder name."""
+    names = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        source = getattr(n.meta.get("grapharg"), "source", None)
+        parts = re.findall(r"\['([^']+)'\]", source.name) if source is not None else []
+        parts = [p for p in parts if p not in ("self", "_modules", "_parameters", "_buffers")]
+        names.append("_".join(parts) if parts else n.name)
+    return names
+
+
+def _name_inputs(graph: torch.fx.GraphModule, names: list[str]) -> None:
+    """AOTAutograd's forward graph takes dynamo's inputs in order as primals_k / arg_k: give
+    them the user's names so errors say `input 'x'` (other graphs are left alone)."""
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names) or not all(
+            re.fullmatch(r"(primals|arg\d+)_\d+", p.name) for p in placeholders):
+        return
+    for p, name in zip(placeholders, names):
+        if name.isidentifier():
+            p._rename(name)
+    graph.recompile()
+
+
 def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **kw):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     resolve(options, **kw)  # unknown or ill-typed options fail here, before tracing
+    _check_mode(mode)
 
     def compile_now(graph: torch.fx.GraphModule):
         compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
         compiled_graphs.append(compiled)
+        progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
         return compiled.gm
 
     def copy_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -73,6 +120,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
         with unset_fake_temporarily():
             return copy.deepcopy(graph)
+
+    user_names = _user_names(gm)
 
     def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
         # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
@@ -92,11 +141,13 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         return per_flags(pristine, compile_now(graph), compile_now)
 
     def compile_fn(graph: torch.fx.GraphModule, inputs):
+        _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
         pristine = copy_graph(graph)
         compiled, reason = compile_once_or_reason(graph, resolve(options, **kw))
         if compiled is not None:
             compiled_graphs.append(compiled)
+            progress.add_report(compiled.report)
             return make_boxed_func(per_flags(pristine, compiled.gm, compile_now))
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(pristine, compile_static, reason=reason))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -17,6 +18,8 @@ from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.frontends.torch_state import tracing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
+from gac_torch.passes.partition import GraphReport
+from gac_torch.runtime import artifact, cache
 from gac_torch.runtime.compiled import is_host_scalar
 from gac_torch.runtime.sizes import bind_all
 
@@ -177,9 +180,38 @@ def device_with_index(device: str) -> torch.device:
     return d
 
 
-def compile_exported(ep: ExportedProgram, options: dict) -> CompiledProgram:
+def _from_cache(user_ep: ExportedProgram, hit) -> CompiledProgram:
+    """A cached program (runtime/artifact.py) bound to the caller's parameters and buffers."""
+    manifest, saved_ep, partitions = hit
+    r = manifest["report"]
+    report = GraphReport(r["total"], r["compiled"], r["partitions"],
+                         Counter({(op, why): n for op, why, n in r["unsupported"]}))
+    compiled = CompiledProgram(saved_ep, CompiledFx(saved_ep.graph_module, report, partitions, manifest["target"],
+                                                    dynamic=bool(manifest.get("dynamic"))))
+    specs = saved_ep.graph_signature.input_specs
+    compiled._lifted = [(i, user_ep.state_dict.get(specs[i].target, t)
+                         if specs[i].kind in (InputKind.PARAMETER, InputKind.BUFFER) else t)
+                        for i, t in compiled._lifted]
+    return compiled
+
+
+def compile_exported(ep: ExportedProgram, options) -> CompiledProgram:
     target = options["target"] or _device_of(ep)
     options = options.replace(target=target)
+    key = None
+    if cache.enabled(options):  # the whole program, before torch's decompositions
+        key = artifact.program_key(ep, options)
+        hit = artifact.cached_program(key, options)
+        if hit is not None:
+            return _from_cache(ep, hit)
+    compiled = _compile_exported(ep, options)
+    if key is not None and isinstance(compiled.compiled, CompiledFx):
+        artifact.remember_program(key, compiled)
+    return compiled
+
+
+def _compile_exported(ep: ExportedProgram, options) -> CompiledProgram:
+    target = options["target"]
     device = get_target(target).device_type
     with tracing():  # torch's tracing is not thread-safe; gac's compile below is
         if device != _device_of(ep) and (device != "cuda" or torch.cuda.is_available()):

@@ -15,12 +15,13 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from gac_torch.backends import Target, get_target
 from gac_torch.driver import compile_partition
 from gac_torch.errors import (
-    GacCompilerError, GacCompilerWarning, GacUnsupportedError, StaticShapesOnly,
+    GacCompilerError, GacCompilerWarning, GacUnsupportedError, MissingDependency, StaticShapesOnly,
 )
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.passes.partition import (
     COMPILER_ERROR, GraphReport, analyze, drop_metadata_asserts, op_name, partition,
 )
+from gac_torch.runtime import progress
 from gac_torch.runtime.compiled import CompiledGraph
 
 log = logging.getLogger("gac_torch")
@@ -116,6 +117,7 @@ def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> 
     target_name = target.name if target else options["target"] or default_target(gm)
     target = target or get_target(target_name)  # no silent fallback to another target: its errors surface
 
+    target.check_requirements()  # a missing extra is an error naming it, not a silent fallback
     drop_metadata_asserts(gm)
     gm.graph.eliminate_dead_code()  # e.g. getitems of unused statistics (keeps impure nodes)
     gm.recompile()
@@ -133,32 +135,40 @@ def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> 
 
     fused, names = partition(gm, decisions, options["min_block_size"])
     compiled: dict[str, CompiledGraph] = {}
-    for name in names:
-        sub = getattr(fused, name)
-        try:
-            cg = compile_partition(sub, name, target, options, dump_dir)
-        except StaticShapesOnly:
-            raise  # the front-end compiles the graph per shape instead
-        except Exception as e:  # a gac bug: visible, and in default mode the partition runs eagerly
-            ops = [n for n in sub.graph.nodes  # counted as analyze() counts them
-                   if n.op == "call_function" and n.target is not operator.getitem]
-            why = f"{COMPILER_ERROR}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-            if not options["fallback"] or strict_internal():
-                kinds = sorted({op_name(n) for n in ops})
-                raise GacCompilerError(f"gac failed to compile partition {name} ({len(ops)} node(s): "
-                                       f"{', '.join(kinds[:8])}{' ...' if len(kinds) > 8 else ''}): "
-                                       f"{why}") from e
-            report.compiled -= len(ops)
-            report.unsupported[(f"partition {name}", why)] += len(ops)
-            warnings.warn(f"gac: graph {graph_id} partition {name} ({len(ops)} node(s)) runs eagerly "
-                          f"after a {why}", GacCompilerWarning, stacklevel=2)
-            continue
-        setattr(fused, name, cg)
-        compiled[name] = cg
+    with progress.Compile(f"graph {graph_id} on {target_name}") as running:
+        for k, name in enumerate(names):
+            running.step("legalize", partition=f"partition {k + 1} of {len(names)} ({name})")
+            _compile_one(fused, name, target, options, dump_dir, report, compiled, graph_id)
     report.partitions = len(compiled)
     fused.recompile()
     log.info("gac: graph %d on %s: %s", graph_id, target_name, report.summary())
     return CompiledFx(fused, report, compiled, target_name, dynamic=has_symbolic_shapes(gm))
+
+
+def _compile_one(fused: fx.GraphModule, name: str, target: Target, options, dump_dir: str | None,
+                 report: GraphReport, compiled: dict, graph_id: int) -> None:
+    """Compiles partition `name` in place (or leaves it to eager, visibly, recording why)."""
+    sub = getattr(fused, name)
+    try:
+        cg = compile_partition(sub, name, target, options, dump_dir)
+    except (StaticShapesOnly, MissingDependency):
+        raise  # the front-end compiles the graph per shape instead; an extra to install
+    except Exception as e:  # a gac bug: visible, and in default mode the partition runs eagerly
+        ops = [n for n in sub.graph.nodes  # counted as analyze() counts them
+               if n.op == "call_function" and n.target is not operator.getitem]
+        why = f"{COMPILER_ERROR}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        if not options["fallback"] or strict_internal():
+            kinds = sorted({op_name(n) for n in ops})
+            raise GacCompilerError(f"gac failed to compile partition {name} ({len(ops)} node(s): "
+                                   f"{', '.join(kinds[:8])}{' ...' if len(kinds) > 8 else ''}): "
+                                   f"{why}") from e
+        report.compiled -= len(ops)
+        report.unsupported[(f"partition {name}", why)] += len(ops)
+        warnings.warn(f"gac: graph {graph_id} partition {name} ({len(ops)} node(s)) runs eagerly "
+                      f"after a {why}", GacCompilerWarning, stacklevel=3)
+        return
+    setattr(fused, name, cg)
+    compiled[name] = cg
 
 
 __all__ = ["compile_graph", "compile_once_or_reason", "CompiledFx", "specialization_reason"]

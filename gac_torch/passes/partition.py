@@ -110,5 +110,14 @@ def partition(gm: fx.GraphModule, decisions, min_block_size: int = 1) -> tuple[f
     parts = [p for p in partitioner.propose_partitions()
              if sum(1 for n in p.nodes if n.target is not operator.getitem) >= min_block_size]
     fused = partitioner.fuse_partitions(parts)
-    names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")]
-    return fused, names
+    calls = [n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")]
+    # torch numbers the partitions in reverse; renumber them in graph (execution) order
+    subs = [getattr(fused, n.target) for n in calls]
+    for n in calls:
+        delattr(fused, n.target)
+    for i, (n, sub) in enumerate(zip(calls, subs)):
+        n.target = f"fused_{i}"
+        n._rename(f"{n.target}_out")  # (the graph's namespace keeps the old node names taken)
+        setattr(fused, n.target, sub)
+    fused.recompile()
+    return fused, [n.target for n in calls]

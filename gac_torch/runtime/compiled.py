@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import sympy
@@ -98,8 +99,23 @@ class CompiledGraph(torch.nn.Module):
         live = [o for o, s in zip(outputs, self.signature.outputs)
                 if not any(isinstance(d, int) and d == 0 for d in s.shape)]
         if any(o.numel() for o in live):
-            self.executable.run(inputs, live)
+            with _ranges(f"gac:{self.name}", device.type == "cuda"):
+                self.executable.run(inputs, live)
         return tuple(outputs) if self.tuple_output else outputs[0]
+
+
+@contextlib.contextmanager
+def _ranges(name: str, nvtx: bool):
+    """A torch.profiler range per partition (only while profiling), and an NVTX range on cuda."""
+    with torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+            else contextlib.nullcontext():
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
 
 
 def is_host_scalar(t: torch.Tensor) -> bool:

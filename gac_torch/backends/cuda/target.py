@@ -105,6 +105,18 @@ def _load(program: GpuProgram, signature: Signature, options: dict) -> runtime.C
     return runtime.CudaExecutable(program, signature)
 
 
+def _pack(program: GpuProgram, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
+    from gac_torch.backends.gpu.program import to_json
+
+    return {"program": to_json(program)}, {}
+
+
+def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict) -> runtime.CudaExecutable:
+    from gac_torch.backends.gpu.program import from_json
+
+    return runtime.CudaExecutable(from_json(meta["program"]), signature)
+
+
 TARGET = Target(
     name="cuda",
     device_type="cuda",
@@ -112,4 +124,7 @@ TARGET = Target(
     load=_load,
     check_available=runtime.check_available,
     dynamic_shapes=True,
+    pack=_pack,
+    unpack=_unpack,
+    cache_key=lambda options: {"arch": options.get("arch") or default_arch()},
 )

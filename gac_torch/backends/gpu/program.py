@@ -321,3 +321,24 @@ class GpuProgram:
                     if oi < oj + self.temps[j].nbytes and oj < oi + self.temps[i].nbytes:
                         errs.append(f"temps {i} and {j} share workspace bytes while both live")
         return errs
+
+
+# -- plain data (the on-disk cache and saved artifacts: runtime/cache.py) --------------------------
+PLAIN_TYPES = (GpuProgram, KernelLaunch, BufferRef, ScalarArg, Dyn, TempBuffer, ArgSpec, HostOp,
+               MemoryPlan)
+
+
+def to_json(program: GpuProgram) -> dict:
+    """The whole program as JSON-able data (PTX included); `from_json` rebuilds it."""
+    from gac_torch.runtime.plain import encode
+
+    return encode(program)
+
+
+def from_json(data: dict) -> GpuProgram:
+    from gac_torch.runtime.plain import decode
+
+    program = decode(data, PLAIN_TYPES)
+    if not isinstance(program, GpuProgram):
+        raise ValueError(f"not a GpuProgram: {type(program).__name__}")
+    return program

@@ -68,9 +68,36 @@ def _load(program: Any, signature: Signature, options: dict) -> Any:
     return runtime.VortexExecutable(program, signature, mode, home)
 
 
+def _pack(program: Any, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
+    """The launch plan as plain data, the .vxbin as a blob (the LLVM IR is not needed to run)."""
+    from gac_torch.runtime.plain import encode
+
+    return {"program": encode(dataclasses.replace(program, vxbin=b"", llvm_ir=""))}, {"vxbin": program.vxbin}
+
+
+def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict) -> Any:
+    from gac_torch.backends.gpu.program import PLAIN_TYPES
+    from gac_torch.backends.vortex import runtime
+    from gac_torch.backends.vortex.kernel_abi import KernelAbi
+    from gac_torch.backends.vortex.pipeline import VortexProgram
+    from gac_torch.runtime.plain import decode
+
+    program = decode(meta["program"], (VortexProgram, KernelAbi, *PLAIN_TYPES))
+    if not isinstance(program, VortexProgram):
+        raise ValueError(f"not a VortexProgram: {type(program).__name__}")
+    mode, home = runtime.resolve_mode(options)
+    return runtime.VortexExecutable(dataclasses.replace(program, vxbin=blobs["vxbin"]), signature, mode, home)
+
+
 TARGET = Target(
     name="vortex",
     device_type="cpu",
     stages=_stages,
     load=_load,
+    pack=_pack,
+    unpack=_unpack,
+    # the internal switches change the code; the mode and home only where it runs
+    cache_key=lambda options: {"flags": repr(_flags)},
+    requires=("ziglang", "elftools"),
+    extra="vortex",
 )

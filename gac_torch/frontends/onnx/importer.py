@@ -208,7 +208,7 @@ def _add_inputs(
         if len(static) != len(dims):
             raise OnnxLoadError(
                 f"input {vi.name!r} has symbolic dims "
-                f"{[d.dim_param or '?' for d in tt.shape.dim]}; "
+                f"{[d.dim_value if d.HasField('dim_value') else d.dim_param or '?' for d in tt.shape.dim]}; "
                 f"gac compiles static shapes: pass example_inputs to fix them"
             )
         env[vi.name] = g.input(vi.name, static, dtype)

@@ -183,8 +183,8 @@ class Runner:
         return Outcome(config, "ok"), outs
 
 
-class _ExportFailed(Exception):
-    pass
+class _ExportFailed(gac_torch.GacError):
+    """torch.export refused the generated program: torch's limit, not a gac bug."""
 
 
 def run_case(source: str, seed: int, targets: tuple[str, ...] = ("cpu",),

@@ -1,0 +1,112 @@
+"""Cold and warm compile times of BEVFormer beside Inductor's, each in a new process.
+
+    python benchmarks/compile_time.py --config test_tiny --target cpu --out results.md
+    python benchmarks/compile_time.py --config tiny --target cuda          # on the GPU machine
+
+Rows (each a fresh interpreter, so nothing is shared in memory):
+  gac cold     gac_torch.compile(ExportedProgram) into an empty GAC_CACHE_DIR
+  gac warm     the same into the cache the cold run filled (the on-disk cache's hit path)
+  gac load     gac_torch.load of a file gac_torch.save wrote (no MLIR, no export)
+  inductor     torch.compile(backend="inductor") cold, then warm (its own on-disk caches)
+Times are wall seconds of the compile call (export and imports shown apart; a first
+gac_torch.load also imports torch's deserializer, so it is timed again); every gac row checks its
+outputs equal the cold run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch, gac_torch
+from gac_torch.models.bevformer import build_bevformer, make_test_inputs
+imports = time.perf_counter() - t0
+config, target, what, path = sys.argv[1:5]
+dev = "cuda" if target == "cuda" else "cpu"
+model = build_bevformer(config, seed=0).to(dev).eval()
+inputs = tuple(t.to(dev) for t in make_test_inputs(model.cfg, frame=0))
+row = {"imports_s": round(imports, 2)}
+with torch.no_grad():
+    if what == "load":
+        t = time.perf_counter(); compiled = gac_torch.load(path); row["compile_s"] = time.perf_counter() - t
+        # again in the same process: without the first call's imports of torch's deserializer
+        t = time.perf_counter(); gac_torch.load(path); row["again_s"] = time.perf_counter() - t
+    elif what.startswith("inductor"):
+        fn = torch.compile(model, backend="inductor")
+        t = time.perf_counter(); fn(*inputs); row["compile_s"] = time.perf_counter() - t
+        compiled = fn
+    else:
+        t = time.perf_counter(); ep = torch.export.export(model, inputs); row["export_s"] = time.perf_counter() - t
+        t = time.perf_counter(); compiled = gac_torch.compile(ep, target=target); row["compile_s"] = time.perf_counter() - t
+        if what == "save":
+            gac_torch.save(compiled, path)
+    out = compiled(*inputs)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    torch.save([o.cpu() for o in out], path + f".{what}.out")
+row["mlir_imported"] = "mlir" in sys.modules
+print("ROW " + json.dumps(row))
+"""
+
+
+def run(config: str, target: str, what: str, path: str, env: dict) -> dict:
+    p = subprocess.run([sys.executable, "-c", CHILD, config, target, what, path], env=env,
+                       capture_output=True, text=True, timeout=3600)
+    rows = [line for line in p.stdout.splitlines() if line.startswith("ROW ")]
+    if p.returncode or not rows:
+        raise SystemExit(f"{what} failed:\n{p.stderr[-4000:]}")
+    return json.loads(rows[-1][4:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="test_tiny")
+    ap.add_argument("--target", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out", default=None, help="append a markdown table here")
+    ap.add_argument("--skip-inductor", action="store_true", help="gac rows only (Inductor's cold compile is slow)")
+    args = ap.parse_args()
+    import torch
+
+    work = tempfile.mkdtemp(prefix="gac_compile_time_")
+    path = os.path.join(work, "model.gac")
+    env = dict(os.environ, GAC_CACHE="1", GAC_CACHE_DIR=os.path.join(work, "gac_cache"),
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor_cache"))
+    rows = {}
+    runs = ["cold", "warm", "save", "load"] + ([] if args.skip_inductor else ["inductor_cold", "inductor_warm"])
+    for what in runs:
+        rows[what] = run(args.config, args.target, what, path, env)
+        print(what, rows[what], flush=True)
+    ref = torch.load(f"{path}.cold.out")
+    for what in ("warm", "save", "load"):
+        got = torch.load(f"{path}.{what}.out")
+        rows[what]["identical"] = all(torch.equal(a, b) for a, b in zip(got, ref))
+    lines = [f"## BEVFormer {args.config} on {args.target}: compile time ({datetime.date.today()}, "
+             f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})", "",
+             "| run | compile s | export s | imports s | MLIR imported | outputs identical to cold |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    if "again_s" in rows.get("load", {}):
+        rows["load"]["compile_s_text"] = f"{rows['load']['compile_s']:.2f} ({rows['load']['again_s']:.2f} again)"
+    names = {"cold": "gac cold (empty cache)", "warm": "gac warm (cache hit, new process)",
+             "save": "gac compile + save (cache hit)", "load": "gac_torch.load (new process)",
+             "inductor_cold": "inductor cold", "inductor_warm": "inductor warm (its caches)"}
+    for what, row in rows.items():
+        shown = row.get("compile_s_text", f"{row['compile_s']:.2f}")
+        lines.append(f"| {names[what]} | {shown} | {row.get('export_s', 0):.2f} | "
+                     f"{row['imports_s']:.2f} | {row['mlir_imported']} | {row.get('identical', '-')} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The on-disk compile cache: what a partition needs to run without MLIR, keyed by what decides it.
+
+    GAC_CACHE=0                 disables it (as does the option cache=False)
+    GAC_CACHE_DIR=/path         where entries live (default: ~/.cache/gac_torch, or $XDG_CACHE_HOME)
+    GAC_CACHE_SIZE_MB=2048      bound; the least recently used entries go first
+    gac_torch.cache.clear()     removes every entry
+
+The key (`cache_key`) is a sha256 over a canonical JSON of: the partition's gac module text and
+signature (every later stage is a function of them), the resolved options, the target and what
+else decides its code (cuda: the arch), torch's precision flags, and the versions of gac (plus a
+digest of its sources, so an edited checkout never reuses stale code), the MLIR bindings, torch
+and the platform. An entry is one file, MAGIC | sha256(body) | body, written to a temporary file
+and renamed into place (readers see a whole entry or none; several processes may write at once).
+A corrupt, truncated or foreign entry fails its checksum or key check: it is removed and the
+partition recompiled, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import struct
+import sys
+import tempfile
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gac_torch.errors import GacError
+from gac_torch.options import Options
+
+log = logging.getLogger("gac_torch")
+
+MAGIC = b"GACCACHE\x01\n"
+FORMAT = 1
+SUFFIX = ".gac"
+DEFAULT_SIZE_MB = 2048
+# Options that change where things are written, not what is compiled.
+_NOT_IN_KEY = {"dump_dir", "cache"}
+
+
+class CacheError(GacError, ValueError):
+    """An entry that cannot be trusted (bad magic, checksum, key or format)."""
+
+
+@dataclass
+class Entry:
+    """A compiled partition as plain data: `meta` (JSON), named binary `blobs`, stage texts."""
+
+    meta: dict[str, Any]
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    stages: dict[str, str] = field(default_factory=dict)
+
+
+# -- switches and place --------------------------------------------------------------------------
+
+def enabled(options: Options | None = None) -> bool:
+    given = options.cache if options is not None else None
+    if given is not None:
+        return bool(given)
+    return os.environ.get("GAC_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GAC_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        root = os.path.join(base, "gac_torch")
+    return Path(root) / "partitions"
+
+
+def size_limit() -> int:
+    return int(float(os.environ.get("GAC_CACHE_SIZE_MB", DEFAULT_SIZE_MB)) * 2**20)
+
+
+def clear() -> int:
+    """Removes every cache entry; returns how many."""
+    n = 0
+    root = cache_dir()
+    if not root.is_dir():
+        return 0
+    for p in root.rglob("*"):
+        if p.is_file() and (p.suffix == SUFFIX or ".tmp" in p.name):
+            try:
+                p.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+# -- the key -------------------------------------------------------------------------------------
+
+def key_options(options: Options) -> Options:
+    """The resolved options with those cleared that say where things go, not what is compiled
+    (Options is frozen and hashable: this is the part of the key that options decide)."""
+    return options.replace(**{k: None for k in _NOT_IN_KEY})
+
+
+def options_json(options: Options) -> dict[str, Any]:
+    """key_options as canonical JSON-able data."""
+    return {k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
+            for k, v in sorted(dataclasses.asdict(key_options(options)).items())}
+
+
+def precision_flags() -> dict[str, Any]:
+    import torch
+
+    return {"cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    """gac (with a digest of its sources), the MLIR bindings, torch, python and the platform."""
+    from importlib import metadata
+
+    import torch
+
+    import gac_torch
+
+    digest = hashlib.sha256()
+    root = Path(gac_torch.__file__).parent
+    for p in sorted(root.rglob("*.py")):
+        digest.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    try:
+        mlir = metadata.version("xtc-mlir-python-bindings")
+    except metadata.PackageNotFoundError:
+        mlir = "unknown"
+    return {"gac": gac_torch.__version__, "gac_sources": digest.hexdigest()[:16], "mlir": mlir,
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "platform": f"{sys.platform}-{platform.machine()}"}
+
+
+def cache_key(graph_text: str, signature: str, options: Options, target: str,
+              target_key: Mapping[str, Any] | None = None) -> str:
+    """The content address of one compiled partition (see the module docstring)."""
+    data = {"format": FORMAT, "graph": hashlib.sha256(graph_text.encode()).hexdigest(),
+            "signature": signature, "options": options_json(options), "target": target,
+            "target_key": dict(target_key or {}), "precision": precision_flags(),
+            "versions": versions()}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# -- entries -------------------------------------------------------------------------------------
+
+def pack_entry(key: str, entry: Entry) -> bytes:
+    """MAGIC | sha256(body) | body; body = u32 header length | header JSON | blobs."""
+    blobs = dict(entry.blobs)
+    blobs["\0stages"] = zlib.compress(json.dumps(entry.stages).encode(), 3)
+    layout, offset = {}, 0
+    for name, data in blobs.items():
+        layout[name] = [offset, len(data)]
+        offset += len(data)
+    header = json.dumps({"format": FORMAT, "key": key, "meta": entry.meta, "blobs": layout,
+                         "versions": versions()}, sort_keys=True).encode()
+    body = struct.pack("<I", len(header)) + header + b"".join(blobs.values())
+    return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def unpack_entry(data: bytes, key: str | None) -> Entry:
+    """Raises CacheError unless `data` is a whole, unmodified entry (for `key`, if given)."""
+    if not data.startswith(MAGIC):
+        raise CacheError("not a gac cache entry (bad magic)")
+    digest, body = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    if len(digest) < 32 or hashlib.sha256(body).digest() != digest:
+        raise CacheError("checksum mismatch (truncated or modified)")
+    try:
+        (n,) = struct.unpack("<I", body[:4])
+        header = json.loads(body[4:4 + n])
+        base = 4 + n
+        blobs = {name: body[base + off:base + off + size] for name, (off, size) in header["blobs"].items()}
+        stages = json.loads(zlib.decompress(blobs.pop("\0stages")))
+    except (KeyError, ValueError, struct.error, zlib.error) as e:
+        raise CacheError(f"malformed entry: {e}") from e
+    if header.get("format") != FORMAT:
+        raise CacheError(f"entry format {header.get('format')}, this gac reads {FORMAT}")
+    if key is not None and header.get("key") != key:
+        raise CacheError("entry belongs to another key")
+    return Entry(header["meta"], blobs, stages)
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / key[:2] / f"{key}{SUFFIX}"
+
+
+def load(key: str) -> Entry | None:
+    """The entry for `key`, or None (a miss). A damaged entry is removed: a miss, with a warning."""
+    path = _path(key)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        log.info("gac cache miss %s", key[:16])
+        return None
+    try:
+        entry = unpack_entry(data, key)
+    except CacheError as e:
+        log.warning("gac cache: ignoring entry %s (%s); recompiling", path, e)
+        _remove(path)
+        return None
+    try:
+        os.utime(path)  # least recently *used* goes first
+    except OSError:
+        pass
+    log.info("gac cache hit %s", key[:16])
+    return entry
+
+
+def store(key: str, entry: Entry) -> None:
+    """Writes atomically (temporary file in the same folder, then rename); never raises."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(pack_entry(key, entry))
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(Path(tmp))
+            raise
+        log.info("gac cache store %s (%d bytes)", key[:16], path.stat().st_size)
+        evict(size_limit())
+    except OSError as e:
+        log.warning("gac cache: cannot write %s: %s", path, e)
+
+
+def evict(limit: int) -> None:
+    """Removes least recently used entries until the cache holds at most `limit` bytes."""
+    files = []
+    for p in cache_dir().glob(f"*/*{SUFFIX}"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    total = sum(s for _, s, _ in files)
+    for _, size, p in sorted(files, key=lambda f: f[0]):
+        if total <= limit:
+            break
+        _remove(p)
+        total -= size
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
