@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.backends import __allow_nonbracketed_mutation as _mutable
 
 import gac_torch
 from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
@@ -31,14 +32,21 @@ PRECISIONS = {"f32": (torch.float32, False, 1e-5), "tf32": (torch.float32, True,
               "f16": (torch.float16, False, 2e-3), "bf16": (torch.bfloat16, False, 1e-2)}
 
 
+def _set_tf32(on: bool) -> None:
+    # torch's own escape hatch: once torch.testing's common_utils is imported (the OpInfo tests,
+    # in the same xdist worker), plain assignments to cudnn flags raise
+    with _mutable():
+        torch.backends.cudnn.allow_tf32 = on
+
+
 @contextmanager
 def _cudnn_tf32(on: bool):
     saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = on
+    _set_tf32(on)
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32 = saved
+        _set_tf32(saved)
 
 
 def _model(name: str, dtype: torch.dtype, device: str = "cpu"):
@@ -124,10 +132,10 @@ def test_cudnn_tf32_flag_is_read_at_compile_time_and_guarded() -> None:
         once = len(compiled_graphs)
         fn(x)
         assert len(compiled_graphs) == once > before
-        torch.backends.cudnn.allow_tf32 = True
+        _set_tf32(True)
         torch.testing.assert_close(fn(x), ref)
         assert len(compiled_graphs) == once + 1
-        torch.backends.cudnn.allow_tf32 = False
+        _set_tf32(False)
         fn(x)
         assert len(compiled_graphs) == once + 1  # the first compilation is kept
 
