@@ -62,7 +62,8 @@ def main() -> int:
             cmd += ["--max-seconds", str(args.max_seconds)]
         with open(log + ".txt", "w") as out:
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                          env=dict(os.environ, PYTHONPATH=ROOT)))
+                                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                              filter(None, [ROOT, os.environ.get("PYTHONPATH")])))))
     for p in procs:
         p.wait()
     if args.merge:
