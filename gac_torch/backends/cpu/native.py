@@ -25,6 +25,7 @@ import torch
 
 from gac_torch.backends.base import Signature, SizeSpec
 from gac_torch.backends.cpu.builtins import BUILTINS_LL
+from gac_torch.backends.cpu.memref import descriptor, descriptor_type
 from gac_torch.errors import GacError
 
 OPT_MAX_IR_BYTES = 256 * 1024  # above this, skip the IR optimizer (see step 2)
@@ -82,14 +83,6 @@ def shared_object(llvm_ir: str) -> bytes:
             return f.read()
 
 
-def _descriptor_type(rank: int):
-    class Desc(ctypes.Structure):
-        _fields_ = [("allocated", ctypes.c_void_p), ("aligned", ctypes.c_void_p),
-                    ("offset", ctypes.c_longlong)] + (
-            [("shape", ctypes.c_longlong * rank), ("strides", ctypes.c_longlong * rank)] if rank else [])
-    return Desc
-
-
 class NativeExecutable:
     """A loaded shared object: `_mlir_ciface_main(desc*, ..., int64 size, ...)`."""
 
@@ -102,7 +95,7 @@ class NativeExecutable:
             os.unlink(f.name)
         self.fn = getattr(self.lib, ENTRY)
         self.fn.restype = None
-        self.desc_types = [None if isinstance(s, SizeSpec) else _descriptor_type(len(s.shape))
+        self.desc_types = [None if isinstance(s, SizeSpec) else descriptor_type(len(s.shape))
                            for s in signature.inputs + signature.outputs]
         self.fn.argtypes = [ctypes.c_int64 if d is None else ctypes.c_void_p for d in self.desc_types]
 
@@ -113,12 +106,7 @@ class NativeExecutable:
             if dtype is None:
                 args.append(int(t))
                 continue
-            d = dtype()
-            d.allocated = d.aligned = t.data_ptr()
-            d.offset = 0
-            if t.dim():
-                d.shape[:] = list(t.shape)
-                d.strides[:] = list(t.stride())
+            d = descriptor(t, dtype)
             keep.append(d)
             args.append(ctypes.addressof(d))
         self.fn(*args)

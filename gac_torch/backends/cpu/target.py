@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from gac_torch.backends.base import Signature, SizeSpec, Stage, Target
+from gac_torch.backends.cpu.memref import descriptor, descriptor_type
 
 log = logging.getLogger("gac_torch")
 # MLIR is imported where it is used: a saved artifact loads this target without it.
@@ -58,20 +59,6 @@ def lower_to_llvm(module: ir.Module) -> ir.Module:
     return module
 
 
-_DESC_TYPES: dict[int, type] = {}
-
-
-def _descriptor_type(rank: int):
-    """One class per rank: ctypes caches the pointer type of every class it sees, forever."""
-    if rank not in _DESC_TYPES:
-        class Desc(ctypes.Structure):
-            _fields_ = [("allocated", ctypes.c_void_p), ("aligned", ctypes.c_void_p),
-                        ("offset", ctypes.c_longlong)] + (
-                [("shape", ctypes.c_longlong * rank), ("strides", ctypes.c_longlong * rank)] if rank else [])
-        _DESC_TYPES[rank] = Desc
-    return _DESC_TYPES[rank]
-
-
 class CpuExecutable:
     """Calls `_mlir_ciface_main` with one memref descriptor per tensor, pointing at torch storage
     (sizes known only at run time travel in the descriptors' shape fields), and an int64 per
@@ -82,7 +69,7 @@ class CpuExecutable:
 
         self.module = module  # keeps the context alive as long as the engine
         self.engine = ExecutionEngine(module, opt_level=2)
-        self.desc_types = [ctypes.c_int64 if isinstance(s, SizeSpec) else _descriptor_type(len(s.shape))
+        self.desc_types = [ctypes.c_int64 if isinstance(s, SizeSpec) else descriptor_type(len(s.shape))
                            for s in signature.inputs + signature.outputs]
 
     def run(self, inputs: Sequence[torch.Tensor | int], outputs: Sequence[torch.Tensor]) -> None:
@@ -91,13 +78,7 @@ class CpuExecutable:
             if dtype is ctypes.c_int64:
                 descs.append(dtype(int(t)))
                 continue
-            d = dtype()
-            d.allocated = d.aligned = t.data_ptr()
-            d.offset = 0
-            if t.dim():
-                d.shape[:] = list(t.shape)
-                d.strides[:] = list(t.stride())
-            descs.append(d)
+            descs.append(descriptor(t, dtype))
         # The packed interface takes a pointer to each argument: a descriptor pointer, or an int64.
         self.engine.invoke("main", *[ctypes.pointer(d) if isinstance(d, ctypes.c_int64)
                                      else ctypes.pointer(ctypes.pointer(d)) for d in descs])
