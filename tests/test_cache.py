@@ -342,3 +342,17 @@ def test_program_hit_with_run_time_sizes(cache_on, monkeypatch):
             assert torch.equal(warm(x), w)
         with pytest.raises(Exception, match="outside the exported range"):
             warm(torch.randn(40, 24))
+
+
+class _ZeroDConstant(torch.nn.Module):
+    def forward(self, x):
+        # a 0-d int64 tensor constant in the exported graph (found by the fuzzer on the H200)
+        return x * torch.tensor(3) + x.sum()
+
+
+def test_program_key_takes_0d_tensor_constants(cache_on):
+    x = torch.randn(4, 5)
+    ep = torch.export.export(_ZeroDConstant(), (x,))
+    assert any(c.dim() == 0 for c in ep.constants.values() if isinstance(c, torch.Tensor))
+    for _ in range(2):  # a miss, then a hit
+        torch.testing.assert_close(gac_torch.compile(ep, target="cpu")(x), _ZeroDConstant()(x))

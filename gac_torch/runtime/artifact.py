@@ -357,7 +357,8 @@ def program_key(ep: torch.export.ExportedProgram, options: Options) -> str:
         consts.update(name.encode())
         if isinstance(c, torch.Tensor):
             consts.update(str((c.dtype, tuple(c.shape))).encode())
-            consts.update(c.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape: a 0-d tensor cannot be viewed as bytes
+            consts.update(c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             consts.update(repr(c).encode())
     text = "\n".join([*code, *metas, str(ep.graph_signature), str(ep.call_spec.out_spec),
