@@ -24,6 +24,7 @@ FIXED = ("reduce_0d", "input_mutation", "noncontig_input", "flip", "diagonal", "
          "adaptive_pool_nondiv", "zero_size", "nonfinite")
 CPU_SEEDS = range(200)  # ~0.4 s a case on an idle core (~90 s)
 VORTEX_SEEDS = range(100, 116)  # export path only: the functional simulator is slower
+CACHE_SEEDS = range(200, 240)  # with the on-disk cache on
 
 
 def _cases(seeds, targets, frontends=("compile", "export")):
@@ -42,6 +43,15 @@ def test_fuzz_cpu():
     counts, failures = _cases(CPU_SEEDS, ("cpu",))
     assert not failures, "\n\n".join(failures)
     assert counts["ok"] >= len(CPU_SEEDS) * 3 // 4, counts  # the run is not all rejections
+
+
+def test_fuzz_cpu_with_the_cache(monkeypatch, tmp_path):
+    # the suite runs with GAC_CACHE=0 (conftest); users get the cache: its keys and hits see every
+    # graph the fuzzer makes too (a 0-d constant once crashed the program key)
+    monkeypatch.setenv("GAC_CACHE", "1")
+    monkeypatch.setenv("GAC_CACHE_DIR", str(tmp_path / "cache"))
+    _, failures = _cases(CACHE_SEEDS, ("cpu",))
+    assert not failures, "\n\n".join(failures)
 
 
 def test_fuzz_cpu_vs_vortex(monkeypatch):
