@@ -132,11 +132,19 @@ def match_contraction(g: Generic) -> Contraction | None:
     batch = [d for d in par if d in da and d in db]
     if len(ms) != 1 or len(ns) != 1 or not all(d in dc for d in par):
         return None
-    # Body: yield(add(out, mul(cast*(a), cast*(b)))) in any operand order.
+    body = contraction_body(g)
+    if body is None:
+        return None
+    ca, cb, is_float = body
+    return Contraction(g, ms[0], ns[0], red[0], batch, ca, cb, is_float)
+
+
+def contraction_body(g: Generic) -> tuple[list, list, bool] | None:
+    """(A's casts, B's casts, float) if the body is yield(out + cast*(a) * cast*(b)), in any
+    operand order."""
     body = list(g.body.operations)
     a, b, c = g.body.arguments
-    y = body[-1].operands[0]
-    add = defining_op(y)
+    add = defining_op(body[-1].operands[0])
     if add is None or add.name not in ("arith.addf", "arith.addi") or len(body) > 12:
         return None
     lhs, rhs = add.operands
@@ -150,7 +158,7 @@ def match_contraction(g: Generic) -> Contraction | None:
         ca, cb = cast_chain(z, a), cast_chain(x, b)
     if ca is None or cb is None or len(body) != len(ca) + len(cb) + 3:
         return None
-    return Contraction(g, ms[0], ns[0], red[0], batch, ca, cb, add.name == "arith.addf")
+    return ca, cb, add.name == "arith.addf"
 
 
 def subscript_dims(m: ir.AffineMap) -> list[int | None] | None:

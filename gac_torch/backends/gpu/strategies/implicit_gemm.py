@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from mlir import ir
 
 from gac_torch.backends.gpu.analysis import (
-    Generic, analyze, cast_chain, fill_before, map_dims, match_contraction,
+    Generic, analyze, contraction_body, fill_before, map_dims, match_contraction,
 )
 from gac_torch.backends.gpu.irutil import (
     VIEW_OPS, block_ops, buffer_root, defining_op, static_memref, top_level, users,
@@ -55,27 +55,6 @@ def _linear(e: ir.AffineExpr) -> tuple[dict[int, int], int] | None:
             return None
         return {d: v * c for d, v in lin.items()}, k * c
     return None
-
-
-def _body(g: Generic) -> tuple[list, list, bool] | None:
-    """(A's casts, B's casts, float) if the body is out + cast*(a) * cast*(b)."""
-    body = list(g.body.operations)
-    a, b, c = g.body.arguments
-    add = defining_op(body[-1].operands[0])
-    if add is None or add.name not in ("arith.addf", "arith.addi") or len(body) > 12:
-        return None
-    lhs, rhs = add.operands
-    prod = rhs if lhs == c else lhs if rhs == c else None
-    mul = defining_op(prod) if prod is not None else None
-    if mul is None or mul.name not in ("arith.mulf", "arith.muli"):
-        return None
-    x, z = mul.operands
-    ca, cb = cast_chain(x, a), cast_chain(z, b)
-    if ca is None or cb is None:
-        ca, cb = cast_chain(z, a), cast_chain(x, b)
-    if ca is None or cb is None or len(body) != len(ca) + len(cb) + 3:
-        return None
-    return ca, cb, add.name == "arith.addf"
 
 
 def _operand(v: ir.Value, m: ir.AffineMap) -> conv_gemm.Operand | None:
@@ -146,7 +125,7 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     red = [d for d, t in enumerate(g.iters) if t == "reduction"]
     if out_dims is None or sorted(out_dims) != par or not red:
         return None
-    body = _body(g)
+    body = contraction_body(g)
     if body is None or not body[2]:
         return None
     a_casts, b_casts, _ = body
