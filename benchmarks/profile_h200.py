@@ -1,0 +1,125 @@
+"""Where gac's GPU time goes: per-kernel device time (torch.profiler/CUPTI, which sees the kernels
+gac launches through the driver API) and host time per call, for named workloads.
+
+    python benchmarks/profile_h200.py --only resnet50_body_default,layernorm_65536x1024 --out prof.md
+
+Workloads are bench_h200's (every group's) plus a few memory-bound ones defined here. Profile
+before optimizing: a kernel's share of the device time says what to work on next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_h200 as h  # noqa: E402
+
+
+class LayerNorm(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(n)
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+class Softmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=-1)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+def extra_workloads():
+    yield h.Workload("layernorm_65536x1024", LayerNorm(1024).cuda(), lambda s: (h._rand(s, 65536, 1024),),
+                     "tf32off", "fp32", 1e-5)
+    yield h.Workload("softmax_32768x2048", Softmax(), lambda s: (h._rand(s, 32768, 2048),), "tf32off", "fp32", 1e-5)
+    yield h.Workload("rmsnorm_65536x1024", RMSNorm(1024).cuda(), lambda s: (h._rand(s, 65536, 1024),),
+                     "tf32off", "fp32", 1e-5)
+
+
+def all_workloads():
+    for g in h.GROUPS.values():
+        yield from g()
+    yield from extra_workloads()
+
+
+def profile(w, iters: int) -> str:
+    torch._dynamo.reset()
+    x = w.make_inputs(0)
+    fn = torch.compile(w.model, backend="gac")
+    lines = [f"## {w.name} ({w.flags})", ""]
+    with torch.no_grad(), h.torch_flags(w.flags):
+        t = time.time()
+        fn(*x)
+        torch.cuda.synchronize()
+        lines.append(f"compile+first call: {time.time() - t:.1f} s")
+        for _ in range(3):
+            fn(*x)
+        torch.cuda.synchronize()
+        # host time per call: the time to issue `iters` calls, measured before the queue drains
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn(*x)
+        host = (time.perf_counter() - t) / iters * 1e3
+        torch.cuda.synchronize()
+        lines.append(f"host time per call (issue only): {host:.3f} ms")
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(iters):
+                fn(*x)
+            torch.cuda.synchronize()
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        # "gac:<partition>" is gac's own profiler range mirrored on the GPU timeline: not a kernel
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("gac:"):
+            per[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            per[e.name][1] += 1
+    total = sum(v[0] for v in per.values()) / iters / 1e3
+    lines += [f"device time per call: {total:.3f} ms over {sum(v[1] for v in per.values()) / iters:.0f} kernels",
+              "", "| kernel | ms/call | share | launches/call |", "|---|---|---|---|"]
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:25]:
+        ms = us / iters / 1e3
+        lines.append(f"| `{name[:90]}` | {ms:.4f} | {ms / max(total, 1e-9):.1%} | {n / iters:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", required=True, help="comma-separated workload names")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    want = args.only.split(",")
+    found = {w.name: w for w in all_workloads() if w.name in want}
+    out = []
+    for name in want:
+        if name not in found:
+            out.append(f"## {name}: unknown workload\n")
+            continue
+        try:
+            out.append(profile(found[name], args.iters))
+        except Exception as e:  # noqa: BLE001  (report and go on to the next workload)
+            out.append(f"## {name}: {type(e).__name__}: {e}\n")
+        print(out[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
