@@ -29,6 +29,8 @@ TARGET_KEYS = {
     "allow_tf32_conv": None,  # cuda: f32 convolutions may use TF32; from
                              # torch.backends.cudnn.allow_tf32 (default True) at compile time;
                              # False here or in allow_tf32 forbids it
+    "cuda_graphs": None,     # cuda: replay repeated calls as CUDA graphs where safe; None: on
+                             # unless GAC_CUDA_GRAPHS=0 (backends/cuda/runtime.py)
 }
 
 
@@ -48,6 +50,7 @@ class Options:
     vortex_mode: str | None = None  # vortex
     allow_tf32: bool | None = None  # cuda
     allow_tf32_conv: bool | None = None  # cuda
+    cuda_graphs: bool | None = None  # cuda
 
     def __getitem__(self, key: str) -> Any:
         if key not in _FIELDS:

@@ -124,14 +124,15 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
         fake = _FakeDriver(prog)
         monkeypatch.setattr(runtime, "_driver", fake)
         monkeypatch.setattr(runtime, "check_available", lambda: None)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
+        monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
         exe = runtime.CudaExecutable(prog, sig)
         exe.use_graphs = False
         dev = torch.device("cpu")
         ptrs = [0x10000 * (i + 1) for i in range(len(prog.args))]
         for _ in range(3):
             exe._launch_all(dev, ptrs)
-        assert exe.stats == {"direct_calls": 3, "graph_calls": 0, "tables_built": 1, "graphs_built": 0}
+        assert exe.stats == {"direct_calls": 3, "graph_calls": 0, "tables_built": 1, "graphs_built": 0,
+                             "pool_misses": 0}
         assert fake.calls.count("load") == 1
         state = next(iter(exe._contexts.values()))
         ws = state.workspaces.get(7)

@@ -34,6 +34,16 @@ class CompiledGraph(torch.nn.Module):
         self.input_names = list(input_names)
         self.tuple_output = tuple_output
         self._shapes: dict[tuple, list] = {}  # input shapes -> output shapes (run-time sizes)
+        # The per-call fast path (static shapes): a check of each input that passes for every
+        # well-formed call (anything else goes through check_inputs, which says what is wrong),
+        # and the executable's `call`, which returns its outputs (a CUDA executable replays a
+        # graph into buffers it owns); None: outputs allocated here and passed to `run`.
+        self._quick = None if signature.dynamic else [
+            (s.dtype, torch.Size(s.shape)) for s in signature.inputs]
+        self._on_device = {"cuda": "is_cuda", "cpu": "is_cpu"}.get(device_type)
+        self._range = f"gac:{name}"
+        empty_out = any(isinstance(d, int) and d == 0 for s in signature.outputs for d in s.shape)
+        self._fast = self._quick is not None and not empty_out and self._on_device is not None
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
@@ -86,6 +96,39 @@ class CompiledGraph(torch.nn.Module):
         return sizes
 
     def forward(self, *args):
+        call = getattr(self.executable, "call", None) if self._fast else None
+        inputs = self._quick_inputs(args) if call is not None else None
+        if inputs is not None:
+            nvtx = self.device_type == "cuda"
+            if torch.autograd.profiler._is_profiler_enabled:
+                with _ranges(f"gac:{self.name}", nvtx):
+                    outs = call(inputs)
+            else:  # the same NVTX range, without a context manager's cost per call
+                if nvtx:
+                    torch.cuda.nvtx.range_push(self._range)
+                try:
+                    outs = call(inputs)
+                finally:
+                    if nvtx:
+                        torch.cuda.nvtx.range_pop()
+            return tuple(outs) if self.tuple_output else outs[0]
+        return self._forward(args)
+
+    def _quick_inputs(self, args: Sequence) -> list[torch.Tensor] | None:
+        """The inputs made dense, when each has the compiled dtype, shape and device (no host
+        scalar); None sends the call through check_inputs."""
+        if len(args) != len(self._quick):
+            return None
+        on_device = self._on_device
+        inputs = []
+        for a, (dtype, shape) in zip(args, self._quick):
+            if not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape or \
+                    not getattr(a, on_device) or a.layout is not torch.strided:
+                return None
+            inputs.append(a.contiguous())
+        return inputs
+
+    def _forward(self, args):
         out_shapes = self.check_inputs(args)
         # dense row-major buffers on the target's device; size arguments as ints
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == self.device_type),

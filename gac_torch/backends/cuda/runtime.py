@@ -9,10 +9,16 @@ torch's current stream, buffers from torch's caching allocator.
 - The per-call host work is a short loop: for each distinct set of buffer pointers (inputs,
   outputs, workspace) the kernels' argument arrays (`void **kernelParams`, pointing at packed
   pointer and scalar bytes) are built once and cached (LRU); a call with pointers seen before
-  only issues the launches. With GAC_CUDA_GRAPHS=1 a pointer set seen GRAPH_AFTER times is
-  captured once into a CUDA graph (stream capture on a private stream), and later calls
-  launch the whole sequence with one cuGraphLaunch; any failure while building it falls back
-  to plain launches for that executable.
+  only issues the launches. A pointer set seen GRAPH_AFTER times is captured once into a CUDA
+  graph (stream capture on a private stream), and later calls launch the whole sequence with
+  one cuGraphLaunch; any failure while building it falls back to plain launches for that
+  executable. Graphs are on by default (option `cuda_graphs`, GAC_CUDA_GRAPHS=0 turns them off).
+- `call` (what CompiledGraph uses) makes the pointer sets repeat: a program with static shapes
+  and outputs of at most POOL_BYTES writes into output buffers the executable owns (pool.py: a
+  few sets per stream, a set reused only once the caller dropped every alias of it), so
+  inputs at stable addresses (parameters, a rotation of batches) replay one graph per call
+  whatever the number of kernels. Dynamic shapes, misaligned inputs, GAC_CUDA_SYNC=1 and a
+  pool whose every set is held launch directly into fresh outputs.
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
   CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import struct
 import threading
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 
 from gac_torch.backends.base import Signature, SizeSpec
+from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.gpu.program import BufferRef, GpuProgram, KernelLaunch
 
@@ -63,11 +71,23 @@ class CudaError(GacError, RuntimeError):
 
 # GAC_CUDA_SYNC=1: synchronize after every launch so a fault names its kernel (slow).
 SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
-# GAC_CUDA_GRAPHS=1: replay repeated calls as CUDA graphs (see the module docstring).
-USE_GRAPHS = os.environ.get("GAC_CUDA_GRAPHS", "0") not in ("", "0")
 GRAPH_AFTER = 2  # calls with one pointer set before it is captured
+POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
+POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
 BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
 CACHE_ENTRIES = 16  # pointer sets remembered per executable
+
+
+def graphs_enabled(option: bool | None) -> bool:
+    """The `cuda_graphs` option; None: on unless GAC_CUDA_GRAPHS=0 (read per compile)."""
+    if option is not None:
+        return bool(option)
+    return os.environ.get("GAC_CUDA_GRAPHS", "1") not in ("", "0")
+
+
+def _raw_stream(device_index: int) -> int:
+    """torch's current stream on that device as a CUstream handle (no Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _check(result: Any, what: str) -> Any:
@@ -161,6 +181,7 @@ class _Context:
     by_name: dict[str, Any]  # kernel name -> CUfunction
     module: Any
     workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # stream handle -> buffer
+    pools: dict[int, OutputPool] = field(default_factory=dict)  # stream handle -> outputs
     tables: OrderedDict = field(default_factory=OrderedDict)  # (sizes, pointers) -> _Entry
     streams: dict[int, Any] = field(default_factory=dict)  # stream handle -> CUstream
 
@@ -182,7 +203,7 @@ class _Bound:
 class CudaExecutable:
     """Replays the program's launches. One instance may serve several devices/contexts."""
 
-    def __init__(self, program: GpuProgram, signature: Signature):
+    def __init__(self, program: GpuProgram, signature: Signature, graphs: bool | None = None):
         check_available()
         specs = list(signature.inputs) + list(signature.outputs)
         if len(specs) != len(program.args):
@@ -201,9 +222,18 @@ class CudaExecutable:
         self._ready = threading.local()  # per thread: device index -> _Context
         self._lock = threading.Lock()
         self._ptx = program.ptx.encode() + b"\0"
-        self.use_graphs = USE_GRAPHS
-        # calls launched kernel by kernel / as one graph; argument tables and graphs built
-        self.stats = {"direct_calls": 0, "graph_calls": 0, "tables_built": 0, "graphs_built": 0}
+        self.use_graphs = graphs_enabled(graphs)
+        self._devices: dict[int, torch.device] = {}
+        self._out_specs = [(tuple(s.shape), s.dtype) for s in signature.outputs]
+        out_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.outputs
+                        if not isinstance(s, SizeSpec) and all(isinstance(n, int) for n in s.shape))
+        # outputs in a pool (stable addresses for graphs): static shapes, not empty, not too big
+        self._poolable = (not program.dynamic and bool(program.launches) and 0 < out_bytes <= POOL_BYTES
+                          and len(signature.outputs) == len(program.args) - self.n_inputs)
+        # calls launched kernel by kernel / as one graph; argument tables and graphs built;
+        # calls that found every pooled output set held by the caller
+        self.stats = {"direct_calls": 0, "graph_calls": 0, "tables_built": 0, "graphs_built": 0,
+                      "pool_misses": 0}
 
     # -- per context ----------------------------------------------------------------------------
 
@@ -250,6 +280,46 @@ class CudaExecutable:
         else:
             self._bound.move_to_end(key)
         return bound
+
+    def call(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Runs on `inputs` (tensors with the compiled shapes and dtypes: CompiledGraph checked
+        them) and returns the outputs: pooled buffers where graphs can replay into them, else
+        fresh ones. Per call: one pass over the inputs, one table lookup, one launch (a graph)
+        or one per kernel."""
+        if self.use_graphs and self._poolable and not SYNC_AFTER_LAUNCH:
+            dev = inputs[0].get_device() if inputs else torch.cuda.current_device()
+            ptrs = []
+            for t in inputs:
+                p = t.data_ptr()
+                if p % BUFFER_ALIGN or t.get_device() != dev or not t.is_contiguous():
+                    break
+                ptrs.append(p)
+            else:
+                if dev == torch.cuda.current_device():
+                    outs = self._call_pooled(dev, ptrs)
+                    if outs is not None:
+                        return outs
+        device = next((t.device for t in inputs if t.is_cuda), None) or torch.device("cuda", torch.cuda.current_device())
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
+        self.run(inputs, outs)
+        return outs
+
+    def _call_pooled(self, dev: int, ptrs: list[int]) -> list[torch.Tensor] | None:
+        device = self._devices.get(dev)
+        if device is None:
+            device = self._devices[dev] = torch.device("cuda", dev)
+        state = self._context(device)
+        handle = _raw_stream(dev)
+        pool = state.pools.get(handle)
+        if pool is None:
+            pool = state.pools[handle] = OutputPool(self._out_specs, device, POOL_SETS)
+        got = pool.acquire()
+        if got is None:
+            self.stats["pool_misses"] += 1
+            return None
+        out_set, outs = got
+        self._launch_all(device, ptrs + out_set.ptrs, self._static, handle)
+        return outs
 
     def run(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         args = [x if isinstance(x, (torch.Tensor, int)) else _as_tensor(x) for x in (*inputs, *outputs)]
@@ -299,11 +369,13 @@ class CudaExecutable:
         for dst, src in copy_back:
             dst.copy_(src)
 
-    def _launch_all(self, device: torch.device, ptrs: list[int], bound: _Bound | None = None) -> None:
+    def _launch_all(self, device: torch.device, ptrs: list[int], bound: _Bound | None = None,
+                    handle: int | None = None) -> None:
         bound = bound or self._static  # (None: a program without run-time sizes)
         state = self._context(device)
         program = bound.program
-        handle = torch.cuda.current_stream(device).cuda_stream
+        if handle is None:
+            handle = _raw_stream(device.index)
         stream = state.streams.get(handle)
         if stream is None:
             stream = state.streams[handle] = _driver.CUstream(handle)

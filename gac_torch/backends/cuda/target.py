@@ -102,7 +102,7 @@ def _stages(options: dict) -> list[Stage]:
 
 
 def _load(program: GpuProgram, signature: Signature, options: dict) -> runtime.CudaExecutable:
-    return runtime.CudaExecutable(program, signature)
+    return runtime.CudaExecutable(program, signature, (options or {}).get("cuda_graphs"))
 
 
 def _pack(program: GpuProgram, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
@@ -114,7 +114,7 @@ def _pack(program: GpuProgram, options: dict, required: bool = False) -> tuple[d
 def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict) -> runtime.CudaExecutable:
     from gac_torch.backends.gpu.program import from_json
 
-    return runtime.CudaExecutable(from_json(meta["program"]), signature)
+    return runtime.CudaExecutable(from_json(meta["program"]), signature, (options or {}).get("cuda_graphs"))
 
 
 TARGET = Target(
