@@ -299,7 +299,7 @@ class CudaExecutable:
                     outs = self._call_pooled(dev, ptrs)
                     if outs is not None:
                         return outs
-        device = next((t.device for t in inputs if t.is_cuda), None) or torch.device("cuda", torch.cuda.current_device())
+        device = inputs[0].device if inputs else torch.device("cuda", torch.cuda.current_device())
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
         self.run(inputs, outs)
         return outs

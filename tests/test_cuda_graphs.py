@@ -1,0 +1,353 @@
+"""CUDA graphs by default and the per-call host path (issue 15 point 4).
+
+CPU (CI): the output pool's bookkeeping, and CudaExecutable.call against a fake driver on CPU
+tensors: which launches and graph replays a call issues, into which buffers, when a set is
+reused, the option and GAC_CUDA_GRAPHS=0, the fallbacks. With `-m cuda`: graph replay against
+direct launches over changing inputs through torch.compile, outputs a later call must not
+overwrite, dynamic shapes, and memory that does not grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import struct
+
+import pytest
+import torch
+
+from gac_torch.backends.cuda import runtime
+from gac_torch.backends.cuda.pool import OutputPool
+from gac_torch.backends.cuda.target import TARGET
+from gac_torch.options import resolve
+from cuda_cases import CASES, compile_case
+from test_cuda_runtime import _FakeDriver
+
+
+# ------------------------------------------------------------------------------------------------
+# the output pool (CPU tensors: the bookkeeping does not depend on the device)
+
+
+def test_pool_reuses_a_set_only_when_every_alias_is_gone() -> None:
+    pool = OutputPool([((4, 3), torch.float32), ((5,), torch.int64)], torch.device("cpu"), max_sets=3)
+    s0, a0 = pool.acquire()
+    assert [tuple(t.shape) for t in a0] == [(4, 3), (5,)] and [t.data_ptr() for t in a0] == s0.ptrs
+    s1, a1 = pool.acquire()  # set 0 is held by a0
+    assert s1 is not s0 and not set(s1.ptrs) & set(s0.ptrs)
+    view = a0[0][1:]  # a view keeps the set held, the alias itself does not need to
+    del a0
+    s2, a2 = pool.acquire()
+    assert s2 not in (s0, s1)
+    assert pool.acquire() is None  # all three held: the caller gets fresh buffers instead
+    del view
+    again, a0 = pool.acquire()
+    assert again is s0 and len(pool.sets) == 3
+    # many calls that drop their outputs: one set, memory does not grow
+    del a0, a1, a2
+    for _ in range(50):
+        s, outs = pool.acquire()
+        assert s is s0
+        del outs
+    assert len(pool.sets) == 3 and pool.nbytes == 3 * (4 * 3 * 4 + 5 * 8)
+
+
+def test_pool_never_reuses_a_set_whose_storage_the_caller_moved() -> None:
+    pool = OutputPool([((4,), torch.float32)], torch.device("cpu"), max_sets=2)
+    s0, (a,) = pool.acquire()
+    a.resize_(1 << 16)  # reallocates the shared storage: a graph would write to the old address
+    del a
+    gc.collect()
+    s1, _ = pool.acquire()
+    assert s1 is not s0 and not s0.free()
+
+
+# ------------------------------------------------------------------------------------------------
+# CudaExecutable.call against a fake driver, on CPU tensors
+
+
+class _GraphDriver(_FakeDriver):
+    """The fake driver, with one handle per instantiated graph and the launches each replays."""
+
+    def __init__(self, program):
+        super().__init__(program)
+        self.graphs: dict[str, list] = {}  # exec handle -> the launches captured into it
+        self.replayed: list[str] = []
+
+    def cuStreamEndCapture(self, stream):  # noqa: N802
+        self.capturing = None
+        return (0, [x for x in self.launched if x[5] == "side"][-len(self.program.launches):])
+
+    def cuGraphInstantiate(self, graph, flags):  # noqa: N802
+        name = f"exec{len(self.graphs)}"
+        self.graphs[name] = graph
+        return (0, name)
+
+    def cuGraphLaunch(self, exe, stream):  # noqa: N802
+        self.replayed.append(exe)
+        return super().cuGraphLaunch(exe, stream)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch):
+    case = CASES["mlp_softmax_graph"]  # 4 inputs, one output, several kernels and temps
+    program = compile_case(case, "sm_90")
+    driver = _GraphDriver(program)
+    monkeypatch.setattr(runtime, "_driver", driver)
+    monkeypatch.setattr(runtime, "check_available", lambda: None)
+    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # a CPU tensor's get_device()
+    monkeypatch.delenv("GAC_CUDA_GRAPHS", raising=False)
+
+    def make(**kw):
+        exe = runtime.CudaExecutable(program, case.signature(), **kw)
+        exe._devices[-1] = torch.device("cpu")
+        ran = []
+        exe.run = lambda inputs, outputs: ran.append([o.data_ptr() for o in outputs])  # direct path
+        return exe, ran
+
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(s, generator=gen, dtype=d) for s, d in case.inputs]
+    return driver, program, make, inputs
+
+
+def _out_ptr(records: list, program, arg: int) -> list[int]:
+    """The pointers that the recorded launches (the fake driver's, in program order) pass for
+    argument `arg` of the program."""
+    n, ptrs = len(program.launches), []
+    for i, (kernel, _grid, _block, _stream, params, _capturing) in enumerate(records):
+        k = program.launches[i % n]
+        assert kernel == k.kernel
+        ptrs += [struct.unpack("<Q", raw)[0] for a, raw in zip(k.args, params)
+                 if getattr(a, "kind", None) == "arg" and a.index == arg]
+    return ptrs
+
+
+def test_call_replays_one_graph_per_pointer_set(fake) -> None:
+    driver, program, make, inputs = fake
+    exe, ran = make()
+    assert exe.use_graphs and exe._poolable
+    n, out_arg = len(program.launches), len(inputs)
+    outs = exe.call(inputs)  # a new pointer set: launched kernel by kernel
+    first_ptr = outs[0].data_ptr()
+    assert len(driver.launched) == n and not driver.replayed
+    del outs
+    for _ in range(4):  # same inputs, the caller dropped its output: same set, one graph
+        outs = exe.call(inputs)
+        assert outs[0].data_ptr() == first_ptr
+        del outs
+    assert exe.stats == {"direct_calls": 1, "graph_calls": 4, "tables_built": 1, "graphs_built": 1,
+                         "pool_misses": 0}
+    assert driver.replayed == ["exec0"] * 4 and len(driver.launched) == 2 * n  # + the capture
+    assert set(_out_ptr(driver.graphs["exec0"], program, out_arg)) == {first_ptr}
+    assert not ran  # nothing went through the fresh-buffer path
+
+
+def test_call_never_overwrites_an_output_the_caller_holds(fake, monkeypatch) -> None:
+    driver, program, make, inputs = fake
+    monkeypatch.setattr(runtime, "POOL_SETS", 3)
+    exe, ran = make()
+    held = [exe.call(inputs)[0] for _ in range(3)]  # each call: another set
+    assert len({t.data_ptr() for t in held}) == 3
+    fourth = exe.call(inputs)[0]  # every set held: fresh buffers, launched directly
+    assert exe.stats["pool_misses"] == 1 and ran == [[fourth.data_ptr()]]
+    assert fourth.data_ptr() not in {t.data_ptr() for t in held}
+    keep = held[1]
+    del held, fourth
+    driver.launched.clear()
+    driver.replayed.clear()
+    for _ in range(3):  # sets 0 and 2 are free again; set 1 is still held
+        out = exe.call(inputs)[0]
+        assert out.data_ptr() != keep.data_ptr()
+        del out
+    # no launch and no replayed graph of these calls writes into the held buffer
+    written = _out_ptr(driver.launched, program, len(inputs))
+    written += [p for g in driver.replayed for p in _out_ptr(driver.graphs[g], program, len(inputs))]
+    assert written and keep.data_ptr() not in written
+    assert len(exe._contexts[1].pools[7].sets) == 3
+
+
+def test_new_input_addresses_get_their_own_graph(fake) -> None:
+    driver, program, make, inputs = fake
+    exe, _ = make()
+    other = [t.clone() for t in inputs]
+    for _ in range(3):
+        exe.call(inputs)
+        exe.call(other)
+    assert exe.stats["tables_built"] == 2 and exe.stats["graphs_built"] == 2
+    assert exe.stats["graph_calls"] == 4 and exe.stats["direct_calls"] == 2
+
+
+def test_graphs_off_by_option_or_environment(fake, monkeypatch) -> None:
+    driver, program, make, inputs = fake
+    exe, ran = make(graphs=False)
+    outs = exe.call(inputs)
+    assert not exe.use_graphs and ran == [[outs[0].data_ptr()]] and not driver.launched
+    monkeypatch.setenv("GAC_CUDA_GRAPHS", "0")
+    assert not make()[0].use_graphs and make(graphs=True)[0].use_graphs
+    assert not runtime.graphs_enabled(resolve({"cuda_graphs": False}).cuda_graphs)
+    monkeypatch.setenv("GAC_CUDA_GRAPHS", "1")
+    exe = TARGET.load(program, CASES["mlp_softmax_graph"].signature(), resolve({"cuda_graphs": False}))
+    assert not exe.use_graphs
+    assert TARGET.load(program, CASES["mlp_softmax_graph"].signature(), resolve({})).use_graphs
+
+
+def test_not_poolable_launches_directly(fake, monkeypatch) -> None:
+    # run-time sizes (one graph would not fit every shape) and outputs over POOL_BYTES: fresh
+    # outputs, launched through run(); a misaligned input too
+    driver, program, make, inputs = fake
+    case = CASES["mlp_softmax_graph"]
+    exe = runtime.CudaExecutable(dataclasses.replace(program, dynamic=True), case.signature())
+    assert not exe._poolable
+    limit = runtime.POOL_BYTES
+    monkeypatch.setattr(runtime, "POOL_BYTES", 16)
+    exe, ran = make()
+    assert not exe._poolable
+    monkeypatch.setattr(runtime, "POOL_BYTES", limit)
+    exe, ran = make()
+    raw = torch.empty(inputs[0].numel() + 1)
+    shifted = raw[1:].view(inputs[0].shape)
+    shifted.copy_(inputs[0])
+    exe.call([shifted, *inputs[1:]])
+    assert len(ran) == 1 and not driver.launched
+
+
+def test_compiled_graph_fast_path_checks_inputs() -> None:
+    # CompiledGraph.forward hands well-formed inputs straight to executable.call; anything
+    # else goes through check_inputs, which names the problem
+    from gac_torch.backends.base import Signature, TensorSpec
+    from gac_torch.errors import GacInputError
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    class Exe:
+        def __init__(self):
+            self.calls = 0
+
+        def call(self, inputs):
+            self.calls += 1
+            return [inputs[0] + inputs[1]]
+
+        def run(self, inputs, outputs):
+            outputs[0].copy_(inputs[0] + inputs[1])
+
+    sig = Signature((TensorSpec((2, 3), torch.float32), TensorSpec((3,), torch.float32)),
+                    (TensorSpec((2, 3), torch.float32),))
+    exe = Exe()
+    cg = CompiledGraph("p", exe, sig, "cpu", {}, ["x", "y"], tuple_output=False)
+    x, y = torch.randn(2, 3), torch.randn(3)
+    torch.testing.assert_close(cg(x, y), x + y)
+    torch.testing.assert_close(cg(x.t().contiguous().t(), y), x + y)  # made dense
+    assert exe.calls == 2
+    with pytest.raises(GacInputError, match="dtype"):
+        cg(x.double(), y)
+    with pytest.raises(GacInputError, match="shape"):
+        cg(torch.randn(3, 2), y)
+    assert exe.calls == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, n: int = 20):
+        super().__init__()
+        self.n = n
+
+    def forward(self, x, a, b):
+        for _ in range(self.n):
+            x = torch.tanh(x * a + b) * 0.5
+        return x, x.sum(0)  # two kernels at least (a reduction after the chain)
+
+
+def _compiled(model, **options):
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    fn = torch.compile(model, backend="gac", options={"target": "cuda", **options})
+    return fn, compiled_graphs
+
+
+def _executables(graphs) -> list:
+    return [cg.executable for c in graphs for cg in c.partitions.values()]
+
+
+@pytest.mark.cuda
+def test_gpu_graph_replay_matches_direct_launches() -> None:
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    sets = [[torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)] for _ in range(2)]
+    model = _Chain()
+    with torch.no_grad():
+        on, graphs = _compiled(model)
+        on(*sets[0])
+        exe_on = _executables(graphs)[-1]
+        off, graphs = _compiled(_Chain(), cuda_graphs=False)
+        off(*sets[0])
+        exe_off = _executables(graphs)[-1]
+        for trial in range(8):
+            xs = sets[trial % 2]
+            fresh = [torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)]
+            for dst, src in zip(xs, fresh):
+                dst.copy_(src)  # new contents at the same addresses: a replay must read them
+            ref = model(*(t.double() for t in fresh))
+            got_on, got_off = on(*xs), off(*xs)
+            for g_on, g_off, r in zip(got_on, got_off, ref):
+                torch.testing.assert_close(g_on.double(), r, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(g_on, g_off, rtol=0, atol=0)
+    assert exe_on.stats["graph_calls"] >= 4 and exe_on.stats["graphs_built"] == 2, exe_on.stats
+    assert exe_off.stats["graph_calls"] == 0, exe_off.stats
+
+
+@pytest.mark.cuda
+def test_gpu_outputs_held_by_the_caller_are_not_overwritten() -> None:
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    model = _Chain()
+    fn, graphs = _compiled(model)
+    xs = [torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)]
+    with torch.no_grad():
+        held = []
+        for i in range(2 * runtime.POOL_SETS):  # more calls than sets, every output held
+            xs[0].copy_(torch.randn(64, 64, generator=gen, device="cuda"))
+            y = fn(*xs)
+            held.append((y, [t.clone() for t in y]))
+        torch.cuda.synchronize()
+        for y, copy in held:
+            for a, b in zip(y, copy):
+                assert torch.equal(a, b)
+        exe = _executables(graphs)[-1]
+        assert exe.stats["pool_misses"] >= runtime.POOL_SETS, exe.stats
+        ptrs = [y[0].data_ptr() for y, _ in held]
+        assert len(set(ptrs)) == len(ptrs)
+
+
+@pytest.mark.cuda
+def test_gpu_dynamic_shapes_launch_directly() -> None:
+    torch._dynamo.reset()
+    model = _Chain(4)
+    fn = torch.compile(model, backend="gac", dynamic=True, options={"target": "cuda"})
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    with torch.no_grad():
+        for n in (17, 33, 17, 64):
+            xs = [torch.randn(n, 8, generator=gen, device="cuda") for _ in range(3)]
+            for g, r in zip(fn(*xs), model(*(t.double() for t in xs))):
+                torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_gpu_memory_does_not_grow() -> None:
+    torch._dynamo.reset()
+    fn, graphs = _compiled(_Chain())
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    sets = [[torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)] for _ in range(3)]
+    with torch.no_grad():
+        for i in range(10):
+            fn(*sets[i % 3])
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for i in range(200):
+            fn(*sets[i % 3])  # outputs dropped: one output set, one graph per input set
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+    exe = _executables(graphs)[-1]
+    assert exe.stats["graphs_built"] == 3 and exe.stats["graph_calls"] >= 200, exe.stats
+
