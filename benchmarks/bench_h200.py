@@ -172,8 +172,82 @@ def group_attention() -> Iterator[Workload]:
     yield from bench_attention.group_attention()
 
 
+# -- launch overhead, training steps, sampling (issue 15 points 3-5) ------------------------------
+# extra keys run_workload reads: "fresh_model" (each variant gets its own copy: a training step
+# updates its parameters), "graphs_off" (also time gac with cuda_graphs=False).
+
+
+class Chain200(torch.nn.Module):
+    """200 elementwise ops on small tensors: launch-bound (eager launches 200 kernels)."""
+
+    def forward(self, x, a, b):
+        for _ in range(50):
+            x = torch.tanh(x * a + b) * 0.5
+        return x
+
+
+def group_launch() -> Iterator[Workload]:
+    yield Workload("launch_bound_200", Chain200(), lambda s: tuple(_rand(s + 100 * i, 64, 64) for i in range(3)),
+                   "tf32off", "fp32", TOL["fp32"], {"graphs_off": True})
+
+
+class TrainStep(torch.nn.Module):
+    """One SGD step of `net` on mse_loss; returns the gradients (compared with float64).
+    torch.compile traces the forward and loss (AOT autograd compiles forward and backward),
+    breaks at backward(), and compiles the update."""
+
+    def __init__(self, net: torch.nn.Module, lr: float = 1e-3):
+        super().__init__()
+        self.net, self.lr = net, lr
+
+    def forward(self, x, target):
+        params = list(self.net.parameters())
+        with torch.enable_grad():
+            for p in params:
+                p.grad = None
+            torch.nn.functional.mse_loss(self.net(x), target).backward()
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.sub_(p.grad, alpha=self.lr)
+        return grads
+
+
+def group_train() -> Iterator[Workload]:
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096))
+    yield Workload("train_mlp_fp32", TrainStep(mlp).cuda(),
+                   lambda s: (_rand(s, 4096, 4096), _rand(s + 1000, 4096, 4096)), "tf32off", "fp32",
+                   NET_TOL["fp32"], {"fresh_model": True})
+    torch.manual_seed(1)
+    enc = torch.nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+    yield Workload("train_encoder_fp32", TrainStep(enc).cuda(),
+                   lambda s: (_rand(s, 8, 512, 256), _rand(s + 1000, 8, 512, 256)), "tf32off", "fp32",
+                   NET_TOL["fp32"], {"fresh_model": True})
+
+
+class GridSampleMsda(torch.nn.Module):
+    """One level of multi-scale deformable attention's sampling (as in
+    gac_torch/models/bevformer/attention.py): bilinear, zeros padding, align_corners=False."""
+
+    def forward(self, value, grid):
+        return torch.nn.functional.grid_sample(value, grid, mode="bilinear", padding_mode="zeros",
+                                               align_corners=False)
+
+
+def _grid(seed: int, *shape: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.rand(shape, generator=g, device="cuda") * 2.2 - 1.1  # some points outside: zeros
+
+
+def group_sampling() -> Iterator[Workload]:
+    yield Workload("grid_sample_msda", GridSampleMsda(), lambda s: (_rand(s, 8, 32, 15, 25), _grid(s + 1000, 8, 2500, 32, 2)),
+                   "tf32off", "fp32", TOL["fp32"])
+
+
 GROUPS: dict[str, Callable[[], Iterator[Workload]]] = {
     "gemm": group_gemm, "conv": group_conv, "resnet": group_resnet, "attention": group_attention,
+    "launch": group_launch, "train": group_train, "sampling": group_sampling,
 }
 
 
@@ -213,10 +287,13 @@ def run_workload(w: Workload, rounds: int, sample_ms: float) -> dict:
         model64 = _copy_to(w.model, torch.float64)
         ref = model64(*(t.double() for t in x0))
         del model64
-        variants: dict[str, Callable] = {"eager": w.model}
+        fresh = (lambda: _copy_to(w.model, torch.float32)) if w.extra.get("fresh_model") else (lambda: w.model)
+        variants: dict[str, Callable] = {"eager": fresh()}
         with torch_flags(w.flags):
-            variants["inductor"] = torch.compile(w.model)
-            variants["gac"] = torch.compile(w.model, backend="gac")
+            variants["inductor"] = torch.compile(fresh())
+            variants["gac"] = torch.compile(fresh(), backend="gac")
+            if w.extra.get("graphs_off"):
+                variants["gac_nographs"] = torch.compile(fresh(), backend="gac", options={"cuda_graphs": False})
             errs = {}
             for name in list(variants):
                 t = time.time()
@@ -242,8 +319,12 @@ def run_workload(w: Workload, rounds: int, sample_ms: float) -> dict:
                 for name, fn in variants.items():
                     samples[name].append(time_ms(lambda fn=fn: [fn(*x) for x in sets], (), iters // len(sets))
                                          / len(sets))
-    for name in ("eager", "inductor", "gac"):
+            host = {name: _host_ms(fn, sets, max(5, rounds)) for name, fn in variants.items()}
+    for name in ("eager", "inductor", "gac", "gac_nographs"):
+        if name == "gac_nographs" and name not in variants:
+            continue
         row[f"{name}_ms"] = round(statistics.median(samples[name]), 5) if name in samples else None
+        row[f"{name}_host_ms"] = round(host[name], 5) if name in host else None
         row[f"{name}_rel_err"] = errs.get(name)
     row["max_rel_err"] = errs.get("gac")
     ok = "gac" in samples and row["max_rel_err"] is not None and row["max_rel_err"] <= w.tol
@@ -253,6 +334,19 @@ def run_workload(w: Workload, rounds: int, sample_ms: float) -> dict:
     row["iters"], row["rounds"], row["input_sets"] = iters, rounds, len(sets)
     row["wall_s"] = round(time.time() - t0, 1)
     return row
+
+
+def _host_ms(fn: Callable, sets: list, n: int) -> float:
+    """Host time per call: the median time to issue one call with an idle queue (no waiting
+    for the device; a back-to-back loop would measure the device once the queue fills)."""
+    times = []
+    for i in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(*sets[i % len(sets)])
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def _copy_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -275,8 +369,9 @@ def _markdown(rows: list[dict], date: str) -> str:
     lines = [f"# H200: eager / Inductor / gac ({date}, {torch.cuda.get_device_name()}, torch {torch.__version__})",
              "", ("`python benchmarks/bench_h200.py` - medians of interleaved rounds, CUDA events, inputs "
                   "rotated past L2. err = max ||gac - ref64|| / ||ref64||; FAIL: over the precision's tolerance."), "",
-             "| workload | flags | eager ms | inductor ms | gac ms | gac/min(eager,ind) | gac TFLOP/s | err | tol | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | flags | eager ms | inductor ms | gac ms | gac/min(eager,ind) | gac TFLOP/s | err | tol | status "
+             "| host ms/call e/i/g |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     f = (lambda v: f"{v:.4f}" if isinstance(v, float) else "-")
     for r in rows:
         best = min([v for v in (r.get("eager_ms"), r.get("inductor_ms")) if v] or [0])
@@ -284,7 +379,7 @@ def _markdown(rows: list[dict], date: str) -> str:
         err = f"{r['max_rel_err']:.1e}" if r.get("max_rel_err") is not None else r.get("gac_error", "-")
         lines.append(f"| {r['workload']} | {r['flags']} | {f(r.get('eager_ms'))} | {f(r.get('inductor_ms'))} | "
                      f"{f(r.get('gac_ms'))} | {ratio} | {r.get('gac_tflops', '-')} | {err} | {r['tol']:.0e} | "
-                     f"{r['status']} |")
+                     f"{r['status']} | {'/'.join(f(r.get(k + '_host_ms')) for k in ('eager', 'inductor', 'gac'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -111,7 +111,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
         compiled_graphs.append(compiled)
         progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
-        return compiled.gm
+        return compiled.gm.forward  # (not the module: its __call__ costs microseconds per call)
 
     def copy_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
         # AOTAutograd calls the compilers under its fake mode: a deepcopy of a real constant
@@ -129,9 +129,10 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         by_flags = {precision_flags(): first}
 
         def call(*args):
-            fn = by_flags.get(precision_flags())
+            flags = precision_flags()
+            fn = by_flags.get(flags)
             if fn is None:
-                fn = by_flags[precision_flags()] = compile_again(copy_graph(pristine))
+                fn = by_flags[flags] = compile_again(copy_graph(pristine))
             return fn(*args)
 
         return call
@@ -148,7 +149,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)
-            return make_boxed_func(per_flags(pristine, compiled.gm, compile_now))
+            return make_boxed_func(per_flags(pristine, compiled.gm.forward, compile_now))
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(pristine, compile_static, reason=reason))
 
