@@ -177,6 +177,19 @@ def test_new_input_addresses_get_their_own_graph(fake) -> None:
     assert exe.stats["graph_calls"] == 4 and exe.stats["direct_calls"] == 2
 
 
+def test_one_kernel_launches_directly_into_the_pool(fake) -> None:
+    # a graph of one kernel saves nothing: launched directly, but into pooled outputs, so the
+    # argument table built for the first call serves every later one
+    driver, program, make, inputs = fake
+    one = dataclasses.replace(program, launches=program.launches[:1])
+    exe = runtime.CudaExecutable(one, CASES["mlp_softmax_graph"].signature())
+    exe._devices[-1] = torch.device("cpu")
+    for _ in range(5):
+        exe.call(inputs)
+    assert exe.stats == {"direct_calls": 5, "graph_calls": 0, "tables_built": 1, "graphs_built": 0,
+                         "pool_misses": 0}
+
+
 def test_graphs_off_by_option_or_environment(fake, monkeypatch) -> None:
     driver, program, make, inputs = fake
     exe, ran = make(graphs=False)
@@ -293,7 +306,9 @@ def test_gpu_graph_replay_matches_direct_launches() -> None:
             for g_on, g_off, r in zip(got_on, got_off, ref):
                 torch.testing.assert_close(g_on.double(), r, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(g_on, g_off, rtol=0, atol=0)
-    assert exe_on.stats["graph_calls"] >= 4 and exe_on.stats["graphs_built"] == 2, exe_on.stats
+    if len(exe_on.program.launches) >= runtime.GRAPH_MIN_LAUNCHES:
+        assert exe_on.stats["graph_calls"] >= 4 and exe_on.stats["graphs_built"] == 2, exe_on.stats
+    assert exe_on.stats["tables_built"] == 2, exe_on.stats  # two input sets, two output sets
     assert exe_off.stats["graph_calls"] == 0, exe_off.stats
 
 
@@ -349,5 +364,7 @@ def test_gpu_memory_does_not_grow() -> None:
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before
     exe = _executables(graphs)[-1]
-    assert exe.stats["graphs_built"] == 3 and exe.stats["graph_calls"] >= 200, exe.stats
+    assert exe.stats["tables_built"] == 3, exe.stats
+    if len(exe.program.launches) >= runtime.GRAPH_MIN_LAUNCHES:
+        assert exe.stats["graphs_built"] == 3 and exe.stats["graph_calls"] >= 200, exe.stats
 

@@ -72,6 +72,7 @@ class CudaError(GacError, RuntimeError):
 # GAC_CUDA_SYNC=1: synchronize after every launch so a fault names its kernel (slow).
 SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
 GRAPH_AFTER = 2  # calls with one pointer set before it is captured
+GRAPH_MIN_LAUNCHES = 2  # one kernel launches as fast directly as in a graph
 POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
 BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
@@ -403,7 +404,7 @@ class CudaExecutable:
         else:
             state.tables.move_to_end(key)
         entry.hits += 1
-        if self.use_graphs and not SYNC_AFTER_LAUNCH:
+        if self.use_graphs and len(bound.launches) >= GRAPH_MIN_LAUNCHES and not SYNC_AFTER_LAUNCH:
             if entry.graph is None and entry.hits == GRAPH_AFTER:
                 self._capture(state, entry, bound)
             if entry.graph is not None:
