@@ -100,6 +100,16 @@ def _name_inputs(graph: torch.fx.GraphModule, names: list[str]) -> None:
     graph.recompile()
 
 
+def _forward_of(gm: torch.fx.GraphModule):
+    """The partitioned graph's generated forward, compiled now: calling it directly skips
+    nn.Module.__call__ and fx's lazy-recompile and error-reporting wrappers (microseconds per
+    call, which a launch-bound graph pays on every call)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+    return gm.forward
+
+
 def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **kw):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -111,7 +121,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
         compiled_graphs.append(compiled)
         progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
-        return compiled.gm.forward  # (not the module: its __call__ costs microseconds per call)
+        return _forward_of(compiled.gm)
 
     def copy_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
         # AOTAutograd calls the compilers under its fake mode: a deepcopy of a real constant
@@ -149,7 +159,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)
-            return make_boxed_func(per_flags(pristine, compiled.gm.forward, compile_now))
+            return make_boxed_func(per_flags(pristine, _forward_of(compiled.gm), compile_now))
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(pristine, compile_static, reason=reason))
 
