@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import struct
 
 import pytest
@@ -216,6 +217,11 @@ def test_not_poolable_launches_directly(fake, monkeypatch) -> None:
     exe, ran = make()
     assert not exe._poolable
     monkeypatch.setattr(runtime, "POOL_BYTES", limit)
+    out_bytes = sum(math.prod(s) * d.itemsize for s, d in case.outputs)
+    monkeypatch.setattr(runtime, "POOL_TOTAL", 3 * out_bytes)  # memory bounds the sets too
+    assert make()[0]._pool_sets == 3
+    monkeypatch.setattr(runtime, "POOL_TOTAL", out_bytes)
+    assert make()[0]._pool_sets == 2  # (two at least: x = f(x) alternates between two)
     exe, ran = make()
     raw = torch.empty(inputs[0].numel() + 1)
     shifted = raw[1:].view(inputs[0].shape)

@@ -15,7 +15,8 @@ torch's current stream, buffers from torch's caching allocator.
   executable. Graphs are on by default (option `cuda_graphs`, GAC_CUDA_GRAPHS=0 turns them off).
 - `call` (what CompiledGraph uses) makes the pointer sets repeat: a program with static shapes
   and outputs of at most POOL_BYTES writes into output buffers the executable owns (pool.py: a
-  few sets per stream, a set reused only once the caller dropped every alias of it), so
+  few sets per stream, at most POOL_TOTAL bytes, kept until the executable is freed; a set is
+  reused only once the caller dropped every alias of it), so
   inputs at stable addresses (parameters, a rotation of batches) replay one graph per call
   whatever the number of kernels. Dynamic shapes, misaligned inputs, GAC_CUDA_SYNC=1 and a
   pool whose every set is held launch directly into fresh outputs.
@@ -75,6 +76,7 @@ GRAPH_AFTER = 2  # calls with one pointer set before it is captured
 GRAPH_MIN_LAUNCHES = 2  # one kernel launches as fast directly as in a graph
 POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
+POOL_TOTAL = 256 << 20  # at most this many bytes of sets per pool (but always 2 sets)
 BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
 CACHE_ENTRIES = 16  # pointer sets remembered per executable
 
@@ -231,6 +233,8 @@ class CudaExecutable:
         # outputs in a pool (stable addresses for graphs): static shapes, not empty, not too big
         self._poolable = (not program.dynamic and bool(program.launches) and 0 < out_bytes <= POOL_BYTES
                           and len(signature.outputs) == len(program.args) - self.n_inputs)
+        # (a pool's memory stays with the executable until it is freed, e.g. torch._dynamo.reset())
+        self._pool_sets = max(2, min(POOL_SETS, POOL_TOTAL // max(out_bytes, 1)))
         # calls launched kernel by kernel / as one graph; argument tables and graphs built;
         # calls that found every pooled output set held by the caller
         self.stats = {"direct_calls": 0, "graph_calls": 0, "tables_built": 0, "graphs_built": 0,
@@ -313,7 +317,7 @@ class CudaExecutable:
         handle = _raw_stream(dev)
         pool = state.pools.get(handle)
         if pool is None:
-            pool = state.pools[handle] = OutputPool(self._out_specs, device, POOL_SETS)
+            pool = state.pools[handle] = OutputPool(self._out_specs, device, self._pool_sets)
         got = pool.acquire()
         if got is None:
             self.stats["pool_misses"] += 1
