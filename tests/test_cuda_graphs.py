@@ -96,6 +96,7 @@ def fake(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(runtime, "_driver", driver)
     monkeypatch.setattr(runtime, "check_available", lambda: None)
     monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(runtime, "_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # a CPU tensor's get_device()
     monkeypatch.delenv("GAC_CUDA_GRAPHS", raising=False)
 
@@ -189,6 +190,21 @@ def test_one_kernel_launches_directly_into_the_pool(fake) -> None:
         exe.call(inputs)
     assert exe.stats == {"direct_calls": 5, "graph_calls": 0, "tables_built": 1, "graphs_built": 0,
                          "pool_misses": 0}
+
+
+def test_inside_the_callers_own_graph_capture_nothing_is_pooled_or_captured(fake, monkeypatch) -> None:
+    # torch.cuda.graph() around a gac call: its launches go into the caller's graph, writing
+    # buffers the caller's graph owns; gac's own capture would fail there
+    driver, program, make, inputs = fake
+    exe, ran = make()
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    outs = exe.call(inputs)
+    assert ran == [[outs[0].data_ptr()]] and not exe._contexts
+    exe = runtime.CudaExecutable(program, CASES["mlp_softmax_graph"].signature())
+    ptrs = [0x10000 * (i + 1) for i in range(len(program.args))]
+    for _ in range(runtime.GRAPH_AFTER + 1):
+        exe._launch_all(torch.device("cpu"), ptrs, handle=7)
+    assert exe.stats["graphs_built"] == 0 and exe.stats["direct_calls"] == runtime.GRAPH_AFTER + 1
 
 
 def test_graphs_off_by_option_or_environment(fake, monkeypatch) -> None:
@@ -374,3 +390,31 @@ def test_gpu_memory_does_not_grow() -> None:
     if len(exe.program.launches) >= runtime.GRAPH_MIN_LAUNCHES:
         assert exe.stats["graphs_built"] == 3 and exe.stats["graph_calls"] >= 200, exe.stats
 
+
+
+@pytest.mark.cuda
+def test_gpu_call_inside_a_torch_cuda_graph() -> None:
+    # A caller capturing its own graph around a compiled call: gac records plain launches into
+    # buffers the caller's graph owns; replays read the inputs' new contents.
+    torch._dynamo.reset()
+    model = _Chain()
+    fn, _ = _compiled(model)
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    xs = [torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)]
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm up (compile, load the module) outside the capture
+                fn(*xs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = fn(*xs)
+        for _ in range(2):
+            fresh = [torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)]
+            for dst, src in zip(xs, fresh):
+                dst.copy_(src)
+            graph.replay()
+            for g, r in zip(ys, model(*(t.double() for t in fresh))):
+                torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)

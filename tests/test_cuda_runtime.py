@@ -125,6 +125,7 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(runtime, "_driver", fake)
         monkeypatch.setattr(runtime, "check_available", lambda: None)
         monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+        monkeypatch.setattr(runtime, "_capturing", lambda: False)
         exe = runtime.CudaExecutable(prog, sig)
         exe.use_graphs = False
         dev = torch.device("cpu")

@@ -93,6 +93,12 @@ def _raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _capturing() -> bool:
+    """The caller is capturing its own CUDA graph on the current stream: gac then neither pools
+    outputs nor captures graphs (the caller's graph records plain launches into its buffers)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def _check(result: Any, what: str) -> Any:
     """cuda-python returns (CUresult, *values); raise with the error's name on failure."""
     err, *values = result if isinstance(result, tuple) else (result,)
@@ -291,7 +297,7 @@ class CudaExecutable:
         them) and returns the outputs: pooled buffers where graphs can replay into them, else
         fresh ones. Per call: one pass over the inputs, one table lookup, one launch (a graph)
         or one per kernel."""
-        if self.use_graphs and self._poolable and not SYNC_AFTER_LAUNCH:
+        if self.use_graphs and self._poolable and not SYNC_AFTER_LAUNCH and not _capturing():
             dev = inputs[0].get_device() if inputs else torch.cuda.current_device()
             ptrs = []
             for t in inputs:
@@ -408,7 +414,8 @@ class CudaExecutable:
         else:
             state.tables.move_to_end(key)
         entry.hits += 1
-        if self.use_graphs and len(bound.launches) >= GRAPH_MIN_LAUNCHES and not SYNC_AFTER_LAUNCH:
+        if self.use_graphs and len(bound.launches) >= GRAPH_MIN_LAUNCHES and not SYNC_AFTER_LAUNCH \
+                and not _capturing():
             if entry.graph is None and entry.hits == GRAPH_AFTER:
                 self._capture(state, entry, bound)
             if entry.graph is not None:
