@@ -279,6 +279,31 @@ def test_compiled_graph_fast_path_checks_inputs() -> None:
     assert exe.calls == 2
 
 
+def test_elementwise_graph_does_not_read_precision_flags(monkeypatch) -> None:
+    # per call, torch.compile's gac graph reads torch's TF32 flags only where they can change its
+    # code (contractions: test_cuda_conv checks that those still recompile)
+    from gac_torch.frontends import dynamo
+
+    reads = []
+    real = dynamo.precision_flags
+    monkeypatch.setattr(dynamo, "precision_flags", lambda: reads.append(1) or real())
+    torch._dynamo.reset()
+    x, a, b = (torch.randn(8, 8) for _ in range(3))
+    fn = torch.compile(_Chain(3), backend="gac", options={"target": "cpu"})
+    with torch.no_grad():
+        fn(x, a, b)
+        n = len(reads)
+        for _ in range(3):
+            fn(x, a, b)
+    assert len(reads) == n
+    mm = torch.compile(lambda p, q: torch.tanh(p @ q), backend="gac", options={"target": "cpu"})
+    with torch.no_grad():
+        mm(x, a)
+        n = len(reads)
+        torch.testing.assert_close(mm(x, a), torch.tanh(x @ a))
+    assert len(reads) == n + 1
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU
 

@@ -100,6 +100,16 @@ def _name_inputs(graph: torch.fx.GraphModule, names: list[str]) -> None:
     graph.recompile()
 
 
+_CONTRACTIONS = ("mm", "conv", "dot", "linear", "matmul", "einsum", "attention", "bilinear")
+
+
+def _reads_precision_flags(gm: torch.fx.GraphModule) -> bool:
+    """Whether the TF32 flags can change gac's code for this graph: it has an op whose name
+    says contraction (matmuls, convolutions, attention; a broad match, to be safe)."""
+    return any(n.op == "call_function" and any(c in str(n.target) for c in _CONTRACTIONS)
+               for n in gm.graph.nodes)
+
+
 def _forward_of(gm: torch.fx.GraphModule):
     """The partitioned graph's generated forward, compiled now: calling it directly skips
     nn.Module.__call__ and fx's lazy-recompile and error-reporting wrappers (microseconds per
@@ -135,7 +145,10 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
     def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
         # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
-        # other precision flags than the compile's gets (and keeps) its own compilation
+        # other precision flags than the compile's gets (and keeps) its own compilation; a graph
+        # without contractions compiles the same under any flags (and skips reading them)
+        if not _reads_precision_flags(pristine):
+            return first
         by_flags = {precision_flags(): first}
 
         def call(*args):
