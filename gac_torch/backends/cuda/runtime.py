@@ -8,8 +8,8 @@ torch's current stream, buffers from torch's caching allocator.
   one stream are ordered, so reuse is safe; another stream gets its own workspace).
 - The per-call host work is a short loop: for each distinct set of buffer pointers (inputs,
   outputs, workspace) the kernels' argument arrays (`void **kernelParams`, pointing at packed
-  pointer and scalar bytes) are built once and cached (LRU); a call with pointers seen before
-  only issues the launches. A pointer set seen GRAPH_AFTER times is captured once into a CUDA
+  pointer and scalar bytes) are built once and cached (LRU of TABLE_ENTRIES); a call with
+  pointers seen before only issues the launches. A pointer set seen GRAPH_AFTER times is captured once into a CUDA
   graph (stream capture on a private stream), and later calls launch the whole sequence with
   one cuGraphLaunch; any failure while building it falls back to plain launches for that
   executable. Graphs are on by default (option `cuda_graphs`, GAC_CUDA_GRAPHS=0 turns them off).
@@ -78,7 +78,8 @@ POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph 
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
 POOL_TOTAL = 256 << 20  # at most this many bytes of sets per pool (but always 2 sets)
 BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
-CACHE_ENTRIES = 16  # pointer sets remembered per executable
+CACHE_ENTRIES = 16  # argument shapes (run-time sizes) bound per executable
+TABLE_ENTRIES = 64  # pointer sets (tables, graphs) per context: input sets x output sets
 
 
 def graphs_enabled(option: bool | None) -> bool:
@@ -408,7 +409,7 @@ class CudaExecutable:
                              [ws_ptr + offsets[t.name] for t in program.temps])
             entry = state.tables[key] = _Entry(table)
             self.stats["tables_built"] += 1
-            if len(state.tables) > CACHE_ENTRIES:
+            if len(state.tables) > TABLE_ENTRIES:
                 _, old = state.tables.popitem(last=False)
                 self._drop_graph(old)
         else:
