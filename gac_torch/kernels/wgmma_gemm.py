@@ -1,0 +1,499 @@
+"""Hopper GEMM for the cuda target (sm_90a): C[b, m, n] = init + sum_k A[b, m, k] * B[b, k, n]
+with warpgroup `wgmma.mma_async` on operands that TMA (`cp.async.bulk.tensor`) stages into
+128-byte-swizzled shared memory, a STAGES-deep ring of buffers handed over with mbarriers,
+f32 accumulators, C rounded to its type in the store.
+
+  kinds   f16 x f16, bf16 x bf16 (either operand K- or M/N-major: wgmma's transpose bits);
+          f32 x f32 as tf32 when allowed (both operands K-major: wgmma has no tf32 transpose)
+
+One CTA of 3 warpgroups computes a BM x BN tile (BM = 128): warpgroup 0 is the producer, its
+thread 0 issues the TMA loads; warpgroups 1 and 2 (consumers) own rows 0-63 / 64-127 of the
+tile, each one m64nBNk16 wgmma chain per K slice, BN/2 f32 accumulators per thread.
+
+  1. locate    block (bx, by, bz) -> tile origin (m0 = by*BM, n0 = bx*BN), batch index bz
+  2. barriers  thread 0 initializes full[s] (1 arrival + the TMA bytes) and empty[s] (one
+               arrival per consumer warpgroup) for each stage s; fence, CTA barrier
+  3. producer  registers given back (setmaxnreg.dec); thread 0, for each K slice kt:
+               3a. wait empty[kt % S] (its previous use consumed; passes at once on a fresh one)
+               3b. full[kt % S] expects the slice's bytes; TMA loads A's and B's boxes there
+                   (the out-of-range part of a box reads as zero: M, N, K overhang needs no mask)
+  4. consumers registers raised (setmaxnreg.inc); accumulators = the fill or C; per slice kt:
+               4a. wait full[kt % S]
+               4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit;
+                   wait for the group
+               4c. one thread per warpgroup arrives on empty[kt % S]
+  5. store     each accumulator (pairs when C's rows are contiguous and even) to C, rounded to
+               C's type, inside the matrix only
+
+Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
+mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
+swizzle span): K-major, a box [rows][BK] per tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
+descriptor math (`desc_layout`, `box_origins`) is plain Python on ints, tested against a numpy
+model of TMA's swizzled write and wgmma's canonical-layout read (tests/test_wgmma_gemm.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gac_torch.kernels.builder import Text
+from gac_torch.kernels.cuda_mma import FRAG_C, Operand, Spec
+
+BM = 128
+WG = 128  # threads per warpgroup
+THREADS = 3 * WG
+SWIZZLE = 128  # bytes: the swizzle span, and the inner extent of every TMA box
+ALIGN = 1024  # a swizzled tile's atom (8 rows of 128 B) must start 1024-byte aligned
+_ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128*40 + 256*232 <= 64K registers
+SMEM_LIMIT = 227 * 1024
+MIN_WORK = 1 << 21  # M*N*K*batch below this stays with mma.sync (launch-bound sizes)
+SM_COUNT_HINT = 132
+
+
+@dataclass(frozen=True)
+class Side:
+    """One operand's staging: `k_major` (K is its contiguous dim), the tile's rows (BM or BN),
+    the TMA box (inner extent first) and the byte size of one stage of it."""
+
+    k_major: bool
+    rows: int
+    box: tuple[int, int]  # elements: (inner, outer)
+    nbox: int  # boxes per stage (MN-major tiles are rows/64 boxes side by side)
+    stage_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    bn: int
+    bk: int
+    ks: int  # K per wgmma: 16 (f16/bf16), 8 (tf32)
+    stages: int
+    a: Side
+    b: Side
+    grid: tuple[int, int, int]
+    pair_store: bool  # C stored two columns at a time
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.a.stage_bytes + self.b.stage_bytes) + 16 * self.stages + ALIGN
+
+
+def _elem(spec: Spec) -> str:
+    return "f32" if spec.kind == "tf32" else spec.kind
+
+
+def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> Side | None:
+    """Staging for one operand, or None when TMA cannot read it (strides not 16-byte
+    multiples, a view offset not 16-byte aligned, or a dim that is neither K nor M/N)."""
+    if op.strides[-1] != 1 or len(op.dims) != len(set(op.dims)) or len(op.dims) > 3:
+        return None
+    if any(s * es % 16 for s in op.strides[:-1]) or op.offset * es % 16:
+        return None
+    inner = op.dims[-1]
+    if set(op.dims) - {outer, spec.k, *spec.batch} or inner not in (outer, spec.k):
+        return None
+    span = SWIZZLE // es  # elements in 128 bytes
+    if inner == spec.k:
+        return Side(True, rows, (bk, rows), 1, rows * bk * es)
+    if spec.kind == "tf32":
+        return None  # wgmma reads tf32 K-major only
+    return Side(False, rows, (span, bk), rows // span, rows * bk * es)
+
+
+def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
+         bn: int | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when the template does not apply (the mma path then does)."""
+    if spec.kind not in ("f16", "bf16", "tf32") or 0 in (spec.M, spec.N, spec.K):
+        return None
+    e = _elem(spec)
+    if spec.a.elem != e or spec.b.elem != e or len(spec.batch) > 1:
+        return None
+    batch = math.prod(spec.batch_ext)
+    if spec.M * spec.N * spec.K * batch < MIN_WORK:
+        return None
+    es = _ESIZE[e]
+    bk = SWIZZLE // es  # one swizzle span of K per slice: 64 (16-bit), 32 (tf32)
+    if bn is None:  # the wide tile once it still fills the GPU
+        bn = 256 if -(-spec.M // BM) * -(-spec.N // 256) * batch >= SM_COUNT_HINT else 128
+    sa = _side(spec.a, spec, spec.m, BM, bk, es)
+    sb = _side(spec.b, spec, spec.n, bn, bk, es)
+    if sa is None or sb is None:
+        return None
+    grid = (-(-spec.N // bn), -(-spec.M // BM), batch)
+    if any(x > lim for x, lim in zip(grid, max_grid)):
+        return None
+    c = spec.c
+    pair = (c.dims[-1] == spec.n and c.strides[-1] == 1 and spec.N % 2 == 0
+            and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
+    per_stage = sa.stage_bytes + sb.stage_bytes + 16
+    stages = min(4, (SMEM_LIMIT - ALIGN) // per_stage)
+    if stages < 2:
+        return None
+    return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair)
+
+
+# --------------------------------------------------------------------------------------------
+# layout math (ints only: the text builder bakes it in, the tests check it against a model)
+
+
+def box_origins(side: Side, es: int) -> list[tuple[int, int]]:
+    """Per TMA box of a stage: (smem byte offset in the stage, offset along the operand's
+    M/N dim of the box's first element)."""
+    if side.k_major:
+        return [(0, 0)]
+    span = SWIZZLE // es
+    return [(j * side.box[0] * side.box[1] * es, j * span) for j in range(side.nbox)]
+
+
+def desc_layout(side: Side, es: int, rows0: int, kstep: int) -> tuple[int, int, int]:
+    """(byte offset from the stage's start, leading byte offset, stride byte offset) of the
+    wgmma matrix descriptor for the 64 rows from `rows0` (0 for B: all BN rows) and the K
+    step `kstep` (ks elements each).
+
+    K-major, 128B swizzle: rows are 128 bytes apart, 8-row groups SBO = 1024 apart, LBO unused
+    (1); a K step moves the start within the swizzled row. MN-major: 8 K-rows of 128 bytes
+    (64 M/N elements) form an atom, SBO = 1024 between 8-row K groups, LBO = one box between
+    64-element M/N chunks; a K step is ks rows."""
+    ks = 8 if es == 4 else 16
+    if side.k_major:
+        return rows0 * SWIZZLE + kstep * ks * es, 16, 8 * SWIZZLE
+    box_bytes = side.box[0] * side.box[1] * es
+    span = SWIZZLE // es
+    return (rows0 // span) * box_bytes + kstep * ks * SWIZZLE, box_bytes, 8 * SWIZZLE
+
+
+def descriptor(addr: int, lbo: int, sbo: int) -> int:
+    """The 64-bit sm_90 matrix descriptor: start address, LBO and SBO in 16-byte units, layout
+    type 1 (128-byte swizzle) in bits 62-63."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
+
+
+def swizzle128(offset: int) -> int:
+    """Where TMA's 128-byte swizzle puts byte `offset` of a 1024-byte aligned tile: the
+    16-byte chunk index (bits 4-6) XOR the row within the 8-row atom (bits 7-9)."""
+    return offset ^ (((offset >> 7) & 7) << 4)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel
+
+
+def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
+    es = _ESIZE[_elem(spec)]
+    c = b.const
+    S = p.stages
+    a_base, b_base = 0, S * p.a.stage_bytes
+    bar_base = S * (p.a.stage_bytes + p.b.stage_bytes)
+    # 1. locate
+    tid = b.tid()
+    bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
+    m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(p.bn))
+    smem = b.smem_base()
+    nk = -(-spec.K // p.bk)
+
+    def full(s: Any) -> Any:
+        return b.i32_add(smem, b.i32_add(b.i32(bar_base), b.i32_mul(b.to_i32(s), b.i32(8))))
+
+    def empty(s: Any) -> Any:
+        return b.i32_add(smem, b.i32_add(b.i32(bar_base + 8 * S), b.i32_mul(b.to_i32(s), b.i32(8))))
+
+    # 2. barriers
+    def init() -> None:
+        for s in range(S):
+            b.mbar_init(full(c(s)), 1)
+            b.mbar_init(empty(c(s)), 2)
+        b.asm("fence.mbarrier_init.release.cluster;")
+
+    b.when(b.eq(tid, c(0)), init)
+    b.barrier()
+    wg = b.div(tid, c(WG))
+
+    # 3. producer
+    def coords(op: Operand, side: Side, outer: int, o0: Any, k0: Any, shift: int) -> list[Any]:
+        at = {spec.k: k0, outer: b.add(o0, c(shift))}
+        return [at.get(d, bz) for d in reversed(op.dims)]  # innermost first; the batch: bz
+
+    def producer() -> None:
+        b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
+
+        def issue() -> None:
+            def body(kt: Any) -> None:
+                s = b.rem(kt, c(S))
+                b.mbar_wait(empty(s), b.xor1(b.to_i32(b.rem(b.div(kt, c(S)), c(2)))))  # 3a
+                b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
+                k0 = b.mul(kt, c(p.bk))
+                for which, op, side, outer, o0, base in (
+                        ("A", spec.a, p.a, spec.m, m0, a_base), ("B", spec.b, p.b, spec.n, n0, b_base)):
+                    for off, shift in box_origins(side, es):
+                        dst = b.i32_add(smem, b.i32_add(b.i32(base + off),
+                                                        b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
+                        b.tma_load(which, dst, coords(op, side, outer, o0, k0, shift), full(s))
+
+            b.loop(c(0), c(nk), body)
+
+        b.when(b.eq(tid, c(0)), issue)
+
+    # 4. consumers
+    def consumer() -> None:
+        b.asm(f"setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};")
+        t = b.rem(tid, c(WG))
+        warp, lane = b.div(t, c(32)), b.rem(t, c(32))
+        g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
+        cw = b.sub(wg, c(1))  # consumer index: rows cw*64 .. +63 of the tile
+        rows = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
+        cols = b.add(n0, b.mul(tq, c(2)))
+        frag = [(i, q) for i in range(p.bn // 8) for q in range(4)]
+        a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
+
+        def at(i: int, q: int) -> tuple[Any, Any]:
+            rq, cq = FRAG_C[q]
+            return b.add(rows, c(rq)), b.add(cols, c(8 * i + cq))
+
+        if spec.fill:
+            init = b.init_f32()
+            accs = [init] * len(frag)
+        else:
+            accs = [b.load_c(*at(i, q)) for i, q in frag]
+
+        def body(kt: Any, accs: list) -> list:
+            s = b.rem(kt, c(S))
+            b.mbar_wait(full(s), b.to_i32(b.rem(b.div(kt, c(S)), c(2))))  # 4a
+            b.asm("wgmma.fence.sync.aligned;")  # 4b
+            for kstep in range(p.bk // p.ks):
+                da = b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
+                db = b.desc(smem, b_base, p.b, s, desc_layout(p.b, es, 0, kstep), None, 0)
+                accs = b.wgmma(accs, da, db)
+            b.asm("wgmma.commit_group.sync.aligned;")
+            b.asm("wgmma.wait_group.sync.aligned 0;", accs)
+            b.when(b.eq(t, c(0)), lambda: b.mbar_arrive(empty(s)))  # 4c
+            return accs
+
+        accs = b.for_(c(0), c(nk), c(1), accs, ["f32"] * len(accs), body)
+        # 5. store
+        for j, (i, q) in enumerate(frag):
+            if p.pair_store:
+                if q % 2 == 0:
+                    b.store_pair(*at(i, q), accs[j], accs[j + 1])
+            else:
+                b.store_c(*at(i, q), accs[j])
+
+    b.if_else(b.eq(wg, c(0)), producer, consumer)
+
+
+# --------------------------------------------------------------------------------------------
+# the text builder: PTX through llvm.inline_asm for what the NVVM dialect spells differently
+# across MLIR releases (mbarrier, TMA, wgmma, setmaxnreg)
+
+
+class WgmmaText(Text):
+    def __init__(self, spec: Spec, p: Plan, init_type: str):
+        super().__init__(hoist=True)
+        self.spec, self.p, self.init_type = spec, p, init_type
+
+    def i32(self, x: int) -> str:
+        return self.const(x, "i32")
+
+    def to_i32(self, x: str) -> str:
+        return self.cast("arith.index_cast", x, "index", "i32")
+
+    def i32_add(self, x: str, y: str) -> str:
+        return self.binop("arith.addi", x, y, "i32")
+
+    def i32_mul(self, x: str, y: str) -> str:
+        return self.binop("arith.muli", x, y, "i32")
+
+    def xor1(self, x: str) -> str:
+        return self.binop("arith.xori", x, self.i32(1), "i32")
+
+    def asm(self, text: str, tied: list[str] | None = None, args: list[tuple[str, str, str]] = (),
+            results: int = 0) -> list[str]:
+        """One llvm.inline_asm with side effects. `args`: (value, constraint, type); `tied`:
+        f32 values that are outputs and inputs at once (the accumulators)."""
+        tied = tied or []
+        n = len(tied) + results
+        cons = ["=f"] * len(tied) + ["=r"] * results + [str(i) for i in range(len(tied))]
+        cons += [a[1] for a in args]
+        ops = list(tied) + [a[0] for a in args]
+        types = ["f32"] * len(tied) + [a[2] for a in args]
+        text = text.replace("\n", "\\0A")
+        if n == 0:
+            self.w(f'llvm.inline_asm has_side_effects asm_dialect = att "{text}", "{",".join(cons)}" '
+                   f'{", ".join(ops)} : ({", ".join(types)}) -> ()')
+            return []
+        r = self.fresh()
+        rt = ("!llvm.struct<(" + ", ".join(["f32"] * len(tied) + ["i32"] * results) + ")>") if n > 1 else (
+            "f32" if tied else "i32")
+        self.w(f'{r} = llvm.inline_asm has_side_effects asm_dialect = att "{text}", "{",".join(cons)}" '
+               f'{", ".join(ops)} : ({", ".join(types)}) -> {rt}')
+        if n == 1:
+            return [r]
+        out = []
+        for i in range(n):
+            x = self.fresh()
+            self.w(f"{x} = llvm.extractvalue {r}[{i}] : {rt}")
+            out.append(x)
+        if tied:  # the accumulators flow on as the asm's results
+            tied[:] = out[:len(tied)]
+        return out
+
+    def smem_base(self) -> str:
+        """The dynamic shared memory's address, rounded up to ALIGN (i32, shared window)."""
+        d, p = self.fresh(), self.fresh()
+        self.w(f"{d} = gpu.dynamic_shared_memory : memref<?xi8, #gpu.address_space<workgroup>>")
+        self.w(f"{p} = memref.extract_aligned_pointer_as_index {d} : memref<?xi8, #gpu.address_space<workgroup>> -> index")
+        a = self.to_i32(p)
+        up = self.i32_add(a, self.i32(ALIGN - 1))
+        return self.binop("arith.andi", up, self.i32(-ALIGN), "i32")
+
+    def mbar_init(self, bar: str, count: int) -> None:
+        self.asm("mbarrier.init.shared::cta.b64 [$0], $1;", args=[(bar, "r", "i32"), (self.i32(count), "r", "i32")])
+
+    def mbar_expect(self, bar: str, nbytes: int) -> None:
+        self.asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+                 args=[(bar, "r", "i32"), (self.i32(nbytes), "r", "i32")])
+
+    def mbar_arrive(self, bar: str) -> None:
+        self.asm("mbarrier.arrive.shared::cta.b64 _, [$0];", args=[(bar, "r", "i32")])
+
+    def mbar_wait(self, bar: str, parity: str) -> None:
+        self.asm("{\n.reg .pred P1;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 P1, [$0], $1;\n"
+                 "@!P1 bra WAIT;\n}", args=[(bar, "r", "i32"), (parity, "r", "i32")])
+
+    def tma_load(self, which: str, dst: str, coords: list[str], bar: str) -> None:
+        n = len(coords)
+        cs = ", ".join(f"${i + 2}" for i in range(n))
+        self.asm(f"cp.async.bulk.tensor.{n}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 f"[$0], [$1, {{{cs}}}], [${n + 2}];",
+                 args=[(dst, "r", "i32"), (f"%tm{which}", "l", "!llvm.ptr"),
+                       *[(self.to_i32(x), "r", "i32") for x in coords], (bar, "r", "i32")])
+
+    def desc(self, smem: str, base: int, side: Side, s: str, layout: tuple[int, int, int],
+             part: str | None, part_bytes: int) -> str:
+        """The i64 descriptor of stage `s`'s tile + `layout`'s offset (+ part * part_bytes:
+        a consumer's rows of A, whole 8-row atoms, so the swizzle phase is unchanged)."""
+        off, lbo, sbo = layout
+        addr = self.i32_add(smem, self.i32_add(self.i32(base + off), self.i32_mul(self.to_i32(s), self.i32(side.stage_bytes))))
+        if part is not None:
+            addr = self.i32_add(addr, self.i32_mul(self.to_i32(part), self.i32(part_bytes)))
+        a64 = self.cast("arith.extui", addr, "i32", "i64")
+        lo = self.binop("arith.shrui", self.binop("arith.andi", a64, self.const(0x3FFFF, "i64"), "i64"),
+                        self.const(4, "i64"), "i64")
+        return self.binop("arith.ori", lo, self.const(descriptor(0, lbo, sbo), "i64"), "i64")
+
+    def wgmma(self, accs: list[str], da: str, db: str) -> list[str]:
+        spec, p = self.spec, self.p
+        n = len(accs)
+        regs = ", ".join(f"${i}" for i in range(n))
+        # operands: the n outputs, the n tied inputs, then the descriptors and the scale-d flag
+        da_, db_, sd = 2 * n, 2 * n + 1, 2 * n + 2
+        if spec.kind == "tf32":
+            ins = f"wgmma.mma_async.sync.aligned.m64n{p.bn}k8.f32.tf32.tf32 {{{regs}}}, ${da_}, ${db_}, P, 1, 1;"
+        else:
+            ta, tb = int(not p.a.k_major), int(not p.b.k_major)
+            ins = (f"wgmma.mma_async.sync.aligned.m64n{p.bn}k16.f32.{spec.kind}.{spec.kind} "
+                   f"{{{regs}}}, ${da_}, ${db_}, P, 1, 1, {ta}, {tb};")
+        acc = list(accs)
+        self.asm("{\n.reg .pred P;\nsetp.ne.b32 P, $" + str(sd) + ", 0;\n" + ins + "\n}", acc,
+                 [(da, "l", "i64"), (db, "l", "i64"), (self.i32(1), "r", "i32")])
+        return acc
+
+    def loop(self, lo: str, hi: str, body: Any) -> None:
+        iv = self.fresh()
+        self.w(f"scf.for {iv} = {lo} to {hi} step {self.const(1)} {{")
+        body(iv)
+        self.w("}")
+
+    def if_else(self, cond: str, then: Any, else_: Any) -> None:
+        self.w(f"scf.if {cond} {{")
+        then()
+        self.w("} else {")
+        else_()
+        self.w("}")
+
+    def _to_f32(self, x: str, ty: str) -> str:
+        return x if ty == "f32" else self.cast("arith.extf", x, ty, "f32")
+
+    def init_f32(self) -> str:
+        return self._to_f32("%init", self.init_type)
+
+    def _cidx(self, row: str, col: str) -> list[str]:
+        spec = self.spec
+        at = {spec.m: row, spec.n: col}
+        return [at.get(d, "%bz") for d in spec.c.dims]
+
+    def _inside(self, row: str, col: str) -> str:
+        return self.and_(self.lt(row, self.const(self.spec.M)), self.lt(col, self.const(self.spec.N)))
+
+    def load_c(self, row: str, col: str) -> str:
+        spec = self.spec
+        return self.if_(self._inside(row, col), "f32",
+                        lambda: self._to_f32(self.load("%C", spec.c.type, self._cidx(row, col)), spec.c.elem),
+                        lambda: self.const(0.0, "f32"))
+
+    def _round(self, v: str) -> str:
+        ec = self.spec.c.elem
+        return v if ec == "f32" else self.cast("arith.truncf", v, "f32", ec)
+
+    def store_c(self, row: str, col: str, v: str) -> None:
+        self.when(self._inside(row, col),
+                  lambda: self.store(self._round(v), "%C", self.spec.c.type, self._cidx(row, col)))
+
+    def store_pair(self, row: str, col: str, v0: str, v1: str) -> None:
+        ec, ct = self.spec.c.elem, self.spec.c.type
+
+        def st() -> None:
+            x = self.fresh()
+            self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{ec}>")
+            self.w(f"vector.store {x}, %C[{', '.join(self._cidx(row, col))}] {{alignment = {2 * _ESIZE[ec]}}}"
+                   f" : {ct}, vector<2x{ec}>")
+
+        self.when(self._inside(row, col), st)
+
+
+def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
+    """The TMA box per memref dim (outermost first): the inner extent on the contiguous dim,
+    1 on the batch dim, the other extent on the remaining one."""
+    return [side.box[0] if i == len(op.dims) - 1 else 1 if d in spec.batch else side.box[1]
+            for i, d in enumerate(op.dims)]
+
+
+def tensor_map_type(box: list[int], elem: str) -> str:
+    tile = "x".join(map(str, box)) + f"x{elem}"
+    return (f"!nvgpu.tensormap.descriptor<tensor = memref<{tile}, 3>, swizzle = swizzle_128b, "
+            "l2promo = l2promo_256b, oob = zero, interleave = none>")
+
+
+def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
+    """`func.func @tmpl(%A, %B, %C, %init)`: the two TMA descriptors created on the host
+    (read into the host program as data: built by the runtime once per buffer address), then
+    the gpu.launch (see the banner). `init_type`: the fill value's type (default C's; f32 when
+    C is the f16/bf16 buffer of a fused rounding)."""
+    init_type = init_type or spec.c.elem
+    b = WgmmaText(spec, p, init_type)
+    _kernel(b, spec, p)
+    e = _elem(spec)
+    gx, gy, gz = p.grid
+    head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, %init: {init_type}) {{"]
+    types = {}
+    for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b)):
+        box = box_dims(op, side, spec)
+        types[which] = tm = tensor_map_type(box, e)
+        head.append(f"%u{which} = memref.cast %{which} : {op.type} to memref<*x{e}>")
+        head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
+        head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
+                    + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
+    head += [
+        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+        f"%nt = arith.constant {THREADS} : index",
+        f"%smem = arith.constant {p.smem_bytes} : i32",
+        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+         "dynamic_shared_memory_size %smem {"),
+    ]
+    casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
+             for w in ("A", "B")]
+    return "\n".join(head + casts + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])
