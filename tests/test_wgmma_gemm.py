@@ -199,5 +199,5 @@ def test_plan_fits_shared_memory_and_registers() -> None:
     for bn in (128, 256):
         p = W.plan(spec, bn=bn)
         assert p is not None and p.smem_bytes <= W.SMEM_LIMIT and p.stages >= 3
-        assert p.grid == (4096 // bn, 4096 // W.BM, 1)
+        assert p.tiles == 4096 // bn * 4096 // W.BM and p.grid == (W.SM_COUNT_HINT, 1, 1)
     assert W.PRODUCER_REGS * W.WG + 2 * W.CONSUMER_REGS * W.WG <= 65536

@@ -6,11 +6,13 @@ f32 accumulators, C rounded to its type in the store.
   kinds   f16 x f16, bf16 x bf16 (either operand K- or M/N-major: wgmma's transpose bits);
           f32 x f32 as tf32 when allowed (both operands K-major: wgmma has no tf32 transpose)
 
-One CTA of 3 warpgroups computes a BM x BN tile (BM = 128): warpgroup 0 is the producer, its
-thread 0 issues the TMA loads; warpgroups 1 and 2 (consumers) own rows 0-63 / 64-127 of the
-tile, each one m64nBNk16 wgmma chain per K slice, BN/2 f32 accumulators per thread.
+A persistent CTA of 3 warpgroups computes BM x BN tiles (BM = 128) bid, bid + grid, ...:
+warpgroup 0 is the producer, its thread 0 issues the TMA loads; warpgroups 1 and 2 (consumers)
+own rows 0-63 / 64-127 of a tile, each one m64nBNk16 wgmma chain per K slice, BN/2 f32
+accumulators per thread. Slices are numbered across the CTA's tiles, so the producer runs
+ahead into the next tile while the consumers store the last one.
 
-  1. locate    block (bx, by, bz) -> tile origin (m0 = by*BM, n0 = bx*BN), batch index bz
+  1. locate    tile number -> tile origin (m0, n0) and batch index (N tiles fastest)
   2. barriers  thread 0 initializes full[s] (1 arrival + the TMA bytes) and empty[s] (one
                arrival per consumer warpgroup) for each stage s; fence, CTA barrier
   3. producer  registers given back (setmaxnreg.dec); thread 0, for each K slice kt:
@@ -19,9 +21,10 @@ tile, each one m64nBNk16 wgmma chain per K slice, BN/2 f32 accumulators per thre
                    (the out-of-range part of a box reads as zero: M, N, K overhang needs no mask)
   4. consumers registers raised (setmaxnreg.inc); accumulators = the fill or C; per slice kt:
                4a. wait full[kt % S]
-               4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit;
-                   wait for the group
-               4c. one thread per warpgroup arrives on empty[kt % S]
+               4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit
+               4c. wait until one group at most is in flight: the previous slice's stage is
+                   free, one thread per warpgroup arrives on its empty barrier (the tile's last
+                   slice: after waiting for all)
   5. store     each accumulator (pairs when C's rows are contiguous and even) to C, rounded to
                C's type, inside the matrix only
 
@@ -35,6 +38,7 @@ model of TMA's swizzled write and wgmma's canonical-layout read (tests/test_wgmm
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +77,9 @@ class Plan:
     stages: int
     a: Side
     b: Side
-    grid: tuple[int, int, int]
+    grid: tuple[int, int, int]  # persistent: (CTAs, 1, 1), each takes tiles bid, bid + CTAs, ...
     pair_store: bool  # C stored two columns at a time
+    tiles: int  # BM x BN tiles over the batch
 
     @property
     def smem_bytes(self) -> int:
@@ -103,8 +108,7 @@ def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> S
     return Side(False, rows, (span, bk), rows // span, rows * bk * es)
 
 
-def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
-         bn: int | None = None) -> Plan | None:
+def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply (the mma path then does)."""
     if spec.kind not in ("f16", "bf16", "tf32") or 0 in (spec.M, spec.N, spec.K):
         return None
@@ -116,23 +120,23 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         return None
     es = _ESIZE[e]
     bk = SWIZZLE // es  # one swizzle span of K per slice: 64 (16-bit), 32 (tf32)
-    if bn is None:  # the wide tile once it still fills the GPU
+    bn = bn or int(os.environ.get("GAC_WGMMA_BN", 0))  # (tuning: force a tile width)
+    if not bn:  # the wide tile once it still fills the GPU
         bn = 256 if -(-spec.M // BM) * -(-spec.N // 256) * batch >= SM_COUNT_HINT else 128
     sa = _side(spec.a, spec, spec.m, BM, bk, es)
     sb = _side(spec.b, spec, spec.n, bn, bk, es)
     if sa is None or sb is None:
         return None
-    grid = (-(-spec.N // bn), -(-spec.M // BM), batch)
-    if any(x > lim for x, lim in zip(grid, max_grid)):
-        return None
+    tiles = -(-spec.N // bn) * -(-spec.M // BM) * batch
+    grid = (min(tiles, SM_COUNT_HINT), 1, 1)
     c = spec.c
     pair = (c.dims[-1] == spec.n and c.strides[-1] == 1 and spec.N % 2 == 0
             and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
     per_stage = sa.stage_bytes + sb.stage_bytes + 16
-    stages = min(4, (SMEM_LIMIT - ALIGN) // per_stage)
+    stages = min(int(os.environ.get("GAC_WGMMA_STAGES", 4)), (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair)
+    return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,18 +191,31 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     S = p.stages
     a_base, b_base = 0, S * p.a.stage_bytes
     bar_base = S * (p.a.stage_bytes + p.b.stage_bytes)
-    # 1. locate
-    tid = b.tid()
-    bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
-    m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(p.bn))
-    smem = b.smem_base()
+    tn, tm = -(-spec.N // p.bn), -(-spec.M // BM)
     nk = -(-spec.K // p.bk)
+    # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
+    # (tile number tl, K slice kt: it = tl*nk + kt) uses stage it % S at phase (it / S) % 2
+    tid = b.tid()
+    bid = b.bid(0)
+    mine = b.div(b.add(b.sub(c(p.tiles), bid), c(p.grid[0] - 1)), c(p.grid[0]))
+    smem = b.smem_base()
+
+    def tile(tl: Any) -> tuple[Any, Any, Any]:
+        t = b.add(bid, b.mul(tl, c(p.grid[0])))
+        bz, rest = b.div(t, c(tn * tm)), b.rem(t, c(tn * tm))
+        return b.mul(b.div(rest, c(tn)), c(BM)), b.mul(b.rem(rest, c(tn)), c(p.bn)), bz
+
+    def bar(base: int, s: Any) -> Any:
+        return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(8))))
+
+    def stage_phase(it: Any) -> tuple[Any, Any]:
+        return b.rem(it, c(S)), b.to_i32(b.rem(b.div(it, c(S)), c(2)))
 
     def full(s: Any) -> Any:
-        return b.i32_add(smem, b.i32_add(b.i32(bar_base), b.i32_mul(b.to_i32(s), b.i32(8))))
+        return bar(bar_base, s)
 
     def empty(s: Any) -> Any:
-        return b.i32_add(smem, b.i32_add(b.i32(bar_base + 8 * S), b.i32_mul(b.to_i32(s), b.i32(8))))
+        return bar(bar_base + 8 * S, s)
 
     # 2. barriers
     def init() -> None:
@@ -212,17 +229,19 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     wg = b.div(tid, c(WG))
 
     # 3. producer
-    def coords(op: Operand, side: Side, outer: int, o0: Any, k0: Any, shift: int) -> list[Any]:
+    def coords(op: Operand, outer: int, o0: Any, k0: Any, bz: Any, shift: int) -> list[Any]:
         at = {spec.k: k0, outer: b.add(o0, c(shift))}
         return [at.get(d, bz) for d in reversed(op.dims)]  # innermost first; the batch: bz
 
     def producer() -> None:
         b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
 
-        def issue() -> None:
+        def one_tile(tl: Any) -> None:
+            m0, n0, bz = tile(tl)
+
             def body(kt: Any) -> None:
-                s = b.rem(kt, c(S))
-                b.mbar_wait(empty(s), b.xor1(b.to_i32(b.rem(b.div(kt, c(S)), c(2)))))  # 3a
+                s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
+                b.mbar_wait(empty(s), b.xor1(phase))  # 3a
                 b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
                 k0 = b.mul(kt, c(p.bk))
                 for which, op, side, outer, o0, base in (
@@ -230,11 +249,11 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                     for off, shift in box_origins(side, es):
                         dst = b.i32_add(smem, b.i32_add(b.i32(base + off),
                                                         b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
-                        b.tma_load(which, dst, coords(op, side, outer, o0, k0, shift), full(s))
+                        b.tma_load(which, dst, coords(op, outer, o0, k0, bz, shift), full(s))
 
             b.loop(c(0), c(nk), body)
 
-        b.when(b.eq(tid, c(0)), issue)
+        b.when(b.eq(tid, c(0)), lambda: b.loop(c(0), mine, one_tile))
 
     # 4. consumers
     def consumer() -> None:
@@ -243,42 +262,56 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         warp, lane = b.div(t, c(32)), b.rem(t, c(32))
         g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
         cw = b.sub(wg, c(1))  # consumer index: rows cw*64 .. +63 of the tile
-        rows = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
-        cols = b.add(n0, b.mul(tq, c(2)))
         frag = [(i, q) for i in range(p.bn // 8) for q in range(4)]
         a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
+        release = b.eq(t, c(0))  # one arrival per consumer warpgroup
 
-        def at(i: int, q: int) -> tuple[Any, Any]:
-            rq, cq = FRAG_C[q]
-            return b.add(rows, c(rq)), b.add(cols, c(8 * i + cq))
+        def one_tile(tl: Any) -> None:
+            m0, n0, bz = tile(tl)
+            b.batch = bz
+            rows = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
+            cols = b.add(n0, b.mul(tq, c(2)))
 
-        if spec.fill:
-            init = b.init_f32()
-            accs = [init] * len(frag)
-        else:
-            accs = [b.load_c(*at(i, q)) for i, q in frag]
+            def at(i: int, q: int) -> tuple[Any, Any]:
+                rq, cq = FRAG_C[q]
+                return b.add(rows, c(rq)), b.add(cols, c(8 * i + cq))
 
-        def body(kt: Any, accs: list) -> list:
-            s = b.rem(kt, c(S))
-            b.mbar_wait(full(s), b.to_i32(b.rem(b.div(kt, c(S)), c(2))))  # 4a
-            b.asm("wgmma.fence.sync.aligned;")  # 4b
-            for kstep in range(p.bk // p.ks):
-                da = b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
-                db = b.desc(smem, b_base, p.b, s, desc_layout(p.b, es, 0, kstep), None, 0)
-                accs = b.wgmma(accs, da, db)
-            b.asm("wgmma.commit_group.sync.aligned;")
-            b.asm("wgmma.wait_group.sync.aligned 0;", accs)
-            b.when(b.eq(t, c(0)), lambda: b.mbar_arrive(empty(s)))  # 4c
-            return accs
-
-        accs = b.for_(c(0), c(nk), c(1), accs, ["f32"] * len(accs), body)
-        # 5. store
-        for j, (i, q) in enumerate(frag):
-            if p.pair_store:
-                if q % 2 == 0:
-                    b.store_pair(*at(i, q), accs[j], accs[j + 1])
+            if spec.fill:
+                init = b.init_f32()
+                accs = [init] * len(frag)
             else:
-                b.store_c(*at(i, q), accs[j])
+                accs = [b.load_c(*at(i, q)) for i, q in frag]
+            first = b.mul(tl, c(nk))
+
+            def body(kt: Any, accs: list) -> list:
+                it = b.add(first, kt)
+                s, phase = stage_phase(it)
+                b.mbar_wait(full(s), phase)  # 4a
+                b.asm("wgmma.fence.sync.aligned;")  # 4b
+                for kstep in range(p.bk // p.ks):
+                    da = b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
+                    db = b.desc(smem, b_base, p.b, s, desc_layout(p.b, es, 0, kstep), None, 0)
+                    accs = b.wgmma(accs, da, db)
+                b.asm("wgmma.commit_group.sync.aligned;")
+                # the previous slice's group is done once at most this one is in flight: 4c
+                b.asm("wgmma.wait_group.sync.aligned 1;", accs)
+                prev = b.rem(b.add(it, c(S - 1)), c(S))
+                b.when(b.and_(release, b.lt(c(0), kt)), lambda: b.mbar_arrive(empty(prev)))
+                return accs
+
+            accs = b.for_(c(0), c(nk), c(1), accs, ["f32"] * len(accs), body)
+            b.asm("wgmma.wait_group.sync.aligned 0;", accs)
+            last = b.rem(b.add(first, c(nk - 1)), c(S))
+            b.when(release, lambda: b.mbar_arrive(empty(last)))
+            # 5. store (the producer is already loading the next tile)
+            for j, (i, q) in enumerate(frag):
+                if p.pair_store:
+                    if q % 2 == 0:
+                        b.store_pair(*at(i, q), accs[j], accs[j + 1])
+                else:
+                    b.store_c(*at(i, q), accs[j])
+
+        b.loop(c(0), mine, one_tile)
 
     b.if_else(b.eq(wg, c(0)), producer, consumer)
 
@@ -292,6 +325,7 @@ class WgmmaText(Text):
     def __init__(self, spec: Spec, p: Plan, init_type: str):
         super().__init__(hoist=True)
         self.spec, self.p, self.init_type = spec, p, init_type
+        self.batch = "%bz"  # the current tile's batch index
 
     def i32(self, x: int) -> str:
         return self.const(x, "i32")
@@ -422,7 +456,7 @@ class WgmmaText(Text):
     def _cidx(self, row: str, col: str) -> list[str]:
         spec = self.spec
         at = {spec.m: row, spec.n: col}
-        return [at.get(d, "%bz") for d in spec.c.dims]
+        return [at.get(d, self.batch) for d in spec.c.dims]
 
     def _inside(self, row: str, col: str) -> str:
         return self.and_(self.lt(row, self.const(self.spec.M)), self.lt(col, self.const(self.spec.N)))

@@ -64,7 +64,7 @@ def strategy(allow_tf32: bool) -> Strategy:
         rounding = _rounding_consumer(g, fill)
         if rounding is not None:
             spec = Spec(**{**spec.__dict__, "c": mma.operand(rounding.outputs[0], g.maps[2])})
-        plan = wgmma_gemm.plan(spec, limits.max_grid)
+        plan = wgmma_gemm.plan(spec)
         return None if plan is None else (g, spec, plan, fill, rounding)
 
     def emit(m, name: str, limits: GpuLimits) -> bool:

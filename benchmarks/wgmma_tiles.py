@@ -1,0 +1,79 @@
+"""Tile variants of the wgmma GEMM (kernels/wgmma_gemm.py) on the H200: each compiled with
+GAC_WGMMA_BN / GAC_WGMMA_STAGES set, timed against torch (cuBLAS) in one process with CUDA
+events (medians over rounds, inputs rotated past L2), checked against a float64 reference.
+
+    python benchmarks/wgmma_tiles.py [--size 4096] [--dtypes bf16,fp16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gac_torch  # noqa: E402
+
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Mm(torch.nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+def _time(fn, sets, rounds: int = 7, iters: int = 20) -> float:
+    for i in range(3):
+        fn(*sets[i % len(sets)])
+    samples = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--variants", default="256:4,256:3,128:4,128:6")
+    args = ap.parse_args()
+    n = args.size
+    for name in args.dtypes.split(","):
+        dt = DT[name]
+        gen = torch.Generator().manual_seed(0)
+        sets = [(torch.randn(n, n, generator=gen).to("cuda", dt), torch.randn(n, n, generator=gen).to("cuda", dt))
+                for _ in range(5)]  # 5 x 64 MiB: past the L2
+        ref = sets[0][0].double() @ sets[0][1].double()
+        flops = 2 * n**3
+        t_eager = _time(torch.matmul, sets)
+        print(f"{name} {n}^3 eager {t_eager:.4f} ms {flops / t_eager / 1e9:.0f} TFLOP/s", flush=True)
+        for v in args.variants.split(","):
+            bn, stages = v.split(":")
+            os.environ["GAC_WGMMA_BN"], os.environ["GAC_WGMMA_STAGES"] = bn, stages
+            try:
+                compiled = gac_torch.compile(Mm(), sets[0], target="cuda", options={"cache": False})
+                strategies = [ln.split("[")[1].split("]")[0] for ln in compiled.ir("ptx").splitlines()
+                              if ln.startswith("// launch")]
+                err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
+                t = _time(compiled, sets)
+                t_eager = _time(torch.matmul, sets)
+                print(f"  bn={bn} stages={stages} {strategies}: gac {t:.4f} ms ({flops / t / 1e9:.0f} TFLOP/s), "
+                      f"eager {t_eager:.4f}, gac/eager throughput {t_eager / t:.2f}, rel err {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+                print(f"  bn={bn} stages={stages}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    os.environ.pop("GAC_WGMMA_BN", None)
+    os.environ.pop("GAC_WGMMA_STAGES", None)
+
+
+if __name__ == "__main__":
+    main()
