@@ -26,19 +26,34 @@ class Mm(torch.nn.Module):
         return a @ b
 
 
-def _time(fn, sets, rounds: int = 7, iters: int = 20) -> float:
-    for i in range(3):
+def _sample(fn, sets, iters: int = 20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
         fn(*sets[i % len(sets)])
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(*sets[i % len(sets)])
-        end.record()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _race(fns: dict, sets, rounds: int = 9, warm_ms: float = 300.0) -> dict:
+    """Median ms per call of each function, rounds interleaved after a warm-up of warm_ms
+    (clocks ramp up), so every variant sees the same GPU state."""
+    t0 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    while True:
+        for fn in fns.values():
+            _sample(fn, sets, 5)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t1.record()
         torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+        if t0.elapsed_time(t1) > warm_ms:
+            break
+    samples: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            samples[k].append(_sample(fn, sets))
+    return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
 
 
 def main() -> None:
@@ -55,8 +70,7 @@ def main() -> None:
                 for _ in range(5)]  # 5 x 64 MiB: past the L2
         ref = sets[0][0].double() @ sets[0][1].double()
         flops = 2 * n**3
-        t_eager = _time(torch.matmul, sets)
-        print(f"{name} {n}^3 eager {t_eager:.4f} ms {flops / t_eager / 1e9:.0f} TFLOP/s", flush=True)
+        fns = {"eager": torch.matmul}
         for v in args.variants.split(","):
             bn, stages = v.split(":")
             os.environ["GAC_WGMMA_BN"], os.environ["GAC_WGMMA_STAGES"] = bn, stages
@@ -65,12 +79,14 @@ def main() -> None:
                 strategies = [ln.split("[")[1].split("]")[0] for ln in compiled.ir("ptx").splitlines()
                               if ln.startswith("// launch")]
                 err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
-                t = _time(compiled, sets)
-                t_eager = _time(torch.matmul, sets)
-                print(f"  bn={bn} stages={stages} {strategies}: gac {t:.4f} ms ({flops / t / 1e9:.0f} TFLOP/s), "
-                      f"eager {t_eager:.4f}, gac/eager throughput {t_eager / t:.2f}, rel err {err:.1e}", flush=True)
+                fns[f"bn={bn} stages={stages} {strategies} err {err:.1e}"] = compiled
             except Exception as e:  # noqa: BLE001 - report and go on to the next variant
                 print(f"  bn={bn} stages={stages}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        times = _race(fns, sets)
+        eager = times["eager"][0]
+        for k, (med, best) in times.items():
+            print(f"  {name} {k}: median {med:.4f} ms (min {best:.4f}), {flops / med / 1e12:.0f} TFLOP/s, "
+                  f"throughput vs eager {eager / med:.2f}", flush=True)
     os.environ.pop("GAC_WGMMA_BN", None)
     os.environ.pop("GAC_WGMMA_STAGES", None)
 

@@ -133,7 +133,10 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     pair = (c.dims[-1] == spec.n and c.strides[-1] == 1 and spec.N % 2 == 0
             and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
     per_stage = sa.stage_bytes + sb.stage_bytes + 16
-    stages = min(int(os.environ.get("GAC_WGMMA_STAGES", 4)), (SMEM_LIMIT - ALIGN) // per_stage)
+    # 3 x 48 KiB for the wide tile, 4 x 32 KiB for the narrow one (H200, 2026-12-01: 128x256
+    # with 4 stages measured slower than with 3; benchmarks/wgmma_tiles.py)
+    want = int(os.environ.get("GAC_WGMMA_STAGES", 0)) or (3 if bn == 256 else 4)
+    stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
     return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles)
