@@ -1,5 +1,5 @@
 """Tile variants of the wgmma GEMM (kernels/wgmma_gemm.py) on the H200: each compiled with
-GAC_WGMMA_BN / GAC_WGMMA_STAGES set, timed against torch (cuBLAS) in one process with CUDA
+GAC_WGMMA_BN / GAC_WGMMA_STAGES / GAC_WGMMA_EPILOGUE set, timed against torch (cuBLAS) in one process with CUDA
 events (medians over rounds, inputs rotated past L2), checked against a float64 reference.
 
     python benchmarks/wgmma_tiles.py [--size 4096] [--dtypes bf16,fp16]
@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--dtypes", default="bf16,fp16")
-    ap.add_argument("--variants", default="256:4,256:3,128:4,128:6")
+    ap.add_argument("--variants", default="256:3,256:4,128:4,256:3:smem,128:4:smem")
     args = ap.parse_args()
     n = args.size
     for name in args.dtypes.split(","):
@@ -72,14 +72,15 @@ def main() -> None:
         flops = 2 * n**3
         fns = {"eager": torch.matmul}
         for v in args.variants.split(","):
-            bn, stages = v.split(":")
+            bn, stages, *epi = v.split(":")  # bn:stages[:smem]
             os.environ["GAC_WGMMA_BN"], os.environ["GAC_WGMMA_STAGES"] = bn, stages
+            os.environ["GAC_WGMMA_EPILOGUE"] = epi[0] if epi else ""
             try:
                 compiled = gac_torch.compile(Mm(), sets[0], target="cuda", options={"cache": False})
                 strategies = [ln.split("[")[1].split("]")[0] for ln in compiled.ir("ptx").splitlines()
                               if ln.startswith("// launch")]
                 err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
-                fns[f"bn={bn} stages={stages} {strategies} err {err:.1e}"] = compiled
+                fns[f"bn={bn} stages={stages} {epi} {strategies} err {err:.1e}"] = compiled
             except Exception as e:  # noqa: BLE001 - report and go on to the next variant
                 print(f"  bn={bn} stages={stages}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         times = _race(fns, sets)
@@ -89,6 +90,7 @@ def main() -> None:
                   f"throughput vs eager {eager / med:.2f}", flush=True)
     os.environ.pop("GAC_WGMMA_BN", None)
     os.environ.pop("GAC_WGMMA_STAGES", None)
+    os.environ.pop("GAC_WGMMA_EPILOGUE", None)
 
 
 if __name__ == "__main__":

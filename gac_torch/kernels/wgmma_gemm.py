@@ -80,10 +80,17 @@ class Plan:
     grid: tuple[int, int, int]  # persistent: (CTAs, 1, 1), each takes tiles bid, bid + CTAs, ...
     pair_store: bool  # C stored two columns at a time
     tiles: int  # BM x BN tiles over the batch
+    staged_store: bool = False  # C through shared memory, 16-byte coalesced stores (5b)
+    c_bytes: int = 2
+
+    @property
+    def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
+        return self.bn * self.c_bytes + 16
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.a.stage_bytes + self.b.stage_bytes) + 16 * self.stages + ALIGN
+        staging = BM * self.stage_row if self.staged_store else 0
+        return self.stages * (self.a.stage_bytes + self.b.stage_bytes) + 16 * self.stages + staging + ALIGN
 
 
 def _elem(spec: Spec) -> str:
@@ -139,7 +146,14 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles)
+    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles)
+    # 5b (GAC_WGMMA_EPILOGUE=smem, being measured): 16-bit C with rows of 16-byte multiples
+    c_es = _ESIZE.get(c.elem, 4)
+    if (os.environ.get("GAC_WGMMA_EPILOGUE") == "smem" and pair and c_es == 2 and spec.N % 8 == 0
+            and all(x % 8 == 0 for x in c.strides[:-1]) and c.offset % 8 == 0):
+        staged = Plan(**{**p.__dict__, "staged_store": True, "c_bytes": c_es})
+        p = staged if staged.smem_bytes <= SMEM_LIMIT else p
+    return p
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,6 +321,28 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
             last = b.rem(b.add(first, c(nk - 1)), c(S))
             b.when(release, lambda: b.mbar_arrive(empty(last)))
             # 5. store (the producer is already loading the next tile)
+            if p.staged_store:  # 5b: rounded pairs into this warpgroup's staging rows, then
+                # 16-byte row chunks to C, consecutive threads on consecutive chunks
+                mine_rows = b.i32_add(smem, b.i32_add(b.i32(bar_base + 16 * S),
+                                                      b.i32_mul(b.to_i32(cw), b.i32(64 * p.stage_row))))
+                b.asm("bar.sync $0, 128;", args=[(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32")])
+                for j, (i, q) in enumerate(frag):
+                    if q % 2 == 0:
+                        r_loc = b.add(b.mul(warp, c(16)), b.add(g, c(FRAG_C[q][0])))
+                        c_loc = b.add(b.mul(tq, c(2)), c(8 * i))
+                        at_ = b.i32_add(mine_rows, b.i32_add(b.i32_mul(b.to_i32(r_loc), b.i32(p.stage_row)),
+                                                             b.i32_mul(b.to_i32(c_loc), b.i32(p.c_bytes))))
+                        b.smem_store_pair(at_, accs[j], accs[j + 1])
+                b.asm("bar.sync $0, 128;", args=[(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32")])
+                per_row = p.bn * p.c_bytes // 16
+                for k in range(64 * per_row // WG):
+                    idx = b.add(t, c(k * WG))
+                    r_loc, ch = b.div(idx, c(per_row)), b.rem(idx, c(per_row))
+                    at_ = b.i32_add(mine_rows, b.i32_add(b.i32_mul(b.to_i32(r_loc), b.i32(p.stage_row)),
+                                                         b.i32_mul(b.to_i32(ch), b.i32(16))))
+                    b.store_chunk(at_, b.add(m0, b.add(b.mul(cw, c(64)), r_loc)),
+                                  b.add(n0, b.mul(ch, c(16 // p.c_bytes))))
+                return
             for j, (i, q) in enumerate(frag):
                 if p.pair_store:
                     if q % 2 == 0:
@@ -477,6 +513,28 @@ class WgmmaText(Text):
     def store_c(self, row: str, col: str, v: str) -> None:
         self.when(self._inside(row, col),
                   lambda: self.store(self._round(v), "%C", self.spec.c.type, self._cidx(row, col)))
+
+    def smem_store_pair(self, addr: str, v0: str, v1: str) -> None:
+        ec = self.spec.c.elem
+        x, w = self.fresh(), self.fresh()
+        self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{ec}>")
+        self.w(f"{w} = vector.bitcast {x} : vector<2x{ec}> to vector<1xi32>")
+        y = self.fresh()
+        self.w(f"{y} = vector.extract {w}[0] : i32 from vector<1xi32>")
+        self.asm("st.shared.b32 [$0], $1;", args=[(addr, "r", "i32"), (y, "r", "i32")])
+
+    def store_chunk(self, addr: str, row: str, col: str) -> None:
+        """16 bytes of staged C (8 halves) from shared `addr` to C[row, col..col+7]."""
+        ec, ct = self.spec.c.elem, self.spec.c.type
+        regs = self.asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", args=[(addr, "r", "i32")], results=4)
+
+        def st() -> None:
+            v, h = self.fresh(), self.fresh()
+            self.w(f"{v} = vector.from_elements {', '.join(regs)} : vector<4xi32>")
+            self.w(f"{h} = vector.bitcast {v} : vector<4xi32> to vector<8x{ec}>")
+            self.w(f"vector.store {h}, %C[{', '.join(self._cidx(row, col))}] {{alignment = 16}} : {ct}, vector<8x{ec}>")
+
+        self.when(self._inside(row, col), st)
 
     def store_pair(self, row: str, col: str, v0: str, v1: str) -> None:
         ec, ct = self.spec.c.elem, self.spec.c.type
