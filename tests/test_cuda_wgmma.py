@@ -39,6 +39,7 @@ CASES = [  # M, K, N, dtype, a_t, b_t, batch, expected strategy
     (520, 200, 1032, torch.bfloat16, True, True, 0, "wgmma"),
     (200, 136, 264, torch.bfloat16, False, False, 3, "wgmma"),  # bmm
     (200, 136, 264, torch.float16, False, True, 3, "wgmma"),
+    (200, 136, 262, torch.float16, False, True, 0, "wgmma"),  # C stored in pairs (no staging)
 ]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gac_torch.backends.cuda import ptxas
+from gac_torch.backends.gpu.program import BufferRef, KernelLaunch, TensorMapArg, from_json, to_json
 from gac_torch.kernels import wgmma_gemm as W
 from gac_torch.kernels.cuda_mma import Operand, Spec
 from cuda_cases import MLIR, Case, compile_case, matmul
@@ -151,9 +152,16 @@ def _case(M: int, K: int, N: int, dt: torch.dtype, a_t: bool = False, b_t: bool 
     (1000, 520, 1032, torch.float16, False, False, 0, 128),
     (136, 72, 264, torch.bfloat16, True, False, 0, 128),
     (200, 136, 264, torch.float16, False, True, 3, 128),
+    (200, 136, 262, torch.float16, False, True, 0, 128),  # C rows not 16-byte multiples: pairs
 ])
 def test_wgmma_chosen_and_assembles(M, K, N, dt, a_t, b_t, batch, bn) -> None:
     program = compile_case(_case(M, K, N, dt, a_t, b_t, batch), "sm_90")
+    staged = "st.global.v4.b32" in program.ptx  # 5b, else two halves at a time (5)
+    assert staged == (N % 8 == 0), staged
+    # the TMA descriptors are host-program data: two per launch, read access, JSON round trip
+    maps = [a for a in program.launches[0].args if isinstance(a, TensorMapArg)]
+    assert [(a.buffer.index, a.swizzle) for a in maps] == [(0, 128), (1, 128)]
+    assert from_json(to_json(program)) == program and program.dataflow_errors(2) == []
     # one kernel: the rounding to f16/bf16 happens in its store
     assert [k.strategy for k in program.launches] == ["wgmma"], program.describe()
     assert program.launches[0].block == (W.THREADS, 1, 1)
@@ -201,3 +209,22 @@ def test_plan_fits_shared_memory_and_registers() -> None:
         assert p is not None and p.smem_bytes <= W.SMEM_LIMIT and p.stages >= 3
         assert p.tiles == 4096 // bn * 4096 // W.BM and p.grid == (W.SM_COUNT_HINT, 1, 1)
     assert W.PRODUCER_REGS * W.WG + 2 * W.CONSUMER_REGS * W.WG <= 65536
+
+
+def test_arg_table_passes_tensor_map_addresses() -> None:
+    # the runtime encodes each descriptor once per pointer set (upload_tensor_maps, on the GPU)
+    # and hands the kernel its device address in the argument's slot
+    from gac_torch.backends.cuda.runtime import ArgTable
+
+    tm = TensorMapArg(BufferRef("arg", 0), "bf16", (64, 128), (128,), 0, (64, 128), 128)
+    launch = KernelLaunch("k", (1, 1, 1), (384, 1, 1), 0, (tm, BufferRef("arg", 1)))
+    table = ArgTable([launch], [0x1000, 0x2000], [], {(0, 0): 0xABC00})
+    assert int.from_bytes(table.param(0, 0), "little") == 0xABC00
+    assert int.from_bytes(table.param(0, 1), "little") == 0x2000
+
+
+def test_env_switch_leaves_gemms_to_mma(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = matmul(1024, 1024, 1024, torch.bfloat16)
+    assert [k.strategy for k in compile_case(case, "sm_90").launches] == ["wgmma"]
+    monkeypatch.setenv("GAC_WGMMA", "0")  # bisecting: the mma.sync kernel and its rounding pass
+    assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"mma", "loops"}

@@ -26,13 +26,19 @@ ahead into the next tile while the consumers store the last one.
                    free, one thread per warpgroup arrives on its empty barrier (the tile's last
                    slice: after waiting for all)
   5. store     each accumulator (pairs when C's rows are contiguous and even) to C, rounded to
-               C's type, inside the matrix only
+               C's type, inside the matrix only; 5b. for f16/bf16 C with 16-byte rows, through
+               a padded shared-memory staging buffer per warpgroup (named barrier), then 16-byte
+               stores of whole row chunks
 
 Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
 mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
 swizzle span): K-major, a box [rows][BK] per tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
 descriptor math (`desc_layout`, `box_origins`) is plain Python on ints, tested against a numpy
 model of TMA's swizzled write and wgmma's canonical-layout read (tests/test_wgmma_gemm.py).
+
+Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (128 | 256),
+GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store); benchmarks/wgmma_tiles.py races
+them.
 """
 
 from __future__ import annotations
@@ -104,6 +110,9 @@ def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> S
         return None
     if any(s * es % 16 for s in op.strides[:-1]) or op.offset * es % 16:
         return None
+    outer_strides = list(op.strides[:-1])  # TMA: positive; kept to plain row-major-like views
+    if any(x <= 0 for x in outer_strides) or outer_strides != sorted(outer_strides, reverse=True):
+        return None
     inner = op.dims[-1]
     if set(op.dims) - {outer, spec.k, *spec.batch} or inner not in (outer, spec.k):
         return None
@@ -147,9 +156,10 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     if stages < 2:
         return None
     p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles)
-    # 5b (GAC_WGMMA_EPILOGUE=smem, being measured): 16-bit C with rows of 16-byte multiples
+    # 5b: 16-bit C whose rows are 16-byte multiples goes through shared memory (H200,
+    # 2026-12-01, 4096^3: 4-9 % faster than pair stores); GAC_WGMMA_EPILOGUE=direct: never
     c_es = _ESIZE.get(c.elem, 4)
-    if (os.environ.get("GAC_WGMMA_EPILOGUE") == "smem" and pair and c_es == 2 and spec.N % 8 == 0
+    if (os.environ.get("GAC_WGMMA_EPILOGUE", "smem") == "smem" and pair and c_es == 2 and spec.N % 8 == 0
             and all(x % 8 == 0 for x in c.strides[:-1]) and c.offset % 8 == 0):
         staged = Plan(**{**p.__dict__, "staged_store": True, "c_bytes": c_es})
         p = staged if staged.smem_bytes <= SMEM_LIMIT else p

@@ -5,10 +5,12 @@ it does not take goes on to `mma` (the matcher's analysis is mma.py's).
 
 The shared lowering accumulates an f16/bf16 matmul in an f32 buffer and rounds it in the next
 elementwise op; when that op does nothing else, the kernel stores the rounded values into its
-output directly and the op is erased (by `fused`, first in the strategy list)."""
+output directly and the op is erased (by `fused`, first in the strategy list).
+GAC_WGMMA=0 bisects (everything goes on to mma)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from mlir import ir
@@ -57,6 +59,8 @@ def _rounding_consumer(g: Generic, fill: Any) -> Generic | None:
 
 def strategy(allow_tf32: bool) -> Strategy:
     def match(g: Generic, limits: GpuLimits):
+        if os.environ.get("GAC_WGMMA") == "0":
+            return None
         m = mma.match_spec(g, allow_tf32)
         if m is None:
             return None
