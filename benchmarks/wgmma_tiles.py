@@ -1,8 +1,10 @@
 """Tile variants of the wgmma GEMM (kernels/wgmma_gemm.py) on the H200: each compiled with
-GAC_WGMMA_BN / GAC_WGMMA_STAGES / GAC_WGMMA_EPILOGUE set, timed against torch (cuBLAS) in one process with CUDA
+GAC_WGMMA_BN / _STAGES / _EPILOGUE / _CLUSTER set, timed against torch (cuBLAS) in one process with CUDA
 events (medians over rounds, inputs rotated past L2), checked against a float64 reference.
 
-    python benchmarks/wgmma_tiles.py [--size 4096] [--dtypes bf16,fp16]
+    python benchmarks/wgmma_tiles.py [--size 4096] [--dtypes bf16,fp16] [--variants 256:3,256:3:c2]
+
+A variant is bn:stages, then optionally :direct (no staged store) and :c2 (CTA pairs).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--dtypes", default="bf16,fp16")
-    ap.add_argument("--variants", default="256:3,256:4,128:4,256:3:smem,128:4:smem")
+    ap.add_argument("--variants", default="256:3,256:4:direct,128:4,256:3:c2,128:4:c2")
     args = ap.parse_args()
     n = args.size
     for name in args.dtypes.split(","):
@@ -72,9 +74,11 @@ def main() -> None:
         flops = 2 * n**3
         fns = {"eager": torch.matmul}
         for v in args.variants.split(","):
-            bn, stages, *epi = v.split(":")  # bn:stages[:smem]
+            bn, stages, *more = v.split(":")  # bn:stages[:smem|direct][:c2]
             os.environ["GAC_WGMMA_BN"], os.environ["GAC_WGMMA_STAGES"] = bn, stages
-            os.environ["GAC_WGMMA_EPILOGUE"] = epi[0] if epi else ""
+            os.environ["GAC_WGMMA_EPILOGUE"] = "direct" if "direct" in more else "smem"
+            os.environ["GAC_WGMMA_CLUSTER"] = "2" if "c2" in more else "1"
+            epi = more
             try:
                 compiled = gac_torch.compile(Mm(), sets[0], target="cuda", options={"cache": False})
                 strategies = [ln.split("[")[1].split("]")[0] for ln in compiled.ir("ptx").splitlines()
@@ -91,6 +95,7 @@ def main() -> None:
     os.environ.pop("GAC_WGMMA_BN", None)
     os.environ.pop("GAC_WGMMA_STAGES", None)
     os.environ.pop("GAC_WGMMA_EPILOGUE", None)
+    os.environ.pop("GAC_WGMMA_CLUSTER", None)
 
 
 if __name__ == "__main__":

@@ -50,27 +50,28 @@ def _wgmma_read(smem: np.ndarray, desc: int, rows: int, k: int, k_major: bool, d
     return out
 
 
-@pytest.mark.parametrize("k_major,rows,dtype", [(True, 128, np.float16), (False, 128, np.float16),
-                                                (False, 256, np.float16), (True, 256, np.float16),
-                                                (True, 128, np.float32)])
-def test_descriptors_read_back_what_tma_wrote(k_major: bool, rows: int, dtype) -> None:
+@pytest.mark.parametrize("k_major,rows,dtype,split", [
+    (True, 128, np.float16, 1), (False, 128, np.float16, 1), (False, 256, np.float16, 1),
+    (True, 256, np.float16, 1), (True, 128, np.float32, 1),
+    (True, 256, np.float16, 2)])  # a K-major B tile as two boxes (CTA pairs: one each)
+def test_descriptors_read_back_what_tma_wrote(k_major: bool, rows: int, dtype, split: int) -> None:
     es = np.dtype(dtype).itemsize
     bk = W.SWIZZLE // es
     ks = 8 if es == 4 else 16
-    side = W.Side(k_major, rows, (bk, rows) if k_major else (64, bk), 1 if k_major else rows // 64,
-                  rows * bk * es)
+    side = W.Side(k_major, rows, (bk, rows // split) if k_major else (64, bk),
+                  split if k_major else rows // 64, rows * bk * es)
     rng = np.random.default_rng(0)
     tile = rng.standard_normal((rows, bk)).astype(dtype)  # [M/N row][k] of one stage
     base = 3 * W.ALIGN  # a stage of the ring
     smem = np.zeros(base + side.stage_bytes + 4096, dtype=np.uint8)
     for off, shift in W.box_origins(side, es):  # 3b: the producer's boxes
-        if k_major:
-            box = tile
+        if k_major:  # box [rows / split][k]
+            box = tile[shift:shift + side.box[1]]
         else:  # box [k][64 M/N elements]
             box = np.ascontiguousarray(tile[shift:shift + 64, :].T)
         _tma_write(smem, base + off, box, es)
     # 4b: every consumer's rows of A (64 each), all of B's; every K step
-    parts = [(0, 64), (64, 64)] if rows == 128 else [(0, rows)]
+    parts = [(0, 64), (64, 64)] if rows == 128 else [(0, rows)]  # A: per consumer; B: whole
     for rows0, n in parts + ([(0, rows)] if rows == 128 and not k_major else []):
         for kstep in range(bk // ks):
             off, lbo, sbo = W.desc_layout(side, es, rows0, kstep)
@@ -228,3 +229,17 @@ def test_env_switch_leaves_gemms_to_mma(monkeypatch: pytest.MonkeyPatch) -> None
     assert [k.strategy for k in compile_case(case, "sm_90").launches] == ["wgmma"]
     monkeypatch.setenv("GAC_WGMMA", "0")  # bisecting: the mma.sync kernel and its rounding pass
     assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"mma", "loops"}
+
+
+def test_cluster_pairs_compile_with_multicast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_WGMMA_CLUSTER=2: CTA pairs, B multicast; checked offline only (PTX + ptxas)
+    monkeypatch.setenv("GAC_WGMMA_CLUSTER", "2")
+    for case, pairs in ((_case(4096, 512, 4096, torch.bfloat16), True),
+                        (_case(1000, 520, 1032, torch.float16, b_t=True), True),  # K-major B: 2 boxes
+                        (_case(120, 136, 264, torch.bfloat16), False)):  # one M tile: no pair
+        program = compile_case(case, "sm_90")
+        ptx = program.ptx
+        assert ("multicast::cluster" in ptx and ".reqnctapercluster 2, 1, 1" in ptx) == pairs
+        assert program.launches[0].grid[0] % (2 if pairs else 1) == 0
+        result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+        assert result.ok and " 0 bytes spill stores" in result.log, result.log

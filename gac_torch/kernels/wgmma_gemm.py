@@ -38,8 +38,9 @@ is wgmma_text.py), tested against a numpy
 model of TMA's swizzled write and wgmma's canonical-layout read (tests/test_wgmma_gemm.py).
 
 Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (128 | 256),
-GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store); benchmarks/wgmma_tiles.py races
-them.
+GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_CLUSTER=2 (CTA pairs
+sharing B through TMA multicast: compiled and ptxas-checked, not yet run on a GPU);
+benchmarks/wgmma_tiles.py races them.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class Plan:
     b: Side
     grid: tuple[int, int, int]  # persistent: (CTAs, 1, 1), each takes tiles bid, bid + CTAs, ...
     pair_store: bool  # C stored two columns at a time
-    tiles: int  # BM x BN tiles over the batch
+    tiles: int  # work units: BM x BN tiles over the batch (cluster 2: pairs of M-adjacent tiles)
     staged_store: bool = False  # C through shared memory, 16-byte coalesced stores (5b)
     c_bytes: int = 2
+    cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
 
     @property
     def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
@@ -146,8 +148,14 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     sb = _side(spec.b, spec, spec.n, bn, bk, es)
     if sa is None or sb is None:
         return None
-    tiles = -(-spec.N // bn) * -(-spec.M // BM) * batch
-    grid = (min(tiles, SM_COUNT_HINT), 1, 1)
+    # GAC_WGMMA_CLUSTER=2 (being measured): B's tile, shared by two M-adjacent tiles, is read
+    # from L2 once for both CTAs of a cluster (TMA multicast); a K-major B tile as two boxes
+    # (an even number of M tiles: a pair never has a tile wholly outside the matrix)
+    cluster = 2 if os.environ.get("GAC_WGMMA_CLUSTER") == "2" and -(-spec.M // BM) % 2 == 0 else 1
+    if cluster == 2 and sb.k_major:
+        sb = Side(True, bn, (bk, bn // 2), 2, sb.stage_bytes)
+    tiles = -(-spec.N // bn) * -(-spec.M // (BM * cluster)) * batch
+    grid = (cluster * min(tiles, SM_COUNT_HINT // cluster), 1, 1)
     c = spec.c
     pair = (c.dims[-1] == spec.n and c.strides[-1] == 1 and spec.N % 2 == 0
             and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
@@ -158,7 +166,7 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles)
+    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles, cluster=cluster)
     # 5b: 16-bit C whose rows are 16-byte multiples goes through shared memory (H200,
     # 2026-12-01, 4096^3: 4-9 % faster than pair stores); GAC_WGMMA_EPILOGUE=direct: never
     c_es = _ESIZE.get(c.elem, 4)
@@ -176,8 +184,8 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
 def box_origins(side: Side, es: int) -> list[tuple[int, int]]:
     """Per TMA box of a stage: (smem byte offset in the stage, offset along the operand's
     M/N dim of the box's first element)."""
-    if side.k_major:
-        return [(0, 0)]
+    if side.k_major:  # boxes of box[1] whole rows, one after the other
+        return [(j * side.box[1] * SWIZZLE, j * side.box[1]) for j in range(side.nbox)]
     span = SWIZZLE // es
     return [(j * side.box[0] * side.box[1] * es, j * span) for j in range(side.nbox)]
 
@@ -225,15 +233,22 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     nk = -(-spec.K // p.bk)
     # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
     # (tile number tl, K slice kt: it = tl*nk + kt) uses stage it % S at phase (it / S) % 2
+    # (cluster 2: work unit u = a pair of M-adjacent tiles; CTA rank r of the pair takes the
+    # tile 2*pm + r, one past the matrix when M has an odd number of tiles: zeros, not stored)
+    cl = p.cluster
     tid = b.tid()
     bid = b.bid(0)
-    mine = b.div(b.add(b.sub(c(p.tiles), bid), c(p.grid[0] - 1)), c(p.grid[0]))
+    rank = b.cluster_rank() if cl > 1 else c(0)
+    cid, units = b.div(bid, c(cl)), p.grid[0] // cl
+    mine = b.div(b.add(b.sub(c(p.tiles), cid), c(units - 1)), c(units))
     smem = b.smem_base()
+    tmc = -(-tm // cl)
 
     def tile(tl: Any) -> tuple[Any, Any, Any]:
-        t = b.add(bid, b.mul(tl, c(p.grid[0])))
-        bz, rest = b.div(t, c(tn * tm)), b.rem(t, c(tn * tm))
-        return b.mul(b.div(rest, c(tn)), c(BM)), b.mul(b.rem(rest, c(tn)), c(p.bn)), bz
+        u = b.add(cid, b.mul(tl, c(units)))
+        bz, rest = b.div(u, c(tn * tmc)), b.rem(u, c(tn * tmc))
+        mt = b.add(b.mul(b.div(rest, c(tn)), c(cl)), rank)
+        return b.mul(mt, c(BM)), b.mul(b.rem(rest, c(tn)), c(p.bn)), bz
 
     def bar(base: int, s: Any) -> Any:
         return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(8))))
@@ -251,11 +266,14 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     def init() -> None:
         for s in range(S):
             b.mbar_init(full(c(s)), 1)
-            b.mbar_init(empty(c(s)), 2)
+            b.mbar_init(empty(c(s)), 2 * cl)  # one arrival per consumer warpgroup of the cluster
         b.asm("fence.mbarrier_init.release.cluster;")
 
     b.when(b.eq(tid, c(0)), init)
-    b.barrier()
+    if cl > 1:  # the peer's multicasts and arrivals find initialized barriers
+        b.cluster_barrier()
+    else:
+        b.barrier()
     wg = b.div(tid, c(WG))
 
     # 3. producer
@@ -271,19 +289,35 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
 
             def body(kt: Any) -> None:
                 s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
-                b.mbar_wait(empty(s), b.xor1(phase))  # 3a
+                b.mbar_wait(empty(s), b.xor1(phase), cluster=cl > 1)  # 3a
                 b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
                 k0 = b.mul(kt, c(p.bk))
                 for which, op, side, outer, o0, base in (
                         ("A", spec.a, p.a, spec.m, m0, a_base), ("B", spec.b, p.b, spec.n, n0, b_base)):
-                    for off, shift in box_origins(side, es):
-                        dst = b.i32_add(smem, b.i32_add(b.i32(base + off),
-                                                        b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
+                    origins = box_origins(side, es)
+                    stage = b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
+                    if which == "B" and cl > 1:  # this rank's share of the boxes, to both CTAs
+                        share = side.nbox // cl
+                        step_off, step_shift = origins[1][0], origins[1][1]
+                        for jj in range(share):
+                            j = b.add(b.mul(rank, c(share)), c(jj))
+                            dst = b.i32_add(stage, b.i32_mul(b.to_i32(j), b.i32(step_off)))
+                            at = coords(op, outer, b.add(o0, b.mul(j, c(step_shift))), k0, bz, 0)
+                            b.tma_load(which, dst, at, full(s), multicast=(1 << cl) - 1)
+                        continue
+                    for off, shift in origins:
+                        dst = b.i32_add(stage, b.i32(off))
                         b.tma_load(which, dst, coords(op, outer, o0, k0, bz, shift), full(s))
 
             b.loop(c(0), c(nk), body)
 
         b.when(b.eq(tid, c(0)), lambda: b.loop(c(0), mine, one_tile))
+
+    def release(s: Any) -> None:  # 4c: a stage is free in this CTA (and, clustered, the peer's)
+        if cl == 1:
+            b.mbar_arrive(empty(s))
+        for r in range(cl if cl > 1 else 0):
+            b.mbar_arrive_remote(empty(s), c(r))
 
     # 4. consumers
     def consumer() -> None:
@@ -294,7 +328,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         cw = b.sub(wg, c(1))  # consumer index: rows cw*64 .. +63 of the tile
         frag = [(i, q) for i in range(p.bn // 8) for q in range(4)]
         a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
-        release = b.eq(t, c(0))  # one arrival per consumer warpgroup
+        leader = b.eq(t, c(0))  # one arrival per consumer warpgroup
 
         def one_tile(tl: Any) -> None:
             m0, n0, bz = tile(tl)
@@ -326,13 +360,13 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 # the previous slice's group is done once at most this one is in flight: 4c
                 b.asm("wgmma.wait_group.sync.aligned 1;", accs)
                 prev = b.rem(b.add(it, c(S - 1)), c(S))
-                b.when(b.and_(release, b.lt(c(0), kt)), lambda: b.mbar_arrive(empty(prev)))
+                b.when(b.and_(leader, b.lt(c(0), kt)), lambda: release(prev))
                 return accs
 
             accs = b.for_(c(0), c(nk), c(1), accs, ["f32"] * len(accs), body)
             b.asm("wgmma.wait_group.sync.aligned 0;", accs)
             last = b.rem(b.add(first, c(nk - 1)), c(S))
-            b.when(release, lambda: b.mbar_arrive(empty(last)))
+            b.when(leader, lambda: release(last))
             # 5. store (the producer is already loading the next tile)
             if p.staged_store:  # 5b: rounded pairs into this warpgroup's staging rows, then
                 # 16-byte row chunks to C, consecutive threads on consecutive chunks
@@ -366,6 +400,8 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         b.loop(c(0), mine, one_tile)
 
     b.if_else(b.eq(wg, c(0)), producer, consumer)
+    if cl > 1:  # no CTA leaves while its peer may still multicast into it or arrive on it
+        b.cluster_barrier()
 
 
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:

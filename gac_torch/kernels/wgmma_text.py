@@ -82,17 +82,38 @@ class WgmmaText(Text):
     def mbar_arrive(self, bar: str) -> None:
         self.asm("mbarrier.arrive.shared::cta.b64 _, [$0];", args=[(bar, "r", "i32")])
 
-    def mbar_wait(self, bar: str, parity: str) -> None:
-        self.asm("{\n.reg .pred P1;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 P1, [$0], $1;\n"
+    def mbar_wait(self, bar: str, parity: str, cluster: bool = False) -> None:
+        """Spin until the phase of `parity` completed (cluster: acquiring the peer CTA's
+        releases too)."""
+        sem = ".acquire.cluster" if cluster else ""
+        self.asm("{\n.reg .pred P1;\nWAIT:\nmbarrier.try_wait.parity" + sem + ".shared::cta.b64 P1, [$0], $1;\n"
                  "@!P1 bra WAIT;\n}", args=[(bar, "r", "i32"), (parity, "r", "i32")])
 
-    def tma_load(self, which: str, dst: str, coords: list[str], bar: str) -> None:
+    def mbar_arrive_remote(self, bar: str, rank: str) -> None:
+        """Arrive on the barrier at `bar`'s offset in CTA `rank` of the cluster."""
+        self.asm("{\n.reg .b32 R;\nmapa.shared::cluster.u32 R, $0, $1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [R];\n}",
+                 args=[(bar, "r", "i32"), (self.to_i32(rank), "r", "i32")])
+
+    def cluster_rank(self) -> str:
+        r = self.asm("mov.u32 $0, %cluster_ctarank;", results=1)[0]
+        return self.cast("arith.index_cast", r, "i32", "index")
+
+    def cluster_barrier(self) -> None:
+        self.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;")
+
+    def tma_load(self, which: str, dst: str, coords: list[str], bar: str, multicast: int = 0) -> None:
+        """A box at `coords` into shared `dst`, bytes counted on `bar`; `multicast`: a mask of
+        cluster CTAs that each receive it at the same offsets (and count it on their `bar`)."""
         n = len(coords)
         cs = ", ".join(f"${i + 2}" for i in range(n))
-        self.asm(f"cp.async.bulk.tensor.{n}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-                 f"[$0], [$1, {{{cs}}}], [${n + 2}];",
+        mc = ".multicast::cluster" if multicast else ""
+        mask = f", ${n + 3}" if multicast else ""
+        self.asm(f"cp.async.bulk.tensor.{n}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes{mc} "
+                 f"[$0], [$1, {{{cs}}}], [${n + 2}]{mask};",
                  args=[(dst, "r", "i32"), (f"%tm{which}", "l", "!llvm.ptr"),
-                       *[(self.to_i32(x), "r", "i32") for x in coords], (bar, "r", "i32")])
+                       *[(self.to_i32(x), "r", "i32") for x in coords], (bar, "r", "i32"),
+                       *([(self.const(multicast, "i16"), "h", "i16")] if multicast else [])])
 
     def desc(self, smem: str, base: int, side: Side, s: str, layout: tuple[int, int, int],
              part: str | None, part_bytes: int) -> str:

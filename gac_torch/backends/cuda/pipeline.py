@@ -101,6 +101,8 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 chip, features = opts.accel_arch or chip, opts.accel_ptx or features
                 _tensor_maps_as_pointers(f)
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+                if "multicast::cluster" in str(f):  # CTA pairs (kernels/wgmma_gemm.py, cluster 2)
+                    f.attributes["nvvm.cluster_dim"] = ir.DenseI32ArrayAttr.get([2, 1, 1])
             host.store_i1_as_bytes(f)
             _align_workgroup_buffers(f)
             if name.endswith(("_igemm", "_sgemm")):  # implicit GEMM (strategies/implicit_gemm.py):
