@@ -26,6 +26,8 @@ def test_compiles_and_ptxas_accepts(name: str) -> None:
         program = compile_case(case, arch)
         assert program.ptx.startswith("//") and f".target {arch}" in program.ptx
         kinds = {k.strategy for k in program.launches}
+        if "wgmma" in kinds:  # sm_90's tensor-core GEMM for large aligned matmuls (else mma)
+            kinds.add("mma")
         assert case.strategies <= kinds, (case.strategies, program.describe())
         assert all(len(k.access) == len(k.args) for k in program.launches)
         assert program.dataflow_errors(len(case.inputs)) == [], program.describe()
@@ -33,7 +35,8 @@ def test_compiles_and_ptxas_accepts(name: str) -> None:
             line.split("(")[0].split()[-1] for line in program.ptx.splitlines() if ".entry" in line}
         # a dev dependency CI installs: missing is a broken setup, never a skip
         assert _PTXAS is not None, "ptxas not found (pip install nvidia-cuda-nvcc-cu12)"
-        result = ptxas.assemble(program.ptx, arch, _PTXAS)
+        target = "sm_90a" if ".target sm_90a" in program.ptx else arch  # (wgmma kernels)
+        result = ptxas.assemble(program.ptx, target, _PTXAS)
         assert result.ok, result.log
         assert "spill" not in result.log or " 0 bytes spill stores" in result.log
 

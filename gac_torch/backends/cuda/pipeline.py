@@ -37,6 +37,8 @@ class CudaOptions:
     limits: GpuLimits
     strategies: tuple[Strategy, ...]  # tried in order on each linalg op
     allow_tf32: bool = False  # f32 matmuls may run on tensor cores in TF32 (the mma strategy's)
+    accel_arch: str | None = None  # arch-specific target (sm_90a: wgmma) for kernels needing it
+    accel_ptx: str = ""  # its PTX ISA feature
 
 
 @dataclass
@@ -92,7 +94,15 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 op.operation.erase()
         if not host.kernel_funcs(module):
             return GpuStage(module, stage.program, opts)
+        chip, features = opts.arch, opts.ptx_features
         for name, f in host.kernel_funcs(module).items():
+            if name.endswith("_wgmma"):  # wgmma / setmaxnreg exist only on sm_90a: the whole
+                # module targets it then (it loads on compute capability 9.0 only, as sm_90 does)
+                chip, features = opts.accel_arch or chip, opts.accel_ptx or features
+                _tensor_maps_as_pointers(f)
+                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+                if "multicast::cluster" in str(f):  # CTA pairs (kernels/wgmma_gemm.py, cluster 2)
+                    f.attributes["nvvm.cluster_dim"] = ir.DenseI32ArrayAttr.get([2, 1, 1])
             host.store_i1_as_bytes(f)
             _align_workgroup_buffers(f)
             if name.endswith(("_igemm", "_sgemm")):  # implicit GEMM (strategies/implicit_gemm.py):
@@ -102,13 +112,26 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
         run_passes(
             module,
-            f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
+            f"nvvm-attach-target{{chip={chip} features={features} O={opts.opt_level}}}, "
             "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
             "convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, convert-vector-to-llvm, "
             # math ops libdevice does not cover (trunc, ...) map to LLVM intrinsics NVPTX selects
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
     return GpuStage(module, stage.program, opts)
+
+
+def _tensor_maps_as_pointers(kernel: ir.Operation) -> None:
+    """TMA descriptor parameters (!nvgpu.tensormap.descriptor) arrive as the descriptor's
+    device address; the body reads them through a cast to !llvm.ptr, which then folds away."""
+    body = kernel.regions[0].blocks[0]
+    ptr = ir.Type.parse("!llvm.ptr")
+    for a in body.arguments:
+        if str(a.type).startswith("!nvgpu.tensormap.descriptor"):
+            a.set_type(ptr)
+    results = ir.FunctionType(ir.TypeAttr(kernel.attributes["function_type"]).value).results
+    kernel.attributes["function_type"] = ir.TypeAttr.get(
+        ir.FunctionType.get([a.type for a in body.arguments], results))
 
 
 SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores

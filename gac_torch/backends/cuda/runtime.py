@@ -44,7 +44,7 @@ import torch
 from gac_torch.backends.base import Signature, SizeSpec
 from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.errors import GacError, TargetUnavailable
-from gac_torch.backends.gpu.program import BufferRef, GpuProgram, KernelLaunch
+from gac_torch.backends.gpu.program import BufferRef, GpuProgram, KernelLaunch, TensorMapArg
 
 try:  # cuda-python >= 12.6 layout, then the older one
     from cuda.bindings import driver as _driver
@@ -80,6 +80,7 @@ POOL_TOTAL = 256 << 20  # at most this many bytes of sets per pool (but always 2
 BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
 CACHE_ENTRIES = 16  # argument shapes (run-time sizes) bound per executable
 TABLE_ENTRIES = 64  # pointer sets (tables, graphs) per context: input sets x output sets
+STATIC_SHARED_LIMIT = 48 * 1024  # a launch asking for more dynamic shared memory opts in
 
 
 def graphs_enabled(option: bool | None) -> bool:
@@ -150,17 +151,20 @@ class ArgTable:
     distinct pointer set."""
 
     def __init__(self, launches: Sequence[KernelLaunch], arg_ptrs: Sequence[int],
-                 temp_ptrs: Sequence[int]):
+                 temp_ptrs: Sequence[int], tensor_maps: dict[tuple[int, int], int] | None = None):
+        """`tensor_maps`: (launch, argument) -> device address of that TMA descriptor."""
         n_slots = sum(len(k.args) for k in launches)
         self.slots = (ctypes.c_uint64 * max(1, n_slots))()
         base = ctypes.addressof(self.slots)
         self.arrays = []
         self.argv: list[int] = []
         s = 0
-        for k in launches:
+        for i, k in enumerate(launches):
             arr = (ctypes.c_void_p * max(1, len(k.args)))()
             for j, a in enumerate(k.args):
-                if isinstance(a, BufferRef):
+                if isinstance(a, TensorMapArg):
+                    self.slots[s] = (tensor_maps or {})[(i, j)]
+                elif isinstance(a, BufferRef):
                     self.slots[s] = arg_ptrs[a.index] if a.kind == "arg" else temp_ptrs[a.index]
                 else:
                     raw = _pack_scalar(a.ctype, a.value)
@@ -176,11 +180,54 @@ class ArgTable:
         return ctypes.string_at(addr, 8)
 
 
+# --------------------------------------------------------------------------------------------
+# TMA descriptors (KernelLaunch arguments of type TensorMapArg)
+
+_TMA_DTYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32"}
+_TMA_ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4}
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap); 64-byte alignment required
+
+
+def encode_tensor_map(a: TensorMapArg, base: int) -> bytes:
+    """The CUtensorMap for `a` over the buffer at device address `base` (host-side encoding:
+    cuTensorMapEncodeTiled; no GPU work)."""
+    d = _driver
+    swz = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[a.swizzle]
+    tmap = _check(d.cuTensorMapEncodeTiled(
+        getattr(d.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_TMA_DTYPE[a.elem]}"), len(a.dims),
+        base + a.offset * _TMA_ITEMSIZE[a.elem], [d.cuuint64_t(x) for x in a.dims],
+        [d.cuuint64_t(x) for x in a.strides], [d.cuuint32_t(x) for x in a.box],
+        [d.cuuint32_t(1)] * len(a.dims), d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(d.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swz}"),
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    if hasattr(tmap, "getPtr"):
+        return ctypes.string_at(int(tmap.getPtr()), TENSOR_MAP_BYTES)
+    return struct.pack(f"<{TENSOR_MAP_BYTES // 8}Q", *(int(x) for x in tmap.opaque))
+
+
+def upload_tensor_maps(launches: Sequence[KernelLaunch], arg_ptrs: Sequence[int],
+                       temp_ptrs: Sequence[int], device: torch.device
+                       ) -> tuple[torch.Tensor | None, dict[tuple[int, int], int]]:
+    """Every TMA descriptor of the launch list for one pointer set, in one device buffer (the
+    caller keeps it alive as long as the argument table pointing into it)."""
+    where = [(i, j, a) for i, k in enumerate(launches) for j, a in enumerate(k.args)
+             if isinstance(a, TensorMapArg)]
+    if not where:
+        return None, {}
+    blob = b"".join(encode_tensor_map(a, arg_ptrs[a.buffer.index] if a.buffer.kind == "arg"
+                                      else temp_ptrs[a.buffer.index]) for _, _, a in where)
+    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+    base = buf.data_ptr()
+    return buf, {(i, j): base + n * TENSOR_MAP_BYTES for n, (i, j, _) in enumerate(where)}
+
+
 @dataclass
 class _Entry:
     table: ArgTable
     hits: int = 0
     graph: Any = None  # (CUgraph, CUgraphExec) once captured
+    tensor_maps: torch.Tensor | None = None  # the table's TMA descriptors (device memory)
 
 
 @dataclass
@@ -272,6 +319,11 @@ class CudaExecutable:
                     if k.kernel not in by_name:
                         by_name[k.kernel] = _check(_driver.cuModuleGetFunction(module, k.kernel.encode()),
                                                    f"cuModuleGetFunction({k.kernel})")
+                    if k.shared_mem > STATIC_SHARED_LIMIT:  # dynamic shared memory past 48 KiB: opt in
+                        _check(_driver.cuFuncSetAttribute(
+                            by_name[k.kernel],
+                            _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            k.shared_mem), f"cuFuncSetAttribute({k.kernel}, shared memory {k.shared_mem})")
                 ctx_state = _Context(by_name, module)
                 self._contexts[int(ctx)] = ctx_state
         ready[device.index] = ctx_state
@@ -405,9 +457,10 @@ class CudaExecutable:
         entry = state.tables.get(key)
         if entry is None:
             offsets = program.plan.offsets
-            table = ArgTable(program.launches, ptrs,
-                             [ws_ptr + offsets[t.name] for t in program.temps])
-            entry = state.tables[key] = _Entry(table)
+            temp_ptrs = [ws_ptr + offsets[t.name] for t in program.temps]
+            maps, where = upload_tensor_maps(program.launches, ptrs, temp_ptrs, device)
+            table = ArgTable(program.launches, ptrs, temp_ptrs, where)
+            entry = state.tables[key] = _Entry(table, tensor_maps=maps)
             self.stats["tables_built"] += 1
             if len(state.tables) > TABLE_ENTRIES:
                 _, old = state.tables.popitem(last=False)

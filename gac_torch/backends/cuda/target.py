@@ -28,6 +28,7 @@ MAX_STATIC_SHARED_BYTES = 48 * 1024  # static __shared__ limit on every arch; mo
 MAX_GRID = (2**31 - 1, 65535, 65535)
 DEFAULT_ARCH = "sm_90"  # when no GPU is visible (CI compiles for the H200)
 MMA_MIN_ARCH = 80  # mma.sync m16n8k16 f16/bf16 and m16n8k8 tf32 with f32 accumulators
+ACCEL_ARCH = {"sm_90": "sm_90a", "sm_90a": "sm_90a"}  # wgmma + TMA + setmaxnreg (strategies/wgmma.py)
 OPT_LEVEL = 3
 ARCHS = {
     "sm_70": CudaArch("+ptx60", 96 * 1024),
@@ -54,7 +55,7 @@ def default_arch() -> str:
 def compile_options(options: dict | None) -> Any:
     """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
-    from gac_torch.backends.gpu.strategies import flash_attention, implicit_gemm, mma, reduce, simt_matmul
+    from gac_torch.backends.gpu.strategies import flash_attention, implicit_gemm, mma, reduce, simt_matmul, wgmma
     from gac_torch.backends.gpu.strategy import GpuLimits
 
     arch = (options or {}).get("arch") or default_arch()
@@ -82,11 +83,14 @@ def compile_options(options: dict | None) -> Any:
         implicit_gemm.fused_strategy(),
         *([implicit_gemm.strategy(igemm, simt=False)] if mma_ok else []),
         implicit_gemm.strategy(igemm, simt=True),
+        *([wgmma.strategy(allow_tf32=bool(allow_tf32))] if arch in ACCEL_ARCH else []),
         *([mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         simt_matmul.strategy(big_tile_min_blocks=256),
         reduce.strategy(reduce.ReduceParams(threads=256, warp_max=1024, min_extent=128)),
     )
-    return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits, strategies, bool(allow_tf32))
+    accel = ACCEL_ARCH.get(arch)
+    return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits, strategies, bool(allow_tf32),
+                                accel, ARCHS[accel].ptx_isa if accel else "")
 
 
 def _stages(options: dict) -> list[Stage]:

@@ -16,6 +16,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu.program import (
     HOST_OPS, ArgSpec, BufferRef, Dyn, GpuProgram, HostOp, KernelArg, KernelLaunch, ScalarArg, TempBuffer,
+    TensorMapArg,
 )
 from gac_torch.passes.memory_plan import BufferUse, MemoryPlan, plan_memory
 
@@ -268,18 +269,22 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
                     # a kernel mapped from a linalg op writes each element of its output; a
                     # serial kernel (host scalar code) may store single elements
                     m = m.replace("w", "W")
-                access.append(m if isinstance(v.type, ir.MemRefType) else "")
+                access.append(m if isinstance(v.type, ir.MemRefType) else "r" if _is_tensor_map(v) else "")
+
+            def buffer_ref(v: ir.Value) -> BufferRef:
+                root = buffer_root(v)
+                if root in arg_index:
+                    return BufferRef("arg", arg_index[root])
+                if root in temps:
+                    live.setdefault(temps[root], []).append(len(launches))
+                    return BufferRef("temp", temps[root])
+                raise GacUnsupportedError(f"kernel argument views an unsupported buffer: {root}")
+
             for v in lf.kernelOperands:
                 if isinstance(v.type, ir.MemRefType):
-                    root = buffer_root(v)
-                    if root in arg_index:
-                        kargs.append(BufferRef("arg", arg_index[root]))
-                    elif root in temps:
-                        t = temps[root]
-                        kargs.append(BufferRef("temp", t))
-                        live.setdefault(t, []).append(len(launches))
-                    else:
-                        raise GacUnsupportedError(f"kernel argument views an unsupported buffer: {root}")
+                    kargs.append(buffer_ref(v))
+                elif _is_tensor_map(v):
+                    kargs.append(_tensor_map(v, buffer_ref, const))
                 else:
                     kargs.append(ScalarArg(_scalar_ctype(v.type), const(v)))
             grid = tuple(x if isinstance(x := const(v), Dyn) else int(x)
@@ -289,7 +294,7 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
             kname = kernel_name(op)
             launches.append(KernelLaunch(kname, grid, blk, smem, tuple(kargs),  # type: ignore[arg-type]
                                          kname.rsplit("_", 1)[-1], tuple(access)))
-        elif (name in ("arith.constant", "ub.poison", "memref.dealloc", "func.return")
+        elif (name in ("arith.constant", "ub.poison", "memref.dealloc", "func.return", TMA_CREATE)
               or name in VIEW_OPS or is_size_math(op)):
             continue  # (size math is translated where a launch or an allocation uses it)
         else:
@@ -297,9 +302,13 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
 
     used = [temp_list[t] for t in sorted(live)]
     renumber = {t: i for i, t in enumerate(sorted(live))}  # drop allocations no kernel touches
-    launches = [replace(k, args=tuple(BufferRef("temp", renumber[a.index])
-                                      if isinstance(a, BufferRef) and a.kind == "temp" else a
-                                      for a in k.args)) for k in launches]
+
+    def renumbered(a: KernelArg) -> KernelArg:
+        if isinstance(a, TensorMapArg) and a.buffer.kind == "temp":
+            return replace(a, buffer=BufferRef("temp", renumber[a.buffer.index]))
+        return BufferRef("temp", renumber[a.index]) if isinstance(a, BufferRef) and a.kind == "temp" else a
+
+    launches = [replace(k, args=tuple(renumbered(a) for a in k.args)) for k in launches]
     spans = [(min(steps), max(steps)) for _, steps in sorted(live.items())]
     if dynamic:
         return GpuProgram(arch=arch, ptx="", launches=launches, temps=used, plan=MemoryPlan({}, 0, 0),
@@ -307,6 +316,35 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
     uses = [BufferUse(t.name, t.nbytes, first, last) for t, (first, last) in zip(used, spans)]
     return GpuProgram(arch=arch, ptx="", launches=launches, temps=used, plan=plan_memory(uses),
                        args=args)
+
+
+TMA_CREATE = "nvgpu.tma.create.descriptor"  # a TMA descriptor, made by the runtime (data here)
+_SWIZZLE = {"swizzle_none": 0, "swizzle_32b": 32, "swizzle_64b": 64, "swizzle_128b": 128}
+
+
+def _is_tensor_map(v: ir.Value) -> bool:
+    return str(v.type).startswith("!nvgpu.tensormap.descriptor")
+
+
+def _tensor_map(v: ir.Value, buffer_ref, const) -> TensorMapArg:
+    """A launch operand made by nvgpu.tma.create.descriptor (on a memref.cast of a static
+    buffer view to unranked): the descriptor's fields as data."""
+    op = defining_op(v)
+    if op is None or op.name != TMA_CREATE:
+        raise GacUnsupportedError(f"tensor map not made by {TMA_CREATE}: {v}")
+    cast = defining_op(op.operands[0])
+    if cast is None or cast.name != "memref.cast":
+        raise GacUnsupportedError("a TMA descriptor's source must be a memref.cast of a buffer view")
+    src = cast.operands[0]
+    mt = ir.MemRefType(src.type)
+    strides, offset = mt.get_strides_and_offset()
+    if any(n == DYN for n in mt.shape) or offset < 0 or strides[-1] != 1:
+        raise GacUnsupportedError("a TMA descriptor needs a static, innermost-contiguous view")
+    es = _ELEM_BYTES[str(mt.element_type)]
+    box = tuple(int(_static(const(x))) for x in op.operands[1:])
+    swizzle = next((n for k, n in _SWIZZLE.items() if f"swizzle = {k}" in str(v.type)), 0)
+    return TensorMapArg(buffer_ref(src), str(mt.element_type), tuple(mt.shape[::-1]),
+                        tuple(s * es for s in strides[::-1][1:]), offset, box[::-1], swizzle)
 
 
 def _static(x: int | float | Dyn) -> int | float:

@@ -22,7 +22,7 @@ VIEW_OPS = ("memref.subview", "memref.expand_shape", "memref.collapse_shape", "m
             "memref.extract_strided_metadata")  # (its result 0: the base buffer)
 # Ops that may stay in the host function: they only define buffers, views and constants.
 HOST_OPS = ("arith.constant", "ub.poison", "memref.alloc", "memref.dealloc", "memref.get_global",
-            "gpu.launch", "func.return", *VIEW_OPS)
+            "gpu.launch", "func.return", "nvgpu.tma.create.descriptor", *VIEW_OPS)
 
 
 def is_size_math(op: ir.Operation) -> bool:

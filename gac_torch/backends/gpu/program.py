@@ -138,7 +138,29 @@ class ScalarArg:
     value: int | float | Dyn
 
 
-KernelArg = Union[BufferRef, ScalarArg]
+@dataclass(frozen=True)
+class TensorMapArg:
+    """A kernel argument that is the device address of a TMA descriptor (CUtensorMap, 128
+    bytes) of `buffer` viewed as `dims` (innermost first, elements) with byte `strides` (of
+    dims[1:]), starting `offset` elements into it, read in boxes of `box` elements with a
+    `swizzle`-byte swizzle (0, 32, 64, 128); out-of-range elements read as zero. The runtime
+    encodes it once per buffer address (the kernel reads the buffer through it: access "r")."""
+
+    buffer: BufferRef
+    elem: str
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    box: tuple[int, ...]
+    swizzle: int
+
+
+KernelArg = Union[BufferRef, ScalarArg, TensorMapArg]
+
+
+def arg_buffer(a: KernelArg) -> BufferRef | None:
+    """The buffer a kernel argument gives access to (a tensor map's too), or None."""
+    return a if isinstance(a, BufferRef) else a.buffer if isinstance(a, TensorMapArg) else None
 
 
 @dataclass(frozen=True)
@@ -225,6 +247,8 @@ class GpuProgram:
         def arg(a: KernelArg) -> str:
             if isinstance(a, BufferRef):
                 return f"{a.kind}{a.index}"
+            if isinstance(a, TensorMapArg):
+                return f"tma({a.buffer.kind}{a.buffer.index} box={'x'.join(map(str, a.box))})"
             return f"{a.ctype}({a.value})"
 
         if self.dynamic:
@@ -270,7 +294,7 @@ class GpuProgram:
             # one of them unused; only a kernel whose single result is lost is an error.
             k = self.launches[step]
             return sum("w" in m.lower() for a, m in zip(k.args, k.access)
-                       if isinstance(a, BufferRef)) > 1
+                       if arg_buffer(a) is not None) > 1
 
         for step, k in enumerate(self.launches):
             if len(k.access) != len(k.args):
@@ -278,7 +302,8 @@ class GpuProgram:
                 continue
             merged: dict[tuple[str, int], tuple[BufferRef, str]] = {}
             for a, m in zip(k.args, k.access):  # one buffer may come in through several views
-                if isinstance(a, BufferRef):
+                a = arg_buffer(a)  # type: ignore[assignment]
+                if a is not None:
                     prev = merged.get((a.kind, a.index))
                     merged[(a.kind, a.index)] = (a, (prev[1] if prev else "") + m)
             bufs = list(merged.values())
@@ -324,7 +349,7 @@ class GpuProgram:
 
 
 # -- plain data (the on-disk cache and saved artifacts: runtime/cache.py) --------------------------
-PLAIN_TYPES = (GpuProgram, KernelLaunch, BufferRef, ScalarArg, Dyn, TempBuffer, ArgSpec, HostOp,
+PLAIN_TYPES = (GpuProgram, KernelLaunch, BufferRef, ScalarArg, TensorMapArg, Dyn, TempBuffer, ArgSpec, HostOp,
                MemoryPlan)
 
 

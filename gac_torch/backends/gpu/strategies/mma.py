@@ -5,6 +5,7 @@ shapes only; a contraction it does not take goes on to the next strategy (e.g. `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mlir import ir
 
@@ -21,32 +22,42 @@ class _Match:
     fill: tuple[ir.Operation, ir.Value] | None
 
 
-def _operand(v: ir.Value, m: ir.AffineMap) -> cuda_mma.Operand:
+def operand(v: ir.Value, m: ir.AffineMap) -> cuda_mma.Operand:
     t = ir.MemRefType(v.type)
     strides, offset = t.get_strides_and_offset()
     return cuda_mma.Operand(str(t), str(t.element_type), tuple(map_dims(m) or ()), tuple(t.shape),
                             tuple(strides), offset)
 
 
+def match_spec(g: Generic, allow_tf32: bool) -> tuple[Contraction, cuda_mma.Spec, Any] | None:
+    """The contraction, its tensor-core Spec and the fill folded in, or None (not a float
+    contraction on static shapes whose element types a tensor core takes). Also wgmma.py's."""
+    c = match_contraction(g)
+    if c is None or not c.is_float or g.dynamic:
+        return None
+    ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
+    ec = str(ir.MemRefType(g.outputs[0].type).element_type)
+    widen = [("arith.extf", "f32")]
+    casts_ok = (c.a_casts in ([], widen) and c.b_casts in ([], widen)
+                and (ec == "f32" or (not c.a_casts and not c.b_casts)))
+    kind = cuda_mma.mma_kind(ea, eb, ec, casts_ok, allow_tf32)
+    if kind is None:
+        return None
+    fill = fill_before(g.op, g.outputs[0])
+    spec = cuda_mma.Spec(kind, c.m, c.n, c.k, tuple(c.batch), tuple(g.ranges),
+                         operand(g.inputs[0], g.maps[0]), operand(g.inputs[1], g.maps[1]),
+                         operand(g.outputs[0], g.maps[2]), fill is not None)
+    return c, spec, fill
+
+
 def strategy(allow_tf32: bool) -> Strategy:
     """`allow_tf32`: f32 matmuls may run on tensor cores in TF32 (a numerics option)."""
 
     def match(g: Generic, limits: GpuLimits) -> _Match | None:
-        c = match_contraction(g)
-        if c is None or not c.is_float or g.dynamic:
+        m = match_spec(g, allow_tf32)
+        if m is None:
             return None
-        ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
-        ec = str(ir.MemRefType(g.outputs[0].type).element_type)
-        widen = [("arith.extf", "f32")]
-        casts_ok = (c.a_casts in ([], widen) and c.b_casts in ([], widen)
-                    and (ec == "f32" or (not c.a_casts and not c.b_casts)))
-        kind = cuda_mma.mma_kind(ea, eb, ec, casts_ok, allow_tf32)
-        if kind is None:
-            return None
-        fill = fill_before(g.op, g.outputs[0])
-        spec = cuda_mma.Spec(kind, c.m, c.n, c.k, tuple(c.batch), tuple(g.ranges),
-                             _operand(g.inputs[0], g.maps[0]), _operand(g.inputs[1], g.maps[1]),
-                             _operand(g.outputs[0], g.maps[2]), fill is not None)
+        c, spec, fill = m
         plan = cuda_mma.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
         return None if plan is None else _Match(c, spec, plan, fill)
 

@@ -1,0 +1,87 @@
+"""`wgmma`: a matmul-like contraction on f16/bf16 operands (f32 ones as TF32 when allowed) on
+sm_90a, large enough to fill the GPU and laid out so TMA can read it (16-byte aligned strides):
+warpgroup wgmma fed by TMA through an mbarrier pipeline (gac_torch/kernels/wgmma_gemm.py). What
+it does not take goes on to `mma` (the matcher's analysis is mma.py's).
+
+The shared lowering accumulates an f16/bf16 matmul in an f32 buffer and rounds it in the next
+elementwise op; when that op does nothing else, the kernel stores the rounded values into its
+output directly and the op is erased (by `fused`, first in the strategy list).
+GAC_WGMMA=0 bisects (everything goes on to mma)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mlir import ir
+
+from gac_torch.backends.gpu.analysis import Generic, analyze
+from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
+from gac_torch.backends.gpu.strategies import mma
+from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.kernels import wgmma_gemm
+from gac_torch.kernels.cuda_mma import Spec
+
+
+def _rounding_consumer(g: Generic, fill: Any) -> Generic | None:
+    """The generic after `g` whose only work is rounding g's f32 result (a temp nobody else
+    uses) to f16/bf16, elementwise over the same shape; None if there is none."""
+    y = g.outputs[0]
+    root = buffer_root(y)
+    alloc = defining_op(root)
+    if fill is None or y != root or alloc is None or alloc.name != "memref.alloc":
+        return None
+    others = [u for u in users(root) if u not in (g.op, fill[0]) and u.name != "memref.dealloc"]
+    if len(others) != 1 or others[0].name != "linalg.generic":
+        return None
+    r = analyze(others[0])
+    if (r is None or r.inputs != [y] or len(r.outputs) != 1 or set(r.iters) != {"parallel"}
+            or any(not m.is_permutation or list(m.results) != list(ir.AffineMap.get_identity(m.n_dims).results)
+                   for m in r.maps)):
+        return None
+    out = r.outputs[0]
+    if ir.MemRefType(out.type).shape != ir.MemRefType(y.type).shape:
+        return None
+    body = [op.name for op in r.op.regions[0].blocks[0].operations]
+    if body != ["arith.truncf", "linalg.yield"] or str(ir.MemRefType(out.type).element_type) not in ("f16", "bf16"):
+        return None
+    ops = block_ops(g.op.block)
+    d = defining_op(out)
+    while d is not None and d.name != "memref.alloc":  # the output and its views must exist at g
+        if ops.index(d) > ops.index(g.op):
+            return None
+        d = defining_op(d.operands[0])
+    if d is not None and ops.index(d) > ops.index(g.op):
+        return None
+    return r
+
+
+def strategy(allow_tf32: bool) -> Strategy:
+    def match(g: Generic, limits: GpuLimits):
+        if os.environ.get("GAC_WGMMA") == "0":
+            return None
+        m = mma.match_spec(g, allow_tf32)
+        if m is None:
+            return None
+        _, spec, fill = m
+        rounding = _rounding_consumer(g, fill)
+        if rounding is not None:
+            spec = Spec(**{**spec.__dict__, "c": mma.operand(rounding.outputs[0], g.maps[2])})
+        plan = wgmma_gemm.plan(spec)
+        return None if plan is None else (g, spec, plan, fill, rounding)
+
+    def emit(m, name: str, limits: GpuLimits) -> bool:
+        g, spec, plan, fill, rounding = m
+        out = rounding.outputs[0] if rounding is not None else g.outputs[0]
+        acc = str(ir.MemRefType(g.outputs[0].type).element_type)  # the fill's type
+        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*g.inputs, out],
+                        fill[1] if fill is not None else None, acc, name)
+        if fill is not None:
+            fill[0].erase()
+        g.op.erase()
+        if rounding is not None:  # erased by `fused` when the scheduler reaches it
+            rounding.op.attributes[FUSED] = ir.UnitAttr.get()
+        return True
+
+    return Strategy("wgmma", match, emit)

@@ -1,0 +1,452 @@
+"""Hopper GEMM for the cuda target (sm_90a): C[b, m, n] = init + sum_k A[b, m, k] * B[b, k, n]
+with warpgroup `wgmma.mma_async` on operands that TMA (`cp.async.bulk.tensor`) stages into
+128-byte-swizzled shared memory, a STAGES-deep ring of buffers handed over with mbarriers,
+f32 accumulators, C rounded to its type in the store.
+
+  kinds   f16 x f16, bf16 x bf16 (either operand K- or M/N-major: wgmma's transpose bits);
+          f32 x f32 as tf32 when allowed (both operands K-major: wgmma has no tf32 transpose)
+
+A persistent CTA of 3 warpgroups computes BM x BN tiles (BM = 128) bid, bid + grid, ...:
+warpgroup 0 is the producer, its thread 0 issues the TMA loads; warpgroups 1 and 2 (consumers)
+own rows 0-63 / 64-127 of a tile, each one m64nBNk16 wgmma chain per K slice, BN/2 f32
+accumulators per thread. Slices are numbered across the CTA's tiles, so the producer runs
+ahead into the next tile while the consumers store the last one.
+
+  1. locate    tile number -> tile origin (m0, n0) and batch index (N tiles fastest)
+  2. barriers  thread 0 initializes full[s] (1 arrival + the TMA bytes) and empty[s] (one
+               arrival per consumer warpgroup) for each stage s; fence, CTA barrier
+  3. producer  registers given back (setmaxnreg.dec); thread 0, for each K slice kt:
+               3a. wait empty[kt % S] (its previous use consumed; passes at once on a fresh one)
+               3b. full[kt % S] expects the slice's bytes; TMA loads A's and B's boxes there
+                   (the out-of-range part of a box reads as zero: M, N, K overhang needs no mask)
+  4. consumers registers raised (setmaxnreg.inc); accumulators = the fill or C; per slice kt:
+               4a. wait full[kt % S]
+               4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit
+               4c. wait until one group at most is in flight: the previous slice's stage is
+                   free, one thread per warpgroup arrives on its empty barrier (the tile's last
+                   slice: after waiting for all)
+  5. store     each accumulator (pairs when C's rows are contiguous and even) to C, rounded to
+               C's type, inside the matrix only; 5b. for f16/bf16 C with 16-byte rows, through
+               a padded shared-memory staging buffer per warpgroup (named barrier), then 16-byte
+               stores of whole row chunks
+
+Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
+mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
+swizzle span): K-major, a box [rows][BK] per tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
+descriptor math (`desc_layout`, `box_origins`) is plain Python on ints (the MLIR text builder
+is wgmma_text.py), tested against a numpy
+model of TMA's swizzled write and wgmma's canonical-layout read (tests/test_wgmma_gemm.py).
+
+Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (128 | 256),
+GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_CLUSTER=2 (CTA pairs
+sharing B through TMA multicast: compiled and ptxas-checked, not yet run on a GPU);
+benchmarks/wgmma_tiles.py races them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gac_torch.kernels.cuda_mma import FRAG_C, Operand, Spec
+
+if TYPE_CHECKING:
+    from gac_torch.kernels.wgmma_text import WgmmaText
+
+BM = 128
+WG = 128  # threads per warpgroup
+THREADS = 3 * WG
+SWIZZLE = 128  # bytes: the swizzle span, and the inner extent of every TMA box
+ALIGN = 1024  # a swizzled tile's atom (8 rows of 128 B) must start 1024-byte aligned
+_ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128*40 + 256*232 <= 64K registers
+SMEM_LIMIT = 227 * 1024
+MIN_WORK = 1 << 21  # M*N*K*batch below this stays with mma.sync (launch-bound sizes)
+SM_COUNT_HINT = 132
+
+
+@dataclass(frozen=True)
+class Side:
+    """One operand's staging: `k_major` (K is its contiguous dim), the tile's rows (BM or BN),
+    the TMA box (inner extent first) and the byte size of one stage of it."""
+
+    k_major: bool
+    rows: int
+    box: tuple[int, int]  # elements: (inner, outer)
+    nbox: int  # boxes per stage (MN-major tiles are rows/64 boxes side by side)
+    stage_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    bn: int
+    bk: int
+    ks: int  # K per wgmma: 16 (f16/bf16), 8 (tf32)
+    stages: int
+    a: Side
+    b: Side
+    grid: tuple[int, int, int]  # persistent: (CTAs, 1, 1), each takes tiles bid, bid + CTAs, ...
+    pair_store: bool  # C stored two columns at a time
+    tiles: int  # work units: BM x BN tiles over the batch (cluster 2: pairs of M-adjacent tiles)
+    staged_store: bool = False  # C through shared memory, 16-byte coalesced stores (5b)
+    c_bytes: int = 2
+    cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
+
+    @property
+    def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
+        return self.bn * self.c_bytes + 16
+
+    @property
+    def smem_bytes(self) -> int:
+        staging = BM * self.stage_row if self.staged_store else 0
+        return self.stages * (self.a.stage_bytes + self.b.stage_bytes) + 16 * self.stages + staging + ALIGN
+
+
+def _elem(spec: Spec) -> str:
+    return "f32" if spec.kind == "tf32" else spec.kind
+
+
+def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> Side | None:
+    """Staging for one operand, or None when TMA cannot read it (strides not 16-byte
+    multiples, a view offset not 16-byte aligned, or a dim that is neither K nor M/N)."""
+    if op.strides[-1] != 1 or len(op.dims) != len(set(op.dims)) or len(op.dims) > 3:
+        return None
+    if any(s * es % 16 for s in op.strides[:-1]) or op.offset * es % 16:
+        return None
+    outer_strides = list(op.strides[:-1])  # TMA: positive; kept to plain row-major-like views
+    if any(x <= 0 for x in outer_strides) or outer_strides != sorted(outer_strides, reverse=True):
+        return None
+    inner = op.dims[-1]
+    if set(op.dims) - {outer, spec.k, *spec.batch} or inner not in (outer, spec.k):
+        return None
+    span = SWIZZLE // es  # elements in 128 bytes
+    if inner == spec.k:
+        return Side(True, rows, (bk, rows), 1, rows * bk * es)
+    if spec.kind == "tf32":
+        return None  # wgmma reads tf32 K-major only
+    return Side(False, rows, (span, bk), rows // span, rows * bk * es)
+
+
+def plan(spec: Spec, bn: int | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when the template does not apply (the mma path then does)."""
+    if spec.kind not in ("f16", "bf16", "tf32") or 0 in (spec.M, spec.N, spec.K):
+        return None
+    e = _elem(spec)
+    if spec.a.elem != e or spec.b.elem != e or len(spec.batch) > 1:
+        return None
+    batch = math.prod(spec.batch_ext)
+    if spec.M * spec.N * spec.K * batch < MIN_WORK:
+        return None
+    es = _ESIZE[e]
+    bk = SWIZZLE // es  # one swizzle span of K per slice: 64 (16-bit), 32 (tf32)
+    bn = bn or int(os.environ.get("GAC_WGMMA_BN", 0))  # (tuning: force a tile width)
+    if not bn:  # the wide tile once it still fills the GPU
+        bn = 256 if -(-spec.M // BM) * -(-spec.N // 256) * batch >= SM_COUNT_HINT else 128
+    sa = _side(spec.a, spec, spec.m, BM, bk, es)
+    sb = _side(spec.b, spec, spec.n, bn, bk, es)
+    if sa is None or sb is None:
+        return None
+    # GAC_WGMMA_CLUSTER=2 (being measured): B's tile, shared by two M-adjacent tiles, is read
+    # from L2 once for both CTAs of a cluster (TMA multicast); a K-major B tile as two boxes
+    # (an even number of M tiles: a pair never has a tile wholly outside the matrix)
+    cluster = 2 if os.environ.get("GAC_WGMMA_CLUSTER") == "2" and -(-spec.M // BM) % 2 == 0 else 1
+    if cluster == 2 and sb.k_major:
+        sb = Side(True, bn, (bk, bn // 2), 2, sb.stage_bytes)
+    tiles = -(-spec.N // bn) * -(-spec.M // (BM * cluster)) * batch
+    grid = (cluster * min(tiles, SM_COUNT_HINT // cluster), 1, 1)
+    c = spec.c
+    pair = (c.dims[-1] == spec.n and c.strides[-1] == 1 and spec.N % 2 == 0
+            and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
+    per_stage = sa.stage_bytes + sb.stage_bytes + 16
+    # 3 x 48 KiB for the wide tile, 4 x 32 KiB for the narrow one (H200, 2026-12-01: 128x256
+    # with 4 stages measured slower than with 3; benchmarks/wgmma_tiles.py)
+    want = int(os.environ.get("GAC_WGMMA_STAGES", 0)) or (3 if bn == 256 else 4)
+    stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
+    if stages < 2:
+        return None
+    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles, cluster=cluster)
+    # 5b: 16-bit C whose rows are 16-byte multiples goes through shared memory (H200,
+    # 2026-12-01, 4096^3: 4-9 % faster than pair stores); GAC_WGMMA_EPILOGUE=direct: never
+    c_es = _ESIZE.get(c.elem, 4)
+    if (os.environ.get("GAC_WGMMA_EPILOGUE", "smem") == "smem" and pair and c_es == 2 and spec.N % 8 == 0
+            and all(x % 8 == 0 for x in c.strides[:-1]) and c.offset % 8 == 0):
+        staged = Plan(**{**p.__dict__, "staged_store": True, "c_bytes": c_es})
+        p = staged if staged.smem_bytes <= SMEM_LIMIT else p
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# layout math (ints only: the text builder bakes it in, the tests check it against a model)
+
+
+def box_origins(side: Side, es: int) -> list[tuple[int, int]]:
+    """Per TMA box of a stage: (smem byte offset in the stage, offset along the operand's
+    M/N dim of the box's first element)."""
+    if side.k_major:  # boxes of box[1] whole rows, one after the other
+        return [(j * side.box[1] * SWIZZLE, j * side.box[1]) for j in range(side.nbox)]
+    span = SWIZZLE // es
+    return [(j * side.box[0] * side.box[1] * es, j * span) for j in range(side.nbox)]
+
+
+def desc_layout(side: Side, es: int, rows0: int, kstep: int) -> tuple[int, int, int]:
+    """(byte offset from the stage's start, leading byte offset, stride byte offset) of the
+    wgmma matrix descriptor for the 64 rows from `rows0` (0 for B: all BN rows) and the K
+    step `kstep` (ks elements each).
+
+    K-major, 128B swizzle: rows are 128 bytes apart, 8-row groups SBO = 1024 apart, LBO unused
+    (1); a K step moves the start within the swizzled row. MN-major: 8 K-rows of 128 bytes
+    (64 M/N elements) form an atom, SBO = 1024 between 8-row K groups, LBO = one box between
+    64-element M/N chunks; a K step is ks rows."""
+    ks = 8 if es == 4 else 16
+    if side.k_major:
+        return rows0 * SWIZZLE + kstep * ks * es, 16, 8 * SWIZZLE
+    box_bytes = side.box[0] * side.box[1] * es
+    span = SWIZZLE // es
+    return (rows0 // span) * box_bytes + kstep * ks * SWIZZLE, box_bytes, 8 * SWIZZLE
+
+
+def descriptor(addr: int, lbo: int, sbo: int) -> int:
+    """The 64-bit sm_90 matrix descriptor: start address, LBO and SBO in 16-byte units, layout
+    type 1 (128-byte swizzle) in bits 62-63."""
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 62)
+
+
+def swizzle128(offset: int) -> int:
+    """Where TMA's 128-byte swizzle puts byte `offset` of a 1024-byte aligned tile: the
+    16-byte chunk index (bits 4-6) XOR the row within the 8-row atom (bits 7-9)."""
+    return offset ^ (((offset >> 7) & 7) << 4)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel
+
+
+def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
+    es = _ESIZE[_elem(spec)]
+    c = b.const
+    S = p.stages
+    a_base, b_base = 0, S * p.a.stage_bytes
+    bar_base = S * (p.a.stage_bytes + p.b.stage_bytes)
+    tn, tm = -(-spec.N // p.bn), -(-spec.M // BM)
+    nk = -(-spec.K // p.bk)
+    # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
+    # (tile number tl, K slice kt: it = tl*nk + kt) uses stage it % S at phase (it / S) % 2
+    # (cluster 2: work unit u = a pair of M-adjacent tiles; CTA rank r of the pair takes the
+    # tile 2*pm + r, one past the matrix when M has an odd number of tiles: zeros, not stored)
+    cl = p.cluster
+    tid = b.tid()
+    bid = b.bid(0)
+    rank = b.cluster_rank() if cl > 1 else c(0)
+    cid, units = b.div(bid, c(cl)), p.grid[0] // cl
+    mine = b.div(b.add(b.sub(c(p.tiles), cid), c(units - 1)), c(units))
+    smem = b.smem_base()
+    tmc = -(-tm // cl)
+
+    def tile(tl: Any) -> tuple[Any, Any, Any]:
+        u = b.add(cid, b.mul(tl, c(units)))
+        bz, rest = b.div(u, c(tn * tmc)), b.rem(u, c(tn * tmc))
+        mt = b.add(b.mul(b.div(rest, c(tn)), c(cl)), rank)
+        return b.mul(mt, c(BM)), b.mul(b.rem(rest, c(tn)), c(p.bn)), bz
+
+    def bar(base: int, s: Any) -> Any:
+        return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(8))))
+
+    def stage_phase(it: Any) -> tuple[Any, Any]:
+        return b.rem(it, c(S)), b.to_i32(b.rem(b.div(it, c(S)), c(2)))
+
+    def full(s: Any) -> Any:
+        return bar(bar_base, s)
+
+    def empty(s: Any) -> Any:
+        return bar(bar_base + 8 * S, s)
+
+    # 2. barriers
+    def init() -> None:
+        for s in range(S):
+            b.mbar_init(full(c(s)), 1)
+            b.mbar_init(empty(c(s)), 2 * cl)  # one arrival per consumer warpgroup of the cluster
+        b.asm("fence.mbarrier_init.release.cluster;")
+
+    b.when(b.eq(tid, c(0)), init)
+    if cl > 1:  # the peer's multicasts and arrivals find initialized barriers
+        b.cluster_barrier()
+    else:
+        b.barrier()
+    wg = b.div(tid, c(WG))
+
+    # 3. producer
+    def coords(op: Operand, outer: int, o0: Any, k0: Any, bz: Any, shift: int) -> list[Any]:
+        at = {spec.k: k0, outer: b.add(o0, c(shift))}
+        return [at.get(d, bz) for d in reversed(op.dims)]  # innermost first; the batch: bz
+
+    def producer() -> None:
+        b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
+
+        def one_tile(tl: Any) -> None:
+            m0, n0, bz = tile(tl)
+
+            def body(kt: Any) -> None:
+                s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
+                b.mbar_wait(empty(s), b.xor1(phase), cluster=cl > 1)  # 3a
+                b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
+                k0 = b.mul(kt, c(p.bk))
+                for which, op, side, outer, o0, base in (
+                        ("A", spec.a, p.a, spec.m, m0, a_base), ("B", spec.b, p.b, spec.n, n0, b_base)):
+                    origins = box_origins(side, es)
+                    stage = b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
+                    if which == "B" and cl > 1:  # this rank's share of the boxes, to both CTAs
+                        share = side.nbox // cl
+                        step_off, step_shift = origins[1][0], origins[1][1]
+                        for jj in range(share):
+                            j = b.add(b.mul(rank, c(share)), c(jj))
+                            dst = b.i32_add(stage, b.i32_mul(b.to_i32(j), b.i32(step_off)))
+                            at = coords(op, outer, b.add(o0, b.mul(j, c(step_shift))), k0, bz, 0)
+                            b.tma_load(which, dst, at, full(s), multicast=(1 << cl) - 1)
+                        continue
+                    for off, shift in origins:
+                        dst = b.i32_add(stage, b.i32(off))
+                        b.tma_load(which, dst, coords(op, outer, o0, k0, bz, shift), full(s))
+
+            b.loop(c(0), c(nk), body)
+
+        b.when(b.eq(tid, c(0)), lambda: b.loop(c(0), mine, one_tile))
+
+    def release(s: Any) -> None:  # 4c: a stage is free in this CTA (and, clustered, the peer's)
+        if cl == 1:
+            b.mbar_arrive(empty(s))
+        for r in range(cl if cl > 1 else 0):
+            b.mbar_arrive_remote(empty(s), c(r))
+
+    # 4. consumers
+    def consumer() -> None:
+        b.asm(f"setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};")
+        t = b.rem(tid, c(WG))
+        warp, lane = b.div(t, c(32)), b.rem(t, c(32))
+        g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
+        cw = b.sub(wg, c(1))  # consumer index: rows cw*64 .. +63 of the tile
+        frag = [(i, q) for i in range(p.bn // 8) for q in range(4)]
+        a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
+        leader = b.eq(t, c(0))  # one arrival per consumer warpgroup
+
+        def one_tile(tl: Any) -> None:
+            m0, n0, bz = tile(tl)
+            b.batch = bz
+            rows = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
+            cols = b.add(n0, b.mul(tq, c(2)))
+
+            def at(i: int, q: int) -> tuple[Any, Any]:
+                rq, cq = FRAG_C[q]
+                return b.add(rows, c(rq)), b.add(cols, c(8 * i + cq))
+
+            if spec.fill:
+                init = b.init_f32()
+                accs = [init] * len(frag)
+            else:
+                accs = [b.load_c(*at(i, q)) for i, q in frag]
+            first = b.mul(tl, c(nk))
+
+            def body(kt: Any, accs: list) -> list:
+                it = b.add(first, kt)
+                s, phase = stage_phase(it)
+                b.mbar_wait(full(s), phase)  # 4a
+                b.asm("wgmma.fence.sync.aligned;")  # 4b
+                for kstep in range(p.bk // p.ks):
+                    da = b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
+                    db = b.desc(smem, b_base, p.b, s, desc_layout(p.b, es, 0, kstep), None, 0)
+                    accs = b.wgmma(accs, da, db)
+                b.asm("wgmma.commit_group.sync.aligned;")
+                # the previous slice's group is done once at most this one is in flight: 4c
+                b.asm("wgmma.wait_group.sync.aligned 1;", accs)
+                prev = b.rem(b.add(it, c(S - 1)), c(S))
+                b.when(b.and_(leader, b.lt(c(0), kt)), lambda: release(prev))
+                return accs
+
+            accs = b.for_(c(0), c(nk), c(1), accs, ["f32"] * len(accs), body)
+            b.asm("wgmma.wait_group.sync.aligned 0;", accs)
+            last = b.rem(b.add(first, c(nk - 1)), c(S))
+            b.when(leader, lambda: release(last))
+            # 5. store (the producer is already loading the next tile)
+            if p.staged_store:  # 5b: rounded pairs into this warpgroup's staging rows, then
+                # 16-byte row chunks to C, consecutive threads on consecutive chunks
+                mine_rows = b.i32_add(smem, b.i32_add(b.i32(bar_base + 16 * S),
+                                                      b.i32_mul(b.to_i32(cw), b.i32(64 * p.stage_row))))
+                b.asm("bar.sync $0, 128;", args=[(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32")])
+                for j, (i, q) in enumerate(frag):
+                    if q % 2 == 0:
+                        r_loc = b.add(b.mul(warp, c(16)), b.add(g, c(FRAG_C[q][0])))
+                        c_loc = b.add(b.mul(tq, c(2)), c(8 * i))
+                        at_ = b.i32_add(mine_rows, b.i32_add(b.i32_mul(b.to_i32(r_loc), b.i32(p.stage_row)),
+                                                             b.i32_mul(b.to_i32(c_loc), b.i32(p.c_bytes))))
+                        b.smem_store_pair(at_, accs[j], accs[j + 1])
+                b.asm("bar.sync $0, 128;", args=[(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32")])
+                per_row = p.bn * p.c_bytes // 16
+                for k in range(64 * per_row // WG):
+                    idx = b.add(t, c(k * WG))
+                    r_loc, ch = b.div(idx, c(per_row)), b.rem(idx, c(per_row))
+                    at_ = b.i32_add(mine_rows, b.i32_add(b.i32_mul(b.to_i32(r_loc), b.i32(p.stage_row)),
+                                                         b.i32_mul(b.to_i32(ch), b.i32(16))))
+                    b.store_chunk(at_, b.add(m0, b.add(b.mul(cw, c(64)), r_loc)),
+                                  b.add(n0, b.mul(ch, c(16 // p.c_bytes))))
+                return
+            for j, (i, q) in enumerate(frag):
+                if p.pair_store:
+                    if q % 2 == 0:
+                        b.store_pair(*at(i, q), accs[j], accs[j + 1])
+                else:
+                    b.store_c(*at(i, q), accs[j])
+
+        b.loop(c(0), mine, one_tile)
+
+    b.if_else(b.eq(wg, c(0)), producer, consumer)
+    if cl > 1:  # no CTA leaves while its peer may still multicast into it or arrive on it
+        b.cluster_barrier()
+
+
+def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
+    """The TMA box per memref dim (outermost first): the inner extent on the contiguous dim,
+    1 on the batch dim, the other extent on the remaining one."""
+    return [side.box[0] if i == len(op.dims) - 1 else 1 if d in spec.batch else side.box[1]
+            for i, d in enumerate(op.dims)]
+
+
+def tensor_map_type(box: list[int], elem: str) -> str:
+    tile = "x".join(map(str, box)) + f"x{elem}"
+    return (f"!nvgpu.tensormap.descriptor<tensor = memref<{tile}, 3>, swizzle = swizzle_128b, "
+            "l2promo = l2promo_256b, oob = zero, interleave = none>")
+
+
+def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
+    """`func.func @tmpl(%A, %B, %C, %init)`: the two TMA descriptors created on the host
+    (read into the host program as data: built by the runtime once per buffer address), then
+    the gpu.launch (see the banner). `init_type`: the fill value's type (default C's; f32 when
+    C is the f16/bf16 buffer of a fused rounding)."""
+    from gac_torch.kernels.wgmma_text import WgmmaText
+
+    init_type = init_type or spec.c.elem
+    b = WgmmaText(spec, p, init_type)
+    _kernel(b, spec, p)
+    e = _elem(spec)
+    gx, gy, gz = p.grid
+    head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, %init: {init_type}) {{"]
+    types = {}
+    for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b)):
+        box = box_dims(op, side, spec)
+        types[which] = tm = tensor_map_type(box, e)
+        head.append(f"%u{which} = memref.cast %{which} : {op.type} to memref<*x{e}>")
+        head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
+        head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
+                    + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
+    head += [
+        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+        f"%nt = arith.constant {THREADS} : index",
+        f"%smem = arith.constant {p.smem_bytes} : i32",
+        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+         "dynamic_shared_memory_size %smem {"),
+    ]
+    casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
+             for w in ("A", "B")]
+    return "\n".join(head + casts + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -1,0 +1,220 @@
+"""The text builder of the Hopper GEMM (wgmma_gemm.py's kernel body emits MLIR through it):
+PTX through llvm.inline_asm for what the NVVM dialect spells differently across MLIR releases
+(mbarrier, TMA, wgmma, setmaxnreg), the rest as arith / memref / vector / scf ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gac_torch.kernels.builder import Text
+from gac_torch.kernels.cuda_mma import Spec
+from gac_torch.kernels.wgmma_gemm import _ESIZE, ALIGN, Plan, Side, descriptor
+
+
+class WgmmaText(Text):
+    def __init__(self, spec: Spec, p: Plan, init_type: str):
+        super().__init__(hoist=True)
+        self.spec, self.p, self.init_type = spec, p, init_type
+        self.batch = "%bz"  # the current tile's batch index
+
+    def i32(self, x: int) -> str:
+        return self.const(x, "i32")
+
+    def to_i32(self, x: str) -> str:
+        return self.cast("arith.index_cast", x, "index", "i32")
+
+    def i32_add(self, x: str, y: str) -> str:
+        return self.binop("arith.addi", x, y, "i32")
+
+    def i32_mul(self, x: str, y: str) -> str:
+        return self.binop("arith.muli", x, y, "i32")
+
+    def xor1(self, x: str) -> str:
+        return self.binop("arith.xori", x, self.i32(1), "i32")
+
+    def asm(self, text: str, tied: list[str] | None = None, args: list[tuple[str, str, str]] = (),
+            results: int = 0) -> list[str]:
+        """One llvm.inline_asm with side effects. `args`: (value, constraint, type); `tied`:
+        f32 values that are outputs and inputs at once (the accumulators)."""
+        tied = tied or []
+        n = len(tied) + results
+        cons = ["=f"] * len(tied) + ["=r"] * results + [str(i) for i in range(len(tied))]
+        cons += [a[1] for a in args]
+        ops = list(tied) + [a[0] for a in args]
+        types = ["f32"] * len(tied) + [a[2] for a in args]
+        text = text.replace("\n", "\\0A")
+        if n == 0:
+            self.w(f'llvm.inline_asm has_side_effects asm_dialect = att "{text}", "{",".join(cons)}" '
+                   f'{", ".join(ops)} : ({", ".join(types)}) -> ()')
+            return []
+        r = self.fresh()
+        rt = ("!llvm.struct<(" + ", ".join(["f32"] * len(tied) + ["i32"] * results) + ")>") if n > 1 else (
+            "f32" if tied else "i32")
+        self.w(f'{r} = llvm.inline_asm has_side_effects asm_dialect = att "{text}", "{",".join(cons)}" '
+               f'{", ".join(ops)} : ({", ".join(types)}) -> {rt}')
+        if n == 1:
+            return [r]
+        out = []
+        for i in range(n):
+            x = self.fresh()
+            self.w(f"{x} = llvm.extractvalue {r}[{i}] : {rt}")
+            out.append(x)
+        if tied:  # the accumulators flow on as the asm's results
+            tied[:] = out[:len(tied)]
+        return out
+
+    def smem_base(self) -> str:
+        """The dynamic shared memory's address, rounded up to ALIGN (i32, shared window)."""
+        d, p = self.fresh(), self.fresh()
+        self.w(f"{d} = gpu.dynamic_shared_memory : memref<?xi8, #gpu.address_space<workgroup>>")
+        self.w(f"{p} = memref.extract_aligned_pointer_as_index {d} : memref<?xi8, #gpu.address_space<workgroup>> -> index")
+        a = self.to_i32(p)
+        up = self.i32_add(a, self.i32(ALIGN - 1))
+        return self.binop("arith.andi", up, self.i32(-ALIGN), "i32")
+
+    def mbar_init(self, bar: str, count: int) -> None:
+        self.asm("mbarrier.init.shared::cta.b64 [$0], $1;", args=[(bar, "r", "i32"), (self.i32(count), "r", "i32")])
+
+    def mbar_expect(self, bar: str, nbytes: int) -> None:
+        self.asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+                 args=[(bar, "r", "i32"), (self.i32(nbytes), "r", "i32")])
+
+    def mbar_arrive(self, bar: str) -> None:
+        self.asm("mbarrier.arrive.shared::cta.b64 _, [$0];", args=[(bar, "r", "i32")])
+
+    def mbar_wait(self, bar: str, parity: str, cluster: bool = False) -> None:
+        """Spin until the phase of `parity` completed (cluster: acquiring the peer CTA's
+        releases too)."""
+        sem = ".acquire.cluster" if cluster else ""
+        self.asm("{\n.reg .pred P1;\nWAIT:\nmbarrier.try_wait.parity" + sem + ".shared::cta.b64 P1, [$0], $1;\n"
+                 "@!P1 bra WAIT;\n}", args=[(bar, "r", "i32"), (parity, "r", "i32")])
+
+    def mbar_arrive_remote(self, bar: str, rank: str) -> None:
+        """Arrive on the barrier at `bar`'s offset in CTA `rank` of the cluster."""
+        self.asm("{\n.reg .b32 R;\nmapa.shared::cluster.u32 R, $0, $1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [R];\n}",
+                 args=[(bar, "r", "i32"), (self.to_i32(rank), "r", "i32")])
+
+    def cluster_rank(self) -> str:
+        r = self.asm("mov.u32 $0, %cluster_ctarank;", results=1)[0]
+        return self.cast("arith.index_cast", r, "i32", "index")
+
+    def cluster_barrier(self) -> None:
+        self.asm("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;")
+
+    def tma_load(self, which: str, dst: str, coords: list[str], bar: str, multicast: int = 0) -> None:
+        """A box at `coords` into shared `dst`, bytes counted on `bar`; `multicast`: a mask of
+        cluster CTAs that each receive it at the same offsets (and count it on their `bar`)."""
+        n = len(coords)
+        cs = ", ".join(f"${i + 2}" for i in range(n))
+        mc = ".multicast::cluster" if multicast else ""
+        mask = f", ${n + 3}" if multicast else ""
+        self.asm(f"cp.async.bulk.tensor.{n}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes{mc} "
+                 f"[$0], [$1, {{{cs}}}], [${n + 2}]{mask};",
+                 args=[(dst, "r", "i32"), (f"%tm{which}", "l", "!llvm.ptr"),
+                       *[(self.to_i32(x), "r", "i32") for x in coords], (bar, "r", "i32"),
+                       *([(self.const(multicast, "i16"), "h", "i16")] if multicast else [])])
+
+    def desc(self, smem: str, base: int, side: Side, s: str, layout: tuple[int, int, int],
+             part: str | None, part_bytes: int) -> str:
+        """The i64 descriptor of stage `s`'s tile + `layout`'s offset (+ part * part_bytes:
+        a consumer's rows of A, whole 8-row atoms, so the swizzle phase is unchanged)."""
+        off, lbo, sbo = layout
+        addr = self.i32_add(smem, self.i32_add(self.i32(base + off), self.i32_mul(self.to_i32(s), self.i32(side.stage_bytes))))
+        if part is not None:
+            addr = self.i32_add(addr, self.i32_mul(self.to_i32(part), self.i32(part_bytes)))
+        a64 = self.cast("arith.extui", addr, "i32", "i64")
+        lo = self.binop("arith.shrui", self.binop("arith.andi", a64, self.const(0x3FFFF, "i64"), "i64"),
+                        self.const(4, "i64"), "i64")
+        return self.binop("arith.ori", lo, self.const(descriptor(0, lbo, sbo), "i64"), "i64")
+
+    def wgmma(self, accs: list[str], da: str, db: str) -> list[str]:
+        spec, p = self.spec, self.p
+        n = len(accs)
+        regs = ", ".join(f"${i}" for i in range(n))
+        # operands: the n outputs, the n tied inputs, then the descriptors and the scale-d flag
+        da_, db_, sd = 2 * n, 2 * n + 1, 2 * n + 2
+        if spec.kind == "tf32":
+            ins = f"wgmma.mma_async.sync.aligned.m64n{p.bn}k8.f32.tf32.tf32 {{{regs}}}, ${da_}, ${db_}, P, 1, 1;"
+        else:
+            ta, tb = int(not p.a.k_major), int(not p.b.k_major)
+            ins = (f"wgmma.mma_async.sync.aligned.m64n{p.bn}k16.f32.{spec.kind}.{spec.kind} "
+                   f"{{{regs}}}, ${da_}, ${db_}, P, 1, 1, {ta}, {tb};")
+        acc = list(accs)
+        self.asm("{\n.reg .pred P;\nsetp.ne.b32 P, $" + str(sd) + ", 0;\n" + ins + "\n}", acc,
+                 [(da, "l", "i64"), (db, "l", "i64"), (self.i32(1), "r", "i32")])
+        return acc
+
+    def loop(self, lo: str, hi: str, body: Any) -> None:
+        iv = self.fresh()
+        self.w(f"scf.for {iv} = {lo} to {hi} step {self.const(1)} {{")
+        body(iv)
+        self.w("}")
+
+    def if_else(self, cond: str, then: Any, else_: Any) -> None:
+        self.w(f"scf.if {cond} {{")
+        then()
+        self.w("} else {")
+        else_()
+        self.w("}")
+
+    def _to_f32(self, x: str, ty: str) -> str:
+        return x if ty == "f32" else self.cast("arith.extf", x, ty, "f32")
+
+    def init_f32(self) -> str:
+        return self._to_f32("%init", self.init_type)
+
+    def _cidx(self, row: str, col: str) -> list[str]:
+        spec = self.spec
+        at = {spec.m: row, spec.n: col}
+        return [at.get(d, self.batch) for d in spec.c.dims]
+
+    def _inside(self, row: str, col: str) -> str:
+        return self.and_(self.lt(row, self.const(self.spec.M)), self.lt(col, self.const(self.spec.N)))
+
+    def load_c(self, row: str, col: str) -> str:
+        spec = self.spec
+        return self.if_(self._inside(row, col), "f32",
+                        lambda: self._to_f32(self.load("%C", spec.c.type, self._cidx(row, col)), spec.c.elem),
+                        lambda: self.const(0.0, "f32"))
+
+    def _round(self, v: str) -> str:
+        ec = self.spec.c.elem
+        return v if ec == "f32" else self.cast("arith.truncf", v, "f32", ec)
+
+    def store_c(self, row: str, col: str, v: str) -> None:
+        self.when(self._inside(row, col),
+                  lambda: self.store(self._round(v), "%C", self.spec.c.type, self._cidx(row, col)))
+
+    def smem_store_pair(self, addr: str, v0: str, v1: str) -> None:
+        ec = self.spec.c.elem
+        x, w = self.fresh(), self.fresh()
+        self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{ec}>")
+        self.w(f"{w} = vector.bitcast {x} : vector<2x{ec}> to vector<1xi32>")
+        y = self.fresh()
+        self.w(f"{y} = vector.extract {w}[0] : i32 from vector<1xi32>")
+        self.asm("st.shared.b32 [$0], $1;", args=[(addr, "r", "i32"), (y, "r", "i32")])
+
+    def store_chunk(self, addr: str, row: str, col: str) -> None:
+        """16 bytes of staged C (8 halves) from shared `addr` to C[row, col..col+7]."""
+        ec, ct = self.spec.c.elem, self.spec.c.type
+        regs = self.asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", args=[(addr, "r", "i32")], results=4)
+
+        def st() -> None:
+            v, h = self.fresh(), self.fresh()
+            self.w(f"{v} = vector.from_elements {', '.join(regs)} : vector<4xi32>")
+            self.w(f"{h} = vector.bitcast {v} : vector<4xi32> to vector<8x{ec}>")
+            self.w(f"vector.store {h}, %C[{', '.join(self._cidx(row, col))}] {{alignment = 16}} : {ct}, vector<8x{ec}>")
+
+        self.when(self._inside(row, col), st)
+
+    def store_pair(self, row: str, col: str, v0: str, v1: str) -> None:
+        ec, ct = self.spec.c.elem, self.spec.c.type
+
+        def st() -> None:
+            x = self.fresh()
+            self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{ec}>")
+            self.w(f"vector.store {x}, %C[{', '.join(self._cidx(row, col))}] {{alignment = {2 * _ESIZE[ec]}}}"
+                   f" : {ct}, vector<2x{ec}>")
+
+        self.when(self._inside(row, col), st)

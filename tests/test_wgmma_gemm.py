@@ -1,0 +1,245 @@
+"""Hopper GEMM (gac_torch/kernels/wgmma_gemm.py, strategies/wgmma.py), without a GPU: the
+shared-memory layout math against a numpy model of TMA's swizzled writes and wgmma's
+descriptor reads; the strategy's choice and the PTX (sm_90a, ptxas, no spills)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gac_torch.backends.cuda import ptxas
+from gac_torch.backends.gpu.program import BufferRef, KernelLaunch, TensorMapArg, from_json, to_json
+from gac_torch.kernels import wgmma_gemm as W
+from gac_torch.kernels.cuda_mma import Operand, Spec
+from cuda_cases import MLIR, Case, compile_case, matmul
+
+# ------------------------------------------------------------------------------------------------
+# layout: TMA writes a box swizzled, wgmma reads it back through the kernel's descriptors
+
+
+def _tma_write(smem: np.ndarray, at: int, box: np.ndarray, es: int) -> None:
+    """A TMA box (outer x inner elements, 128-byte rows) written at byte `at` (1024-aligned)
+    with the 128-byte swizzle: 16-byte chunk c of row r lands in chunk c ^ (r % 8)."""
+    assert at % W.ALIGN == 0
+    raw = box.view(np.uint8).reshape(box.shape[0], -1)
+    assert raw.shape[1] == W.SWIZZLE
+    for r in range(box.shape[0]):
+        for chunk in range(8):
+            dst = at + r * 128 + ((chunk ^ (r % 8)) * 16)
+            smem[dst:dst + 16] = raw[r, chunk * 16:chunk * 16 + 16]
+
+
+def _wgmma_read(smem: np.ndarray, desc: int, rows: int, k: int, k_major: bool, dtype) -> np.ndarray:
+    """The rows x k operand a wgmma reads through descriptor `desc` (PTX ISA "matrix
+    descriptor", 128-byte swizzle mode; the canonical layouts as CUTLASS's GmmaDescriptor
+    documents them), decoded from the descriptor's bits."""
+    es = np.dtype(dtype).itemsize
+    start, lbo, sbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+    assert desc >> 62 == 1  # 128-byte swizzle
+    out = np.zeros((rows, k), dtype=dtype)
+    for r in range(rows):
+        for kk in range(k):
+            if k_major:  # 8-row groups SBO apart, rows 128 B apart, K contiguous
+                addr = start + (r // 8) * sbo + (r % 8) * 128 + kk * es
+            else:  # 64-element M/N chunks LBO apart, 8-row K groups SBO apart, rows of 128 B
+                span = 128 // es
+                addr = start + (r // span) * lbo + (kk // 8) * sbo + (kk % 8) * 128 + (r % span) * es
+            addr = W.swizzle128(addr)
+            out[r, kk] = smem[addr:addr + es].view(dtype)[0]
+    return out
+
+
+@pytest.mark.parametrize("k_major,rows,dtype,split", [
+    (True, 128, np.float16, 1), (False, 128, np.float16, 1), (False, 256, np.float16, 1),
+    (True, 256, np.float16, 1), (True, 128, np.float32, 1),
+    (True, 256, np.float16, 2)])  # a K-major B tile as two boxes (CTA pairs: one each)
+def test_descriptors_read_back_what_tma_wrote(k_major: bool, rows: int, dtype, split: int) -> None:
+    es = np.dtype(dtype).itemsize
+    bk = W.SWIZZLE // es
+    ks = 8 if es == 4 else 16
+    side = W.Side(k_major, rows, (bk, rows // split) if k_major else (64, bk),
+                  split if k_major else rows // 64, rows * bk * es)
+    rng = np.random.default_rng(0)
+    tile = rng.standard_normal((rows, bk)).astype(dtype)  # [M/N row][k] of one stage
+    base = 3 * W.ALIGN  # a stage of the ring
+    smem = np.zeros(base + side.stage_bytes + 4096, dtype=np.uint8)
+    for off, shift in W.box_origins(side, es):  # 3b: the producer's boxes
+        if k_major:  # box [rows / split][k]
+            box = tile[shift:shift + side.box[1]]
+        else:  # box [k][64 M/N elements]
+            box = np.ascontiguousarray(tile[shift:shift + 64, :].T)
+        _tma_write(smem, base + off, box, es)
+    # 4b: every consumer's rows of A (64 each), all of B's; every K step
+    parts = [(0, 64), (64, 64)] if rows == 128 else [(0, rows)]  # A: per consumer; B: whole
+    for rows0, n in parts + ([(0, rows)] if rows == 128 and not k_major else []):
+        for kstep in range(bk // ks):
+            off, lbo, sbo = W.desc_layout(side, es, rows0, kstep)
+            got = _wgmma_read(smem, W.descriptor(base + off, lbo, sbo), n, ks, k_major, dtype)
+            want = tile[rows0:rows0 + n, kstep * ks:(kstep + 1) * ks]
+            np.testing.assert_array_equal(got, want)
+
+
+def test_layout_model_catches_a_wrong_stride_byte_offset() -> None:
+    es = 2
+    side = W.Side(True, 128, (64, 128), 1, 128 * 64 * es)
+    tile = np.random.default_rng(1).standard_normal((128, 64)).astype(np.float16)
+    smem = np.zeros(side.stage_bytes + 2048, dtype=np.uint8)
+    _tma_write(smem, 0, tile, es)
+    off, lbo, sbo = W.desc_layout(side, es, 0, 1)
+    got = _wgmma_read(smem, W.descriptor(off, lbo, sbo // 2), 64, 16, True, np.float16)
+    assert not np.array_equal(got, tile[:64, 16:32])
+
+
+# ------------------------------------------------------------------------------------------------
+# strategy choice and PTX
+
+_PTXAS = ptxas.find_ptxas()
+
+
+def _case(M: int, K: int, N: int, dt: torch.dtype, a_t: bool = False, b_t: bool = False,
+          batch: int = 0) -> Case:
+    """C = A @ B with A given as [K, M] (a_t) and B as [N, K] (b_t), batched when batch > 0;
+    f16/bf16 accumulate in f32 and are rounded after, as the shared lowering does."""
+    e = MLIR[dt]
+    acc = "f32"
+    bs = f"{batch}x" if batch else ""
+    d = "d0, " if batch else ""
+    dims = "(d0, d1, d2, d3)" if batch else "(d1, d2, d3)"
+    am = f"affine_map<{dims} -> ({d}d3, d1)>" if a_t else f"affine_map<{dims} -> ({d}d1, d3)>"
+    bm = f"affine_map<{dims} -> ({d}d2, d3)>" if b_t else f"affine_map<{dims} -> ({d}d3, d2)>"
+    cm = f"affine_map<{dims} -> ({d}d1, d2)>"
+    its = '"parallel", ' * (3 if batch else 2) + '"reduction"'
+    ash = (K, M) if a_t else (M, K)
+    bsh = (N, K) if b_t else (K, N)
+    at, bt = f"tensor<{bs}{ash[0]}x{ash[1]}x{e}>", f"tensor<{bs}{bsh[0]}x{bsh[1]}x{e}>"
+    ct, rt = f"tensor<{bs}{M}x{N}x{acc}>", f"tensor<{bs}{M}x{N}x{e}>"
+    idm = f"affine_map<({'d0, ' if batch else ''}d1, d2) -> ({'d0, ' if batch else ''}d1, d2)>"
+    ext = f"%x = arith.extf %a : {e} to f32\n    %y = arith.extf %b : {e} to f32"
+    body = f"""
+  %zero = arith.constant 0.0 : f32
+  %em = tensor.empty() : {ct}
+  %f = linalg.fill ins(%zero : f32) outs(%em : {ct}) -> {ct}
+  %mm = linalg.generic {{indexing_maps = [{am}, {bm}, {cm}], iterator_types = [{its}]}} ins(%t0, %t1 : {at}, {bt}) outs(%f : {ct}) {{
+  ^bb0(%a: {e}, %b: {e}, %c: f32):
+    {ext}
+    %p = arith.mulf %x, %y : f32
+    %s = arith.addf %c, %p : f32
+    linalg.yield %s : f32
+  }} -> {ct}"""
+    if e == "f32":
+        body = body.replace("%mm = ", "%r0 = ").replace(ext, "").replace("%x, %y", "%a, %b")
+    else:
+        body += f"""
+  %eo = tensor.empty() : {rt}
+  %r0 = linalg.generic {{indexing_maps = [{idm}, {idm}], iterator_types = [{'"parallel", ' * (2 if batch else 1) + '"parallel"'}]}} ins(%mm : {ct}) outs(%eo : {rt}) {{
+  ^bb0(%a: f32, %o: {e}):
+    %t = arith.truncf %a : f32 to {e}
+    linalg.yield %t : {e}
+  }} -> {rt}"""
+    shape = lambda s: ((batch,) if batch else ()) + s  # noqa: E731
+
+    def ref(a, b):
+        a = a.transpose(-1, -2) if a_t else a
+        b = b.transpose(-1, -2) if b_t else b
+        return [a @ b]
+
+    return Case(f"gemm_{M}x{K}x{N}_{e}_{int(a_t)}{int(b_t)}_{batch}", [(shape(ash), dt), (shape(bsh), dt)],
+                [(shape((M, N)), dt)], body, ref)
+
+
+@pytest.mark.parametrize("M,K,N,dt,a_t,b_t,batch,bn", [
+    (4096, 4096, 4096, torch.bfloat16, False, False, 0, 256),
+    (1000, 520, 1032, torch.float16, False, False, 0, 128),
+    (136, 72, 264, torch.bfloat16, True, False, 0, 128),
+    (200, 136, 264, torch.float16, False, True, 3, 128),
+    (200, 136, 262, torch.float16, False, True, 0, 128),  # C rows not 16-byte multiples: pairs
+])
+def test_wgmma_chosen_and_assembles(M, K, N, dt, a_t, b_t, batch, bn) -> None:
+    program = compile_case(_case(M, K, N, dt, a_t, b_t, batch), "sm_90")
+    staged = "st.global.v4.b32" in program.ptx  # 5b, else two halves at a time (5)
+    assert staged == (N % 8 == 0), staged
+    # the TMA descriptors are host-program data: two per launch, read access, JSON round trip
+    maps = [a for a in program.launches[0].args if isinstance(a, TensorMapArg)]
+    assert [(a.buffer.index, a.swizzle) for a in maps] == [(0, 128), (1, 128)]
+    assert from_json(to_json(program)) == program and program.dataflow_errors(2) == []
+    # one kernel: the rounding to f16/bf16 happens in its store
+    assert [k.strategy for k in program.launches] == ["wgmma"], program.describe()
+    assert program.launches[0].block == (W.THREADS, 1, 1)
+    ptx = program.ptx
+    assert ".target sm_90a" in ptx
+    want = {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{MLIR[dt]}.{MLIR[dt]}"}
+    assert {line.split()[0] for line in ptx.splitlines() if line.startswith("wgmma.mma_async")} == want
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait.parity" in ptx
+    assert _PTXAS is not None, "ptxas not found (pip install nvidia-cuda-nvcc-cu12)"
+    result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+    assert result.ok and " 0 bytes spill stores" in result.log, result.log
+
+
+def test_wgmma_tf32_needs_k_major_operands() -> None:
+    opts = {"allow_tf32": True}
+    linear = _case(512, 256, 384, torch.float32, b_t=True)
+    linear.options = opts
+    program = compile_case(linear, "sm_90")
+    assert [k.strategy for k in program.launches] == ["wgmma"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in program.ptx
+    assert ptxas.assemble(program.ptx, "sm_90a", _PTXAS).ok
+    mm = _case(512, 256, 384, torch.float32)  # B N-major: wgmma has no tf32 transpose
+    mm.options = opts
+    assert [k.strategy for k in compile_case(mm, "sm_90").launches] == ["mma"]
+
+
+@pytest.mark.parametrize("M,K,N,arch", [(1000, 520, 1030, "sm_90"),  # B's rows: 2060 B, not 16-aligned
+                                        (129, 64, 257, "sm_90"),  # small and unaligned
+                                        (1024, 1024, 1024, "sm_80")])  # no wgmma before Hopper
+def test_other_gemms_keep_mma(M, K, N, arch) -> None:
+    program = compile_case(matmul(M, K, N, torch.bfloat16), arch)
+    assert "wgmma" not in {k.strategy for k in program.launches}
+    assert ".target sm_90a" not in program.ptx
+
+
+def test_plan_fits_shared_memory_and_registers() -> None:
+    def op(shape, dims):
+        return Operand(f"memref<{'x'.join(map(str, shape))}xbf16>", "bf16", dims, shape,
+                       tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))), 0)
+
+    spec = Spec("bf16", 0, 1, 2, (), (4096, 4096, 4096), op((4096, 4096), (0, 2)), op((4096, 4096), (2, 1)),
+                op((4096, 4096), (0, 1)), True)
+    for bn in (128, 256):
+        p = W.plan(spec, bn=bn)
+        assert p is not None and p.smem_bytes <= W.SMEM_LIMIT and p.stages >= 3
+        assert p.tiles == 4096 // bn * 4096 // W.BM and p.grid == (W.SM_COUNT_HINT, 1, 1)
+    assert W.PRODUCER_REGS * W.WG + 2 * W.CONSUMER_REGS * W.WG <= 65536
+
+
+def test_arg_table_passes_tensor_map_addresses() -> None:
+    # the runtime encodes each descriptor once per pointer set (upload_tensor_maps, on the GPU)
+    # and hands the kernel its device address in the argument's slot
+    from gac_torch.backends.cuda.runtime import ArgTable
+
+    tm = TensorMapArg(BufferRef("arg", 0), "bf16", (64, 128), (128,), 0, (64, 128), 128)
+    launch = KernelLaunch("k", (1, 1, 1), (384, 1, 1), 0, (tm, BufferRef("arg", 1)))
+    table = ArgTable([launch], [0x1000, 0x2000], [], {(0, 0): 0xABC00})
+    assert int.from_bytes(table.param(0, 0), "little") == 0xABC00
+    assert int.from_bytes(table.param(0, 1), "little") == 0x2000
+
+
+def test_env_switch_leaves_gemms_to_mma(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = matmul(1024, 1024, 1024, torch.bfloat16)
+    assert [k.strategy for k in compile_case(case, "sm_90").launches] == ["wgmma"]
+    monkeypatch.setenv("GAC_WGMMA", "0")  # bisecting: the mma.sync kernel and its rounding pass
+    assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"mma", "loops"}
+
+
+def test_cluster_pairs_compile_with_multicast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_WGMMA_CLUSTER=2: CTA pairs, B multicast; checked offline only (PTX + ptxas)
+    monkeypatch.setenv("GAC_WGMMA_CLUSTER", "2")
+    for case, pairs in ((_case(4096, 512, 4096, torch.bfloat16), True),
+                        (_case(1000, 520, 1032, torch.float16, b_t=True), True),  # K-major B: 2 boxes
+                        (_case(120, 136, 264, torch.bfloat16), False)):  # one M tile: no pair
+        program = compile_case(case, "sm_90")
+        ptx = program.ptx
+        assert ("multicast::cluster" in ptx and ".reqnctapercluster 2, 1, 1" in ptx) == pairs
+        assert program.launches[0].grid[0] % (2 if pairs else 1) == 0
+        result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+        assert result.ok and " 0 bytes spill stores" in result.log, result.log
