@@ -185,3 +185,23 @@ def test_two_attentions_get_two_flash_kernels():
         ptx = gac_torch.compile(enc, (x,), target="cuda", options={"fallback": False}).ir("ptx")
     flash = [line for line in ptx.splitlines() if ".entry" in line and "_flash(" in line]
     assert len(flash) == 2, [line for line in ptx.splitlines() if ".entry" in line]
+
+
+def test_tc_dot_truncates_like_the_tensor_cores():
+    """The twin's mma adds as the hardware does: toward zero, so a long chain drifts low."""
+    a = np.ones((1, 16, 8), np.float32)
+    b = np.full((1, 8, 8), 2.0**-26, np.float32)
+    c = np.ones((1, 16, 8))  # 1 + 8 · 2^-26: the exact sum is 1 + 2^-23 (one ulp up)
+    assert (twin.tc_dot(a, b, c) == np.float32(1 + 2.0**-23)).all()
+    b[:] = 1.5 * 2.0**-26  # exact sum 1 + 1.5 ulp: one ulp (each term cut to the grid), not two
+    assert (twin.tc_dot(a, b, c) == np.float32(1 + 2.0**-23)).all()
+
+
+def test_f32x3_long_rows_keep_f32_error():
+    """Exact f32 over 2500 keys (the sdpa_f32_8x8x2500x32 row): one mma chain for P·V over every
+    key drifted to 2.1e-5 in the twin (1.8e-5 measured on the H200; eager 6.5e-7). Each key
+    tile now accumulates P·V afresh and adds it to O in an fma rounded to nearest."""
+    spec, q, k, v, _ = _case("f32x3", (1,), 16, 2500, 32, 32, seed=3)
+    out = twin.emulate(spec, fa.plan(spec), q, k, v)
+    ref = twin.reference(q, k, v, None, "none", spec.scale, False)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-6
