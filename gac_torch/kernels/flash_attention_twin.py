@@ -57,6 +57,7 @@ class _Numpy:
         self.epoch = 0
         self.S = {"Q": _Smem((p.bm, p.dp + p.pad)), "K": _Smem((p.bn, p.dp + p.pad)),
                   "V": _Smem((p.bn, p.dvc + p.pad))}
+        self.pending: list[tuple[str, list, np.ndarray]] = []  # cp.async copies in flight
 
     # scalars: arrays over the threads
     def const(self, x: int) -> np.ndarray:
@@ -105,7 +106,7 @@ class _Numpy:
     def shfl_xor(self, x: np.ndarray, m: int) -> np.ndarray:
         return x[np.arange(self.T) ^ m]
 
-    def load_global(self, which: str, idx: list[np.ndarray], vec: int, ok: np.ndarray) -> np.ndarray:
+    def _load_global(self, which: str, idx: list[np.ndarray], vec: int, ok: np.ndarray) -> np.ndarray:
         buf = self.arr[which]
         out = np.zeros((self.T, vec), dtype=np.float32)
         for i in range(vec):
@@ -114,6 +115,22 @@ class _Numpy:
                 assert all((a[ok] < s).all() for a, s in zip(at, buf.shape)), f"{which}: load out of bounds"
             out[:, i] = np.where(ok, buf[tuple(at)], 0.0)
         return out
+
+    def copy_async(self, which: str, sidx: list[np.ndarray], gidx: list[np.ndarray], vec: int,
+                   ok: np.ndarray) -> None:
+        """cp.async: the write counts (for races) when issued; until wait_async the cells hold
+        NaN, so a read of them before the copy lands fails as a read of unwritten memory."""
+        val = self._load_global(which, gidx, vec, ok)
+        cells = self._touch(which, sidx, vec, True)
+        for at in cells:
+            self.S[which].data[at] = np.nan
+        self.pending.append((which, cells, val))
+
+    def wait_async(self) -> None:
+        for which, cells, val in self.pending:
+            for i, at in enumerate(cells):
+                self.S[which].data[at] = val[:, i]
+        self.pending = []
 
     def _touch(self, which: str, idx: list[np.ndarray], n: int, write: bool) -> list[tuple]:
         s = self.S[which]
@@ -142,10 +159,6 @@ class _Numpy:
                 s.r_tid[at] = np.where(same, -2, tids)
                 s.r_epoch[at] = e
         return cells
-
-    def store_smem(self, which: str, idx: list[np.ndarray], val: np.ndarray, vec: int) -> None:
-        for i, at in enumerate(self._touch(which, idx, vec, True)):
-            self.S[which].data[at] = val[:, i]
 
     def load_smem(self, which: str, idx: list[np.ndarray], n: int) -> np.ndarray:
         cells = self._touch(which, idx, n, False)
