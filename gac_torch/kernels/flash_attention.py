@@ -140,9 +140,9 @@ def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
 
 
 def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024,
-         big: bool | None = None) -> Plan | None:
+         big: bool | None = None, tiles: tuple[tuple[int, int], ...] | None = None) -> Plan | None:
     """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused).
-    `big` forces (or forbids) the 8-warp block."""
+    `big` forces (or forbids) the 8-warp block; `tiles` replaces the (warps, BN) candidates."""
     if spec.kind not in KINDS or min(spec.L, spec.S, spec.D, spec.Dv) < 1 or spec.D > 256 or spec.Dv > 256:
         return None
     bufs = [spec.q, spec.k, spec.v, spec.o] + ([spec.mask] if spec.mask is not None else [])
@@ -159,7 +159,9 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     if big is None:  # (only where ~128 registers a thread still let two blocks share an SM)
         big = (dp <= (64 if spec.elem in ("f16", "bf16") else 32)
                and -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT)
-    for warps, bn in ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16)):
+    if tiles is None:
+        tiles = ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16))
+    for warps, bn in tiles:
         if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
             continue
         t = 32 * warps
@@ -177,6 +179,12 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
 
 # --------------------------------------------------------------------------------------------
 # the kernel, once, against a builder
+
+
+def _tree(op: Any, xs: list[Any]) -> Any:
+    while len(xs) > 1:
+        xs = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)] + xs[len(xs) - len(xs) % 2:]
+    return xs[0]
 
 
 def kernel(b: Any, spec: Spec, p: Plan) -> None:
@@ -285,23 +293,19 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
         # 3d. online softmax
         corr, mnew, muse = [], [], []
-        for h in range(2):
-            mx = mrow[h]
-            for j in range(NT):
-                for q in (2 * h, 2 * h + 1):
-                    mx = b.fmax(mx, s[4 * j + q])
+        for h in range(2):  # (pairwise trees: 5-6 dependent steps for 2·NT values, not 2·NT)
+            mx = b.fmax(mrow[h], _tree(b.fmax, [s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
             mx = b.fmax(mx, b.shfl_xor(mx, 1))
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
             use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
             corr.append(b.fexp2(b.fmul(b.fsub(mrow[h], use), sc) if raw else b.fsub(mrow[h], use)))
             mnew.append(mx)
             muse.append(b.fmul(use, sc) if raw else use)
-        lnew = [b.fmul(lrow[0], corr[0]), b.fmul(lrow[1], corr[1])]
         for j in range(NT):
             for q in range(4):
-                h = q // 2
-                s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[h]))
-                lnew[h] = b.fadd(lnew[h], s[4 * j + q])
+                s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[q // 2]))
+        lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, [s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
+                for h in range(2)]
         # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts; O += P V
         b.wait_async()
         b.barrier()

@@ -13,6 +13,7 @@ Everything here runs without a GPU.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -100,6 +101,8 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
                 # epilogue spilled). Occupancy vs. registers is for tuning on the device.
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+            if name.endswith("_flash"):  # (flash attention: see _flash_maxnreg)
+                f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), _flash_maxnreg(f))
         run_passes(
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
@@ -109,6 +112,14 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
     return GpuStage(module, stage.program, opts)
+
+
+def _flash_maxnreg(kernel: ir.Operation) -> int:
+    """Registers a flash-attention thread may use: 8-warp blocks 128 (two blocks an SM), smaller
+    ones what they need. Given only .maxntid, ptxas capped some 8-warp f32 blocks at 80 and some
+    4-warp bf16 ones at 128, and spilled."""
+    threads = math.prod(ir.DenseI32ArrayAttr(kernel.attributes["known_block_size"]))
+    return 128 if threads >= 256 else 255
 
 
 SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores
