@@ -94,6 +94,27 @@ def test_twin_eight_warps(kind):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
 
 
+@pytest.mark.parametrize("kind,tiles,D", [("bf16", (4, 128), 64), ("f16", (8, 128), 32), ("f32x3", (4, 64), 32),
+                                          ("tf32", (8, 32), 48)])
+def test_twin_other_tilings(kind, tiles, D):
+    """The (warps, BN) tilings benchmarks/flash_variants.py times, on odd L and S (S past one
+    128-key tile), a broadcast additive mask and causal."""
+    spec, q, k, v, mask = _case(kind, (1,), 70, 131, D, D, "add", (1, 1, 131), True, seed=2)
+    p = fa.plan(spec, tiles=(tiles,))
+    assert (p.warps, p.bn) == tiles
+    out = twin.emulate(spec, p, q, k, v, mask)
+    e = _ELEM[kind]
+    ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), round_to(mask, e), "add", spec.scale, True)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
+def test_twin_catches_a_read_before_the_copy_lands(monkeypatch):
+    spec, q, k, v, _ = _case("bf16", (1,), 20, 70, 16, 16)
+    monkeypatch.setattr(twin._Numpy, "wait_async", lambda self: None)
+    with pytest.raises(AssertionError, match="never written"):
+        twin.emulate(spec, fa.plan(spec), q, k, v)
+
+
 def test_fully_masked_rows_give_zero():
     spec, q, k, v, _ = _case("bf16", (1,), 9, 20, 16, 16, "none")
     mask = np.ones((1, 9, 20), dtype=np.int8)

@@ -21,8 +21,8 @@ rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
      last tile is peeled: it alone masks keys past S and fetches no next K). One K and one V
      buffer, FA2's order: V(n0) loads during 3b-3d, K(n0 + BN) during 3e.
      3a. wait      K(n0) landed (and every warp is done with V(n0 - BN)): barrier, V(n0) starts
-     3b. S = Q Kᵀ  per k-step, A fragments of Q (tf32 only: loaded once before the loop when
-                   they fit in 32 registers) and B fragments of K from shared memory (f16/bf16:
+     3b. S = Q Kᵀ  per k-step, A fragments of Q (loaded once before the loop where D <= 64,
+                   but for f32x3) and B fragments of K from shared memory (f16/bf16:
                    ldmatrix x4, two fragments an instruction); S 16 x BN per warp, f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
@@ -241,10 +241,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
                 for r, cc in FRAG_A8]
 
-    # tf32: Q's A fragments (16 scalar loads a k-step) stay in registers across key tiles while
-    # they fit in 32; f16/bf16 reload them with one ldmatrix a k-step, and f32x3 (whose split
-    # parts would stay live too) from shared memory: registers are tighter there
-    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind == "tf32" and DP <= 64 else {}
+    # Q's A fragments stay in registers across key tiles while D <= 64 (tf32: 16 scalar loads a
+    # k-step saved, 32 registers; f16/bf16: one ldmatrix a k-step, 16 registers); f32x3 (whose
+    # split parts would stay live too) reloads them from shared memory: registers are tighter
+    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind != "f32x3" and DP <= 64 else {}
 
     # Without an additive mask (and scale > 0) the row max is taken on the raw scores and the
     # scale applied inside exp2(s·c - m·c), which contracts to one fma per score.
