@@ -30,7 +30,7 @@ SHAPES = [(8, 8, 2500, 32), (4, 16, 4096, 64)]
 # (warps, BN) or None for the default plan, and a register cap per thread or None for the default
 VARIANTS = {"bf16": [(None, None), ((4, 128), None), ((4, 128), 168), ((8, 128), None), ((4, 64), None),
                      ((4, 64), 128), ((8, 32), None)],
-            "f32": [(None, None), (None, 128)]}
+            "f32": [(None, None), (None, 255), ((4, 64), None), ((8, 16), None)]}
 DT = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 

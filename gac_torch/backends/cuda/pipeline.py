@@ -101,8 +101,8 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
                 # epilogue spilled). Occupancy vs. registers is for tuning on the device.
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
-            if name.endswith("_flash"):  # (flash attention: see _flash_maxnreg)
-                f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), _flash_maxnreg(f))
+            if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
+                f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
         run_passes(
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
@@ -114,12 +114,12 @@ def lower_stage(stage: GpuStage) -> GpuStage:
     return GpuStage(module, stage.program, opts)
 
 
-def _flash_maxnreg(kernel: ir.Operation) -> int:
-    """Registers a flash-attention thread may use: 8-warp blocks 128 (two blocks an SM), smaller
-    ones what they need. Given only .maxntid, ptxas capped some 8-warp f32 blocks at 80 and some
-    4-warp bf16 ones at 128, and spilled."""
+def _flash_maxnreg(kernel: ir.Operation) -> int | None:
+    """A register cap for a flash-attention kernel: 128 for 8-warp blocks (two an SM; given only
+    .maxntid, ptxas capped some f32 ones at 80 and spilled); smaller blocks keep ptxas's choice
+    (it gave the 4-warp f32x3 D = 64 block 128, where a cap of 255 let it take 173)."""
     threads = math.prod(ir.DenseI32ArrayAttr(kernel.attributes["known_block_size"]))
-    return 128 if threads >= 256 else 255
+    return 128 if threads >= 256 else None
 
 
 SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores
