@@ -293,8 +293,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
         # 3d. online softmax
         corr, mnew, muse = [], [], []
+        half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
         for h in range(2):  # (pairwise trees: 5-6 dependent steps for 2·NT values, not 2·NT)
-            mx = b.fmax(mrow[h], _tree(b.fmax, [s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
+            mx = b.fmax(mrow[h], _tree(b.fmax, half_rows[h]))
             mx = b.fmax(mx, b.shfl_xor(mx, 1))
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
             use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
@@ -304,8 +305,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         for j in range(NT):
             for q in range(4):
                 s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[q // 2]))
-        lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, [s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
-                for h in range(2)]
+        half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
+        lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h])) for h in range(2)]
         # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts; O += P V
         b.wait_async()
         b.barrier()
@@ -328,7 +329,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 tmp = [b.fconst(0.0)] * (4 * jg)
                 for kk, fa in steps:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
                     for j in range(j0, j0 + jg):
-                        fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
+                        fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1)
+                              for e in (0, 1)]
                         i = 4 * (j - j0)
                         tmp[i:i + 4] = b.mma(spec.kind, fa, fb, tmp[i:i + 4])
                 for i in range(4 * jg):
