@@ -27,17 +27,17 @@ from gac_torch.kernels import flash_attention as fa  # noqa: E402
 from tests.parity import Fn  # noqa: E402
 
 SHAPES = [(8, 8, 2500, 32), (4, 16, 4096, 64)]
-# (warps, BN) or None for the default plan, and a register cap per thread or None for the default
-VARIANTS = {"bf16": [(None, None), ((4, 128), None), ((4, 128), 168), ((8, 128), None), ((4, 64), None),
-                     ((4, 64), 128), ((8, 32), None)],
-            "f32": [(None, None), (None, 255), ((4, 64), None), ((8, 16), None)]}
+# ((warps, BN) or None for the default plan, register cap or None for the default, m-tiles a warp)
+VARIANTS = {"bf16": [(None, None, 1), ((4, 128), None, 1), ((8, 128), None, 1), ((4, 64), None, 1),
+                     ((8, 32), None, 1), ((4, 64), None, 2), ((4, 128), None, 2)],
+            "f32": [(None, None, 1), (None, 255, 1), ((4, 64), None, 1), ((8, 16), None, 1)]}
 DT = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
-def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None):
+def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, mt: int):
     orig, orig_reg = fa.plan, pipeline._flash_maxnreg
     if tiles is not None:
-        fa.plan = lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,))
+        fa.plan = lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt)
     if maxnreg is not None:
         pipeline._flash_maxnreg = lambda kernel: maxnreg
     try:
@@ -70,10 +70,10 @@ def main() -> int:
             with torch.no_grad():
                 ref = F.scaled_dot_product_attention(*(t.double() for t in sets[0]))
                 fns = {"eager": (F.scaled_dot_product_attention, "")}
-                for tiles, reg in VARIANTS[dname]:
-                    name = f"gac {tiles or 'default'}{f' maxnreg {reg}' if reg else ''}"
+                for tiles, reg, mt in VARIANTS[dname]:
+                    name = f"gac {tiles or 'default'}{f' mt {mt}' if mt > 1 else ''}{f' maxnreg {reg}' if reg else ''}"
                     try:
-                        fns[name] = _compile(sets[0], tiles, reg)
+                        fns[name] = _compile(sets[0], tiles, reg, mt)
                     except Exception as e:  # noqa: BLE001  (a tiling that does not apply: report it)
                         print(f"{dname} {shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}

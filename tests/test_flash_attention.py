@@ -94,18 +94,29 @@ def test_twin_eight_warps(kind):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
 
 
-@pytest.mark.parametrize("kind,tiles,D", [("bf16", (4, 128), 64), ("f16", (8, 128), 32), ("f32x3", (4, 64), 32),
-                                          ("tf32", (8, 32), 48)])
-def test_twin_other_tilings(kind, tiles, D):
-    """The (warps, BN) tilings benchmarks/flash_variants.py times, on odd L and S (S past one
-    128-key tile), a broadcast additive mask and causal."""
+@pytest.mark.parametrize("kind,tiles,mt,D", [("bf16", (4, 128), 1, 64), ("f16", (8, 128), 1, 32),
+                                             ("f32x3", (4, 64), 1, 32), ("tf32", (8, 32), 1, 48),
+                                             ("bf16", (4, 64), 2, 64), ("f16", (2, 128), 2, 32)])
+def test_twin_other_tilings(kind, tiles, mt, D):
+    """The tilings benchmarks/flash_variants.py times ((warps, BN), m-tiles a warp), on odd L
+    and S (S past one 128-key tile), a broadcast additive mask and causal."""
     spec, q, k, v, mask = _case(kind, (1,), 70, 131, D, D, "add", (1, 1, 131), True, seed=2)
-    p = fa.plan(spec, tiles=(tiles,))
-    assert (p.warps, p.bn) == tiles
+    p = fa.plan(spec, tiles=(tiles,), mt=mt)
+    assert (p.warps, p.bn, p.bm) == (*tiles, 16 * tiles[0] * mt)
     out = twin.emulate(spec, p, q, k, v, mask)
     e = _ELEM[kind]
     ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), round_to(mask, e), "add", spec.scale, True)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
+def test_two_m_tiles_odd_rows_and_bool_mask():
+    """Two m-tiles a warp: the second tile's rows run past L (L = 70 in a 128-row block)."""
+    spec, q, k, v, mask = _case("bf16", (2,), 70, 33, 80, 40, "bool", None, False, seed=4)
+    p = fa.plan(spec, tiles=((4, 32),), mt=2)
+    out = twin.emulate(spec, p, q, k, v, mask)
+    ref = twin.reference(round_to(q, "bf16"), round_to(k, "bf16"), round_to(v, "bf16"), mask, "bool", spec.scale, False)
+    assert not np.isnan(out).any() and np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL["bf16"]
+    assert fa.plan(_case("f32x3", (1,), 7, 7, 16, 16)[0], mt=2) is None  # f32 kinds: one m-tile
 
 
 def test_twin_catches_a_read_before_the_copy_lands(monkeypatch):

@@ -9,10 +9,12 @@ matrix in memory (FlashAttention-2's schedule on warp-level `mma.sync`, sm_80+).
   masks  none | add (q's type, broadcast dims of size 1) | bool (i8, nonzero keeps); causal
          hides key j > query i; a row with every key hidden gives 0.
 
-One CTA of W warps owns BM = 16·W query rows of one batch index and one DVC-wide chunk of the
-output columns (Dv > 128 takes several chunks: Q Kᵀ is recomputed per chunk so the O
-accumulators stay at most 64 registers). Lane l of warp w: g = l / 4, t = l % 4; it owns query
-rows r0 = m0 + 16w + g and r0 + 8 (FRAG_C of cuda_mma).
+One CTA of W warps owns BM = 16·W·MT query rows of one batch index and one DVC-wide chunk of
+the output columns (Dv > 128 takes several chunks: Q Kᵀ is recomputed per chunk so the O
+accumulators stay at most 64 registers a m-tile). Each warp owns MT m-tiles of 16 rows (MT = 2,
+f16/bf16 only, as FA2's 32 rows a warp: every K and V fragment then serves two mma). Lane l of
+warp w: g = l / 4, t = l % 4; it owns query rows r0 = m0 + 16(MT·w + m) + g and r0 + 8 of
+m-tile m (FRAG_C of cuda_mma).
 
   1. locate     block -> (query tile m0, column chunk c0, batch index); warp, g, t
   2. stage      cp.async of Q's BM x D tile and the first K tile into shared memory (zero
@@ -111,6 +113,7 @@ class Plan:
     vq: int  # elements per global vector load of Q / K, V
     vkv: int
     grid: tuple[int, int, int]
+    mt: int = 1  # 16-row m-tiles a warp (f16/bf16): K and V fragments serve mt mma rows
 
     @property
     def threads(self) -> int:
@@ -118,7 +121,7 @@ class Plan:
 
     @property
     def bm(self) -> int:
-        return 16 * self.warps
+        return 16 * self.warps * self.mt
 
 
 def kind_for(elem: str, allow_tf32: bool) -> str | None:
@@ -140,13 +143,15 @@ def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
 
 
 def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024,
-         big: bool | None = None, tiles: tuple[tuple[int, int], ...] | None = None) -> Plan | None:
+         big: bool | None = None, tiles: tuple[tuple[int, int], ...] | None = None,
+         mt: int = 1) -> Plan | None:
     """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused).
-    `big` forces (or forbids) the 8-warp block; `tiles` replaces the (warps, BN) candidates."""
+    `big` forces (or forbids) the 8-warp block; `tiles` replaces the (warps, BN) candidates;
+    `mt` m-tiles a warp (f16/bf16 only)."""
     if spec.kind not in KINDS or min(spec.L, spec.S, spec.D, spec.Dv) < 1 or spec.D > 256 or spec.Dv > 256:
         return None
     bufs = [spec.q, spec.k, spec.v, spec.o] + ([spec.mask] if spec.mask is not None else [])
-    if any(b.elem != spec.elem for b in (spec.q, spec.k, spec.v)):
+    if any(b.elem != spec.elem for b in (spec.q, spec.k, spec.v)) or (mt > 1 and spec.elem == "f32"):
         return None
     if spec.o.elem not in ("f16", "bf16", "f32") or any(len(b.shape) != len(spec.q.shape) for b in bufs):
         return None
@@ -162,18 +167,19 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     if tiles is None:
         tiles = ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16))
     for warps, bn in tiles:
-        if smem_bytes(spec, 16 * warps, bn, dp, dvc, pad) > smem_limit:
+        bm = 16 * warps * mt
+        if smem_bytes(spec, bm, bn, dp, dvc, pad) > smem_limit:
             continue
         t = 32 * warps
-        vq = _vec(spec.q, dp, 16 * warps, t, es)
+        vq = _vec(spec.q, dp, bm, t, es)
         vk = _vec(spec.k, dp, bn, t, es)
         vv = _vec(spec.v, dvc, bn, t, es)
         if None in (vq, vk, vv) or min(vq, vk, vv) * es < 4:  # (cp.async moves 4, 8 or 16 bytes)
             continue
-        grid = (-(-spec.L // (16 * warps)), -(-dv8 // dvc), math.prod(spec.batch))
+        grid = (-(-spec.L // bm), -(-dv8 // dvc), math.prod(spec.batch))
         if any(x > lim for x, lim in zip(grid, max_grid)):
             return None
-        return Plan(warps, bn, dp, dvc, pad, vq, min(vk, vv), grid)  # type: ignore[type-var]
+        return Plan(warps, bn, dp, dvc, pad, vq, min(vk, vv), grid, mt)  # type: ignore[type-var]
     return None
 
 
@@ -192,7 +198,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     c = b.const
     half = spec.elem in ("f16", "bf16")
     KS = 16 if half else 8
-    NT, NO = BN // 8, DVC // 8
+    NT, NO, MT = BN // 8, DVC // 8, p.mt
     neg = -math.inf
     # 1. locate
     tid = b.tid()
@@ -206,8 +212,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     warp, lane = b.div(tid, c(32)), b.rem(tid, c(32))
     g, t = b.div(lane, c(4)), b.rem(lane, c(4))
     t2 = b.mul(t, c(2))
-    wrow = b.mul(warp, c(16))
-    rows = [b.add(m0, b.add(wrow, b.add(g, c(r)))) for r in (0, 8)]  # the lane's query rows
+    wrow = b.mul(warp, c(16 * MT))
+    rows = [[b.add(m0, b.add(wrow, b.add(g, c(16 * m + r)))) for r in (0, 8)]  # the lane's query rows
+            for m in range(MT)]
 
     def tile_copy(which: str, r0: Any, nrows: int, col0: Any, ncols: int, ext_r: int,
                   ext_c: int, vec: int) -> None:
@@ -235,42 +242,26 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     # ldmatrix (f16/bf16): lane l gives the address of row l % 8 of 8x8 matrix l / 8
     l8, l8h, l16 = b.rem(lane, c(8)), b.mul(b.rem(b.div(lane, c(8)), c(2)), c(8)), b.mul(b.div(lane, c(16)), c(8))
 
-    def q_frag(k0: int) -> list[Any]:
+    def q_frag(k0: int, m: int) -> list[Any]:
+        wr = wrow if m == 0 else b.add(wrow, c(16 * m))
         if half:  # matrices (rows +0/+8) x (cols k0/k0+8) = FRAG_A16's four registers
-            return b.ldmatrix("Q", b.add(wrow, b.add(l8, l8h)), b.add(l16, c(k0)), 4, False)
-        return [b.load_smem("Q", [b.add(wrow, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
+            return b.ldmatrix("Q", b.add(wr, b.add(l8, l8h)), b.add(l16, c(k0)), 4, False)
+        return [b.load_smem("Q", [b.add(wr, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
                 for r, cc in FRAG_A8]
 
     # Q's A fragments stay in registers across key tiles while D <= 64 (tf32: 16 scalar loads a
     # k-step saved, 32 registers; f16/bf16: one ldmatrix a k-step, 16 registers); f32x3 (whose
     # split parts would stay live too) reloads them from shared memory: registers are tighter
-    qfrags = {k0: q_frag(k0) for k0 in range(0, DP, KS)} if spec.kind != "f32x3" and DP <= 64 else {}
+    qfrags = ({(k0, m): q_frag(k0, m) for k0 in range(0, DP, KS) for m in range(MT)}
+              if spec.kind != "f32x3" and DP <= 64 else {})
 
     # Without an additive mask (and scale > 0) the row max is taken on the raw scores and the
     # scale applied inside exp2(s·c - m·c), which contracts to one fma per score.
     raw = spec.mask_kind != "add" and spec.scale > 0
     sc = b.fconst(spec.scale * LOG2E)
 
-    def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
-        mrow, lrow, acc = state[0:2], state[2:4], state[4:]
-        n0 = b.mul(kt, c(BN))
-        # 3a. K(kt) has landed (and every warp is done with V(kt - 1)): V(kt) starts
-        b.wait_async()
-        b.barrier()
-        tile_copy("V", n0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
-        # 3b. S = Q Kᵀ
-        s = [b.fconst(0.0)] * (NT * 4)
-        for k0 in range(0, DP, KS):
-            fa = qfrags[k0] if qfrags else q_frag(k0)
-            for j in range(NT):
-                if half and j % 2 == 0:  # B fragments of n-tiles j, j + 1 (keys x cols k0/k0+8)
-                    fbs = b.ldmatrix("K", b.add(l8, b.add(l16, c(8 * j))), b.add(l8h, c(k0)), 4, False)
-                if half:
-                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
-                else:
-                    fb = [b.load_smem("K", [b.add(g, c(8 * j)), b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
-                s[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, s[4 * j:4 * j + 4])
-        # 3c. mask
+    def mask_scores(s: list[Any], rows: list[Any], n0: Any, last: bool) -> None:
+        """3c on one m-tile's scores, in place."""
         for j in range(NT):
             for q, (rq, cq) in enumerate(FRAG_C):
                 row = rows[rq // 8]
@@ -291,7 +282,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     else:
                         hide = mv if hide is None else b.or_(hide, mv)  # load_mask: `hidden` for bool
                 s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
-        # 3d. online softmax
+
+    def online_softmax(s: list[Any], mrow: list[Any], lrow: list[Any]) -> tuple[list, list, list]:
+        """3d on one m-tile: scores become p in place; returns (corr, m_new, l_new) per half."""
         corr, mnew, muse = [], [], []
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
         for h in range(2):  # (pairwise trees: 5-6 dependent steps for 2·NT values, not 2·NT)
@@ -307,18 +300,54 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[q // 2]))
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
         lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h])) for h in range(2)]
+        return corr, mnew, lnew
+
+    def p_fragments(s: list[Any]) -> list[list[Any]]:
+        """One m-tile's P as the A fragments of the P·V k-steps (3e)."""
+        if half:
+            return [[b.pack_f32(s[8 * kk + 0], s[8 * kk + 1]), b.pack_f32(s[8 * kk + 2], s[8 * kk + 3]),
+                     b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])]
+                    for kk in range(BN // 16)]
+        return [[s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]] for kk in range(NT)]
+
+    def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
+        # state: the row maxima (2 a m-tile), the row sums (2 a m-tile), the O accumulators
+        mrow = [state[2 * m:2 * m + 2] for m in range(MT)]
+        lrow = [state[2 * MT + 2 * m:2 * MT + 2 * m + 2] for m in range(MT)]
+        acc = [state[4 * MT + 4 * NO * m:4 * MT + 4 * NO * (m + 1)] for m in range(MT)]
+        n0 = b.mul(kt, c(BN))
+        # 3a. K(kt) has landed (and every warp is done with V(kt - 1)): V(kt) starts
+        b.wait_async()
+        b.barrier()
+        tile_copy("V", n0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
+        # 3b. S = Q Kᵀ (each K fragment serves the warp's MT m-tiles)
+        s = [[b.fconst(0.0)] * (NT * 4) for _ in range(MT)]
+        for k0 in range(0, DP, KS):
+            fa = [qfrags[(k0, m)] if qfrags else q_frag(k0, m) for m in range(MT)]
+            for j in range(NT):
+                if half and j % 2 == 0:  # B fragments of n-tiles j, j + 1 (keys x cols k0/k0+8)
+                    fbs = b.ldmatrix("K", b.add(l8, b.add(l16, c(8 * j))), b.add(l8h, c(k0)), 4, False)
+                if half:
+                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
+                else:
+                    fb = [b.load_smem("K", [b.add(g, c(8 * j)), b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
+                for m in range(MT):
+                    s[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, s[m][4 * j:4 * j + 4])
+        # 3c. mask, 3d. online softmax
+        corr, mnew, lnew = [], [], []
+        for m in range(MT):
+            mask_scores(s[m], rows[m], n0, last)
+            cm, mn, ln = online_softmax(s[m], mrow[m], lrow[m])
+            corr.append(cm)
+            mnew += mn
+            lnew += ln
         # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts; O += P V
         b.wait_async()
         b.barrier()
         if not last:
             tile_copy("K", b.add(n0, c(BN)), BN, c(0), DP, spec.S, spec.D, p.vkv)
-        if half:
-            steps = [(kk, [b.pack_f32(s[8 * kk + 0], s[8 * kk + 1]), b.pack_f32(s[8 * kk + 2], s[8 * kk + 3]),
-                           b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])])
-                     for kk in range(BN // 16)]
-        else:
-            steps = [(kk, [s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]]) for kk in range(NT)]
-        if spec.kind == "f32x3":
+        steps = [p_fragments(s[m]) for m in range(MT)]
+        if spec.kind == "f32x3":  # (MT == 1)
             # The tensor cores truncate while they accumulate: a sum over every key in one mma
             # chain drifts toward zero (2e-5 at S = 4096). The tile's keys go into a
             # fresh accumulator, added to O in an fma rounded to nearest: all n-tiles at once
@@ -327,18 +356,18 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             jg = NO if 4 * NO + 8 <= 4 + 8 * NT else 1
             for j0 in range(0, NO, jg):
                 tmp = [b.fconst(0.0)] * (4 * jg)
-                for kk, fa in steps:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
+                for kk, fa in enumerate(steps[0]):  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
                     for j in range(j0, j0 + jg):
                         fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1)
                               for e in (0, 1)]
                         i = 4 * (j - j0)
                         tmp[i:i + 4] = b.mma(spec.kind, fa, fb, tmp[i:i + 4])
                 for i in range(4 * jg):
-                    acc[4 * j0 + i] = b.fadd(b.fmul(acc[4 * j0 + i], corr[(i % 4) // 2]), tmp[i])
-            steps = []
+                    acc[0][4 * j0 + i] = b.fadd(b.fmul(acc[0][4 * j0 + i], corr[0][(i % 4) // 2]), tmp[i])
+            steps = [[]]
         else:
-            acc = [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)]
-        for kk, fa in steps:
+            acc = [[b.fmul(a, corr[m][(i % 4) // 2]) for i, a in enumerate(acc[m])] for m in range(MT)]
+        for kk in range(len(steps[0])):
             for j in range(NO):
                 if half and j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
                     num = 4 if j + 1 < NO else 2
@@ -348,25 +377,27 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
                 else:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
                     fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
-                acc[4 * j:4 * j + 4] = b.mma(spec.kind, fa, fb, acc[4 * j:4 * j + 4])
-        return mnew + lnew + acc
+                for m in range(MT):
+                    acc[m][4 * j:4 * j + 4] = b.mma(spec.kind, steps[m][kk], fb, acc[m][4 * j:4 * j + 4])
+        return mnew + lnew + [x for a in acc for x in a]
 
     # every tile but the last in the loop; the last one peeled (no prefetch, the S tail masked)
-    init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + NO * 4)
+    init = [b.fconst(neg)] * (2 * MT) + [b.fconst(0.0)] * (2 * MT + MT * NO * 4)
     state = b.loop(b.sub(ntiles, c(1)), init, lambda kt, st: body(kt, st, False))
     state = body(b.sub(ntiles, c(1)), state, True)
     # 4. finish
-    lsum = []
-    for h in range(2):
-        x = state[2 + h]
-        x = b.fadd(x, b.shfl_xor(x, 1))
-        lsum.append(b.fadd(x, b.shfl_xor(x, 2)))
-    acc = state[4:]
-    inv = [b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)) for x in lsum]
-    for j in range(NO):
-        for q, (rq, cq) in enumerate(FRAG_C):
-            row, h = rows[rq // 8], rq // 8
-            col = b.add(c0, b.add(t2, c(8 * j + cq)))
-            val = b.fmul(acc[4 * j + q], inv[h])
-            ok = b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.Dv)))
-            b.store_out(bidx + [row, col], val, ok)
+    for m in range(MT):
+        lsum = []
+        for h in range(2):
+            x = state[2 * MT + 2 * m + h]
+            x = b.fadd(x, b.shfl_xor(x, 1))
+            lsum.append(b.fadd(x, b.shfl_xor(x, 2)))
+        acc_m = state[4 * MT + 4 * NO * m:4 * MT + 4 * NO * (m + 1)]
+        inv = [b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)) for x in lsum]
+        for j in range(NO):
+            for q, (rq, cq) in enumerate(FRAG_C):
+                row, h = rows[m][rq // 8], rq // 8
+                col = b.add(c0, b.add(t2, c(8 * j + cq)))
+                val = b.fmul(acc_m[4 * j + q], inv[h])
+                ok = b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.Dv)))
+                b.store_out(bidx + [row, col], val, ok)
