@@ -88,3 +88,23 @@ def test_sdpa_f32_long_rows_at_eager_error(shape):
     err, err_eager = _rel(out, ref), _rel(eager, ref)
     print(f"sdpa f32 {shape}: gac {err:.2e}, eager {err_eager:.2e}")
     assert err < 1e-5 and err < 3 * err_eager
+
+
+@pytest.mark.parametrize("tiles,mt", [((4, 128), 1), ((8, 128), 1), ((4, 64), 2), ((4, 128), 2)], ids=str)
+def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt):
+    """The tilings benchmarks/flash_variants.py times (not the default plan's), on odd sizes with
+    an additive mask and with causal: parity before any of them becomes a default."""
+    from gac_torch.kernels import flash_attention as fa
+
+    orig = fa.plan
+    monkeypatch.setattr(fa, "plan", lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt))
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (torch.randn(2, 3, n, 32, device="cuda", dtype=torch.bfloat16, generator=g) for n in (300, 271, 271))
+    m = torch.randn(1, 3, 300, 271, device="cuda", dtype=torch.bfloat16, generator=g)
+    for causal, inputs in ((False, (q, k, v, m)), (True, (q, k, v))):
+        def fn(q, k, v, *mm):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mm[0] if mm else None, is_causal=causal)
+        compiled = gac_torch.compile(Fn(fn), inputs, target="cuda", options={"fallback": False, "cache": False})
+        assert compiled.ir("ptx").count("_flash(") == 1
+        out = compiled(*inputs)
+        assert _rel(out, fn(*[t.double() for t in inputs])) < REL["bf16"]
