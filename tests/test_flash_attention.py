@@ -94,6 +94,38 @@ def test_twin_eight_warps(kind):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
 
 
+@pytest.mark.parametrize("kind,tiles,mt,D", [("bf16", (4, 128), 1, 64), ("f16", (8, 128), 1, 32),
+                                             ("f32x3", (4, 64), 1, 32), ("tf32", (8, 32), 1, 48),
+                                             ("bf16", (4, 64), 2, 64), ("f16", (2, 128), 2, 32)])
+def test_twin_other_tilings(kind, tiles, mt, D):
+    """The tilings benchmarks/flash_variants.py times ((warps, BN), m-tiles a warp), on odd L
+    and S (S past one 128-key tile), a broadcast additive mask and causal."""
+    spec, q, k, v, mask = _case(kind, (1,), 70, 131, D, D, "add", (1, 1, 131), True, seed=2)
+    p = fa.plan(spec, tiles=(tiles,), mt=mt)
+    assert (p.warps, p.bn, p.bm) == (*tiles, 16 * tiles[0] * mt)
+    out = twin.emulate(spec, p, q, k, v, mask)
+    e = _ELEM[kind]
+    ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), round_to(mask, e), "add", spec.scale, True)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
+def test_two_m_tiles_odd_rows_and_bool_mask():
+    """Two m-tiles a warp: the second tile's rows run past L (L = 70 in a 128-row block)."""
+    spec, q, k, v, mask = _case("bf16", (2,), 70, 33, 80, 40, "bool", None, False, seed=4)
+    p = fa.plan(spec, tiles=((4, 32),), mt=2)
+    out = twin.emulate(spec, p, q, k, v, mask)
+    ref = twin.reference(round_to(q, "bf16"), round_to(k, "bf16"), round_to(v, "bf16"), mask, "bool", spec.scale, False)
+    assert not np.isnan(out).any() and np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL["bf16"]
+    assert fa.plan(_case("f32x3", (1,), 7, 7, 16, 16)[0], mt=2) is None  # f32 kinds: one m-tile
+
+
+def test_twin_catches_a_read_before_the_copy_lands(monkeypatch):
+    spec, q, k, v, _ = _case("bf16", (1,), 20, 70, 16, 16)
+    monkeypatch.setattr(twin._Numpy, "wait_async", lambda self: None)
+    with pytest.raises(AssertionError, match="never written"):
+        twin.emulate(spec, fa.plan(spec), q, k, v)
+
+
 def test_fully_masked_rows_give_zero():
     spec, q, k, v, _ = _case("bf16", (1,), 9, 20, 16, 16, "none")
     mask = np.ones((1, 9, 20), dtype=np.int8)
@@ -185,3 +217,23 @@ def test_two_attentions_get_two_flash_kernels():
         ptx = gac_torch.compile(enc, (x,), target="cuda", options={"fallback": False}).ir("ptx")
     flash = [line for line in ptx.splitlines() if ".entry" in line and "_flash(" in line]
     assert len(flash) == 2, [line for line in ptx.splitlines() if ".entry" in line]
+
+
+def test_tc_dot_truncates_like_the_tensor_cores():
+    """The twin's mma adds as the hardware does: toward zero, so a long chain drifts low."""
+    a = np.ones((1, 16, 8), np.float32)
+    b = np.full((1, 8, 8), 2.0**-26, np.float32)
+    c = np.ones((1, 16, 8))  # 1 + 8 · 2^-26: the exact sum is 1 + 2^-23 (one ulp up)
+    assert (twin.tc_dot(a, b, c) == np.float32(1 + 2.0**-23)).all()
+    b[:] = 1.5 * 2.0**-26  # exact sum 1 + 1.5 ulp: one ulp (each term cut to the grid), not two
+    assert (twin.tc_dot(a, b, c) == np.float32(1 + 2.0**-23)).all()
+
+
+def test_f32x3_long_rows_keep_f32_error():
+    """Exact f32 over 2500 keys (the sdpa_f32_8x8x2500x32 row): one mma chain for P·V over every
+    key drifted to 2.1e-5 in the twin (1.8e-5 measured on the H200; eager 6.5e-7). Each key
+    tile now accumulates P·V afresh and adds it to O in an fma rounded to nearest."""
+    spec, q, k, v, _ = _case("f32x3", (1,), 16, 2500, 32, 32, seed=3)
+    out = twin.emulate(spec, fa.plan(spec), q, k, v)
+    ref = twin.reference(q, k, v, None, "none", spec.scale, False)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-6

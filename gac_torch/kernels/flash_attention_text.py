@@ -85,8 +85,10 @@ class _Text:
         return r
 
     def fexp2(self, x: str) -> str:
+        """ex2.approx.ftz: one MUFU.EX2 (math.exp2 becomes the non-ftz ex2.approx, which
+        wraps each exp in a compare and two predicated multiplies for denormal results)."""
         r = self._v()
-        self.w(f"{r} = math.exp2 {x} : f32")
+        self.w(f'{r} = llvm.call_intrinsic "llvm.nvvm.ex2.approx.ftz.f"({x}) : (f32) -> f32')
         return r
 
     def shfl_xor(self, x: str, m: int) -> str:
@@ -94,21 +96,35 @@ class _Text:
         self.w(f"{r}, {r}_ok = gpu.shuffle xor {x}, {self._const(m, 'i32')}, {self._const(32, 'i32')} : f32")
         return r
 
-    def load_global(self, which: str, idx: list[str], vec: int, ok: str) -> str:
-        buf = self.bufs[which]
-        vt = f"vector<{vec}x{buf.elem}>"
-        r, z = self._v(), self._v()
-        self.w(f"{r} = scf.if {ok} -> ({vt}) {{")
-        al = vec * ELEM_BYTES.get(buf.elem, 1)
-        self.w(f"  %ld{self.n} = vector.load %{which}[{', '.join(idx)}] {{alignment = {al}}} : {buf.type}, {vt}")
-        self.w(f"  scf.yield %ld{self.n} : {vt}\n}} else {{")
-        self.w(f"  {z} = arith.constant dense<0.0> : {vt}\n  scf.yield {z} : {vt}\n}}")
-        return r
+    def _sptr(self, which: str, row: str, col: str) -> str:
+        """!llvm.ptr<3> of element (row, col) of a shared buffer."""
+        st = {"Q": self.p.dp, "K": self.p.dp, "V": self.p.dvc}[which] + self.p.pad
+        base, off, a, i, ptr = (self._v() for _ in range(5))
+        self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
+        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * {ELEM_BYTES[self.spec.elem]})>"
+               f"({row}, {col})")
+        self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
+        self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
+        return ptr
 
-    def store_smem(self, which: str, idx: list[str], val: str, vec: int) -> None:
-        e = self.spec.elem
-        self.w(f"vector.store {val}, %S{which}[{', '.join(idx)}] {{alignment = {vec * ELEM_BYTES[e]}}} : "
-               f"{self.smem[which]}, vector<{vec}x{e}>")
+    def copy_async(self, which: str, sidx: list[str], gidx: list[str], vec: int, ok: str) -> None:
+        """cp.async of `vec` elements from global (gidx) to shared (sidx), zeros where not ok
+        (no source element read; the indices are then clamped to 0)."""
+        buf = self.bufs[which]
+        n = vec * ELEM_BYTES[buf.elem]
+        zero = self.const(0)
+        gi = []
+        for x in gidx:
+            gi.append(self._v())
+            self.w(f"{gi[-1]} = arith.select {ok}, {x}, {zero} : index")
+        cnt, tok = self._v(), self._v()
+        self.w(f"{cnt} = arith.select {ok}, {self.const(vec)}, {zero} : index")
+        self.w(f"{tok} = nvgpu.device_async_copy %{which}[{', '.join(gi)}], %S{which}[{', '.join(sidx)}], {vec}, "
+               f"{cnt}{' {bypassL1}' if n == 16 else ''} : {buf.type} to {self.smem[which]}")
+
+    def wait_async(self) -> None:
+        """This thread's cp.async copies have landed (other threads' after a barrier)."""
+        self.w("nvvm.cp.async.commit.group\nnvvm.cp.async.wait.group 0")
 
     def load_smem(self, which: str, idx: list[str], n: int) -> str:
         r = self._v()
@@ -127,12 +143,8 @@ class _Text:
     def ldmatrix(self, which: str, row: str, col: str, num: int, trans: bool) -> list[str]:
         """ldmatrix.sync.x{num}[.trans] of 8x8 b16 matrices: this lane's row address is
         (row, col) of the shared buffer; returns num registers as vector<2 x elem>."""
-        e, st = self.spec.elem, {"Q": self.p.dp, "K": self.p.dp, "V": self.p.dvc}[which] + self.p.pad
-        base, off, a, i, ptr, r = (self._v() for _ in range(6))
-        self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
-        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * 2)>({row}, {col})")
-        self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
-        self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
+        e = self.spec.elem
+        ptr, r = self._sptr(which, row, col), self._v()
         rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
         self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
                f"shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>}} "

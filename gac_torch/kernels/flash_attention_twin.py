@@ -1,9 +1,9 @@
 """The numpy lockstep twin of kernels/flash_attention.py: the same `kernel` body run on the CPU,
 one block at a time, all its threads in lockstep (every value is an array over the threads).
-mma.sync is emulated from the fragment tables, shfl.xor by lane permutation, and every
-shared-memory access is checked against the barriers: a read or write of an element another
-thread wrote or read since the last barrier raises RaceError; reading an element never written
-or indexing outside a buffer raises AssertionError."""
+mma.sync is emulated from the fragment tables with the tensor cores' truncating sums (`tc_dot`),
+shfl.xor by lane permutation, and every shared-memory access is checked against the barriers:
+a read or write of an element another thread wrote or read since the last barrier raises
+RaceError; reading an element never written or indexing outside a buffer raises AssertionError."""
 
 from __future__ import annotations
 
@@ -23,6 +23,24 @@ from gac_torch.kernels.builder import RaceError, round_to
 from gac_torch.kernels.flash_attention import Plan, Spec, kernel
 
 
+GUARD_BITS = 3
+
+
+def tc_dot(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """C + A·B per warp ((w, 16, K) x (w, K, 8) + (w, 16, 8)) as the tensor cores add: products
+    exact, each term (C too) truncated toward zero onto the grid of the largest term's 24-bit
+    significand plus GUARD_BITS, the sum truncated to f32 (Fasi et al., "Numerical behavior of
+    NVIDIA tensor cores", 2021). Three guard bits reproduce the drift the H200 showed on one
+    mma chain over 2500 / 4096 keys (2.1e-5 / 3.2e-5 modelled, 1.8e-5 / 2.9e-5 measured)."""
+    prods = a[:, :, :, None].astype(np.float64) * b[:, None, :, :]  # (w, 16, K, 8), exact
+    terms = np.concatenate([c[:, :, None, :], prods], axis=2)
+    big = np.abs(terms).max(axis=2, keepdims=True)
+    grid = np.exp2(np.floor(np.log2(np.where(big > 0, big, 1.0))) - 23 - GUARD_BITS)
+    total = (np.trunc(terms / grid) * grid).sum(axis=2)  # exact in f64
+    f = total.astype(np.float32)
+    return np.where(np.abs(f) > np.abs(total), np.nextafter(f, np.float32(0)), f)
+
+
 class _Smem:
     def __init__(self, shape: tuple[int, ...]):
         self.data = np.full(shape, np.nan, dtype=np.float32)
@@ -39,6 +57,7 @@ class _Numpy:
         self.epoch = 0
         self.S = {"Q": _Smem((p.bm, p.dp + p.pad)), "K": _Smem((p.bn, p.dp + p.pad)),
                   "V": _Smem((p.bn, p.dvc + p.pad))}
+        self.pending: list[tuple[str, list, np.ndarray]] = []  # cp.async copies in flight
 
     # scalars: arrays over the threads
     def const(self, x: int) -> np.ndarray:
@@ -87,7 +106,7 @@ class _Numpy:
     def shfl_xor(self, x: np.ndarray, m: int) -> np.ndarray:
         return x[np.arange(self.T) ^ m]
 
-    def load_global(self, which: str, idx: list[np.ndarray], vec: int, ok: np.ndarray) -> np.ndarray:
+    def _load_global(self, which: str, idx: list[np.ndarray], vec: int, ok: np.ndarray) -> np.ndarray:
         buf = self.arr[which]
         out = np.zeros((self.T, vec), dtype=np.float32)
         for i in range(vec):
@@ -96,6 +115,22 @@ class _Numpy:
                 assert all((a[ok] < s).all() for a, s in zip(at, buf.shape)), f"{which}: load out of bounds"
             out[:, i] = np.where(ok, buf[tuple(at)], 0.0)
         return out
+
+    def copy_async(self, which: str, sidx: list[np.ndarray], gidx: list[np.ndarray], vec: int,
+                   ok: np.ndarray) -> None:
+        """cp.async: the write counts (for races) when issued; until wait_async the cells hold
+        NaN, so a read of them before the copy lands fails as a read of unwritten memory."""
+        val = self._load_global(which, gidx, vec, ok)
+        cells = self._touch(which, sidx, vec, True)
+        for at in cells:
+            self.S[which].data[at] = np.nan
+        self.pending.append((which, cells, val))
+
+    def wait_async(self) -> None:
+        for which, cells, val in self.pending:
+            for i, at in enumerate(cells):
+                self.S[which].data[at] = val[:, i]
+        self.pending = []
 
     def _touch(self, which: str, idx: list[np.ndarray], n: int, write: bool) -> list[tuple]:
         s = self.S[which]
@@ -124,10 +159,6 @@ class _Numpy:
                 s.r_tid[at] = np.where(same, -2, tids)
                 s.r_epoch[at] = e
         return cells
-
-    def store_smem(self, which: str, idx: list[np.ndarray], val: np.ndarray, vec: int) -> None:
-        for i, at in enumerate(self._touch(which, idx, vec, True)):
-            self.S[which].data[at] = val[:, i]
 
     def load_smem(self, which: str, idx: list[np.ndarray], n: int) -> np.ndarray:
         cells = self._touch(which, idx, n, False)
@@ -186,15 +217,18 @@ class _Numpy:
                 for h in range(2):
                     Bt[warp, 2 * t + kk + h, g] = bregs[e][:, h]
         assert not np.isnan(At).any() and not np.isnan(Bt).any(), "fragments do not cover the tile"
+        C = np.zeros((nw, 16, 8))
+        for q, (r, cc) in enumerate(FRAG_C):
+            C[warp, g + r, 2 * t + cc] = acc[q]
         if kind == "tf32":
-            D = round_to(At, "tf32").astype(np.float64) @ round_to(Bt, "tf32")
-        elif kind == "f32x3":
+            D = tc_dot(round_to(At, "tf32"), round_to(Bt, "tf32"), C)
+        elif kind == "f32x3":  # small terms first (as the text builder issues them)
             ab, bb = round_to(At, "tf32"), round_to(Bt, "tf32")
             asm, bsm = round_to(At - ab, "tf32"), round_to(Bt - bb, "tf32")
-            D = ab.astype(np.float64) @ bb + ab.astype(np.float64) @ bsm + asm.astype(np.float64) @ bb
+            D = tc_dot(ab, bb, tc_dot(ab, bsm, tc_dot(asm, bb, C)))
         else:
-            D = At @ Bt
-        return [(acc[q] + D[warp, g + r, 2 * t + cc]).astype(np.float32) for q, (r, cc) in enumerate(FRAG_C)]
+            D = tc_dot(At, Bt, C)
+        return [D[warp, g + r, 2 * t + cc].astype(np.float32) for q, (r, cc) in enumerate(FRAG_C)]
 
     def load_mask(self, idx: list[np.ndarray], ok: np.ndarray) -> np.ndarray:
         m = self.arr["M"]

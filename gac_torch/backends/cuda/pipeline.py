@@ -13,6 +13,7 @@ Everything here runs without a GPU.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -110,11 +111,13 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
                 # epilogue spilled). Occupancy vs. registers is for tuning on the device.
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+            if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
+                f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
         run_passes(
             module,
             f"nvvm-attach-target{{chip={chip} features={features} O={opts.opt_level}}}, "
             "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
-            "convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, convert-vector-to-llvm, "
+            "convert-nvgpu-to-nvvm, convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, convert-vector-to-llvm, "
             # math ops libdevice does not cover (trunc, ...) map to LLVM intrinsics NVPTX selects
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
@@ -132,6 +135,14 @@ def _tensor_maps_as_pointers(kernel: ir.Operation) -> None:
     results = ir.FunctionType(ir.TypeAttr(kernel.attributes["function_type"]).value).results
     kernel.attributes["function_type"] = ir.TypeAttr.get(
         ir.FunctionType.get([a.type for a in body.arguments], results))
+
+
+def _flash_maxnreg(kernel: ir.Operation) -> int | None:
+    """A register cap for a flash-attention kernel: 128 for 8-warp blocks (two an SM; given only
+    .maxntid, ptxas capped some f32 ones at 80 and spilled); smaller blocks keep ptxas's choice
+    (it gave the 4-warp f32x3 D = 64 block 128, where a cap of 255 let it take 173)."""
+    threads = math.prod(ir.DenseI32ArrayAttr(kernel.attributes["known_block_size"]))
+    return 128 if threads >= 256 else None
 
 
 SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores

@@ -80,12 +80,11 @@ def kernel_name(launch_func: ir.Operation) -> str:
 
 # How kernel-body ops touch memref operands: operand positions read / written.
 _READS = {"memref.load": (0,), "vector.load": (0,), "vector.transfer_read": (0,),
-          "vector.maskedload": (0,), "nvgpu.ldmatrix": (0,), "memref.copy": (0,),
-          "nvgpu.device_async_copy": (1,)}
+          "vector.maskedload": (0,), "nvgpu.ldmatrix": (0,), "memref.copy": (0,)}
 
 
 _WRITES = {"memref.store": (1,), "vector.store": (1,), "vector.transfer_write": (1,),
-           "vector.maskedstore": (0,), "memref.copy": (1,), "nvgpu.device_async_copy": (0,)}
+           "vector.maskedstore": (0,), "memref.copy": (1,)}
 
 
 def _kernel_access(kfunc: ir.Operation) -> list[str]:
@@ -109,6 +108,8 @@ def _kernel_access(kfunc: ir.Operation) -> list[str]:
             if p is None:
                 continue
             r, w = pos in _READS.get(op.name, ()), pos in _WRITES.get(op.name, ())
+            if op.name == "nvgpu.device_async_copy":  # (dst, dst indices..., src, ...)
+                r, w = pos > 0, pos == 0
             if not r and not w:
                 r = w = True  # unknown: assume both
             if r:

@@ -1,0 +1,105 @@
+"""Flash-attention tilings timed side by side on the GPU (one process, eager as the yardstick):
+for each SDPA bench shape, the default plan and forced (warps, BN) tilings, with the error
+against float64. Used to choose `flash_attention.plan`'s tiles per head dim from measurements.
+
+    python benchmarks/flash_variants.py [--rounds 7] [--only bf16]
+
+Method (/work/.library/device/METHOD.md): CUDA events after warm-up, medians of interleaved
+rounds, input sets rotated past L2; `ratio` = variant / eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+from common import time_ms  # noqa: E402
+
+import gac_torch  # noqa: E402
+from gac_torch.backends.cuda import pipeline  # noqa: E402
+from gac_torch.kernels import flash_attention as fa  # noqa: E402
+from tests.parity import Fn  # noqa: E402
+
+SHAPES = [(8, 8, 2500, 32), (4, 16, 4096, 64)]
+# ((warps, BN) or None for the default plan, register cap or None for the default, m-tiles a warp)
+VARIANTS = {"bf16": [(None, None, 1), ((4, 128), None, 1), ((8, 128), None, 1), ((4, 64), None, 1),
+                     ((8, 32), None, 1), ((4, 64), None, 2), ((4, 128), None, 2)],
+            "f32": [(None, None, 1), (None, 255, 1), ((4, 64), None, 1), ((8, 16), None, 1)]}
+DT = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, mt: int):
+    orig, orig_reg = fa.plan, pipeline._flash_maxnreg
+    if tiles is not None:
+        fa.plan = lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt)
+    if maxnreg is not None:
+        pipeline._flash_maxnreg = lambda kernel: maxnreg
+    try:
+        c = gac_torch.compile(Fn(F.scaled_dot_product_attention), inputs, target="cuda",
+                              options={"fallback": False, "cache": False})
+    finally:
+        fa.plan, pipeline._flash_maxnreg = orig, orig_reg
+    ptx = c.ir("ptx")
+    launch = [line for line in ptx.splitlines() if line.startswith("// launch") and "flash" in line]
+    if not launch:
+        raise RuntimeError("no flash kernel (the tiling does not fit)")
+    return c, launch[0].split(" grid=")[1].split(" [")[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--only", default="bf16,f32")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    rows = []
+    for dname in args.only.split(","):
+        for shape in SHAPES:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            nbytes = 4 * torch.Size(shape).numel() * DT[dname].itemsize
+            nsets = max(2, min(6, -(-2 * 60 * 2**20 // nbytes) + 1))
+            sets = [tuple(torch.randn(shape, generator=g, device="cuda", dtype=DT[dname]) for _ in range(3))
+                    for _ in range(nsets)]
+            with torch.no_grad():
+                ref = F.scaled_dot_product_attention(*(t.double() for t in sets[0]))
+                fns = {"eager": (F.scaled_dot_product_attention, "")}
+                for tiles, reg, mt in VARIANTS[dname]:
+                    name = f"gac {tiles or 'default'}{f' mt {mt}' if mt > 1 else ''}{f' maxnreg {reg}' if reg else ''}"
+                    try:
+                        fns[name] = _compile(sets[0], tiles, reg, mt)
+                    except Exception as e:  # noqa: BLE001  (a tiling that does not apply: report it)
+                        print(f"{dname} {shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}
+                del ref
+                est = {}
+                for k, (fn, _) in fns.items():
+                    for x in sets:
+                        fn(*x)
+                    torch.cuda.synchronize()
+                    est[k] = time_ms(lambda fn=fn: [fn(*x) for x in sets], (), 1) / nsets
+                reps = max(1, int(15.0 / max(max(est.values()), 1e-3) / nsets))
+                samples: dict[str, list[float]] = {k: [] for k in fns}
+                for _ in range(args.rounds):
+                    for k, (fn, _) in fns.items():
+                        samples[k].append(time_ms(lambda fn=fn: [fn(*x) for x in sets], (), reps) / nsets)
+            eager = statistics.median(samples["eager"])
+            flops = 4 * shape[0] * shape[1] * shape[2] * shape[2] * shape[3]
+            for k, (_, grid) in fns.items():
+                ms = statistics.median(samples[k])
+                rows.append(f"| {dname} {'x'.join(map(str, shape))} | {k} | {grid} | {ms:.4f} | {ms / eager:.2f} | "
+                            f"{flops / ms / 1e9:.0f} | {errs[k]:.2e} |")
+    print("| shape | variant | grid/block | ms | / eager | TFLOP/s | err |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
