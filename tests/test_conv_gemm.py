@@ -249,3 +249,20 @@ def test_k_ordered_kh_kw_c_splits_once_per_slice(kind: str, c: int) -> None:
     ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), 1, 1, 1)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < _TOL[kind], err
+
+
+@pytest.mark.parametrize("kind,pad", [("tf32", 1), ("bf16", 0)])
+def test_twin_catches_a_cp_async_read_before_its_wait(kind: str, pad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cp.async pipeline: slice kt is read after cp.async.wait_group(stages - 2) + barrier;
+    # waiting for one group fewer reads shared memory the copies have not filled yet
+    spec, shapes, strides = conv_spec(kind, 1, 1, 16, 6, 9, 24, 3, 3, pad=pad)
+    p = cg.plan(spec)
+    assert (p.a.cp or p.b.cp) and p.stages >= 3
+    X, W, C0 = (np.random.default_rng(1).standard_normal(s).astype(np.float32) for s in shapes)
+    ok = twin.emulate(spec, p, X, W, C0, strides).reshape(shapes[2])
+    ref = _conv_ref(round_to(X, kind), round_to(W, kind), 1, 1)  # (a fused fill: C0 unread)
+    assert np.linalg.norm(ok - ref) / np.linalg.norm(ref) < _TOL[kind]
+    real = twin._Numpy.cp_wait
+    monkeypatch.setattr(twin._Numpy, "cp_wait", lambda self, n: real(self, n + 1))
+    with pytest.raises(AssertionError, match="never written"):
+        twin.emulate(spec, p, X, W, C0, strides)

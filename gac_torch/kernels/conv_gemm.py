@@ -133,6 +133,7 @@ class Staging:
     pad: int
     vec: int
     per_thread: int
+    cp: bool = False  # staged by cp.async (whole vectors of 4, 8 or 16 bytes), not via registers
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class Plan:
     grid: tuple[int, int, int]
     tm: int = 0  # simt register tile
     tn: int = 0
+    stages: int = 2  # shared-memory buffers per operand (cp.async: up to stages - 1 slices in flight)
 
     @property
     def threads(self) -> int:
@@ -181,25 +183,38 @@ def _run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[i
     return run, inside
 
 
+def _step(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> int:
+    """Address step between consecutive elements along the innermost non-unit dim of `dims`."""
+    return next((abs(op.coef[d]) for d in reversed(dims) if ranges[d] > 1), 0)
+
+
 def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
              simt: bool) -> Staging | None:
     r = spec.ranges
     (run_k, in_k), (run_o, in_o) = _run(op, spec.ks, r), _run(op, outer, r)
-    # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows)
+    # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows);
+    # mma, neither run (a strided conv's input): the dim with the smaller address step (a
+    # stride-2 ow, not c's whole plane apart: 2 lanes a 32-byte sector instead of 1 each)
     glob_k = run_k >= run_o
+    if not simt and run_k == run_o == 1:
+        glob_k = _step(op, spec.ks, r) <= _step(op, outer, r)
     run, inside, cols_g = (run_k, in_k, bk) if glob_k else (run_o, in_o, tile_o)
     es = _ESIZE[op.elem]
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
     if op.guards:  # a vector could straddle the padding's edge
         return _fit(glob_k, simt, op, tile_o, bk, threads, 1)
-    # (tf32 at 4 wide: sm_90's ptxas caps the 64x64 kernel at 72 registers and spills; 2 wide not)
-    for v in ((8, 4, 2) if es == 2 else (4, 2) if simt else (2,)):
+    # (tf32 at 4 wide through registers: sm_90's ptxas caps the 64x64 kernel at 72 registers
+    # and spills; 2 wide not. cp.async holds no registers: 4 wide)
+    for v in ((8, 4, 2) if es == 2 else (4, 2) if simt or CP_ASYNC else (2,)):
         if (run % v == 0 and op.offset % v == 0 and op.const % v == 0 and all(k % v == 0 for k in rest)
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v
             break
     return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
+
+
+CP_ASYNC = True  # mma kinds stage whole >= 4-byte vectors with cp.async (False: via registers)
 
 
 def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
@@ -210,13 +225,15 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
     # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
     pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
-    return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads)
+    cp = CP_ASYNC and not simt and vec * es in (4, 8, 16)
+    return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
 
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
          smem_limit: int = 48 * 1024, big: bool | None = None) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
-    when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64."""
+    when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
+    cp.async staging, as many buffers (up to 4) as fit in `smem_limit`."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -246,6 +263,11 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     if any(x > lim for x, lim in zip(grid, max_grid)):
         return None
     p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn)
+    if sa.cp or sb.cp:
+        for stages in (4, 3, 2):
+            p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages)
+            if smem_bytes(p, spec) <= smem_limit:
+                break
     if smem_bytes(p, spec) > smem_limit:
         return None
     return p
@@ -253,7 +275,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
 
 def smem_bytes(p: Plan, spec: Spec) -> int:
     es = _ESIZE[smem_elem(spec.kind)]
-    return sum(2 * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
+    return sum(p.stages * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +339,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     # (a conv's channels, K ordered (kh, kw, c)), only kbase is delinearised, once per slice.
     uniform = len(spec.ks) > 1 and R[spec.ks[-1]] % BK == 0
 
-    def load_slice(which: str, kbase: Any) -> list[Any]:
+    def points(which: str, kbase: Any) -> list[tuple[Any, Any]]:
+        """(linear address, inside) of each vector the thread loads of the slice at kbase."""
         op, st = (spec.a, p.a) if which == "A" else (spec.b, p.b)
         outer, o0, ext_o = (spec.ms, m0, spec.M) if which == "A" else (spec.ns, n0, spec.N)
         obase = a_base if which == "A" else b_base
@@ -338,8 +361,24 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 gop = Operand("", "", gc, 0, 0, 0)
                 at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
                 ok = b.and_(ok, b.inb(at, c(upper)))
-            vals.append(b.load_flat(which, addr, st.vec, ok))
+            vals.append((addr, ok))
         return vals
+
+    def load_slice(which: str, kbase: Any) -> list[Any]:
+        st = p.a if which == "A" else p.b
+        return [b.load_flat(which, addr, st.vec, ok) for addr, ok in points(which, kbase)]
+
+    def smem_at(which: str, buf: Any, i: int) -> list[Any]:
+        """Where the i-th vector goes in buffer `buf` (mma: the global run's own layout)."""
+        st = p.a if which == "A" else p.b
+        lo, lk = coords(which, i)
+        return [buf, lo, lk] if st.smem_k else [buf, lk, lo]
+
+    def issue(which: str, buf: Any, kbase: Any) -> None:  # 3c / 4a: cp.async, zero-filled outside
+        st = p.a if which == "A" else p.b
+        for i, (addr, ok) in enumerate(points(which, kbase)):
+            b.cp_async(which, smem_at(which, buf, i), addr, st.vec, ok)
+
 
     # 3d / 4c: stage registers into a buffer
     def stage(which: str, buf: Any, vals: list[Any]) -> None:
@@ -403,16 +442,25 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # 3. prologue
     zero = c(0)
-    stage("A", zero, load_slice("A", zero))
-    stage("B", zero, load_slice("B", zero))
-    b.barrier()
+    S = p.stages
+    copied = [w for w, st in (("A", p.a), ("B", p.b)) if st.cp]
+    held = [w for w, st in (("A", p.a), ("B", p.b)) if not st.cp]  # staged through registers
+    for s in range(S - 1 if copied else 0):  # 3c: slices 0 .. S-2 in flight
+        for w in copied:
+            issue(w, c(s), c(s * BK))
+        b.cp_commit()
+    for w in held:
+        stage(w, zero, load_slice(w, zero))
+    if not copied:
+        b.barrier()
 
     def frag_load(which: str, buf: Any, outer: Any, k: Any, pair: bool) -> Any:
         st = p.a if which == "A" else p.b
+        if not pair:  # tf32: copied f32 values are rounded here (registers: at 4c)
+            x = b.load_smem(which, [buf, outer, k] if st.smem_k else [buf, k, outer], 1)
+            return b.round_tf32_1(x) if tf32 and st.cp else x
         if st.smem_k:  # [outer][k]
-            return b.load_smem(which, [buf, outer, k], 2 if pair else 1)
-        if not pair:
-            return b.load_smem(which, [buf, k, outer], 1)
+            return b.load_smem(which, [buf, outer, k], 2)
         return b.pack(b.load_smem(which, [buf, k, outer], 1),
                       b.load_smem(which, [buf, b.add(k, c(1)), outer], 1))
 
@@ -445,25 +493,45 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         xb = [b.extract(bv[j // 4], j % 4, 4) for j in range(p.tn)]
         return [b.fma(xa[i], xb[j], accs[n]) for n, (i, j) in enumerate(places)]
 
+    def compute(buf: Any, accs: list[Any]) -> list[Any]:  # 4b
+        accs = list(accs)
+        if simt:
+            for kk in range(BK):
+                accs = simt_step(buf, kk, accs)
+        else:
+            for s in range(BK // p.ks):
+                accs = mma_step(buf, s * p.ks, accs)
+        return accs
+
     # 4. K slices
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
         kn = b.mul(b.add(kt, c(1)), c(BK))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
-        accs = list(accs)
-        if simt:  # 4b
-            for kk in range(BK):
-                accs = simt_step(buf, kk, accs)
-        else:
-            for s in range(BK // p.ks):
-                accs = mma_step(buf, s * p.ks, accs)
+        accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
         stage("B", nbuf, next_b)
         b.barrier()  # 4d
         return accs
 
-    accs = b.loop(-(-spec.K // BK), accs, body)
+    def body_async(kt: Any, accs: list[Any]) -> list[Any]:
+        b.cp_wait(S - 2)  # 4d: this thread's copies of slice kt landed; the barrier: everyone's,
+        b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
+        ahead = b.add(kt, c(S - 1))
+        for w in copied:  # 4a
+            issue(w, b.rem(ahead, c(S)), b.mul(ahead, c(BK)))
+        b.cp_commit()
+        kn = b.add(kt, c(1))
+        nxt = [load_slice(w, b.mul(kn, c(BK))) for w in held]
+        accs = compute(b.rem(kt, c(S)), accs)
+        for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
+            stage(w, b.rem(kn, c(S)), vals)
+        return accs
+
+    accs = b.loop(-(-spec.K // BK), accs, body_async if copied else body)
+    if copied:
+        b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
     for (addr, ok), val, (i, j) in zip(out_points(), accs, places):
         if spec.epilogue is not None:
@@ -480,8 +548,39 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
     def __init__(self, spec: Spec, p: Plan):
         super().__init__(spec, p)  # type: ignore[arg-type]
         self.e = smem_elem(spec.kind)
-        self.smem = {w: f"memref<2x{s.rows}x{s.cols + s.pad}x{self.e}, {WORKGROUP}>"
+        self.smem = {w: f"memref<{p.stages}x{s.rows}x{s.cols + s.pad}x{self.e}, {WORKGROUP}>"
                      for w, s in (("A", p.a), ("B", p.b))}
+        self.copies: list[str] = []  # cp.async tokens since the last commit
+        self.group: str | None = None  # the prologue's first group token (dominates the loop)
+
+    def cp_async(self, which: str, idx: list[str], addr: str, vec: int, ok: str) -> None:
+        """cp.async of `vec` elements at flat index addr to shared [buf, row, col]; outside
+        (not ok): 0 source elements, the hardware writes zeros and reads nothing."""
+        op = self.spec.a if which == "A" else self.spec.b
+        at, n, t = self.fresh(), self.fresh(), self.fresh()
+        self.w(f"{at} = arith.select {ok}, {addr}, {self.const(0)} : index")
+        self.w(f"{n} = arith.select {ok}, {self.const(vec)}, {self.const(0)} : index")
+        l1 = " {bypassL1}" if vec * _ESIZE[op.elem] == 16 else ""
+        self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %S{which}[{', '.join(idx)}], {vec}, {n}{l1} "
+               f": {op.flat} to {self.smem[which]}")
+        self.copies.append(t)
+
+    def cp_commit(self) -> None:
+        g = self.fresh()
+        self.w(f"{g} = nvgpu.device_async_create_group {', '.join(self.copies)}")
+        self.copies = []
+        if self.group is None:
+            self.group = g
+
+    def cp_wait(self, n: int) -> None:
+        # (the token is any group's: the instruction waits until at most n groups are pending)
+        self.w(f"nvgpu.device_async_wait {self.group} {{numGroups = {n} : i32}}")
+
+    def round_tf32_1(self, x: str) -> str:
+        q, f = self.fresh(), self.fresh()
+        self.w(f"{q} = nvvm.convert.float.to.tf32 {x} {{rnd = #nvvm.fp_rnd_mode<rna>}}")
+        self.w(f"{f} = arith.bitcast {q} : i32 to f32")
+        return f
 
     def load_flat(self, which: str, addr: str, vec: int, ok: str) -> str:
         # branch-free: outside the tile, load element 0 (always valid) and select zero, so all

@@ -104,7 +104,8 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
             "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
-            "convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, convert-vector-to-llvm, "
+            # nvgpu: cp.async (implicit-GEMM staging) -> nvvm
+            "convert-nvgpu-to-nvvm, convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, convert-vector-to-llvm, "
             # math ops libdevice does not cover (trunc, ...) map to LLVM intrinsics NVPTX selects
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")

@@ -108,6 +108,8 @@ def _kernel_access(kfunc: ir.Operation) -> list[str]:
             if p is None:
                 continue
             r, w = pos in _READS.get(op.name, ()), pos in _WRITES.get(op.name, ())
+            if op.name == "nvgpu.device_async_copy":  # (dst, its indices, src, ...): any later memref is src
+                r, w = pos > 0, pos == 0
             if not r and not w:
                 r = w = True  # unknown: assume both
             if r:
