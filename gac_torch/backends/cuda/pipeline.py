@@ -99,7 +99,11 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 # given only .maxntid, sm_90's ptxas caps registers near 80 and spills; asking for
                 # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
                 # epilogue spilled). Occupancy vs. registers is for tuning on the device.
-                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+                # an igemm staging only through cp.async (no registers hold a slice in flight)
+                # fits 2 blocks per SM in 128 registers without spills: the second block runs
+                # while the first waits at its barrier
+                blocks = 2 if name.endswith("_igemm") and not _global_vector_loads(f) else 1
+                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
         run_passes(
             module,
             f"nvvm-attach-target{{chip={opts.arch} features={opts.ptx_features} O={opts.opt_level}}}, "
@@ -110,6 +114,20 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
     return GpuStage(module, stage.program, opts)
+
+
+def _global_vector_loads(kernel: ir.Operation) -> bool:
+    """The kernel body has a vector.load from global memory (a tile staged via registers)."""
+    found = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if op.name == "vector.load" and "workgroup" not in str(op.operands[0].type):
+            found.append(op)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    kernel.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return bool(found)
 
 
 SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores
