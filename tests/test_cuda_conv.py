@@ -186,3 +186,26 @@ def test_implicit_gemm_env_switch_leaves_convs_to_loops(monkeypatch) -> None:
     assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"sgemm"}
     monkeypatch.setenv("GAC_IMPLICIT_GEMM", "0")
     assert {k.strategy for k in compile_case(case, "sm_90").launches} == {"loops"}
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_resnet_stage3_conv_stages_by_cp_async_without_spills(precision: str) -> None:
+    # a ResNet-50 layer-3 3x3 conv (+ BatchNorm + ReLU) at its real shape: tf32 stages both
+    # operands by cp.async (2 blocks per SM, 128 registers); bf16's scalar NCHW gathers stay
+    # in registers (1 block per SM); neither spills
+    dtype, tf32, _ = PRECISIONS[precision]
+    model = torch.nn.Sequential(torch.nn.Conv2d(256, 256, 3, padding=1, bias=False), torch.nn.BatchNorm2d(256),
+                                torch.nn.ReLU()).eval().to(dtype)
+    x = torch.randn(6, 256, 30, 50).to(dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
+    (part,) = compiled.compiled.partitions.values()
+    ptx = part.ir("ptx")
+    assert ("cp.async.ca.shared.global" in ptx) == (precision == "tf32")
+    assert ("cp.async.wait_group" in ptx) == (precision == "tf32")
+    result = assemble(ptx, "sm_90")
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", result.log)]
+    spills = re.findall(r"(\d+) bytes spill stores", result.log)
+    assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
+    if precision == "tf32":
+        assert max(regs) <= 128, result.log
