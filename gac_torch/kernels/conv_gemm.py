@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -339,12 +340,12 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     # (a conv's channels, K ordered (kh, kw, c)), only kbase is delinearised, once per slice.
     uniform = len(spec.ks) > 1 and R[spec.ks[-1]] % BK == 0
 
-    def points(which: str, kbase: Any) -> list[tuple[Any, Any]]:
-        """(linear address, inside) of each vector the thread loads of the slice at kbase."""
+    def points(which: str, kbase: Any) -> Iterator[tuple[Any, Any]]:
+        """(linear address, inside) of each vector the thread loads of the slice at kbase
+        (a generator: each vector's index math is emitted right before its load)."""
         op, st = (spec.a, p.a) if which == "A" else (spec.b, p.b)
         outer, o0, ext_o = (spec.ms, m0, spec.M) if which == "A" else (spec.ns, n0, spec.N)
         obase = a_base if which == "A" else b_base
-        vals = []
         for i in range(st.per_thread):
             lo, lk = coords(which, i)
             oi, ki = b.add(o0, lo), b.add(kbase, lk)
@@ -361,8 +362,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 gop = Operand("", "", gc, 0, 0, 0)
                 at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
                 ok = b.and_(ok, b.inb(at, c(upper)))
-            vals.append((addr, ok))
-        return vals
+            yield addr, ok
 
     def load_slice(which: str, kbase: Any) -> list[Any]:
         st = p.a if which == "A" else p.b
