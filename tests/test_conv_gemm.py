@@ -266,3 +266,24 @@ def test_twin_catches_a_cp_async_read_before_its_wait(kind: str, pad: int, monke
     monkeypatch.setattr(twin._Numpy, "cp_wait", lambda self, n: real(self, n + 1))
     with pytest.raises(AssertionError, match="never written"):
         twin.emulate(spec, p, X, W, C0, strides)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("a_km,b_kn", [(False, False), (True, False), (False, True), (True, True)])
+def test_ldmatrix_fragments_in_every_operand_layout(kind: str, a_km: bool, b_kn: bool) -> None:
+    # C[m, n] = sum_k A * B with A stored [m][k] or [k][m] and B [n][k] or [k][n]: the shared
+    # tiles take the global run's layout, ldmatrix (.trans for [k][outer]) rebuilds fragments
+    M_, N_, K_ = range(3)
+    r = (37, 24, 48)
+    a, sa = _op(kind, (48, 37) if a_km else (37, 48), [({K_: 1}, 0), ({M_: 1}, 0)][:: 1 if a_km else -1], 3)
+    b, sb = _op(kind, (48, 24) if b_kn else (24, 48), [({K_: 1}, 0), ({N_: 1}, 0)][:: 1 if b_kn else -1], 3)
+    c, sc = _op("f32", (37, 24), [({M_: 1}, 0), ({N_: 1}, 0)], 3)
+    spec = cg.Spec(kind, (M_,), (N_,), (K_,), (), r, a, b, c, True)
+    p = cg.plan(spec, big=True)
+    assert (p.a.smem_k, p.b.smem_k) == (not a_km, not b_kn)
+    rng = np.random.default_rng(7)
+    A = round_to(rng.standard_normal((48, 37) if a_km else (37, 48)).astype(np.float32), kind)
+    B = round_to(rng.standard_normal((48, 24) if b_kn else (24, 48)).astype(np.float32), kind)
+    ref = (A.T if a_km else A).astype(np.float64) @ (B if b_kn else B.T).astype(np.float64)
+    out = twin.emulate(spec, p, A, B, np.zeros((37, 24), np.float32), (sa, sb, sc)).reshape(37, 24)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5

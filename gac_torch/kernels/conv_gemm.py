@@ -215,6 +215,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
 
 
+LDMATRIX = True  # f16/bf16 fragments by ldmatrix (False: 32-bit / 16-bit shared loads)
 CP_ASYNC = True  # mma kinds stage whole >= 4-byte vectors with cp.async (False: via registers)
 
 
@@ -464,7 +465,41 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         return b.pack(b.load_smem(which, [buf, k, outer], 1),
                       b.load_smem(which, [buf, b.add(k, c(1)), outer], 1))
 
+    if not simt and not tf32 and LDMATRIX:  # 16-bit fragments: ldmatrix, 8 rows of 16 bytes
+        l8, hi, q = b.rem(lane, c(8)), b.rem(b.div(lane, c(8)), c(2)), b.div(lane, c(16))
+
+    def ld_frags(buf: Any, k0: int) -> tuple[list[Any], list[Any]]:
+        """A fragments (4 registers per 16-row tile i) and B (2 per 8-column tile j) by
+        ldmatrix x4 (x2 for an odd last B tile): lanes 8j..8j+7 address matrix j's rows;
+        .trans where the tile is stored [k][outer] (the fragment wants k pairs)."""
+        fa, fb = [], []
+        for i in range(p.mt):
+            m = b.add(wrow, c(i * 16))
+            if p.a.smem_k:  # [m][k]: matrices (m 0-7 | 8-15) x (k 0-7 | 8-15)
+                at = [buf, b.add(m, b.add(l8, b.mul(hi, c(8)))), b.add(b.mul(q, c(8)), c(k0))]
+            else:  # [k][m]: transposed, same order
+                at = [buf, b.add(b.add(l8, b.mul(q, c(8))), c(k0)), b.add(m, b.mul(hi, c(8)))]
+            fa.append(b.ldmatrix("A", at, 4, not p.a.smem_k))
+        for j in range(0, p.nt, 2):
+            num = 4 if j + 1 < p.nt else 2
+            n = b.add(wcol, c(j * 8))
+            qq = q if num == 4 else c(0)
+            if p.b.smem_k:  # [n][k]: (n tile j: k 0-7, 8-15), (tile j+1: ...)
+                at = [buf, b.add(n, b.add(l8, b.mul(qq, c(8)))), b.add(b.mul(hi, c(8)), c(k0))]
+            else:  # [k][n]
+                at = [buf, b.add(b.add(l8, b.mul(hi, c(8))), c(k0)), b.add(n, b.mul(qq, c(8)))]
+            regs = b.ldmatrix("B", at, num, not p.b.smem_k)
+            fb += [regs[h:h + 2] for h in range(0, num, 2)]
+        return fa, fb
+
     def mma_step(buf: Any, k0: int, accs: list[Any]) -> list[Any]:
+        if not tf32 and LDMATRIX:
+            fa, fb = ld_frags(buf, k0)
+            for i in range(p.mt):
+                for j in range(p.nt):
+                    at = (i * p.nt + j) * 4
+                    accs[at:at + 4] = b.mma(spec.kind, fa[i], fb[j], accs[at:at + 4])
+            return accs
         fa, fb = [], []
         for i in range(p.mt):
             regs = []
@@ -564,6 +599,27 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
         self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %S{which}[{', '.join(idx)}], {vec}, {n}{l1} "
                f": {op.flat} to {self.smem[which]}")
         self.copies.append(t)
+
+    def ldmatrix(self, which: str, idx: list[str], num: int, trans: bool) -> list[str]:
+        """ldmatrix.sync.aligned.m8n8.x{num}[.trans].b16: this lane's row address is shared
+        [buf, row, col]; returns num registers as vector<2 x elem>."""
+        st = self.p.a if which == "A" else self.p.b
+        base, off, a, i, ptr, r = (self.fresh() for _ in range(6))
+        self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
+        self.w(f"{off} = affine.apply affine_map<(d0, d1, d2) -> (((d0 * {st.rows} + d1) * {st.cols + st.pad} + d2) * 2)>"
+               f"({', '.join(idx)})")
+        self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
+        self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
+        rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
+        self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
+               "shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>} "
+               f": (!llvm.ptr<3>) -> {rt}")
+        out = []
+        for h in range(num):
+            x, y = self.fresh(), self.fresh()
+            self.w(f"{x} = llvm.extractvalue {r}[{h}] : {rt}\n{y} = llvm.bitcast {x} : i32 to vector<2x{self.e}>")
+            out.append(y)
+        return out
 
     def cp_commit(self) -> None:
         g = self.fresh()

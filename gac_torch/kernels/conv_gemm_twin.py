@@ -42,6 +42,23 @@ class _Numpy(gemm_epilogue.NumpyMixin, mma.MmaNumpy):
                 for i, at in enumerate(cells):
                     self.S[which].data[at] = vals[:, i]
 
+    def ldmatrix(self, which: str, idx: list[np.ndarray], num: int, trans: bool) -> list[np.ndarray]:
+        """Per warp, lanes 8j..8j+7 give the rows (8 elements, 16-byte aligned) of matrix j;
+        lane l gets (row l // 4, cols 2 (l % 4), +1) of each, .trans: that of the transpose."""
+        lane = np.arange(self.T) % 32
+        assert (np.asarray(idx[-1])[lane < 8 * num] % 8 == 0).all(), "ldmatrix rows must be 16-byte aligned"
+        cells = self.touch(self.S[which], idx, 8, False, lanes=lane < 8 * num)
+        rows = np.stack([self.S[which].data[at] for at in cells], axis=1)  # (warps * 8 num, 8)
+        if np.isnan(rows).any():
+            raise AssertionError(f"smem {which}: ldmatrix of an element never written")
+        mats = rows.reshape(self.T // 32, num, 8, 8)  # [warp][matrix][row][col]
+        warp, g, t = np.arange(self.T) // 32, lane // 4, lane % 4
+        out = []
+        for j in range(num):
+            m = mats[:, j].transpose(0, 2, 1) if trans else mats[:, j]
+            out.append(np.stack([m[warp, g, 2 * t], m[warp, g, 2 * t + 1]], axis=1))
+        return out
+
     def round_tf32_1(self, x: np.ndarray) -> np.ndarray:
         return round_to(x, "tf32")
 
