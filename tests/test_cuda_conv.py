@@ -209,3 +209,53 @@ def test_resnet_stage3_conv_stages_by_cp_async_without_spills(precision: str) ->
     assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
     if precision == "tf32":
         assert max(regs) <= 128, result.log
+
+
+class _Bottleneck(torch.nn.Module):
+    """max-pool -> ResNet bottleneck with a downsample branch: the memory plan hands the block
+    input's buffer (dead after the two 1x1 convs read it) to the first BatchNorm's output."""
+
+    def __init__(self, c: int = 16, mid: int = 8) -> None:
+        super().__init__()
+        self.pool = torch.nn.MaxPool2d(3, 2, 1)
+        self.down = torch.nn.Sequential(torch.nn.Conv2d(c, 2 * c, 1, bias=False), torch.nn.BatchNorm2d(2 * c))
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(c, mid, 1, bias=False), torch.nn.BatchNorm2d(mid), torch.nn.ReLU(),
+            torch.nn.Conv2d(mid, mid, 3, padding=1, bias=False), torch.nn.BatchNorm2d(mid), torch.nn.ReLU(),
+            torch.nn.Conv2d(mid, 2 * c, 1, bias=False), torch.nn.BatchNorm2d(2 * c))
+
+    def forward(self, x):
+        x = self.pool(x)
+        return torch.relu(self.body(x) + self.down(x))
+
+
+def test_batchnorm_into_a_reused_input_buffer_is_fused_through_a_fresh_one() -> None:
+    # the first BatchNorm + ReLU writes the block input's buffer, which the conv producing its
+    # input reads: the fused kernel writes a fresh allocation instead, and the buffer's views
+    # made before (the next convs' reshaped input) are rebuilt on it. Before: a `loops` kernel
+    # per such BatchNorm
+    from models import randomize_bn
+
+    model, x = randomize_bn(_Bottleneck()).eval(), torch.randn(2, 16, 13, 17)
+    compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
+    (part,) = compiled.compiled.partitions.values()
+    kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
+    convs = [k for k in kernels if k in ("sgemm", "igemm")]  # (exact or TF32: torch's flag)
+    assert len(convs) == 4 and kernels.count("loops") == 3, kernels  # (the pool: pad fill, copy, max)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_bottleneck_matches_float64_on_gpu(precision: str) -> None:
+    from models import randomize_bn
+
+    dtype, tf32, tol = PRECISIONS[precision]
+    torch.manual_seed(1)
+    model, x = randomize_bn(_Bottleneck()).eval(), torch.randn(3, 16, 21, 26)
+    ref = model.double()(x.double())
+    model, x = model.to("cuda", dtype), x.to("cuda", dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda")
+    got = compiled(x).double().cpu()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(got).all() and err < tol * 4, (precision, err)  # (4 convs, 4 BNs deep)
