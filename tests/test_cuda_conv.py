@@ -191,8 +191,8 @@ def test_implicit_gemm_env_switch_leaves_convs_to_loops(monkeypatch) -> None:
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_resnet_stage3_conv_stages_by_cp_async_without_spills(precision: str) -> None:
     # a ResNet-50 layer-3 3x3 conv (+ BatchNorm + ReLU) at its real shape: tf32 stages both
-    # operands by cp.async (2 blocks per SM, 128 registers); bf16's scalar NCHW gathers stay
-    # in registers (1 block per SM); neither spills
+    # operands by cp.async (4 buffers, 2 blocks per SM, 128 registers); bf16's scalar NCHW
+    # gathers stay in registers (1 block per SM); neither spills
     dtype, tf32, _ = PRECISIONS[precision]
     model = torch.nn.Sequential(torch.nn.Conv2d(256, 256, 3, padding=1, bias=False), torch.nn.BatchNorm2d(256),
                                 torch.nn.ReLU()).eval().to(dtype)
@@ -203,6 +203,9 @@ def test_resnet_stage3_conv_stages_by_cp_async_without_spills(precision: str) ->
     ptx = part.ir("ptx")
     assert ("cp.async.ca.shared.global" in ptx) == (precision == "tf32")
     assert ("cp.async.wait_group" in ptx) == (precision == "tf32")
+    # tf32: 4 stages of 128 x 128 x 16 tiles (76 KB) in dynamic shared memory (the launch opts in)
+    dyn = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", part.ir("gpu"))
+    assert (dyn is not None and 48 * 1024 < int(dyn[1]) <= 80 * 1024) == (precision == "tf32")
     result = assemble(ptx, "sm_90")
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", result.log)]
     spills = re.findall(r"(\d+) bytes spill stores", result.log)

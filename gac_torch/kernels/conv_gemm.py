@@ -39,6 +39,7 @@ the barriers; `emulate`, the tests).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -151,6 +152,7 @@ class Plan:
     tm: int = 0  # simt register tile
     tn: int = 0
     stages: int = 2  # shared-memory buffers per operand (cp.async: up to stages - 1 slices in flight)
+    dynamic: bool = False  # the buffers are dynamic shared memory (over the static 48 KB)
 
     @property
     def threads(self) -> int:
@@ -231,11 +233,17 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
 
 
+# dynamic shared memory per block when cp.async staging may use it: two blocks per SM (sm_80 /
+# sm_90: 164 / 228 KB per SM, 1 KB of it reserved per block)
+DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
+
+
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
-         smem_limit: int = 48 * 1024, big: bool | None = None) -> Plan | None:
+         smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
-    cp.async staging, as many buffers (up to 4) as fit in `smem_limit`."""
+    cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
+    memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -266,10 +274,12 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         return None
     p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn)
     if sa.cp or sb.cp:
+        roof = max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK))
         for stages in (4, 3, 2):
             p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages)
-            if smem_bytes(p, spec) <= smem_limit:
-                break
+            if smem_bytes(p, spec) <= roof:
+                p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, smem_bytes(p, spec) > smem_limit)
+                return p
     if smem_bytes(p, spec) > smem_limit:
         return None
     return p
@@ -699,15 +709,27 @@ def template(spec: Spec, p: Plan) -> str:
     for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):
         flat.append(f"%{name}f = memref.reinterpret_cast %{name} to offset: [{op.offset}], "
                     f"sizes: [{op.span}], strides: [1] : {op.type} to {op.flat}")
+    if p.dynamic:  # one dynamic buffer, A's tiles then B's (16-byte aligned: whole rows)
+        a_bytes = smem_bytes(dataclasses.replace(p, b=dataclasses.replace(p.b, rows=0)), spec)
+        smem = [f"%smem = arith.constant {smem_bytes(p, spec)} : i32"]
+        launch_smem = "dynamic_shared_memory_size %smem "
+        bufs = ["%dsm = gpu.dynamic_shared_memory : memref<?xi8, #gpu.address_space<workgroup>>",
+                f"%offA = arith.constant 0 : index\n%offB = arith.constant {a_bytes} : index",
+                f"%SA = memref.view %dsm[%offA][] : memref<?xi8, {WORKGROUP}> to {b.smem['A']}",
+                f"%SB = memref.view %dsm[%offB][] : memref<?xi8, {WORKGROUP}> to {b.smem['B']}"]
+        attrib = ""
+    else:
+        smem, launch_smem, bufs = [], "", []
+        attrib = f"workgroup(%SA : {b.smem['A']}, %SB : {b.smem['B']}) "
     head = [
         f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
         + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {spec.c.elem}) {{",
         f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
         f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
-        f"%nt = arith.constant {p.threads} : index",
+        f"%nt = arith.constant {p.threads} : index", *smem,
         ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-         f"workgroup(%SA : {b.smem['A']}, %SB : {b.smem['B']}) {{"),
+         f"threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) {launch_smem}{attrib}{{"),
+        *bufs,
         *flat,
     ]
     return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -87,6 +87,8 @@ def _error_text(err: Any) -> str:
         return str(int(err))
 
 
+STATIC_SHARED_BYTES = 48 * 1024  # a launch asking for more dynamic shared memory opts in first
+
 _SCALAR_PACK = {"i8": "b", "i16": "h", "i32": "i", "i64": "q", "f32": "f", "f64": "d"}
 
 
@@ -230,6 +232,10 @@ class CudaExecutable:
                     if k.kernel not in by_name:
                         by_name[k.kernel] = _check(_driver.cuModuleGetFunction(module, k.kernel.encode()),
                                                    f"cuModuleGetFunction({k.kernel})")
+                    if k.shared_mem > STATIC_SHARED_BYTES:  # dynamic shared memory past 48 KB: opt in
+                        attr = _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                        _check(_driver.cuFuncSetAttribute(by_name[k.kernel], attr, k.shared_mem),
+                               f"cuFuncSetAttribute({k.kernel}, max dynamic shared memory {k.shared_mem})")
                 ctx_state = _Context(by_name, module)
                 self._contexts[int(ctx)] = ctx_state
         ready[device.index] = ctx_state
