@@ -336,10 +336,20 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
 
+    def step(which: str) -> int:
+        """mma, T a multiple of a tile row's vectors: vector i of a thread is vector 0 moved by
+        i * step rows (along the outer dims if the loads walk k, else along k); else 0."""
+        st = p.a if which == "A" else p.b
+        per = (BK if st.glob_k else (BM if which == "A" else BN)) // st.vec
+        return T // per if not simt and T % per == 0 else 0
+
     def coords(which: str, i: int) -> tuple[Any, Any]:
         """(outer, k) offsets inside the tile of the i-th vector a thread loads."""
         st = p.a if which == "A" else p.b
         tile_o = BM if which == "A" else BN
+        if i and step(which):
+            lo, lk = coords(which, 0)
+            return (b.add(lo, c(i * step(which))), lk) if st.glob_k else (lo, b.add(lk, c(i * step(which))))
         v = b.add(tid, c(i * T))
         if st.glob_k:
             per = BK // st.vec
@@ -357,7 +367,23 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         op, st = (spec.a, p.a) if which == "A" else (spec.b, p.b)
         outer, o0, ext_o = (spec.ms, m0, spec.M) if which == "A" else (spec.ns, n0, spec.N)
         obase = a_base if which == "A" else b_base
+        # vector i = vector 0 + a constant: along k (the last K dim, which no padding guard
+        # reads; K a multiple of BK: in range with vector 0), or along a single outer dim
+        # (no guards): one address computation, the rest immediate offsets
+        d = spec.ks[-1] if not st.glob_k else next((x for x in outer if R[x] > 1), outer[-1])
+        wide = [x for x in outer if R[x] > 1]
+        fast = uniform and step(which) and (
+            (not st.glob_k and all(gc[d] == 0 for gc, _, _ in op.guards))
+            or (st.glob_k and not op.guards and len(wide) <= 1))
+        first = None
         for i in range(st.per_thread):
+            if fast and first is not None:
+                addr0, ok0, lo0 = first
+                addr = b.add(addr0, c(op.coef[d] * i * step(which)))
+                if st.glob_k:  # (k in range as vector 0's; the outer index is not)
+                    ok0 = b.and_(ok0, b.lt(b.add(b.add(o0, lo0), c(i * step(which))), c(ext_o)))
+                yield addr, ok0
+                continue
             lo, lk = coords(which, i)
             oi, ki = b.add(o0, lo), b.add(kbase, lk)
             ok = b.and_(b.lt(oi, c(ext_o)), b.lt(ki, c(spec.K)))
@@ -373,6 +399,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 gop = Operand("", "", gc, 0, 0, 0)
                 at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
                 ok = b.and_(ok, b.inb(at, c(upper)))
+            if fast:  # (glob_k: vector 0's inside-ness without its outer bound)
+                first = (addr, b.lt(ki, c(spec.K)) if st.glob_k else ok, lo)
             yield addr, ok
 
     def load_slice(which: str, kbase: Any) -> list[Any]:
