@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any
@@ -217,8 +218,9 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
 
 
-LDMATRIX = True  # f16/bf16 fragments by ldmatrix (False: 32-bit / 16-bit shared loads)
-CP_ASYNC = True  # mma kinds stage whole >= 4-byte vectors with cp.async (False: via registers)
+# bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
+LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
+CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # mma kinds stage >= 4-byte vectors by cp.async
 
 
 def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
