@@ -28,7 +28,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
-from gac_torch.kernels import conv_gemm, cuda_mma
+from gac_torch.kernels import conv_gemm, conv_gemm_text, cuda_mma
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
 
@@ -196,7 +196,7 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     if fused is not None and buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
         fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
-    splice_template(conv_gemm.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
+    splice_template(conv_gemm_text.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                     fill[1] if fill is not None else None, ec, name)
     if fill is not None:
         fill[0].erase()
