@@ -37,22 +37,10 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
         """ldmatrix.sync.aligned.m8n8.x{num}[.trans].b16: this lane's row address is shared
         [buf, row, col]; returns num registers as vector<2 x elem>."""
         st = self.p.a if which == "A" else self.p.b
-        base, off, a, i, ptr, r = (self.fresh() for _ in range(6))
-        self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
+        off = self.fresh()
         self.w(f"{off} = affine.apply affine_map<(d0, d1, d2) -> (((d0 * {st.rows} + d1) * {st.cols + st.pad} + d2) * 2)>"
                f"({', '.join(idx)})")
-        self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
-        self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
-        rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
-        self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
-               "shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>} "
-               f": (!llvm.ptr<3>) -> {rt}")
-        out = []
-        for h in range(num):
-            x, y = self.fresh(), self.fresh()
-            self.w(f"{x} = llvm.extractvalue {r}[{h}] : {rt}\n{y} = llvm.bitcast {x} : i32 to vector<2x{self.e}>")
-            out.append(y)
-        return out
+        return self.ldmatrix_at(f"%S{which}", self.smem[which], off, num, trans, self.e)
 
     def cp_commit(self) -> None:
         g = self.fresh()
