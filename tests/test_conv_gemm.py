@@ -153,6 +153,21 @@ def test_vector_widths_follow_the_unit_stride_runs() -> None:
     assert cg.plan(spec).b.vec == 1
 
 
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_strided_conv_input_is_walked_along_ow(kind: str) -> None:
+    # stride 2, K = (kh, kw, c): no unit-stride run either way; lanes step 2 along ow (a 32-byte
+    # sector serves several), not a whole c plane (one word a sector) -- and stay exact
+    spec, shapes, strides = conv_spec(kind, 2, 1, 32, 12, 14, 24, 3, 3, 2, 1, 1, fold_pad=True,
+                                      channels_last_k=True)
+    p = cg.plan(spec)
+    assert not p.a.glob_k and p.a.cp == (kind == "tf32")
+    rng = np.random.default_rng(11)
+    X, W = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    ref = _conv_ref(round_to(X, kind), round_to(W, kind), 2, 1, 1)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < _TOL[kind]
+
+
 def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str, direct: bool = False):
     """Z = bf16/f32(relu((y - mean[f]) * rsqrt(var[f] + eps) * w[f] + b[f] + res[e])) over
     e = (n, g, f, oh, ow), the BatchNorm-eval + residual + ReLU body the lowering emits."""
