@@ -153,6 +153,21 @@ def test_vector_widths_follow_the_unit_stride_runs() -> None:
     assert cg.plan(spec).b.vec == 1
 
 
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_strided_conv_input_is_walked_along_ow(kind: str) -> None:
+    # stride 2, K = (kh, kw, c): no unit-stride run either way; lanes step 2 along ow (a 32-byte
+    # sector serves several), not a whole c plane (one word a sector) -- and stay exact
+    spec, shapes, strides = conv_spec(kind, 2, 1, 32, 12, 14, 24, 3, 3, 2, 1, 1, fold_pad=True,
+                                      channels_last_k=True)
+    p = cg.plan(spec)
+    assert not p.a.glob_k and p.a.cp == (kind == "tf32")
+    rng = np.random.default_rng(11)
+    X, W = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides).reshape(shapes[2])
+    ref = _conv_ref(round_to(X, kind), round_to(W, kind), 2, 1, 1)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < _TOL[kind]
+
+
 def _bn_relu_residual_epilogue(shape: tuple[int, ...], out_elem: str, direct: bool = False):
     """Z = bf16/f32(relu((y - mean[f]) * rsqrt(var[f] + eps) * w[f] + b[f] + res[e])) over
     e = (n, g, f, oh, ow), the BatchNorm-eval + residual + ReLU body the lowering emits."""
@@ -211,7 +226,9 @@ def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str, direc
     assert not np.isnan(out).any() and err < max(_TOL[kind], _TOL.get(out_elem, 0) if out_elem != "f32" else 0), err
     from mlir import ir
 
-    ir.Module.parse(cg.template(spec, p), ir.Context())  # the generated MLIR parses
+    from gac_torch.kernels.conv_gemm_text import template
+
+    ir.Module.parse(template(spec, p), ir.Context())  # the generated MLIR parses
 
 
 @pytest.mark.parametrize("kind,k,stride,dil,pad", [("f32", 3, 1, 1, 1), ("f16", 7, 2, 1, 3),
@@ -249,3 +266,41 @@ def test_k_ordered_kh_kw_c_splits_once_per_slice(kind: str, c: int) -> None:
     ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), 1, 1, 1)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < _TOL[kind], err
+
+
+@pytest.mark.parametrize("kind,pad", [("tf32", 1), ("bf16", 0)])
+def test_twin_catches_a_cp_async_read_before_its_wait(kind: str, pad: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cp.async pipeline: slice kt is read after cp.async.wait_group(stages - 2) + barrier;
+    # waiting for one group fewer reads shared memory the copies have not filled yet
+    spec, shapes, strides = conv_spec(kind, 1, 1, 16, 6, 9, 24, 3, 3, pad=pad)
+    p = cg.plan(spec)
+    assert (p.a.cp or p.b.cp) and p.stages >= 3
+    X, W, C0 = (np.random.default_rng(1).standard_normal(s).astype(np.float32) for s in shapes)
+    ok = twin.emulate(spec, p, X, W, C0, strides).reshape(shapes[2])
+    ref = _conv_ref(round_to(X, kind), round_to(W, kind), 1, 1)  # (a fused fill: C0 unread)
+    assert np.linalg.norm(ok - ref) / np.linalg.norm(ref) < _TOL[kind]
+    real = twin._Numpy.cp_wait
+    monkeypatch.setattr(twin._Numpy, "cp_wait", lambda self, n: real(self, n + 1))
+    with pytest.raises(AssertionError, match="never written"):
+        twin.emulate(spec, p, X, W, C0, strides)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("a_km,b_kn", [(False, False), (True, False), (False, True), (True, True)])
+def test_ldmatrix_fragments_in_every_operand_layout(kind: str, a_km: bool, b_kn: bool) -> None:
+    # C[m, n] = sum_k A * B with A stored [m][k] or [k][m] and B [n][k] or [k][n]: the shared
+    # tiles take the global run's layout, ldmatrix (.trans for [k][outer]) rebuilds fragments
+    M_, N_, K_ = range(3)
+    r = (37, 24, 48)
+    a, sa = _op(kind, (48, 37) if a_km else (37, 48), [({K_: 1}, 0), ({M_: 1}, 0)][:: 1 if a_km else -1], 3)
+    b, sb = _op(kind, (48, 24) if b_kn else (24, 48), [({K_: 1}, 0), ({N_: 1}, 0)][:: 1 if b_kn else -1], 3)
+    c, sc = _op("f32", (37, 24), [({M_: 1}, 0), ({N_: 1}, 0)], 3)
+    spec = cg.Spec(kind, (M_,), (N_,), (K_,), (), r, a, b, c, True)
+    p = cg.plan(spec, big=True)
+    assert (p.a.smem_k, p.b.smem_k) == (not a_km, not b_kn)
+    rng = np.random.default_rng(7)
+    A = round_to(rng.standard_normal((48, 37) if a_km else (37, 48)).astype(np.float32), kind)
+    B = round_to(rng.standard_normal((48, 24) if b_kn else (24, 48)).astype(np.float32), kind)
+    ref = (A.T if a_km else A).astype(np.float64) @ (B if b_kn else B.T).astype(np.float64)
+    out = twin.emulate(spec, p, A, B, np.zeros((37, 24), np.float32), (sa, sb, sc)).reshape(37, 24)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5

@@ -10,43 +10,52 @@ A[n, g, c, oh*s + kh*d, ow*s + kw*d] -- im2col happens while staging tiles into 
 never materialised.
 
   kinds   f16 / bf16: mma.sync m16n8k16, f32 accumulators (cuda_mma's fragment tables)
-          tf32: f32 operands rounded with cvt.rna, mma.sync m16n8k8
+          tf32: f32 operands rounded with cvt.rna (ties away), mma.sync m16n8k8
           f32:  exact SIMT: 16x16 threads, each a TM x TN register tile (FMA), 128-bit
                 shared-memory reads
 
   1. locate     block (bx, by, bz) -> tile origin (n0 = bx*BN, m0 = by*BM), batch dims from bz
   2. init       accumulators = the fused fill's value, or C at the accumulator's coordinates
-  3. prologue   K slice 0 of A and B -> shared buffer 0 (3a load, 3d stage), barrier
-  4. per K slice kt (BK deep), double-buffered:
-     4a. prefetch  slice kt+1 into registers: element (outer o, k) of the tile delinearises o
-                   and k into their dims and loads at the operand's linear address; whole
-                   vectors (up to 16 bytes) along the operand's unit-stride run of dims (the
-                   run's extent, every other coefficient and the offset divisible by the
-                   width), else scalars; outside M/N/K: zero, not loaded
-     4b. compute   mma: fragments from buffer kt%2 (cuda_mma's FRAG tables) -> mma.sync;
+  3. prologue   cp.async operands: slices 0 .. S-2 issued (3c), one commit group each;
+                register operands: slice 0 loaded (3a) and stored to buffer 0 (3d)
+  4. per K slice kt (BK deep), S buffers per operand (S = 2 without cp.async):
+     4a. prefetch  element (outer o, k) of the tile delinearises o and k into their dims and
+                   reads at the operand's linear address; whole vectors (up to 16 bytes) along
+                   the operand's unit-stride run of dims (the run's extent, every other
+                   coefficient and the offset divisible by the width), else scalars; a thread's
+                   vectors after its first are the first + a constant where the layout allows;
+                   outside M/N/K or the fused padding: zero, not read.
+                   cp.async (mma kinds, vectors of 4/8/16 bytes): slice kt+S-1 -> buffer
+                   (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers
+     4b. compute   mma: fragments from buffer kt%S -> mma.sync (f16/bf16: ldmatrix x4, .trans
+                   for [k][outer] tiles; tf32: scalar loads, cp.async'd values rounded here);
                    simt: per k, TM values of A and TN of B (float4 reads) -> TM*TN FMAs
-     4c. stage     the prefetched registers -> buffer (kt+1)%2 (tf32: rounded first); mma keeps
-                   the global run's layout ([outer][k] or [k][outer]), simt always [k][outer]
-     4d. barrier   one per slice (buffer (kt+1)%2 complete; kt%2 free for slice kt+2)
+     4c. stage     register operands -> buffer (kt+1)%S (tf32: rounded first); mma keeps the
+                   global run's layout ([outer][k] or [k][outer]), simt always [k][outer]
+     4d. barrier   cp.async: wait for all but S-2 groups (slice kt landed), then one barrier at
+                   the top of the slice (everyone's copies visible, buffer (kt-1)%S free);
+                   registers only: one at the end (buffer (kt+1)%2 complete)
   5. store      each accumulator to C at its coordinates, rounded to C's type, inside only; or,
                 with an epilogue (gemm_epilogue.py), through the elementwise consumer to its output
 
-Written once (`kernel`) against cuda_mma's two builders, extended here: `_Text` (MLIR, a
-`func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch for backends/gpu/strategy.splice_template) and
-`_Numpy` in conv_gemm_twin.py (all threads of a block in lockstep, shared-memory races checked at
+Buffers past the static 48 KB are dynamic shared memory (`Plan.dynamic`; the runtime opts in).
+Written once (`kernel`) against cuda_mma's two builders, extended: `_Text` in conv_gemm_text.py
+(MLIR, a `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch for
+backends/gpu/strategy.splice_template) and `_Numpy` in conv_gemm_twin.py (all threads of a block in lockstep, shared-memory races checked at
 the barriers; `emulate`, the tests).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
-from gac_torch.kernels.builder import WORKGROUP
 from gac_torch.kernels.gemm_epilogue import Epilogue
 
 KINDS = ("f16", "bf16", "tf32", "f32")
@@ -133,6 +142,7 @@ class Staging:
     pad: int
     vec: int
     per_thread: int
+    cp: bool = False  # staged by cp.async (whole vectors of 4, 8 or 16 bytes), not via registers
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,8 @@ class Plan:
     grid: tuple[int, int, int]
     tm: int = 0  # simt register tile
     tn: int = 0
+    stages: int = 2  # shared-memory buffers per operand (cp.async: up to stages - 1 slices in flight)
+    dynamic: bool = False  # the buffers are dynamic shared memory (over the static 48 KB)
 
     @property
     def threads(self) -> int:
@@ -181,25 +193,40 @@ def _run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[i
     return run, inside
 
 
+def _step(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> int:
+    """Address step between consecutive elements along the innermost non-unit dim of `dims`."""
+    return next((abs(op.coef[d]) for d in reversed(dims) if ranges[d] > 1), 0)
+
+
 def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
              simt: bool) -> Staging | None:
     r = spec.ranges
     (run_k, in_k), (run_o, in_o) = _run(op, spec.ks, r), _run(op, outer, r)
-    # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows)
+    # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows);
+    # mma, neither run (a strided conv's input): the dim with the smaller address step (a
+    # stride-2 ow, not c's whole plane apart: 2 lanes a 32-byte sector instead of 1 each)
     glob_k = run_k >= run_o
+    if not simt and run_k == run_o == 1:
+        glob_k = _step(op, spec.ks, r) <= _step(op, outer, r)
     run, inside, cols_g = (run_k, in_k, bk) if glob_k else (run_o, in_o, tile_o)
     es = _ESIZE[op.elem]
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
     if op.guards:  # a vector could straddle the padding's edge
         return _fit(glob_k, simt, op, tile_o, bk, threads, 1)
-    # (tf32 at 4 wide: sm_90's ptxas caps the 64x64 kernel at 72 registers and spills; 2 wide not)
-    for v in ((8, 4, 2) if es == 2 else (4, 2) if simt else (2,)):
+    # (tf32 at 4 wide through registers: sm_90's ptxas caps the 64x64 kernel at 72 registers
+    # and spills; 2 wide not. cp.async holds no registers: 4 wide)
+    for v in ((8, 4, 2) if es == 2 else (4, 2) if simt or CP_ASYNC else (2,)):
         if (run % v == 0 and op.offset % v == 0 and op.const % v == 0 and all(k % v == 0 for k in rest)
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v
             break
     return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
+
+
+# bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
+LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
+CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # mma kinds stage >= 4-byte vectors by cp.async
 
 
 def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
@@ -210,13 +237,21 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
     # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
     pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
-    return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads)
+    cp = CP_ASYNC and not simt and vec * es in (4, 8, 16)
+    return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
+
+
+# dynamic shared memory per block when cp.async staging may use it: two blocks per SM (sm_80 /
+# sm_90: 164 / 228 KB per SM, 1 KB of it reserved per block)
+DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
-         smem_limit: int = 48 * 1024, big: bool | None = None) -> Plan | None:
+         smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
-    when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64."""
+    when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
+    cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
+    memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -246,6 +281,13 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     if any(x > lim for x, lim in zip(grid, max_grid)):
         return None
     p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn)
+    if sa.cp or sb.cp:
+        roof = max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK))
+        for stages in (4, 3, 2):
+            p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages)
+            if smem_bytes(p, spec) <= roof:
+                p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, smem_bytes(p, spec) > smem_limit)
+                return p
     if smem_bytes(p, spec) > smem_limit:
         return None
     return p
@@ -253,7 +295,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
 
 def smem_bytes(p: Plan, spec: Spec) -> int:
     es = _ESIZE[smem_elem(spec.kind)]
-    return sum(2 * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
+    return sum(p.stages * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,10 +344,20 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
 
+    def step(which: str) -> int:
+        """mma, T a multiple of a tile row's vectors: vector i of a thread is vector 0 moved by
+        i * step rows (along the outer dims if the loads walk k, else along k); else 0."""
+        st = p.a if which == "A" else p.b
+        per = (BK if st.glob_k else (BM if which == "A" else BN)) // st.vec
+        return T // per if not simt and T % per == 0 else 0
+
     def coords(which: str, i: int) -> tuple[Any, Any]:
         """(outer, k) offsets inside the tile of the i-th vector a thread loads."""
         st = p.a if which == "A" else p.b
         tile_o = BM if which == "A" else BN
+        if i and step(which):
+            lo, lk = coords(which, 0)
+            return (b.add(lo, c(i * step(which))), lk) if st.glob_k else (lo, b.add(lk, c(i * step(which))))
         v = b.add(tid, c(i * T))
         if st.glob_k:
             per = BK // st.vec
@@ -317,12 +369,29 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     # (a conv's channels, K ordered (kh, kw, c)), only kbase is delinearised, once per slice.
     uniform = len(spec.ks) > 1 and R[spec.ks[-1]] % BK == 0
 
-    def load_slice(which: str, kbase: Any) -> list[Any]:
+    def points(which: str, kbase: Any) -> Iterator[tuple[Any, Any]]:
+        """(linear address, inside) of each vector the thread loads of the slice at kbase
+        (a generator: each vector's index math is emitted right before its load)."""
         op, st = (spec.a, p.a) if which == "A" else (spec.b, p.b)
         outer, o0, ext_o = (spec.ms, m0, spec.M) if which == "A" else (spec.ns, n0, spec.N)
         obase = a_base if which == "A" else b_base
-        vals = []
+        # vector i = vector 0 + a constant: along k (the last K dim, which no padding guard
+        # reads; K a multiple of BK: in range with vector 0), or along a single outer dim
+        # (no guards): one address computation, the rest immediate offsets
+        d = spec.ks[-1] if not st.glob_k else next((x for x in outer if R[x] > 1), outer[-1])
+        wide = [x for x in outer if R[x] > 1]
+        fast = uniform and step(which) and (
+            (not st.glob_k and all(gc[d] == 0 for gc, _, _ in op.guards))
+            or (st.glob_k and not op.guards and len(wide) <= 1))
+        first = None
         for i in range(st.per_thread):
+            if fast and first is not None:
+                addr0, ok0, lo0 = first
+                addr = b.add(addr0, c(op.coef[d] * i * step(which)))
+                if st.glob_k:  # (k in range as vector 0's; the outer index is not)
+                    ok0 = b.and_(ok0, b.lt(b.add(b.add(o0, lo0), c(i * step(which))), c(ext_o)))
+                yield addr, ok0
+                continue
             lo, lk = coords(which, i)
             oi, ki = b.add(o0, lo), b.add(kbase, lk)
             ok = b.and_(b.lt(oi, c(ext_o)), b.lt(ki, c(spec.K)))
@@ -338,8 +407,25 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 gop = Operand("", "", gc, 0, 0, 0)
                 at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
                 ok = b.and_(ok, b.inb(at, c(upper)))
-            vals.append(b.load_flat(which, addr, st.vec, ok))
-        return vals
+            if fast:  # (glob_k: vector 0's inside-ness without its outer bound)
+                first = (addr, b.lt(ki, c(spec.K)) if st.glob_k else ok, lo)
+            yield addr, ok
+
+    def load_slice(which: str, kbase: Any) -> list[Any]:
+        st = p.a if which == "A" else p.b
+        return [b.load_flat(which, addr, st.vec, ok) for addr, ok in points(which, kbase)]
+
+    def smem_at(which: str, buf: Any, i: int) -> list[Any]:
+        """Where the i-th vector goes in buffer `buf` (mma: the global run's own layout)."""
+        st = p.a if which == "A" else p.b
+        lo, lk = coords(which, i)
+        return [buf, lo, lk] if st.smem_k else [buf, lk, lo]
+
+    def issue(which: str, buf: Any, kbase: Any) -> None:  # 3c / 4a: cp.async, zero-filled outside
+        st = p.a if which == "A" else p.b
+        for i, (addr, ok) in enumerate(points(which, kbase)):
+            b.cp_async(which, smem_at(which, buf, i), addr, st.vec, ok)
+
 
     # 3d / 4c: stage registers into a buffer
     def stage(which: str, buf: Any, vals: list[Any]) -> None:
@@ -403,20 +489,63 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # 3. prologue
     zero = c(0)
-    stage("A", zero, load_slice("A", zero))
-    stage("B", zero, load_slice("B", zero))
-    b.barrier()
+    S = p.stages
+    copied = [w for w, st in (("A", p.a), ("B", p.b)) if st.cp]
+    held = [w for w, st in (("A", p.a), ("B", p.b)) if not st.cp]  # staged through registers
+    for s in range(S - 1 if copied else 0):  # 3c: slices 0 .. S-2 in flight
+        for w in copied:
+            issue(w, c(s), c(s * BK))
+        b.cp_commit()
+    for w in held:
+        stage(w, zero, load_slice(w, zero))
+    if not copied:
+        b.barrier()
 
     def frag_load(which: str, buf: Any, outer: Any, k: Any, pair: bool) -> Any:
         st = p.a if which == "A" else p.b
+        if not pair:  # tf32: copied f32 values are rounded here (registers: at 4c)
+            x = b.load_smem(which, [buf, outer, k] if st.smem_k else [buf, k, outer], 1)
+            return b.round_tf32_1(x) if tf32 and st.cp else x
         if st.smem_k:  # [outer][k]
-            return b.load_smem(which, [buf, outer, k], 2 if pair else 1)
-        if not pair:
-            return b.load_smem(which, [buf, k, outer], 1)
+            return b.load_smem(which, [buf, outer, k], 2)
         return b.pack(b.load_smem(which, [buf, k, outer], 1),
                       b.load_smem(which, [buf, b.add(k, c(1)), outer], 1))
 
+    if not simt and not tf32 and LDMATRIX:  # 16-bit fragments: ldmatrix, 8 rows of 16 bytes
+        l8, hi, q = b.rem(lane, c(8)), b.rem(b.div(lane, c(8)), c(2)), b.div(lane, c(16))
+
+    def ld_frags(buf: Any, k0: int) -> tuple[list[Any], list[Any]]:
+        """A fragments (4 registers per 16-row tile i) and B (2 per 8-column tile j) by
+        ldmatrix x4 (x2 for an odd last B tile): lanes 8j..8j+7 address matrix j's rows;
+        .trans where the tile is stored [k][outer] (the fragment wants k pairs)."""
+        fa, fb = [], []
+        for i in range(p.mt):
+            m = b.add(wrow, c(i * 16))
+            if p.a.smem_k:  # [m][k]: matrices (m 0-7 | 8-15) x (k 0-7 | 8-15)
+                at = [buf, b.add(m, b.add(l8, b.mul(hi, c(8)))), b.add(b.mul(q, c(8)), c(k0))]
+            else:  # [k][m]: transposed, same order
+                at = [buf, b.add(b.add(l8, b.mul(q, c(8))), c(k0)), b.add(m, b.mul(hi, c(8)))]
+            fa.append(b.ldmatrix("A", at, 4, not p.a.smem_k))
+        for j in range(0, p.nt, 2):
+            num = 4 if j + 1 < p.nt else 2
+            n = b.add(wcol, c(j * 8))
+            qq = q if num == 4 else c(0)
+            if p.b.smem_k:  # [n][k]: (n tile j: k 0-7, 8-15), (tile j+1: ...)
+                at = [buf, b.add(n, b.add(l8, b.mul(qq, c(8)))), b.add(b.mul(hi, c(8)), c(k0))]
+            else:  # [k][n]
+                at = [buf, b.add(b.add(l8, b.mul(hi, c(8))), c(k0)), b.add(n, b.mul(qq, c(8)))]
+            regs = b.ldmatrix("B", at, num, not p.b.smem_k)
+            fb += [regs[h:h + 2] for h in range(0, num, 2)]
+        return fa, fb
+
     def mma_step(buf: Any, k0: int, accs: list[Any]) -> list[Any]:
+        if not tf32 and LDMATRIX:
+            fa, fb = ld_frags(buf, k0)
+            for i in range(p.mt):
+                for j in range(p.nt):
+                    at = (i * p.nt + j) * 4
+                    accs[at:at + 4] = b.mma(spec.kind, fa[i], fb[j], accs[at:at + 4])
+            return accs
         fa, fb = [], []
         for i in range(p.mt):
             regs = []
@@ -445,114 +574,48 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         xb = [b.extract(bv[j // 4], j % 4, 4) for j in range(p.tn)]
         return [b.fma(xa[i], xb[j], accs[n]) for n, (i, j) in enumerate(places)]
 
+    def compute(buf: Any, accs: list[Any]) -> list[Any]:  # 4b
+        accs = list(accs)
+        if simt:
+            for kk in range(BK):
+                accs = simt_step(buf, kk, accs)
+        else:
+            for s in range(BK // p.ks):
+                accs = mma_step(buf, s * p.ks, accs)
+        return accs
+
     # 4. K slices
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
         kn = b.mul(b.add(kt, c(1)), c(BK))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
-        accs = list(accs)
-        if simt:  # 4b
-            for kk in range(BK):
-                accs = simt_step(buf, kk, accs)
-        else:
-            for s in range(BK // p.ks):
-                accs = mma_step(buf, s * p.ks, accs)
+        accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
         stage("B", nbuf, next_b)
         b.barrier()  # 4d
         return accs
 
-    accs = b.loop(-(-spec.K // BK), accs, body)
+    def body_async(kt: Any, accs: list[Any]) -> list[Any]:
+        b.cp_wait(S - 2)  # 4d: this thread's copies of slice kt landed; the barrier: everyone's,
+        b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
+        ahead = b.add(kt, c(S - 1))
+        for w in copied:  # 4a
+            issue(w, b.rem(ahead, c(S)), b.mul(ahead, c(BK)))
+        b.cp_commit()
+        kn = b.add(kt, c(1))
+        nxt = [load_slice(w, b.mul(kn, c(BK))) for w in held]
+        accs = compute(b.rem(kt, c(S)), accs)
+        for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
+            stage(w, b.rem(kn, c(S)), vals)
+        return accs
+
+    accs = b.loop(-(-spec.K // BK), accs, body_async if copied else body)
+    if copied:
+        b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
     for (addr, ok), val, (i, j) in zip(out_points(), accs, places):
         if spec.epilogue is not None:
             gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
         else:
             b.store_cflat(addr, val, ok)
-
-
-# --------------------------------------------------------------------------------------------
-# builder 1: MLIR text (cuda_mma's, plus flat global access, scalar smem stores and FMAs)
-
-
-class _Text(gemm_epilogue.TextMixin, mma.MmaText):
-    def __init__(self, spec: Spec, p: Plan):
-        super().__init__(spec, p)  # type: ignore[arg-type]
-        self.e = smem_elem(spec.kind)
-        self.smem = {w: f"memref<2x{s.rows}x{s.cols + s.pad}x{self.e}, {WORKGROUP}>"
-                     for w, s in (("A", p.a), ("B", p.b))}
-
-    def load_flat(self, which: str, addr: str, vec: int, ok: str) -> str:
-        # branch-free: outside the tile, load element 0 (always valid) and select zero, so all
-        # of a slice's loads can be in flight at once
-        op = self.spec.a if which == "A" else self.spec.b
-        vt = f"vector<{vec}x{op.elem}>"
-        at, ld, z, r = self.fresh(), self.fresh(), self.fresh(), self.fresh()
-        self.w(f"{at} = arith.select {ok}, {addr}, {self.const(0)} : index")
-        self.w(f"{ld} = vector.load %{which}f[{at}] {{alignment = {vec * _ESIZE[op.elem]}}} : {op.flat}, {vt}")
-        self.w(f"{z} = arith.constant dense<0.0> : {vt}")
-        self.w(f"{r} = arith.select {ok}, {ld}, {z} : {vt}")
-        return r
-
-    def inb(self, x: str, upper: str) -> str:
-        return self.lt(x, upper)  # unsigned: a negative index is huge
-
-    def extract(self, val: str, j: int, vec: int) -> str:
-        r = self.fresh()
-        self.w(f"{r} = vector.extract {val}[{j}] : {self.e} from vector<{vec}x{self.e}>")
-        return r
-
-    def store_smem1(self, which: str, idx: list[str], val: str) -> None:
-        self.w(f"memref.store {val}, %S{which}[{', '.join(idx)}] : {self.smem[which]}")
-
-    def fma(self, x: str, y: str, acc: str) -> str:
-        p, s = self.fresh(), self.fresh()  # contract: LLVM fuses these into one fma.rn.f32
-        self.w(f"{p} = arith.mulf {x}, {y} fastmath<contract> : f32")
-        self.w(f"{s} = arith.addf {acc}, {p} fastmath<contract> : f32")
-        return s
-
-    def load_cflat(self, addr: str, ok: str) -> str:
-        ec = self.spec.c.elem
-        r, x = self.fresh(), self.fresh()
-        self.w(f"{r} = scf.if {ok} -> (f32) {{")
-        self.w(f"  {x} = memref.load %Cf[{addr}] : {self.spec.c.flat}")
-        y = self._to_f32(x, ec)
-        z = self.fresh()
-        self.w(f"  scf.yield {y} : f32\n}} else {{\n  {z} = arith.constant 0.0 : f32\n  scf.yield {z} : f32\n}}")
-        return r
-
-    def store_cflat(self, addr: str, val: str, ok: str) -> None:
-        ec = self.spec.c.elem
-        self.w(f"scf.if {ok} {{")
-        if ec != "f32":
-            r = self.fresh()
-            self.w(f"  {r} = arith.truncf {val} : f32 to {ec}")
-            val = r
-        self.w(f"  memref.store {val}, %Cf[{addr}] : {self.spec.c.flat}\n}}")
-
-
-def template(spec: Spec, p: Plan) -> str:
-    """`func.func @tmpl(%A, %B, %C, %init)` holding the gpu.launch (see the banner)."""
-    b = _Text(spec, p)
-    kernel(b, spec, p)
-    gx, gy, gz = p.grid
-    ep = spec.epilogue
-    extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
-    flat = []
-    uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
-    for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):
-        flat.append(f"%{name}f = memref.reinterpret_cast %{name} to offset: [{op.offset}], "
-                    f"sizes: [{op.span}], strides: [1] : {op.type} to {op.flat}")
-    head = [
-        f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
-        + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {spec.c.elem}) {{",
-        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
-        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
-        f"%nt = arith.constant {p.threads} : index",
-        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-         f"workgroup(%SA : {b.smem['A']}, %SB : {b.smem['B']}) {{"),
-        *flat,
-    ]
-    return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -8,7 +8,7 @@ import numpy as np
 
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
-from gac_torch.kernels.builder import round_to
+from gac_torch.kernels.builder import Smem, round_to
 from gac_torch.kernels.conv_gemm import Operand, Plan, Spec, kernel, smem_elem
 
 
@@ -21,6 +21,46 @@ class _Numpy(gemm_epilogue.NumpyMixin, mma.MmaNumpy):
                  init: float, block: tuple[int, int, int]):
         super().__init__(spec, p, A, B, C, init, block)  # type: ignore[arg-type]
         self.e = smem_elem(spec.kind)
+        self.S = {w: Smem(w, (p.stages, s.rows, s.cols + s.pad)) for w, s in (("A", p.a), ("B", p.b))}
+        self.groups: list[list[tuple]] = []  # committed cp.async groups, oldest first
+        self.open: list[tuple] = []  # issued since the last commit
+
+    def cp_async(self, which: str, idx: list[np.ndarray], addr: np.ndarray, vec: int, ok: np.ndarray) -> None:
+        """Read now, land at a later cp_wait: the cells count as written (race check) from
+        the issue on, but hold their new values only once the group completes."""
+        vals = self.load_flat(which, addr, vec, ok)
+        cells = self.touch(self.S[which], idx, vec, True)
+        self.open.append((which, cells, vals))
+
+    def cp_commit(self) -> None:
+        self.groups.append(self.open)
+        self.open = []
+
+    def cp_wait(self, n: int) -> None:
+        while len(self.groups) > n:
+            for which, cells, vals in self.groups.pop(0):
+                for i, at in enumerate(cells):
+                    self.S[which].data[at] = vals[:, i]
+
+    def ldmatrix(self, which: str, idx: list[np.ndarray], num: int, trans: bool) -> list[np.ndarray]:
+        """Per warp, lanes 8j..8j+7 give the rows (8 elements, 16-byte aligned) of matrix j;
+        lane l gets (row l // 4, cols 2 (l % 4), +1) of each, .trans: that of the transpose."""
+        lane = np.arange(self.T) % 32
+        assert (np.asarray(idx[-1])[lane < 8 * num] % 8 == 0).all(), "ldmatrix rows must be 16-byte aligned"
+        cells = self.touch(self.S[which], idx, 8, False, lanes=lane < 8 * num)
+        rows = np.stack([self.S[which].data[at] for at in cells], axis=1)  # (warps * 8 num, 8)
+        if np.isnan(rows).any():
+            raise AssertionError(f"smem {which}: ldmatrix of an element never written")
+        mats = rows.reshape(self.T // 32, num, 8, 8)  # [warp][matrix][row][col]
+        warp, g, t = np.arange(self.T) // 32, lane // 4, lane % 4
+        out = []
+        for j in range(num):
+            m = mats[:, j].transpose(0, 2, 1) if trans else mats[:, j]
+            out.append(np.stack([m[warp, g, 2 * t], m[warp, g, 2 * t + 1]], axis=1))
+        return out
+
+    def round_tf32_1(self, x: np.ndarray) -> np.ndarray:
+        return round_to(x, "tf32")
 
     def load_flat(self, which: str, addr: np.ndarray, vec: int, ok: np.ndarray) -> np.ndarray:
         buf = self.A if which == "A" else self.B

@@ -386,6 +386,26 @@ class MmaText(Text):
         self.w(f"  {z} = arith.constant dense<{zero}> : {vt}\n  scf.yield {z} : {vt}\n}}")
         return r
 
+    # --- shared verb (conv_gemm_text; flash_attention_text has its own copy) ------------------
+    def ldmatrix_at(self, buf: str, buf_type: str, byte_off: str, num: int, trans: bool, elem: str) -> list[str]:
+        """ldmatrix.sync.aligned.m8n8.x{num}[.trans].b16 with this lane's row at `byte_off`
+        bytes into shared buffer `buf`; num registers as vector<2 x elem>."""
+        base, a, i, ptr, r = (self.fresh() for _ in range(5))
+        self.w(f"{base} = memref.extract_aligned_pointer_as_index {buf} : {buf_type} -> index")
+        self.w(f"{a} = arith.addi {base}, {byte_off} : index\n{i} = arith.index_cast {a} : index to i64")
+        self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
+        rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
+        self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
+               "shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>} "
+               f": (!llvm.ptr<3>) -> {rt}")
+        out = []
+        for h in range(num):
+            x, y = self.fresh(), self.fresh()
+            self.w(f"{x} = llvm.extractvalue {r}[{h}] : {rt}\n{y} = llvm.bitcast {x} : i32 to vector<2x{elem}>")
+            out.append(y)
+        return out
+    # --------------------------------------------------------------------------------------------
+
     def round_tf32(self, val: str, vec: int) -> str:
         parts = []
         for i in range(vec):

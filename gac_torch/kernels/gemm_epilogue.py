@@ -119,7 +119,7 @@ def eval_op(op: EOp, ins: list[np.ndarray]) -> np.ndarray:
 
 
 class TextMixin:
-    """The text builder's epilogue verbs (mixed into conv_gemm._Text)."""
+    """The text builder's epilogue verbs (mixed into conv_gemm_text._Text)."""
 
     def begin_if(self, ok: str) -> None:
         self.w(f"scf.if {ok} {{")

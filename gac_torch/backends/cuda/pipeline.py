@@ -109,14 +109,18 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             if name.endswith(("_igemm", "_sgemm")):  # implicit GEMM (strategies/implicit_gemm.py):
                 # given only .maxntid, sm_90's ptxas caps registers near 80 and spills; asking for
                 # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
-                # epilogue spilled). Occupancy vs. registers is for tuning on the device.
-                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
+                # epilogue spilled). An igemm staging only through cp.async (no registers hold a
+                # slice in flight) fits 2 blocks per SM in 128 registers without spills: the second
+                # block runs while the first waits at its barrier.
+                blocks = 2 if name.endswith("_igemm") and not _global_vector_loads(f) else 1
+                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
             if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
                 f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
         run_passes(
             module,
             f"nvvm-attach-target{{chip={chip} features={features} O={opts.opt_level}}}, "
             "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
+            # nvgpu: cp.async (implicit-GEMM and flash-attention staging) -> nvvm
             "convert-nvgpu-to-nvvm, convert-gpu-to-nvvm{use-bare-ptr-memref-call-conv=1}, convert-vector-to-llvm, "
             # math ops libdevice does not cover (trunc, ...) map to LLVM intrinsics NVPTX selects
             "convert-math-to-llvm, canonicalize, cse), "
@@ -143,6 +147,20 @@ def _flash_maxnreg(kernel: ir.Operation) -> int | None:
     (it gave the 4-warp f32x3 D = 64 block 128, where a cap of 255 let it take 173)."""
     threads = math.prod(ir.DenseI32ArrayAttr(kernel.attributes["known_block_size"]))
     return 128 if threads >= 256 else None
+
+
+def _global_vector_loads(kernel: ir.Operation) -> bool:
+    """The kernel body has a vector.load from global memory (a tile staged via registers)."""
+    found = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if op.name == "vector.load" and "workgroup" not in str(op.operands[0].type):
+            found.append(op)
+            return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    kernel.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return bool(found)
 
 
 SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores

@@ -72,7 +72,8 @@ def compile_options(options: dict | None) -> Any:
 
         conv_tf32 = torch_allows_tf32_conv() and (options or {}).get("allow_tf32") is not False
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
-                       max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
+                       max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
+                       max_dynamic_shared_bytes=ARCHS[arch].smem_per_block_optin)
     # Tried in order on each linalg op (flash: on each gac.attention call); what none takes
     # becomes a `loops` kernel (a gac.attention call: inlined first). igemm / sgemm take convs
     # and multi-dim contractions (not plain matmuls: those go on to mma / matmul).

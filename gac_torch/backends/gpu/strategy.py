@@ -29,6 +29,7 @@ class GpuLimits:
     warp_size: int = 32
     max_threads_per_block: int = 1024
     max_static_shared_bytes: int = 48 * 1024
+    max_dynamic_shared_bytes: int = 0  # per block, with the launch's opt-in (0: none)
     max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
     threads_per_block: int = 256  # `loops` strategy block size
     coarsen: int = 4  # `loops`: points per thread for large elementwise spaces

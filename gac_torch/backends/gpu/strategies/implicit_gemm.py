@@ -28,7 +28,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
-from gac_torch.kernels import conv_gemm, cuda_mma
+from gac_torch.kernels import conv_gemm, conv_gemm_text, cuda_mma
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
 
@@ -176,7 +176,8 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     fill = fill_before(g.op, g.outputs[0])
     spec = conv_gemm.Spec(kind, tuple(ms), tuple(ns), tuple(ks), batch, r, a, b, c,  # type: ignore[arg-type]
                           fill is not None)
-    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
+    dynamic = 0 if os.environ.get("GAC_IGEMM_DYNAMIC_SMEM") == "0" else limits.max_dynamic_shared_bytes  # (bisects)
+    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic)
     if plan is None:
         return None
     return _Match(g, spec, plan, pads, fill)
@@ -195,7 +196,7 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     if fused is not None and buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
         fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
-    splice_template(conv_gemm.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
+    splice_template(conv_gemm_text.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                     fill[1] if fill is not None else None, ec, name)
     if fill is not None:
         fill[0].erase()
@@ -384,25 +385,23 @@ def _view_chain(z: ir.Value) -> list[ir.Operation]:
 
 
 def _renamable(z: ir.Value, at: ir.Operation) -> bool:
-    """z is (a view of) a whole scratch allocation that no other view made before `at` reaches
-    past it: from `at` on, another allocation can stand in for it (see _rename_from)."""
+    """z is (a view of) a whole scratch allocation: from `at` on, another allocation can stand
+    in for it (see _rename_from). Views of it made before `at` and used after are rebuilt on
+    the stand-in, when they have no operand but the buffer (static views)."""
     root = buffer_root(z)
     d = defining_op(root)
     if d is None or d.name != "memref.alloc":
         return False
     own = set(_view_chain(z))
 
-    def leaks(v: ir.Value) -> bool:
+    def fixed(v: ir.Value) -> bool:
         for use in v.uses:
             o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-            if o.name in VIEW_OPS and o not in own and o.block == at.block and o.is_before_in_block(at):
-                if any(not top_level(u, at.block).is_before_in_block(at) for u in users(o.results[0])):
-                    return True
-            elif o in own and leaks(o.results[0]):
-                return True
-        return False
+            if o.name in VIEW_OPS and (len(o.operands) != 1 or not fixed(o.results[0])):
+                return False
+        return True
 
-    return not leaks(root)
+    return fixed(root) and all(len(o.operands) == 1 for o in own)
 
 
 def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
@@ -410,13 +409,27 @@ def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.V
     fused kernel must not write a buffer its own inputs are read from. Returns z's view of it."""
     root = buffer_root(z)
     fresh = defining_op(root).clone(ir.InsertionPoint(before)).results[0]
-    for use in list(root.uses):
-        o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+    own = _view_chain(z)
+
+    def later(o: ir.Operation) -> bool:
         top = top_level(o, first.block)
-        if top == first or first.is_before_in_block(top):
-            o.operands[use.operand_number] = fresh
+        return top == first or first.is_before_in_block(top)
+
+    def redirect(old: ir.Value, new: ir.Value) -> None:
+        """Uses of `old` from `first` on use `new`; an earlier view of it with later users gets
+        a copy on `new` for them (the buffer's reshaped views, e.g. the next conv's input)."""
+        for use in list(old.uses):
+            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+            if later(o):
+                o.operands[use.operand_number] = new
+            elif o.name in VIEW_OPS and o not in own and any(later(u) for u in users(o.results[0])):
+                copy = o.clone(ir.InsertionPoint(before))
+                copy.operands[0] = new
+                redirect(o.results[0], copy.results[0])
+
+    redirect(root, fresh)
     v = fresh
-    for view in _view_chain(z):  # z's own views, rebuilt on the fresh buffer
+    for view in own:  # z's own views, rebuilt on the fresh buffer
         new = view.clone(ir.InsertionPoint(before))
         new.operands[0] = v
         v = new.results[0]
