@@ -118,7 +118,6 @@ def _error_text(err: Any) -> str:
         return str(int(err))
 
 
-
 _SCALAR_PACK = {"i8": "b", "i16": "h", "i32": "i", "i64": "q", "f32": "f", "f64": "d"}
 
 
