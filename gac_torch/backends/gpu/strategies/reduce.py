@@ -48,7 +48,7 @@ def strategy(params: ReduceParams = ReduceParams()) -> Strategy:
     return Strategy("reduce", match, emit)
 
 
-_COMBINERS = {
+COMBINERS = {
     "arith.addf": "add", "arith.addi": "add", "arith.mulf": "mul", "arith.muli": "mul",
     "arith.maxnumf": "maxnumf", "arith.minnumf": "minnumf", "arith.maximumf": "maximumf",
     "arith.minimumf": "minimumf", "arith.maxsi": "maxsi", "arith.minsi": "minsi",
@@ -57,7 +57,7 @@ _COMBINERS = {
 }
 
 
-def _identity(kind: str, t: ir.Type) -> ir.Attribute:
+def identity_attr(kind: str, t: ir.Type) -> ir.Attribute:
     if isinstance(t, ir.FloatType):
         v = {"add": 0.0, "mul": 1.0, "maxnumf": -math.inf, "maximumf": -math.inf,
              "minnumf": math.inf, "minimumf": math.inf}[kind]
@@ -68,7 +68,7 @@ def _identity(kind: str, t: ir.Type) -> ir.Attribute:
     return ir.IntegerAttr.get(t, v)
 
 
-def _widen(v: ir.Value, t: ir.Type, signed: bool) -> ir.Value:
+def widen(v: ir.Value, t: ir.Type, signed: bool) -> ir.Value:
     if v.type == t:
         return v
     if isinstance(t, ir.FloatType):
@@ -76,7 +76,7 @@ def _widen(v: ir.Value, t: ir.Type, signed: bool) -> ir.Value:
     return arith.extsi(t, v) if signed else arith.extui(t, v)
 
 
-def _narrow(v: ir.Value, t: ir.Type) -> ir.Value:
+def narrow(v: ir.Value, t: ir.Type) -> ir.Value:
     if v.type == t:
         return v
     return arith.truncf(t, v) if isinstance(t, ir.FloatType) else arith.trunci(t, v)
@@ -93,14 +93,14 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
     body_ops = [op.operation for op in g.body.operations]
     out_arg = g.body.arguments[len(g.inputs)]
     comb = defining_op(body_ops[-1].operands[0])
-    if comb is None or comb.name not in _COMBINERS or comb.block != g.body:
+    if comb is None or comb.name not in COMBINERS or comb.block != g.body:
         return False
     uses = list(out_arg.uses)
     if len(uses) != 1 or out_arg not in list(comb.operands):
         return False
     if any(op.regions and len(op.regions) for op in body_ops[:-2]):
         return False
-    kind = _COMBINERS[comb.name]
+    kind = COMBINERS[comb.name]
     value = comb.operands[1] if comb.operands[0] == out_arg else comb.operands[0]
     with ir.InsertionPoint(g.op), g.op.location:  # run-time extents: memref.dim on the host
         p_ext = [g.extent(d) for d in par]
@@ -150,7 +150,7 @@ class _Ir(Ir):
         return new.results[0]
 
     def identity(self) -> ir.Value:
-        return arith.constant(self.acc_t, _identity(self.kind, self.acc_t))
+        return arith.constant(self.acc_t, identity_attr(self.kind, self.acc_t))
 
     def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
         g = self.g
@@ -161,7 +161,7 @@ class _Ir(Ir):
         for arg, buf, m in zip(g.body.arguments, g.inputs, g.maps):
             mapping[arg] = load_at(buf, m, ivs)
         clone_body([op.operation for op in g.body.operations][:-1], self.comb, mapping, ivs)
-        return _widen(mapping.get(self.value, self.value), self.acc_t, self.signed)
+        return widen(mapping.get(self.value, self.value), self.acc_t, self.signed)
 
     def shuffle_xor(self, x: ir.Value, off: int, width: int) -> ir.Value:
         i32 = ir.IntegerType.get_signless(32)
@@ -178,7 +178,7 @@ class _Ir(Ir):
 
     def init(self, idx: list[ir.Value]) -> ir.Value:
         init = self.fill[1] if self.fill is not None else memref.load(self.g.outputs[0], idx)
-        return _widen(init, self.acc_t, self.signed)
+        return widen(init, self.acc_t, self.signed)
 
     def store(self, idx: list[ir.Value], val: ir.Value) -> None:
-        memref.store(_narrow(val, self.out_elem), self.g.outputs[0], idx)
+        memref.store(narrow(val, self.out_elem), self.g.outputs[0], idx)
