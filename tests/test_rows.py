@@ -98,3 +98,82 @@ def test_rows_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(rows._Numpy, "barrier", lambda self: None)
     with pytest.raises(RaceError):
         rows.emulate(p, nodes, m)
+
+
+# ------------------------------------------------------------------------------------------------
+# the cuda target: one kernel per norm (CPU: PTX + ptxas), parity on the GPU
+
+import re  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import gac_torch  # noqa: E402
+from gac_torch.backends.cuda.ptxas import assemble, find_ptxas  # noqa: E402
+from tests.parity import Fn  # noqa: E402
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+NORMS = {  # name -> (fn, takes a weight and bias)
+    "layernorm": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5), 2),
+    "rmsnorm": (lambda x, w: _rms(x, w), 1),
+    "softmax": (lambda x: torch.softmax(x, -1), 0),
+    "log_softmax": (lambda x: torch.log_softmax(x, -1), 0),
+    "softmax_scaled_3d": (lambda x: torch.softmax(x * 0.125 + 1.0, -1), 0),
+}
+
+
+def _inputs(name: str, shape: tuple[int, ...], dt: torch.dtype, device: str = "cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 2 + 0.5
+    extra = [torch.rand(shape[-1], generator=g) + 0.5, torch.randn(shape[-1], generator=g)][:NORMS[name][1]]
+    return [t.to(device=device, dtype=dt) for t in (x, *extra)]
+
+
+@pytest.mark.parametrize("name,shape", [("layernorm", (64, 1024)), ("rmsnorm", (64, 1024)),
+                                        ("softmax", (32, 2048)), ("log_softmax", (7, 1000)),
+                                        ("softmax_scaled_3d", (2, 3, 4097)), ("layernorm", (5, 7)),
+                                        ("layernorm", (2500, 256))])
+def test_norm_is_one_kernel_without_spills(name: str, shape: tuple[int, ...]) -> None:
+    fn = NORMS[name][0]
+    compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, torch.float32)), target="cuda",
+                                 options={"arch": "sm_90", "fallback": False, "cache": False})
+    ptx = compiled.ir("ptx")
+    kernels = re.findall(r"\.entry (\w+)\(", ptx)
+    assert len(kernels) == 1 and kernels[0].endswith("_row"), kernels
+    assert find_ptxas() is not None, "ptxas not found (pip install nvidia-cuda-nvcc-cu12)"
+    result = assemble(ptx, "sm_90")
+    assert result.ok, result.log
+    assert re.findall(r"(\d+) bytes spill stores", result.log) == ["0"], result.log
+
+
+CUDA_SHAPES = [(1, 1), (3, 7), (9, 1000), (2, 4097), (33, 96), (4, 2, 2048), (2500, 256)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(NORMS))
+def test_norm_parity_on_cuda(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
+    fn = NORMS[name][0]
+    inputs = _inputs(name, shape, dt, "cuda", seed=sum(shape))
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda", options={"fallback": False})
+    out = compiled(*inputs)
+    ref = fn(*[t.double() for t in inputs])
+    eager = fn(*inputs)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    err_eager = ((eager.double() - ref).norm() / ref.norm()).item()
+    assert not out.isnan().any() and err <= max(1e-5 if dt == torch.float32 else 2e-3 if dt == torch.float16
+                                                 else 1e-2, 2 * err_eager), (err, err_eager)
+
+
+@pytest.mark.cuda
+def test_norm_parity_on_a_non_contiguous_input() -> None:
+    x = torch.randn(300, 64, device="cuda").t()  # 64 rows of 300, strided
+    fn = NORMS["softmax"][0]
+    compiled = gac_torch.compile(Fn(fn), (x,), target="cuda", options={"fallback": False})
+    ref = fn(x.double())
+    assert ((compiled(x).double() - ref).norm() / ref.norm()).item() <= 1e-5
