@@ -177,3 +177,40 @@ def test_norm_parity_on_a_non_contiguous_input() -> None:
     compiled = gac_torch.compile(Fn(fn), (x,), target="cuda", options={"fallback": False})
     ref = fn(x.double())
     assert ((compiled(x).double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# a reduction to a few outputs spreads over the GPU (strategies/reduce.py: split + partials)
+
+
+SPLIT = {  # name -> (fn, input shapes)
+    "mse_loss": (lambda x, y: F.mse_loss(x, y), [(1024, 4099), (1024, 4099)]),
+    "sum_all": (lambda x: x.sum(), [(3, 100003)]),
+    "amax_rows": (lambda x: x.amax(1), [(5, 70001)]),
+}
+
+
+def test_few_long_reductions_split_over_many_blocks() -> None:
+    fn, shapes = SPLIT["mse_loss"]
+    g = torch.Generator().manual_seed(1)
+    compiled = gac_torch.compile(Fn(fn), tuple(torch.randn(s, generator=g) for s in shapes), target="cuda",
+                                 options={"arch": "sm_90", "fallback": False, "cache": False})
+    from gac_torch.backends.cuda import pipeline
+    from gac_torch.backends.cuda.target import compile_options
+
+    part = next(iter(compiled.compiled.partitions.values()))
+    program = pipeline.map_stage(part.ir("linalg"), compile_options({"arch": "sm_90"})).program
+    first, second = [k for k in program.launches if k.strategy == "reduce"]
+    assert first.grid[0] >= 256 and second.grid[0] == 1, program.describe()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_split_reduction_parity_on_cuda(name: str) -> None:
+    fn, shapes = SPLIT[name]
+    g = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(s, generator=g).cuda() for s in shapes]
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda", options={"fallback": False})
+    ref = fn(*[t.double() for t in inputs])
+    out = compiled(*inputs)
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
