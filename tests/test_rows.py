@@ -16,9 +16,11 @@ from gac_torch.kernels.rows import Math, Node
 # the numpy twin
 
 
-def _layernorm(x: np.ndarray, w: np.ndarray, bias: np.ndarray, C: int):
-    """The graph LayerNorm lowers to: shift by x[:, 0], mean, centre, variance, normalise."""
-    nodes = [Node("load", "full"), Node("load", "row"), Node("load", "col"), Node("load", "col"),
+def _layernorm(x: np.ndarray, w: np.ndarray, bias: np.ndarray, C: int, pick: bool = False):
+    """The graph LayerNorm lowers to: shift by x[:, 0], mean, centre, variance, normalise.
+    `pick`: the shift is column 0 of a computed value (f16 LayerNorm: of x in f32)."""
+    shift = Node("pick", "row", (0,), at=0) if pick else Node("load", "row")
+    nodes = [Node("load", "full"), shift, Node("load", "col"), Node("load", "col"),
              Node("map", "full", (0, 1)),  # 4: d = x - x0
              Node("reduce", "row", (4,)),  # 5: sum d
              Node("map", "full", (4, 5)),  # 6: c = d - sum / C
@@ -57,13 +59,13 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, C: int, acc: str):
 
 @pytest.mark.parametrize("R,C,vec", [(5, 1, 1), (3, 7, 1), (9, 1000, 4), (2, 4097, 1), (4, 2048, 4),
                                      (3, 96, 4), (2, 40000, 4)])
-@pytest.mark.parametrize("which", ["layernorm", "softmax", "log_softmax", "rmsnorm_f16"])
+@pytest.mark.parametrize("which", ["layernorm", "layernorm_pick", "softmax", "log_softmax", "rmsnorm_f16"])
 def test_rows_emulated_on_cpu(which: str, R: int, C: int, vec: int) -> None:
     rng = np.random.default_rng(R * 1009 + C)
     x = rng.standard_normal((R, C)) * 2 + 0.5
     w, bias = rng.uniform(0.5, 1.5, C), rng.standard_normal(C)
-    if which == "layernorm":
-        nodes, m, ref = _layernorm(x, w, bias, C)
+    if which.startswith("layernorm"):
+        nodes, m, ref = _layernorm(x, w, bias, C, which.endswith("pick"))
     elif which == "rmsnorm_f16":
         x, w = round_to(x, "f16"), round_to(w, "f16")
         nodes, m, ref = _rmsnorm(x, w, C, "f16")

@@ -4,8 +4,8 @@ row once, keeps it in registers, and writes each output once.
 
 The row space is R rows of C columns. A program is a list of nodes in dataflow order, each one
 value per element (`full`), per row (`row`), per column (`col`, e.g. an affine weight) or one
-for all (`scalar`): `load` a leaf, `map` its arguments, or `reduce` a full value over the row to
-a row value. A group of `group` threads (a power of two: part of a warp, or a whole block) owns
+for all (`scalar`): `load` a leaf, `map` its arguments, `reduce` a full value over the row to
+a row value, or `pick` a full value's element at one column (LayerNorm's shift by x[:, 0]). A group of `group` threads (a power of two: part of a warp, or a whole block) owns
 one row; lane l holds `slots` vectors of `vec` columns at c = (s * group + l) * vec, so a warp's
 accesses are consecutive 16-byte vectors.
 
@@ -21,7 +21,8 @@ accesses are consecutive 16-byte vectors.
               row nodes by lane 0
 
 The schedule is here once (`kernel`); the math comes from the backend: `load`, `compute`,
-`element`, `combine`, `identity`, `finish`, `store`, `shuffle_xor`, `smem_put` / `smem_get`
+`element`, `combine`, `identity`, `finish`, `store`, `shuffle_xor` / `shuffle_idx`,
+`smem_put` / `smem_get`
 (backends/gpu/strategies/row.py clones it from the linalg bodies through the `Ir` builder;
 `_Numpy` here takes numpy functions and checks bounds, masks and barriers).
 """
@@ -47,6 +48,7 @@ class Node:
     args: tuple[int, ...] = ()  # earlier nodes (reduce: the element's operands)
     out: bool = False  # stored to an output buffer
     init: int | None = None  # reduce: a row node combined first (else the backend's constant)
+    at: int = 0  # pick: the column whose element of a full node every thread of the row gets
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def kernel(b: Any, p: Plan, nodes: Sequence[Node]) -> None:
         valid.append(cond if active is None else active if cond is None else b.and_(active, cond))
 
     vals: dict[int, Any] = {}  # full/col: [slot][elem] -> value; row/scalar: one value
-    pending: list[int] = []  # reductions waiting for the block barrier
+    pending: list[int] = []  # reductions (and picks) waiting for the block barrier
 
     def arg(n: int, s: int, e: int) -> Any:
         return vals[n][s][e] if nodes[n].space in ("full", "col") else vals[n]
@@ -138,6 +140,17 @@ def kernel(b: Any, p: Plan, nodes: Sequence[Node]) -> None:
                        for s in range(p.slots)]
         elif nd.op == "map":
             vals[i] = b.compute(i, [vals[a] for a in nd.args])
+        elif nd.op == "pick":  # the owner lane's register, to the whole group
+            slot, rest = divmod(nd.at, p.vec * p.group)
+            owner, e = divmod(rest, p.vec)
+            v = vals[nd.args[0]][slot][e]
+            if p.group <= p.warp:
+                src = b.add(b.mul(b.div(b.rem(tid, p.warp), p.group), p.group), owner)
+                vals[i] = b.shuffle_idx(v, src, p.warp)
+            else:
+                b.when(b.eq(tid, owner), lambda v=v, i=i: b.smem_put(i, b.const(0), v))
+                pending.append(i)
+                vals[i] = None
         else:
             # 3. reduce: per thread, per warp, then the block (after one barrier)
             elems = []
@@ -170,6 +183,8 @@ def _tree(b: Any, i: int, xs: list[Any]) -> Any:
 
 
 def _finish_block(b: Any, p: Plan, nd: Node, i: int, vals: dict[int, Any]) -> Any:
+    if nd.op == "pick":
+        return b.smem_get(i, 0)
     total = _tree(b, i, [b.smem_get(i, w) for w in range(p.warps_per_group)])
     return b.finish(i, total, vals[nd.init] if nd.init is not None else None)
 
@@ -252,6 +267,10 @@ class _Numpy(Numpy):
     def shuffle_xor(self, x: np.ndarray, off: int, width: int) -> np.ndarray:
         return x[np.arange(self.T) ^ off]
 
+    def shuffle_idx(self, x: np.ndarray, src: np.ndarray, width: int) -> np.ndarray:
+        lanes = np.arange(self.T)
+        return x[lanes - lanes % width + src % width]
+
     def smem_put(self, n: int, w: Any, v: np.ndarray) -> None:
         lanes = self.mask.copy()
         self.touch(self.smem[n], [w], 1, True, lanes)
@@ -276,6 +295,6 @@ def emulate(p: Plan, nodes: Sequence[Node], math_: Sequence[Math]) -> dict[int, 
             for i, nd in enumerate(nodes) if nd.out}
     for block in range(p.grid):
         smem = {i: Smem(f"red{i}", (p.warps_per_group,), np.float64)
-                for i, nd in enumerate(nodes) if nd.op == "reduce"}
+                for i, nd in enumerate(nodes) if nd.op in ("reduce", "pick")}
         kernel(_Numpy(p, nodes, math_, outs, block, smem), p, nodes)
     return outs

@@ -171,12 +171,41 @@ def _reads(op: ir.Operation) -> list[tuple[ir.Value, ir.AffineMap]]:
     return reads
 
 
-def _users(v: ir.Value) -> Iterator[tuple[ir.Operation, ir.Value]]:
-    """(user, the operand value it sees) through reshapes."""
+def _pick(op: ir.Operation, R: int, C: int) -> int | None:
+    """The column k if `op` is a static tensor.extract_slice of every row's element at column
+    k (e.g. x[:, 0:1]): its value per row is one element of a full value."""
+    if op.name != "tensor.extract_slice" or any(len(x) for x in (op.opview.offsets, op.opview.sizes,
+                                                                  op.opview.strides)):
+        return None
+    src = ir.RankedTensorType(op.operands[0].type)
+    if not src.has_static_shape:
+        return None
+    shape, so = list(src.shape), op.opview
+    offs, sizes, strides = list(so.static_offsets), list(so.static_sizes), list(so.static_strides)
+    for j in range(len(shape) + 1):
+        if math.prod(shape[:j]) == R and math.prod(shape[j:]) == C:
+            if sizes[:j] != shape[:j] or any(offs[:j]) or any(x != 1 for x in strides[:j]):
+                continue
+            if any(x != 1 for x in sizes[j:]):
+                continue
+            return sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offs) if d >= j)
+    return None
+
+
+def _origin(v: ir.Value, R: int, C: int) -> tuple[ir.Value, int | None]:
+    """(the value `v` reads through reshapes, the column if through a `_pick` slice)."""
+    v = _source(v)
+    op = defining_op(v)
+    k = _pick(op, R, C) if op is not None else None
+    return (_source(op.operands[0]), k) if k is not None else (v, None)  # type: ignore[union-attr]
+
+
+def _users(v: ir.Value, rc: tuple[int, int] | None = None) -> Iterator[tuple[ir.Operation, ir.Value]]:
+    """(user, the operand value it sees) through reshapes (and `_pick` slices, given R, C)."""
     for use in v.uses:
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-        if op.name in _RESHAPES:
-            yield from _users(op.results[0])
+        if op.name in _RESHAPES or (rc is not None and _pick(op, *rc) is not None):
+            yield from _users(op.results[0], rc)
         else:
             yield op, v
 
@@ -192,13 +221,12 @@ def find_group(seed: ir.Operation) -> RowGroup | None:
     work = [seed]
     while work:  # grow along matching accesses, both ways
         op = work.pop()
-        out_space = "full" if forms[op][0] == "full" else "row"
         near = []
         for v, m in _reads(op):
-            p = defining_op(_source(v))
+            p = defining_op(_origin(v, R, C)[0])
             if p is not None and p.block == seed.block:
                 near.append(p)
-        for user, _ in _users(op.results[0]):
+        for user, _ in _users(op.results[0], (R, C)):
             if user.block == seed.block:
                 near.append(user)
         for q in near:
@@ -207,17 +235,16 @@ def find_group(seed: ir.Operation) -> RowGroup | None:
             f = _form(q, R, C)
             if f is None:
                 continue
-            if any(_source(v) == q.results[0] for v, _ in _reads(op)):  # q produces for op
-                reader, form, value, want = op, forms[op], q.results[0], "full" if f[0] == "full" else "row"
+            if any(_origin(v, R, C)[0] == q.results[0] for v, _ in _reads(op)):  # q produces for op
+                reader, form, value, kind = op, forms[op], q.results[0], f[0]
             else:  # q consumes op's value
-                reader, form, value, want = q, f, op.results[0], out_space
-            links = [(v, m) for v, m in _reads(reader) if _source(v) == value]
-            if links and all(_access(m, v.type, form) == want for v, m in links):
+                reader, form, value, kind = q, f, op.results[0], forms[op][0]
+            if _links_match(reader, form, value, kind, R, C):
                 forms[q] = f
                 work.append(q)
     members = sorted(forms, key=_position)
     while len(members) >= 2:
-        bad = _first_escape(members)
+        bad = _first_escape(members, R, C)
         if bad is None:
             break
         members = [m for m in members if m.is_before_in_block(bad)]
@@ -226,16 +253,27 @@ def find_group(seed: ir.Operation) -> RowGroup | None:
     return _program(RowGroup(R, C, members), forms)
 
 
+def _links_match(reader: ir.Operation, form, value: ir.Value, kind: str, R: int, C: int) -> bool:
+    """Does `reader` (of `form`) read `value` (made by a generic of `kind`) only element for
+    element (full), row for row (a reduction's or a row map's), or as a picked column?"""
+    links = [(v, m, k) for v, m in _reads(reader) for src, k in [_origin(v, R, C)] if src == value]
+    for v, m, k in links:
+        want = "row" if k is not None or kind != "full" else "full"
+        if (k is not None and kind != "full") or _access(m, v.type, form) != want:
+            return False
+    return bool(links)
+
+
 def _position(op: ir.Operation) -> int:
     return block_ops(op.block).index(op)
 
 
-def _first_escape(members: list[ir.Operation]) -> ir.Operation | None:
+def _first_escape(members: list[ir.Operation], R: int, C: int) -> ir.Operation | None:
     """The first non-member (not a reshape) using a member value before the last member: the
     kernel, placed at the last member, would come after it."""
     last, bad = members[-1], None
     for op in members:
-        for user, _ in _users(op.results[0]):
+        for user, _ in _users(op.results[0], (R, C)):
             if user not in members and user.is_before_in_block(last):
                 if bad is None or user.is_before_in_block(bad):
                     bad = user
@@ -253,13 +291,12 @@ def _program(g: RowGroup, forms: dict) -> RowGroup | None:
         reads = _reads(op)
         for k, (v, m) in enumerate(reads):
             is_init = f[0] == "reduce" and k == len(reads) - 1
-            src = _source(v)
+            src, col = _origin(v, g.R, g.C)
             src_op = defining_op(src)
             if src_op is not None and src_op in g.members:
-                want = "full" if forms[src_op][0] == "full" else "row"
-                if _access(m, v.type, f) != want:
+                if not _links_match(op, f, src, forms[src_op][0], g.R, g.C):
                     return None
-                n = node_of[src_op]
+                n = node_of[src_op] if col is None else _pick_node(g, node_of[src_op], col)
             elif is_init and src_op is not None and is_fill(src_op):
                 init = -1  # the fill's constant
                 fill_val = (src_op.operands[0] if src_op.name == "linalg.fill"
@@ -286,11 +323,22 @@ def _program(g: RowGroup, forms: dict) -> RowGroup | None:
             g.fills[idx] = fill_val
     members = set(g.members)
     for op in g.members:  # outputs: member values something outside the group reads
-        if any(u not in members for u, _ in _users(op.results[0])):
+        if any(u not in members for u, _ in _users(op.results[0], (g.R, g.C))):
             i = node_of[op]
             g.nodes[i] = Node(g.nodes[i].op, g.nodes[i].space, g.nodes[i].args, True, g.nodes[i].init)
             g.results[i] = op.results[0]
     return g
+
+
+def _pick_node(g: RowGroup, n: int, col: int) -> int:
+    from gac_torch.kernels.rows import Node
+
+    node = Node("pick", "row", (n,), at=col)
+    if node in g.nodes:
+        return g.nodes.index(node)
+    g.nodes.append(node)
+    g.ops.append(None)
+    return len(g.nodes) - 1
 
 
 def _leaf(g: RowGroup, v: ir.Value, space: str) -> int | None:
@@ -373,6 +421,7 @@ def _move_reshapes_after(t: ir.Value, anchor: ir.Operation) -> None:
     """Reshapes of a replaced value that sit before its new definition move right after it."""
     for use in list(t.uses):
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-        if op.name in _RESHAPES and op.block == anchor.block and op.is_before_in_block(anchor):
+        if op.name in (*_RESHAPES, "tensor.extract_slice") and op.block == anchor.block and \
+                op.is_before_in_block(anchor):
             op.move_after(anchor)
             _move_reshapes_after(op.results[0], op)

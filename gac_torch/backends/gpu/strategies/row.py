@@ -111,8 +111,12 @@ def _combiner(op: ir.Operation) -> tuple[ir.Operation, ir.Value, str, ir.Type] |
 def _emit(m: _Match, name: str) -> None:
     g, p = m.group, m.plan
     last = g.members[-1]
-    smem_t = {i: ir.MemRefType.get([p.warps_per_group], acc, memory_space=ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(64), WORKGROUP)) for i, (_, _, _, acc) in m.combs.items()}
+    space = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), WORKGROUP)
+    smem_t = {i: ir.MemRefType.get([p.warps_per_group], acc, memory_space=space)
+              for i, (_, _, _, acc) in m.combs.items()}
+    for i, nd in enumerate(g.nodes):  # a picked element goes through one shared word
+        if nd.op == "pick":
+            smem_t[i] = ir.MemRefType.get([1], _elem(g.ops[nd.args[0]].results[0]), memory_space=space)
     with ir.InsertionPoint(last), last.location:
         bufs: dict[int, ir.Value] = {}
         for i, op in enumerate(g.ops):
@@ -248,8 +252,15 @@ class _Ir(Ir):
 
     def shuffle_xor(self, x: ir.Value, off: int, width: int) -> ir.Value:
         i32 = ir.IntegerType.get_signless(32)
-        mode = ir.Attribute.parse("#gpu<shuffle_mode xor>")
-        return gpu.ShuffleOp(x, arith.constant(i32, off), arith.constant(i32, width), mode).results[0]
+        return self._shuffle(x, arith.constant(i32, off), width, "xor")
+
+    def shuffle_idx(self, x: ir.Value, src: ir.Value, width: int) -> ir.Value:
+        return self._shuffle(x, arith.index_cast(ir.IntegerType.get_signless(32), src), width, "idx")
+
+    def _shuffle(self, x: ir.Value, lane: ir.Value, width: int, mode: str) -> ir.Value:
+        i32 = ir.IntegerType.get_signless(32)
+        m = ir.Attribute.parse(f"#gpu<shuffle_mode {mode}>")
+        return gpu.ShuffleOp(x, lane, arith.constant(i32, width), m).results[0]
 
 
 def _zero(t: ir.Type):
