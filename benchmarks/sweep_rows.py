@@ -59,8 +59,8 @@ def device_ms(fn, args, iters: int = 20) -> float:
 def forced_plan(group: int | None):
     orig = rows.plan
 
-    def plan(R, C, vec, warp=32, threads=256, max_elems=32, max_threads=1024, min_block_group=128):
-        p = orig(R, C, vec, warp, threads, max_elems, max_threads, min_block_group)
+    def plan(R, C, vec, warp=32, threads=256, max_elems=32, max_threads=1024, min_block_group=64, pref_elems=16):
+        p = orig(R, C, vec, warp, threads, max_elems, max_threads, min_block_group, pref_elems)
         if p is None or group is None:
             return p
         slots = -(-(C // vec) // group)

@@ -83,12 +83,12 @@ def test_rows_emulated_on_cpu(which: str, R: int, C: int, vec: int) -> None:
 
 
 def test_rows_plan() -> None:
-    assert rows.plan(65536, 1024, 4) == rows.Plan(65536, 1024, 4, 32, 8, 256)  # a warp per row
-    assert rows.plan(2500, 256, 4) == rows.Plan(2500, 256, 4, 32, 2, 256)
+    assert rows.plan(65536, 1024, 4) == rows.Plan(65536, 1024, 4, 64, 4, 64)  # 16 values a thread
+    assert rows.plan(2500, 256, 4) == rows.Plan(2500, 256, 4, 32, 2, 256)  # a warp per row
     assert rows.plan(3, 7, 1) == rows.Plan(3, 7, 1, 8, 1, 256)  # 8 lanes, 32 rows per block
-    p = rows.plan(32768, 2048, 4)
-    assert p is not None and p.group == p.threads == 128 and p.slots == 4  # a block per row
-    assert rows.plan(4, 4097, 1).group == 256
+    assert rows.plan(32768, 2048, 4) == rows.Plan(32768, 2048, 4, 128, 4, 128)  # a block per row
+    assert rows.plan(4, 4097, 1).group == 512
+    assert rows.plan(4, 30000, 4) == rows.Plan(4, 30000, 4, 1024, 8, 1024)  # up to 32 values
     assert rows.plan(1, 1 << 20, 4) is None
 
 
@@ -166,8 +166,9 @@ def test_norm_parity_on_cuda(name: str, shape: tuple[int, ...], dt: torch.dtype)
     out = compiled(*inputs)
     ref = fn(*[t.double() for t in inputs])
     eager = fn(*inputs)
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    err_eager = ((eager.double() - ref).norm() / ref.norm()).item()
+    norm = ref.norm().clamp_min(1e-30)  # log_softmax of one column is all zeros
+    err = ((out.double() - ref).norm() / norm).item()
+    err_eager = ((eager.double() - ref).norm() / norm).item()
     assert not out.isnan().any() and err <= max(1e-5 if dt == torch.float32 else 2e-3 if dt == torch.float16
                                                  else 1e-2, 2 * err_eager), (err, err_eager)
 

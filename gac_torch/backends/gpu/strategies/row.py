@@ -25,8 +25,9 @@ WORKGROUP = 3  # gpu address space of shared memory
 @dataclass(frozen=True)
 class RowParams:
     threads: int = 256  # per block when a row takes part of a block
-    max_elems: int = 32  # row elements a thread holds in registers
-    min_block_group: int = 128  # threads per row once a row needs more than a warp
+    max_elems: int = 32  # row elements a thread may hold in registers
+    pref_elems: int = 16  # ... and would rather hold
+    min_block_group: int = 64  # threads per row once a row needs more than a warp
     vector_bytes: int = 16
 
 
@@ -71,7 +72,7 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
         while g.C % vec:
             vec //= 2
         p = rows.plan(g.R, g.C, vec, limits.warp_size, params.threads, params.max_elems,
-                      limits.max_threads_per_block, params.min_block_group)
+                      limits.max_threads_per_block, params.min_block_group, params.pref_elems)
         if p is None or p.grid > limits.max_grid[0]:
             return None
         return _Match(g, p, combs)
