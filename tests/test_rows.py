@@ -125,6 +125,8 @@ NORMS = {  # name -> (fn, takes a weight and bias)
     "softmax": (lambda x: torch.softmax(x, -1), 0),
     "log_softmax": (lambda x: torch.log_softmax(x, -1), 0),
     "softmax_scaled_3d": (lambda x: torch.softmax(x * 0.125 + 1.0, -1), 0),
+    # the LayerNorm's input is computed (as after a residual add): its shift x[:, 0] is picked
+    "computed_layernorm": (lambda x, w, b: F.layer_norm(x * 2 + 1, x.shape[-1:], w, b, 1e-5), 2),
 }
 
 
@@ -135,13 +137,15 @@ def _inputs(name: str, shape: tuple[int, ...], dt: torch.dtype, device: str = "c
     return [t.to(device=device, dtype=dt) for t in (x, *extra)]
 
 
-@pytest.mark.parametrize("name,shape", [("layernorm", (64, 1024)), ("rmsnorm", (64, 1024)),
-                                        ("softmax", (32, 2048)), ("log_softmax", (7, 1000)),
-                                        ("softmax_scaled_3d", (2, 3, 4097)), ("layernorm", (5, 7)),
-                                        ("layernorm", (2500, 256))])
-def test_norm_is_one_kernel_without_spills(name: str, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("name,shape,dt", [
+    ("layernorm", (64, 1024), torch.float32), ("rmsnorm", (64, 1024), torch.float32),
+    ("softmax", (32, 2048), torch.float32), ("log_softmax", (7, 1000), torch.float32),
+    ("softmax_scaled_3d", (2, 3, 4097), torch.float32), ("layernorm", (5, 7), torch.float32),
+    ("layernorm", (2500, 256), torch.float32), ("layernorm", (16, 1000), torch.float16),
+    ("computed_layernorm", (3, 4097), torch.bfloat16), ("rmsnorm", (8, 96), torch.bfloat16)], ids=str)
+def test_norm_is_one_kernel_without_spills(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
     fn = NORMS[name][0]
-    compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, torch.float32)), target="cuda",
+    compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, dt)), target="cuda",
                                  options={"arch": "sm_90", "fallback": False, "cache": False})
     ptx = compiled.ir("ptx")
     kernels = re.findall(r"\.entry (\w+)\(", ptx)
