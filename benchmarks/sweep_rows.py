@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import gac_torch  # noqa: E402
 from gac_torch.kernels import rows  # noqa: E402
+from parity import Fn  # noqa: E402  (a function as a module)
 
 
 def _rms(x, w):
@@ -32,15 +34,6 @@ WORK = {  # name -> (fn, x shape, number of (C,) parameters)
     "layernorm_2500x256": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5), (2500, 256), 2),
     "mse_loss_4096x4096": (lambda x, y: F.mse_loss(x, y), (4096, 4096), -1),
 }
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def device_ms(fn, args, iters: int = 20) -> float:
