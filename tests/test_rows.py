@@ -58,7 +58,7 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, C: int, acc: str):
 
 
 @pytest.mark.parametrize("R,C,vec", [(5, 1, 1), (3, 7, 1), (9, 1000, 4), (2, 4097, 1), (4, 2048, 4),
-                                     (3, 96, 4), (2, 40000, 4)])
+                                     (3, 96, 4), (2, 40000, 4), (1, 70001, 1)])  # the last two: streamed
 @pytest.mark.parametrize("which", ["layernorm", "layernorm_pick", "softmax", "log_softmax", "rmsnorm_f16"])
 def test_rows_emulated_on_cpu(which: str, R: int, C: int, vec: int) -> None:
     rng = np.random.default_rng(R * 1009 + C)
@@ -72,9 +72,7 @@ def test_rows_emulated_on_cpu(which: str, R: int, C: int, vec: int) -> None:
     else:
         nodes, m, ref = _softmax(x, C, which == "log_softmax")
     p = rows.plan(R, C, vec)
-    if p is None:  # the row does not fit in registers: the strategy leaves it to other kernels
-        assert C * 4 > 32 * 1024 * 4 // 4
-        return
+    assert p is not None and (p.trips > 1) == (C > 32 * 1024)
     got = rows.emulate(p, nodes, m)
     tol = 2e-3 if which.endswith("f16") else 1e-5
     for n, want in ref.items():
@@ -89,7 +87,7 @@ def test_rows_plan() -> None:
     assert rows.plan(32768, 2048, 4) == rows.Plan(32768, 2048, 4, 128, 4, 128)  # a block per row
     assert rows.plan(4, 4097, 1).group == 512
     assert rows.plan(4, 30000, 4) == rows.Plan(4, 30000, 4, 1024, 8, 1024)  # up to 32 values
-    assert rows.plan(1, 1 << 20, 4) is None
+    assert rows.plan(1, 1 << 20, 4) == rows.Plan(1, 1 << 20, 4, 1024, 4, 1024, 32, 64)  # streamed
 
 
 def test_rows_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +140,9 @@ def _inputs(name: str, shape: tuple[int, ...], dt: torch.dtype, device: str = "c
     ("softmax", (32, 2048), torch.float32), ("log_softmax", (7, 1000), torch.float32),
     ("softmax_scaled_3d", (2, 3, 4097), torch.float32), ("layernorm", (5, 7), torch.float32),
     ("layernorm", (2500, 256), torch.float32), ("layernorm", (16, 1000), torch.float16),
-    ("computed_layernorm", (3, 4097), torch.bfloat16), ("rmsnorm", (8, 96), torch.bfloat16)], ids=str)
+    ("computed_layernorm", (3, 4097), torch.bfloat16), ("rmsnorm", (8, 96), torch.bfloat16),
+    ("layernorm", (128, 40000), torch.float32), ("computed_layernorm", (130, 70001), torch.float16),
+    ("softmax", (2, 64, 65536), torch.bfloat16)], ids=str)  # the last three: streamed
 def test_norm_is_one_kernel_without_spills(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
     fn = NORMS[name][0]
     compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, dt)), target="cuda",
@@ -175,6 +175,14 @@ def test_norm_parity_on_cuda(name: str, shape: tuple[int, ...], dt: torch.dtype)
     err_eager = ((eager.double() - ref).norm() / norm).item()
     assert not out.isnan().any() and err <= max(1e-5 if dt == torch.float32 else 2e-3 if dt == torch.float16
                                                  else 1e-2, 2 * err_eager), (err, err_eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(128, 40000), (130, 70001)], ids=str)
+@pytest.mark.parametrize("name", ["layernorm", "computed_layernorm", "rmsnorm", "softmax", "log_softmax"])
+def test_long_row_parity_on_cuda(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
+    test_norm_parity_on_cuda(name, shape, dt)  # rows streamed through registers, one pass per reduction
 
 
 @pytest.mark.cuda

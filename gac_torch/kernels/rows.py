@@ -60,6 +60,7 @@ class Plan:
     slots: int  # vectors per thread
     threads: int  # per block
     warp: int = 32
+    trips: int = 1  # chunks of slots * group * vec columns; > 1: streamed, not held
 
     @property
     def rows_per_block(self) -> int:
@@ -88,13 +89,49 @@ def plan(R: int, C: int, vec: int, warp: int = 32, threads: int = 256, max_elems
     group = _pow2(-(-n_vec // max(1, pref_elems // vec)))
     if group > max_threads:
         group = _pow2(-(-n_vec // max(1, max_elems // vec)))
+    if group > max_threads:  # too long to hold: stream chunks, each pass reads the row again
+        slots = max(1, pref_elems // vec)
+        return Plan(R, C, vec, max_threads, slots, max_threads, warp, -(-n_vec // (slots * max_threads)))
     if group <= warp:  # short rows: a warp or part of one, as many lanes as the row has vectors
         group = min(warp, _pow2(n_vec))
     else:
         group = max(group, min(min_block_group, _pow2(n_vec)))
-    if group > max_threads:
-        return None
     return Plan(R, C, vec, group, -(-n_vec // group), group if group > warp else threads, warp)
+
+
+class _Chunk:
+    """The full and per-column values of `slots` vectors of `vec` columns per thread at `cols`
+    (one chunk: the whole row in registers; streaming: one loop iteration), computed on demand
+    from the leaves; per-row values come from `vals`."""
+
+    def __init__(self, b: Any, nodes: Sequence[Node], vals: dict[int, Any], row: Any, cols: list[Any],
+                 in_row: list[Any], valid: list[Any], vec: int):
+        self.b, self.nodes, self.vals, self.row, self.vec = b, nodes, vals, row, vec
+        self.cols, self.in_row, self.valid = cols, in_row, valid
+        self.local: dict[int, list[list[Any]]] = {}
+
+    def arg(self, n: int, s: int, e: int) -> Any:
+        return self.get(n)[s][e] if self.nodes[n].space in ("full", "col") else self.vals[n]
+
+    def get(self, n: int) -> list[list[Any]]:
+        if n not in self.local:
+            nd, b = self.nodes[n], self.b
+            if nd.op == "load":
+                self.local[n] = [b.load(n, self.row, c, self.vec, v if nd.space == "full" else r)
+                                 for c, r, v in zip(self.cols, self.in_row, self.valid)]
+            else:
+                self.local[n] = [[b.compute(n, [self.arg(a, s, e) for a in nd.args]) for e in range(self.vec)]
+                                 for s in range(len(self.cols))]
+        return self.local[n]
+
+    def elements(self, i: int) -> list[Any]:
+        """Reduction i's element values, the identity where a column lies past the row."""
+        b, out = self.b, []
+        for s, v in enumerate(self.valid):
+            for e in range(self.vec):
+                x = b.element(i, [self.arg(a, s, e) for a in self.nodes[i].args])
+                out.append(x if v is None else b.select(v, x, b.identity(i)))
+        return out
 
 
 def kernel(b: Any, p: Plan, nodes: Sequence[Node]) -> None:
@@ -105,62 +142,67 @@ def kernel(b: Any, p: Plan, nodes: Sequence[Node]) -> None:
     else:
         row, lane = bid, tid
     active = None if p.R % p.rows_per_block == 0 else b.lt(row, p.R)
-    cols, in_row, valid = [], [], []
-    for s in range(p.slots):
-        cols.append(b.mul(b.add(lane, s * p.group), p.vec))
-        ragged = ((s + 1) * p.group - 1) * p.vec >= p.C  # some lane's vector may lie past C
-        in_row.append(b.lt(cols[s], p.C) if ragged else None)
-        cond = in_row[s]
-        valid.append(cond if active is None else active if cond is None else b.and_(active, cond))
+    span = p.slots * p.group * p.vec  # columns per chunk
 
-    vals: dict[int, Any] = {}  # full/col: [slot][elem] -> value; row/scalar: one value
+    def chunk(base: Any, exact: bool) -> _Chunk:
+        cols, in_row, valid = [], [], []
+        for s in range(p.slots):
+            off = b.mul(b.add(lane, s * p.group), p.vec)
+            cols.append(off if base is None else b.add(base, off))
+            ragged = not exact and (base is not None or ((s + 1) * p.group - 1) * p.vec >= p.C)
+            in_row.append(b.lt(cols[s], p.C) if ragged else None)  # some lane's vector may lie past C
+            cond = in_row[s]
+            valid.append(cond if active is None else active if cond is None else b.and_(active, cond))
+        return _Chunk(b, nodes, vals, row, cols, in_row, valid, p.vec)
+
+    vals: dict[int, Any] = {}  # row/scalar values
     pending: list[int] = []  # reductions (and picks) waiting for the block barrier
+    regs = chunk(None, False) if p.trips == 1 else None  # the row, in registers
+    exact = p.C % span == 0
 
-    def arg(n: int, s: int, e: int) -> Any:
-        return vals[n][s][e] if nodes[n].space in ("full", "col") else vals[n]
+    def each_chunk(inits: list[Any], body) -> list[Any]:
+        """body(chunk, accs) -> accs over the row: once, or a loop of `trips` chunks."""
+        if regs is not None:
+            return body(regs, inits)
+        return b.for_(0, p.trips, 1, inits, [None] * len(inits),
+                      lambda it, accs: body(chunk(b.mul(it, span), exact), accs))
 
     def resolve() -> None:  # one barrier for every pending block reduction
         b.barrier()
         for j in pending:
             vals[j] = _finish_block(b, p, nodes[j], j, vals)
             if nodes[j].out:
-                _store(b, p, nodes[j], j, vals[j], row, lane, cols, valid, active)
+                _store_row(b, j, vals[j], row, lane, active)
         pending.clear()
 
     # 2. nodes in order
     for i, nd in enumerate(nodes):
         if any(a in pending for a in (*nd.args, *([nd.init] if nd.init is not None else []))):
             resolve()
-        if nd.op == "load":
-            if nd.space in ("full", "col"):
-                vals[i] = [b.load(i, row, cols[s], p.vec, valid[s] if nd.space == "full" else in_row[s])
-                           for s in range(p.slots)]
-            else:
-                vals[i] = b.load(i, row, None, 1, active if nd.space == "row" else None)[0]
-        elif nd.op == "map" and nd.space == "full":
-            vals[i] = [[b.compute(i, [arg(a, s, e) for a in nd.args]) for e in range(p.vec)]
-                       for s in range(p.slots)]
+        if nd.space in ("full", "col"):
+            if regs is not None:  # computed now (loads issued in node order), kept in registers
+                regs.get(i)
+        elif nd.op == "load":
+            vals[i] = b.load(i, row, None, 1, active if nd.space == "row" else None)[0]
         elif nd.op == "map":
             vals[i] = b.compute(i, [vals[a] for a in nd.args])
+        elif nd.op == "pick" and regs is None:  # streaming: every thread computes that column
+            one = _Chunk(b, nodes, vals, row, [b.const(nd.at)], [None], [active], 1)
+            vals[i] = one.get(nd.args[0])[0][0]
         elif nd.op == "pick":  # the owner lane's register, to the whole group
             slot, rest = divmod(nd.at, p.vec * p.group)
             owner, e = divmod(rest, p.vec)
-            v = vals[nd.args[0]][slot][e]
+            v = regs.get(nd.args[0])[slot][e]
             if p.group <= p.warp:
                 src = b.add(b.mul(b.div(b.rem(tid, p.warp), p.group), p.group), owner)
                 vals[i] = b.shuffle_idx(v, src, p.warp)
             else:
                 b.when(b.eq(tid, owner), lambda v=v, i=i: b.smem_put(i, b.const(0), v))
                 pending.append(i)
-                vals[i] = None
         else:
             # 3. reduce: per thread, per warp, then the block (after one barrier)
-            elems = []
-            for s in range(p.slots):
-                for e in range(p.vec):
-                    x = b.element(i, [arg(a, s, e) for a in nd.args])
-                    elems.append(x if valid[s] is None else b.select(valid[s], x, b.identity(i)))
-            total = _tree(b, i, elems)
+            (total,) = each_chunk([b.identity(i)], lambda c, accs, i=i: [
+                _tree(b, i, [accs[0]] + c.elements(i)) if regs is None else _tree(b, i, c.elements(i))])
             for off in (16, 8, 4, 2, 1):
                 if off < min(p.group, p.warp):
                     total = b.combine(i, total, b.shuffle_xor(total, off, p.warp))
@@ -168,14 +210,21 @@ def kernel(b: Any, p: Plan, nodes: Sequence[Node]) -> None:
                 warp_id = b.div(tid, p.warp)
                 b.when(b.eq(b.rem(tid, p.warp), 0), lambda t=total, w=warp_id, i=i: b.smem_put(i, w, t))
                 pending.append(i)
-                vals[i] = None
             else:
                 vals[i] = b.finish(i, total, vals[nd.init] if nd.init is not None else None)
-        # 4. store
-        if nd.out and i not in pending:
-            _store(b, p, nd, i, vals[i], row, lane, cols, valid, active)
+        # 4. store: row values right away, full values at the end
+        if nd.out and nd.space != "full" and i not in pending:
+            _store_row(b, i, vals[i], row, lane, active)
     if pending:  # outputs nothing reads
         resolve()
+    outs = [i for i, nd in enumerate(nodes) if nd.out and nd.space == "full"]
+    if outs:
+        def store(c: _Chunk, accs: list[Any]) -> list[Any]:
+            for i in outs:
+                for s, v in enumerate(c.get(i)):
+                    b.store(i, row, c.cols[s], v, c.valid[s])
+            return []
+        each_chunk([], store)
 
 
 def _tree(b: Any, i: int, xs: list[Any]) -> Any:
@@ -191,12 +240,7 @@ def _finish_block(b: Any, p: Plan, nd: Node, i: int, vals: dict[int, Any]) -> An
     return b.finish(i, total, vals[nd.init] if nd.init is not None else None)
 
 
-def _store(b: Any, p: Plan, nd: Node, i: int, v: Any, row: Any, lane: Any, cols: list[Any],
-           valid: list[Any], active: Any) -> None:
-    if nd.space == "full":
-        for s in range(p.slots):
-            b.store(i, row, cols[s], v[s], valid[s])
-        return
+def _store_row(b: Any, i: int, v: Any, row: Any, lane: Any, active: Any) -> None:
     lead = b.eq(lane, 0)
     b.store(i, row, None, [v], lead if active is None else b.and_(lead, active))
 

@@ -2,8 +2,9 @@
 elementwise consumers over the same rows) as ONE kernel, gac_torch/kernels/rows.py: a warp or a
 block per row, the row in registers (16-byte vector loads), read once, outputs written once. Its
 math is cloned from the members' linalg bodies through the builder's `Ir` backend; f16/bf16
-reductions accumulate in f32. Groups whose rows do not fit in registers, with run-time sizes or
-64-bit accumulators stay separate kernels (`reduce` and `loops`)."""
+reductions accumulate in f32. Rows too long for registers stream through them in chunks (one
+pass over the row per reduction) when there are enough rows to fill the GPU. Groups with
+run-time sizes or 64-bit accumulators stay separate kernels (`reduce` and `loops`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class RowParams:
     max_elems: int = 32  # row elements a thread may hold in registers
     pref_elems: int = 16  # ... and would rather hold
     min_block_group: int = 64  # threads per row once a row needs more than a warp
+    stream_min_rows: int = 128  # rows too long to hold are streamed only when there are this many
+    # (else a block per row leaves the GPU idle: `reduce` splits a few long rows over many blocks)
     vector_bytes: int = 16
 
 
@@ -73,7 +76,7 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
             vec //= 2
         p = rows.plan(g.R, g.C, vec, limits.warp_size, params.threads, params.max_elems,
                       limits.max_threads_per_block, params.min_block_group, params.pref_elems)
-        if p is None or p.grid > limits.max_grid[0]:
+        if p is None or p.grid > limits.max_grid[0] or (p.trips > 1 and g.R < params.stream_min_rows):
             return None
         return _Match(g, p, combs)
 
