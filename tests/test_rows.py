@@ -229,3 +229,49 @@ def test_split_reduction_parity_on_cuda(name: str) -> None:
     ref = fn(*[t.double() for t in inputs])
     out = compiled(*inputs)
     assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# graphs around row groups: outputs inside a group, consumers outside it, masks, several outputs
+
+
+EDGES = {  # name -> (fn, input shapes; "bool": a mask shaped like the first input)
+    "sum_max_and_centred": (lambda x: (x.sum(-1), x.amax(-1), x - x.mean(-1, keepdim=True)), [(33, 300)]),
+    "softmax_transposed": (lambda x: torch.softmax(x, -1).t().contiguous(), [(64, 100)]),
+    "softmax_then_matmul": (lambda x, w: torch.softmax(x, -1) @ w, [(64, 100), (100, 20)]),
+    "layernorm_relu_residual": (lambda x: torch.relu(F.layer_norm(x, (96,))) + x, [(8, 5, 96)]),
+    "softmax_and_argmax": (lambda x: (torch.softmax(x, -1), x.argmax(-1)), [(16, 130)]),
+    "masked_softmax": (lambda x, m: torch.softmax(x.masked_fill(m, -1e9), -1), [(16, 130), "bool"]),
+    "three_reductions": (lambda x: torch.softmax(x, -1) * x.sum(-1, keepdim=True) / x.amax(-1, keepdim=True),
+                         [(7, 1000)]),
+}
+
+
+def _edge_inputs(shapes):
+    g = torch.Generator().manual_seed(3)
+    first = shapes[0]
+    return [(torch.rand(first, generator=g) > 0.5) if s == "bool" else torch.randn(s, generator=g)
+            for s in shapes]
+
+
+@pytest.mark.parametrize("name", list(EDGES))
+def test_row_groups_in_larger_graphs_compile(name: str) -> None:
+    fn, shapes = EDGES[name]
+    compiled = gac_torch.compile(Fn(fn), tuple(_edge_inputs(shapes)), target="cuda",
+                                 options={"arch": "sm_90", "fallback": False, "cache": False})
+    assert "_row(" in compiled.ir("ptx")
+    assert assemble(compiled.ir("ptx"), "sm_90").ok
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(EDGES))
+def test_row_groups_in_larger_graphs_on_cuda(name: str) -> None:
+    fn, shapes = EDGES[name]
+    inputs = [t.cuda() for t in _edge_inputs(shapes)]
+    compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda", options={"fallback": False})
+    outs, refs = compiled(*inputs), fn(*[t.double() if t.is_floating_point() else t for t in inputs])
+    for out, ref in zip(outs if isinstance(outs, tuple) else (outs,), refs if isinstance(refs, tuple) else (refs,)):
+        if ref.is_floating_point():
+            assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5, name
+        else:
+            assert torch.equal(out.cpu(), ref.cpu()), name

@@ -114,6 +114,8 @@ def _form(op: ir.Operation, R: int | None = None, C: int | None = None):
         return None
     iters = ["reduction" in str(a) for a in op.attributes["iterator_types"]]
     n = len(iters)
+    if not any(iters) and any(list(a.uses) for a in list(body.arguments)[len(op.opview.inputs):]):
+        return None  # a map that reads its init
     if any(iters):
         k = iters.index(True)
         if not all(iters[k:]):
