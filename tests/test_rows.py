@@ -275,3 +275,19 @@ def test_row_groups_in_larger_graphs_on_cuda(name: str) -> None:
             assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5, name
         else:
             assert torch.equal(out.cpu(), ref.cpu()), name
+
+
+def test_a_member_value_used_inside_another_ops_region() -> None:
+    # Regression (fuzz seed 93): a row group's value read inside a gather's body made the escape
+    # check compare ops of different blocks (an MLIR assertion aborted the process).
+    def fn(x0, x1):
+        v0 = x0.diagonal()
+        v1 = torch.clamp(x0, x0, v0)
+        v3 = v0[torch.tensor([-1, -1])]
+        v7 = torch.hypot(v3, torch.relu(v0))
+        return torch.exp(v1), v7.max(), v3, (x1.transpose(2, 1) % 3) != v3
+
+    g = torch.Generator().manual_seed(93)
+    inputs = (torch.randn((3, 1, 1), generator=g), torch.randint(-4, 5, (3, 1, 1), generator=g))
+    compiled = gac_torch.compile(Fn(fn), inputs, target="cuda", options={"arch": "sm_90", "cache": False})
+    assert ".entry" in compiled.ir("ptx")

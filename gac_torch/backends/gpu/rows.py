@@ -25,7 +25,7 @@ from mlir import ir
 from mlir.dialects import bufferization, memref
 
 from gac_torch.backends.gpu.bufferize import is_fill
-from gac_torch.backends.gpu.irutil import block_ops, defining_op, func_block
+from gac_torch.backends.gpu.irutil import block_ops, defining_op, func_block, top_level
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
 _RESHAPES = ("tensor.expand_shape", "tensor.collapse_shape")
@@ -276,6 +276,7 @@ def _first_escape(members: list[ir.Operation], R: int, C: int) -> ir.Operation |
     last, bad = members[-1], None
     for op in members:
         for user, _ in _users(op.results[0], (R, C)):
+            user = top_level(user, last.block)  # (a use inside another op's region)
             if user not in members and user.is_before_in_block(last):
                 if bad is None or user.is_before_in_block(bad):
                     bad = user
