@@ -18,7 +18,7 @@ from gac_torch.backends.gpu.rows import Leaf, RowGroup, flat, leaf_buffer, outpu
 from gac_torch.backends.gpu.strategies.reduce import COMBINERS, identity_attr, narrow, widen
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.kernels import rows
-from gac_torch.kernels.builder import Ir
+from gac_torch.kernels.builder import Ir, delinearize
 
 WORKGROUP = 3  # gpu address space of shared memory
 
@@ -158,7 +158,7 @@ class _Ir(Ir):
         if isinstance(leaf, Leaf) and leaf.slice is not None:  # slice index -> source index
             offs, sizes, strides = leaf.slice
             src = ir.RankedTensorType(leaf.value.type).shape
-            idx = [self.const(0) if n == 1 else x for n, x in zip(sizes, _delin(self, lin, sizes))]
+            idx = delinearize(self, lin, sizes)  # (unit dims: 0)
             lin, stride = self.const(0), 1
             for d in range(len(src) - 1, -1, -1):
                 at = self.add(self.mul(idx[d], strides[d]), offs[d])
@@ -269,9 +269,3 @@ class _Ir(Ir):
 
 def _zero(t: ir.Type):
     return ir.FloatAttr.get(t, 0.0) if isinstance(t, ir.FloatType) else ir.IntegerAttr.get(t, 0)
-
-
-def _delin(b, lin, sizes: list[int]) -> list:
-    from gac_torch.kernels.builder import delinearize
-
-    return delinearize(b, lin, sizes)
