@@ -57,6 +57,36 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, C: int, acc: str):
     return nodes, m, {2: s.ravel(), 3: (x64 / np.sqrt(s / C + 1e-6) * w).ravel()}
 
 
+def _groupnorm(x: np.ndarray, w: np.ndarray, bias: np.ndarray, G: int, HW: int):
+    """GroupNorm: rows are (n, g), the affine weight is per channel c = (r * C + col) // HW % Ch
+    (an `other` leaf: its index crosses rows)."""
+    R, C = x.shape
+    Ch = w.size
+    chan = lambda flat: (flat // HW) % Ch  # noqa: E731
+    nodes = [Node("load", "full"), Node("reduce", "row", (0,)), Node("map", "full", (0, 1)),
+             Node("reduce", "row", (2,)), Node("load", "other"), Node("load", "other"),
+             Node("map", "full", (2, 3, 4, 5), out=True)]
+    m = [Math(data=x.ravel()), Math(lambda v: v, "add"), Math(lambda v, s: v - s / C),
+         Math(lambda c: c * c, "add"), Math(data=w, index=chan), Math(data=bias, index=chan),
+         Math(lambda c, v, w, b: c / np.sqrt(v / C + 1e-5) * w + b)]
+    xc = x - x.mean(1, keepdims=True)
+    y = xc / np.sqrt((xc * xc).mean(1, keepdims=True) + 1e-5)
+    flat = np.arange(R * C)
+    return nodes, m, {6: y.ravel() * w[chan(flat)] + bias[chan(flat)]}
+
+
+@pytest.mark.parametrize("N,Ch,G,HW", [(2, 6, 3, 7), (3, 8, 2, 96), (2, 64, 8, 1024), (1, 4, 1, 40000)])
+def test_groupnorm_emulated_on_cpu(N: int, Ch: int, G: int, HW: int) -> None:
+    rng = np.random.default_rng(N * Ch + HW)
+    R, C = N * G, Ch // G * HW
+    x = rng.standard_normal((R, C))
+    w, bias = rng.uniform(0.5, 1.5, Ch), rng.standard_normal(Ch)
+    nodes, m, ref = _groupnorm(x, w, bias, G, HW)
+    vec = 4 if C % 4 == 0 else 1
+    got = rows.emulate(rows.plan(R, C, vec), nodes, m)
+    assert np.linalg.norm(got[6] - ref[6]) / np.linalg.norm(ref[6]) <= 1e-5
+
+
 @pytest.mark.parametrize("R,C,vec", [(5, 1, 1), (3, 7, 1), (9, 1000, 4), (2, 4097, 1), (4, 2048, 4),
                                      (3, 96, 4), (2, 40000, 4), (1, 70001, 1)])  # the last two: streamed
 @pytest.mark.parametrize("which", ["layernorm", "layernorm_pick", "softmax", "log_softmax", "rmsnorm_f16"])
@@ -154,6 +184,41 @@ def test_norm_is_one_kernel_without_spills(name: str, shape: tuple[int, ...], dt
     result = assemble(ptx, "sm_90")
     assert result.ok, result.log
     assert re.findall(r"(\d+) bytes spill stores", result.log) == ["0"], result.log
+
+
+GROUP_NORM_SHAPES = [(2, 8, 5, 7), (4, 64, 32, 32), (3, 12, 1, 1), (2, 32, 50, 50)]
+
+
+def _group_norm_inputs(shape, dt, device="cpu"):
+    g = torch.Generator().manual_seed(sum(shape))
+    x, w, b = torch.randn(shape, generator=g), torch.rand(shape[1], generator=g) + 0.5, torch.randn(shape[1], generator=g)
+    return [t.to(device=device, dtype=dt) for t in (x, w, b)]
+
+
+def _group_norm(x, w, b):
+    return F.group_norm(x, 4, w, b, 1e-5)  # rows (n, group); the weight per channel crosses rows
+
+
+@pytest.mark.parametrize("shape", GROUP_NORM_SHAPES[:2], ids=str)
+def test_group_norm_is_one_kernel(shape) -> None:
+    compiled = gac_torch.compile(Fn(_group_norm), tuple(_group_norm_inputs(shape, torch.float32)), target="cuda",
+                                 options={"arch": "sm_90", "fallback": False, "cache": False})
+    kernels = re.findall(r"\.entry (\w+)\(", compiled.ir("ptx"))
+    assert len(kernels) == 1 and kernels[0].endswith("_row"), kernels
+    result = assemble(compiled.ir("ptx"), "sm_90")
+    assert result.ok and re.findall(r"(\d+) bytes spill stores", result.log) == ["0"], result.log
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", GROUP_NORM_SHAPES, ids=str)
+def test_group_norm_parity_on_cuda(shape, dt) -> None:
+    inputs = _group_norm_inputs(shape, dt, "cuda")
+    compiled = gac_torch.compile(Fn(_group_norm), tuple(inputs), target="cuda", options={"fallback": False})
+    out, ref, eager = compiled(*inputs), _group_norm(*[t.double() for t in inputs]), _group_norm(*inputs)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    err_eager = ((eager.double() - ref).norm() / ref.norm()).item()
+    assert err <= max(1e-5 if dt == torch.float32 else 2e-3 if dt == torch.float16 else 1e-2, 2 * err_eager), err
 
 
 CUDA_SHAPES = [(1, 1), (3, 7), (9, 1000), (2, 4097), (33, 96), (4, 2, 2048), (2500, 256)]

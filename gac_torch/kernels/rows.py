@@ -3,8 +3,9 @@ same rows (LayerNorm, RMSNorm, softmax, log_softmax, ...) as one kernel that rea
 row once, keeps it in registers, and writes each output once.
 
 The row space is R rows of C columns. A program is a list of nodes in dataflow order, each one
-value per element (`full`), per row (`row`), per column (`col`, e.g. an affine weight) or one
-for all (`scalar`): `load` a leaf, `map` its arguments, `reduce` a full value over the row to
+value per element (`full`, or `other`: a leaf indexed through the loop dims, e.g. GroupNorm's
+per-channel weight), per row (`row`), per column (`col`, e.g. an affine weight) or one for all
+(`scalar`): `load` a leaf, `map` its arguments, `reduce` a full value over the row to
 a row value, or `pick` a full value's element at one column (LayerNorm's shift by x[:, 0]). A group of `group` threads (a power of two: part of a warp, or a whole block) owns
 one row; lane l holds `slots` vectors of `vec` columns at c = (s * group + l) * vec, so a warp's
 accesses are consecutive 16-byte vectors.
@@ -38,7 +39,8 @@ import numpy as np
 
 from gac_torch.kernels.builder import Numpy, Smem, as_type
 
-SPACES = ("full", "row", "col", "scalar")
+SPACES = ("full", "row", "col", "scalar", "other")  # other: a leaf gathered per element
+PER_COLUMN = ("full", "col", "other")  # values per slot and element
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,13 @@ class _Chunk:
         self.local: dict[int, list[list[Any]]] = {}
 
     def arg(self, n: int, s: int, e: int) -> Any:
-        return self.get(n)[s][e] if self.nodes[n].space in ("full", "col") else self.vals[n]
+        return self.get(n)[s][e] if self.nodes[n].space in PER_COLUMN else self.vals[n]
 
     def get(self, n: int) -> list[list[Any]]:
         if n not in self.local:
             nd, b = self.nodes[n], self.b
             if nd.op == "load":
-                self.local[n] = [b.load(n, self.row, c, self.vec, v if nd.space == "full" else r)
+                self.local[n] = [b.load(n, self.row, c, self.vec, r if nd.space == "col" else v)
                                  for c, r, v in zip(self.cols, self.in_row, self.valid)]
             else:
                 self.local[n] = [[b.compute(n, [self.arg(a, s, e) for a in nd.args]) for e in range(self.vec)]
@@ -179,7 +181,7 @@ def kernel(b: Any, p: Plan, nodes: Sequence[Node]) -> None:
     for i, nd in enumerate(nodes):
         if any(a in pending for a in (*nd.args, *([nd.init] if nd.init is not None else []))):
             resolve()
-        if nd.space in ("full", "col"):
+        if nd.space in PER_COLUMN:
             if regs is not None:  # computed now (loads issued in node order), kept in registers
                 regs.get(i)
         elif nd.op == "load":
@@ -258,13 +260,15 @@ _NP_IDENTITY = {"add": 0.0, "mul": 1.0, "max": -math.inf, "min": math.inf}
 class Math:
     """A node's numpy semantics: `fn` maps argument arrays (map: the value; reduce: the
     element), `kind` a reduction's combiner, `init` its constant start, `data` a load's array
-    (flat: R*C, R, C or 1 elements), `acc` the type values are rounded to."""
+    (flat: R*C, R, C or 1 elements; `other`: any, read at index(r * C + c)), `acc` the type
+    values are rounded to."""
 
     fn: Callable[..., np.ndarray] | None = None
     kind: str = "add"
     init: float = 0.0
     data: np.ndarray | None = None
     acc: str = "f32"
+    index: Callable[[np.ndarray], np.ndarray] | None = None  # `other` load: element -> data index
 
 
 class _Numpy(Numpy):
@@ -277,6 +281,8 @@ class _Numpy(Numpy):
         space = self.nodes[n].space
         if space == "full":
             return row * self.p.C + col + e
+        if space == "other":
+            return self.m[n].index(row * self.p.C + col + e)  # type: ignore[misc]
         return row if space == "row" else col + e if space == "col" else self.const(0)
 
     def load(self, n: int, row: Any, col: Any, vec: int, cond: Any) -> list[np.ndarray]:

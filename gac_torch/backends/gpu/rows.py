@@ -37,6 +37,8 @@ class Leaf:
     value: ir.Value  # the tensor the kernel reads (a slice's source when `slice` is set)
     space: str  # full | row | col | scalar
     slice: tuple[list[int], list[int], list[int]] | None = None  # offsets, sizes, strides
+    gather: tuple[list[int], list[int | None]] | None = None  # `other`: loop ranges; per leaf dim
+    # the loop dim indexing it (None: a unit dim)
 
 
 @dataclass
@@ -97,7 +99,7 @@ def _ranges(op: ir.Operation) -> list[int] | None:
     return None if None in ranges else ranges  # type: ignore[return-value]
 
 
-def _form(op: ir.Operation, R: int | None = None, C: int | None = None):
+def _form(op: ir.Operation, R: int | None = None, C: int | None = None, flat: bool = True):
     """(kind, ranges, row dims, col dims) of a single-result generic on static tensors: kind
     "reduce" (parallel dims, then reduction dims), "full" (all parallel, R*C points split into
     rows then columns) or "row" (all parallel, R points); None if none fits (R, C)."""
@@ -131,6 +133,8 @@ def _form(op: ir.Operation, R: int | None = None, C: int | None = None):
             return "full", ranges, list(range(k)), list(range(k, n))
     if math.prod(ranges) == R:
         return "row", ranges, list(range(n)), []
+    if flat and math.prod(ranges) == R * C:  # R*C points whose dims straddle the rows (GroupNorm's affine)
+        return "full", ranges, None, list(range(n))
     return None
 
 
@@ -146,12 +150,15 @@ def _access(m: ir.AffineMap, t: ir.Type, form) -> str | None:
                 dims.append(e.position)
         elif not (isinstance(e, ir.AffineConstantExpr) and e.value == 0 and size == 1):
             return None
-    nr = [d for d in rows if ranges[d] != 1]
+    nr = [d for d in rows or [] if ranges[d] != 1]
     nc = [d for d in cols if ranges[d] != 1]
     options = [("full", nr + nc), ("row", nr), ("col", nc), ("scalar", [])]
     if kind == "row":
-        options = [("row", nr), ("scalar", [])]
-    return next((name for name, want in options if dims == want), None)
+        return next((name for name, want in [("row", nr), ("scalar", [])] if dims == want), None)
+    if rows is None:  # dims straddle the rows: only the identity is element for element
+        options = [("full", nc), ("scalar", [])]
+    # else a leaf gathered per element (`other`: e.g. a per-channel weight across rows)
+    return next((name for name, want in options if dims == want), "other")
 
 
 def _source(v: ir.Value) -> ir.Value:
@@ -216,7 +223,10 @@ def _users(v: ir.Value, rc: tuple[int, int] | None = None) -> Iterator[tuple[ir.
 # the group
 
 
-def find_group(seed: ir.Operation) -> RowGroup | None:
+def find_group(seed: ir.Operation, flat: bool = True) -> RowGroup | None:
+    """The row group grown from reduction `seed`; `flat`: members may iterate R*C points in dims
+    that straddle rows (when such a member reads a group value any other way, the group is
+    found again without them)."""
     _, ranges, rows, cols = _form(seed)  # type: ignore[misc]
     R, C = math.prod(ranges[:len(rows)]), math.prod(ranges[len(rows):])
     forms = {seed: _form(seed, R, C)}
@@ -234,7 +244,7 @@ def find_group(seed: ir.Operation) -> RowGroup | None:
         for q in near:
             if q in forms:
                 continue
-            f = _form(q, R, C)
+            f = _form(q, R, C, flat)
             if f is None:
                 continue
             if any(_origin(v, R, C)[0] == q.results[0] for v, _ in _reads(op)):  # q produces for op
@@ -252,7 +262,10 @@ def find_group(seed: ir.Operation) -> RowGroup | None:
         members = [m for m in members if m.is_before_in_block(bad)]
     if len(members) < 2 or not any(forms[m][0] == "reduce" for m in members):
         return None
-    return _program(RowGroup(R, C, members), forms)
+    g = _program(RowGroup(R, C, members), forms)
+    if g is None and flat and any(forms[m][2] is None for m in members):
+        return find_group(seed, flat=False)
+    return g
 
 
 def _links_match(reader: ir.Operation, form, value: ir.Value, kind: str, R: int, C: int) -> bool:
@@ -309,7 +322,8 @@ def _program(g: RowGroup, forms: dict) -> RowGroup | None:
                 space = _access(m, v.type, f)
                 if space is None:
                     return None
-                n = _leaf(g, v, space)
+                n = _leaf(g, v, space, (f[1], [e.position if isinstance(e, ir.AffineDimExpr) else None
+                                                  for e in m.results]))
                 if n is None:
                     return None
             if is_init:
@@ -344,9 +358,13 @@ def _pick_node(g: RowGroup, n: int, col: int) -> int:
     return len(g.nodes) - 1
 
 
-def _leaf(g: RowGroup, v: ir.Value, space: str) -> int | None:
+def _leaf(g: RowGroup, v: ir.Value, space: str, gather) -> int | None:
     from gac_torch.kernels.rows import Node
 
+    if space == "other":  # the kernel computes the leaf's index per element from the loop dims
+        g.nodes.append(Node("load", "other"))
+        g.ops.append(Leaf(v, space, gather=gather))
+        return len(g.nodes) - 1
     for i, o in enumerate(g.ops):
         if isinstance(o, Leaf) and o.value == v and o.space == space and o.slice is None:
             return i

@@ -155,7 +155,17 @@ class _Ir(Ir):
         if e:
             lin = self.add(lin, e)
         leaf = self.g.ops[i] if i < len(self.g.ops) else None
-        if isinstance(leaf, Leaf) and leaf.slice is not None:  # slice index -> source index
+        if space == "other":  # the element's loop indices -> the leaf's (row-major) index
+            lin = self.add(self.mul(row, C), col if not e else self.add(col, e))
+            ranges, dims = leaf.gather
+            ivs = delinearize(self, lin, ranges)
+            shape = ir.RankedTensorType(leaf.value.type).shape
+            lin, stride = self.const(0), 1
+            for d in range(len(shape) - 1, -1, -1):
+                if dims[d] is not None and shape[d] != 1:
+                    lin = self.add(lin, self.mul(ivs[dims[d]], stride))
+                stride *= shape[d]
+        elif isinstance(leaf, Leaf) and leaf.slice is not None:  # slice index -> source index
             offs, sizes, strides = leaf.slice
             src = ir.RankedTensorType(leaf.value.type).shape
             idx = delinearize(self, lin, sizes)  # (unit dims: 0)
@@ -172,7 +182,7 @@ class _Ir(Ir):
         if not isinstance(leaf.value.type, ir.RankedTensorType):
             return [leaf.value] * vec  # a scalar operand
         buf, elem = self.bufs[i], _elem(leaf.value)
-        if leaf.slice is not None or vec == 1:
+        if leaf.slice is not None or vec == 1 or leaf.space == "other":
             def one(e: int) -> ir.Value:
                 idx = self._index(i, row, col, e, leaf.space)
                 return self._guard(cond, elem, lambda: memref.load(buf, idx))
