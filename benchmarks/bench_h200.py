@@ -245,9 +245,42 @@ def group_sampling() -> Iterator[Workload]:
                    "tf32off", "fp32", TOL["fp32"])
 
 
+def group_norms() -> Iterator[Workload]:
+    """One pass per row (issue 15): `bytes_per_call` (input read once + output written once)
+    gives gac_tbps, to hold against the copy bandwidth."""
+
+    class LayerNorm(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(n)
+
+        def forward(self, x):
+            return self.ln(x)
+
+    class Softmax(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, dim=-1)
+
+    class RMSNorm(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.rand(n) + 0.5)
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+    torch.manual_seed(0)
+    for name, model, (m, n) in (("layernorm_65536x1024", LayerNorm(1024), (65536, 1024)),
+                                ("rmsnorm_65536x1024", RMSNorm(1024), (65536, 1024)),
+                                ("softmax_32768x2048", Softmax(), (32768, 2048))):
+        yield Workload(name, model.cuda(), lambda s, m=m, n=n: (_rand(s, m, n),), "tf32off", "fp32", TOL["fp32"],
+                       {"bytes_per_call": 2 * 4 * m * n})
+
+
 GROUPS: dict[str, Callable[[], Iterator[Workload]]] = {
     "gemm": group_gemm, "conv": group_conv, "resnet": group_resnet, "attention": group_attention,
     "launch": group_launch, "train": group_train, "sampling": group_sampling,
+    "norms": group_norms,
 }
 
 
@@ -331,6 +364,8 @@ def run_workload(w: Workload, rounds: int, sample_ms: float) -> dict:
     row["status"] = "ok" if ok else "FAIL"
     if "tflops_per_call" in w.extra and row["gac_ms"]:
         row["gac_tflops"] = round(w.extra["tflops_per_call"] / (row["gac_ms"] / 1e3), 1)
+    if "bytes_per_call" in w.extra and row["gac_ms"]:  # achieved bandwidth, TB/s
+        row["gac_tbps"] = round(w.extra["bytes_per_call"] / (row["gac_ms"] / 1e3) / 1e12, 3)
     row["iters"], row["rounds"], row["input_sets"] = iters, rounds, len(sets)
     row["wall_s"] = round(time.time() - t0, 1)
     return row

@@ -3,7 +3,7 @@ gac launches through the driver API) and host time per call, for named workloads
 
     python benchmarks/profile_h200.py --only resnet50_body_default,layernorm_65536x1024 --out prof.md
 
-Workloads are bench_h200's (every group's) plus a few memory-bound ones defined here. Profile
+Workloads are bench_h200's (every group's: the norms are its `norms` group). Profile
 before optimizing: a kernel's share of the device time says what to work on next.
 """
 
@@ -21,41 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_h200 as h  # noqa: E402
 
 
-class LayerNorm(torch.nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(n)
-
-    def forward(self, x):
-        return self.ln(x)
-
-
-class Softmax(torch.nn.Module):
-    def forward(self, x):
-        return torch.softmax(x, dim=-1)
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.rand(n) + 0.5)
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
-
-
-def extra_workloads():
-    yield h.Workload("layernorm_65536x1024", LayerNorm(1024).cuda(), lambda s: (h._rand(s, 65536, 1024),),
-                     "tf32off", "fp32", 1e-5)
-    yield h.Workload("softmax_32768x2048", Softmax(), lambda s: (h._rand(s, 32768, 2048),), "tf32off", "fp32", 1e-5)
-    yield h.Workload("rmsnorm_65536x1024", RMSNorm(1024).cuda(), lambda s: (h._rand(s, 65536, 1024),),
-                     "tf32off", "fp32", 1e-5)
-
-
 def all_workloads():
     for g in h.GROUPS.values():
         yield from g()
-    yield from extra_workloads()
 
 
 def profile(w, iters: int) -> str:

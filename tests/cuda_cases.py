@@ -372,7 +372,7 @@ def _mlp_softmax() -> Case:
 
     return Case("mlp_softmax_graph", [((M, K), torch.float32), ((K, H), torch.float32), ((H,), torch.float32),
                                       ((H, N), torch.float32)], [((M, N), torch.float32)], body, ref,
-                {"matmul", "reduce", "loops"})
+                {"matmul", "row", "loops"})
 
 
 def _ints() -> Case:
@@ -506,7 +506,7 @@ def _half_reduce_elementwise(dt: torch.dtype) -> Case:
     linalg.yield %t : {e}
   }} -> tensor<{M}x{N}x{e}>"""
     return Case(f"l1_normalize_{e}", [((M, N), dt)], [((M, N), dt)], body,
-                lambda a: [a / a.abs().sum(1, keepdim=True)], {"reduce", "loops"})
+                lambda a: [a / a.abs().sum(1, keepdim=True)], {"row"})
 
 
 def _scalars() -> Case:

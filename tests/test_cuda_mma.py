@@ -66,9 +66,10 @@ def test_allow_tf32_follows_torch_at_compile_time() -> None:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_flag
         torch.set_float32_matmul_precision(saved_precision)
-    assert [s.name for s in compile_options({"arch": "sm_75"}).strategies] == ["fused", "sgemm", "matmul", "reduce"]
+    assert [s.name for s in compile_options({"arch": "sm_75"}).strategies] == [
+        "row", "fused", "sgemm", "matmul", "reduce"]
     assert [s.name for s in compile_options({"arch": "sm_80"}).strategies] == [
-        "flash", "fused", "igemm", "sgemm", "mma", "matmul", "reduce"]
+        "flash", "row", "fused", "igemm", "sgemm", "mma", "matmul", "reduce"]
 
 
 def _upstream_fragments(elem: str, k: int) -> dict[str, list[tuple[str, str]]]:

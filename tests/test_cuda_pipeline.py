@@ -57,7 +57,11 @@ def test_stage_texts_and_options() -> None:
     assert TARGET.name == "cuda" and TARGET.device_type == "cuda"
 
 
-def test_memory_plan_reuses_intermediates() -> None:
+def test_memory_plan_reuses_intermediates(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gac_torch.backends.gpu import schedule
+
+    # the softmax as separate kernels (not one row kernel): more intermediates to plan
+    monkeypatch.setattr(schedule, "map_rows", lambda *args: None)
     program = compile_case(CASES["mlp_softmax_graph"], "sm_90")
     assert len(program.temps) >= 3
     assert program.plan.workspace_size < program.plan.unplanned_size

@@ -139,6 +139,9 @@ _POW_AS_UNARY = {0.5: "sqrt", -0.5: "rsqrt"}
 def lower_pow_scalar(cx: Cx, x, exponent):
     if cx.out_dtype.is_floating_point and exponent in _POW_AS_UNARY:
         return cx.b.unary(cx.to(x, cx.out_dtype), kind=_POW_AS_UNARY[exponent])
+    if cx.out_dtype.is_floating_point and exponent == 2:  # ATen squares (x ** 2 in RMSNorm):
+        xt = cx.to(x, cx.out_dtype)  # exact, and no pow expansion per element on the GPU
+        return cx.b.binary(xt, xt, kind="mul")
     return _scaled(cx, "pow", x, exponent, 1)
 _arith("atan2", aten.atan2.default, check=float_result)
 _arith("maximum", aten.maximum.default)

@@ -55,7 +55,9 @@ def default_arch() -> str:
 def compile_options(options: dict | None) -> Any:
     """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
-    from gac_torch.backends.gpu.strategies import flash_attention, implicit_gemm, mma, reduce, simt_matmul, wgmma
+    from gac_torch.backends.gpu.strategies import (
+        flash_attention, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
+    )
     from gac_torch.backends.gpu.strategy import GpuLimits
 
     arch = (options or {}).get("arch") or default_arch()
@@ -81,6 +83,7 @@ def compile_options(options: dict | None) -> Any:
     igemm = implicit_gemm.Params(mma=mma_ok, allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))
     strategies = (
         *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
+        row.strategy(),
         implicit_gemm.fused_strategy(),
         *([implicit_gemm.strategy(igemm, simt=False)] if mma_ok else []),
         implicit_gemm.strategy(igemm, simt=True),

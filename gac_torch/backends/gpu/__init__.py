@@ -7,7 +7,8 @@ kernels + a host program as data. Importing this package loads no MLIR (program.
   analysis.py    a generic's loop space (Generic), fills, contractions
   strategy.py    GpuLimits, Strategy (matcher + emitter), splicing a kernel template
   attention.py   gac.attention calls: to "attention" strategies, else inlined (on tensors)
-  strategies/    flash_attention, mma, simt_matmul, reduce (cuda); tiled_gemm (vortex)
+  rows.py        row groups (reductions + the elementwise ops around them): to "rows" strategies
+  strategies/    flash_attention, row, mma, simt_matmul, reduce (cuda); tiled_gemm (vortex)
   schedule.py    map_to_gpu: strategies, then `loops` / `serial` kernels
   outline.py     globals into kernels, run-time-sized buffers, gpu-kernel-outlining
   host.py        the host function read into a GpuProgram (program.py)

@@ -3,8 +3,10 @@
 Order of work (all in one MLIR module, in place):
 
 1. Tensor level: calls of gac.attention go to the target's "attention" strategies (e.g. one
-   flash-attention kernel) or are inlined (attention.py); elementwise fusion, then bufferization (bufferize.py), one `linalg.generic`
-   on memrefs per kernel.
+   flash-attention kernel) or are inlined (attention.py); elementwise fusion; row groups
+   (reductions with the elementwise ops around them over the same rows) go to the "rows"
+   strategies (rows.py); then bufferization (bufferize.py), one `linalg.generic` on memrefs per
+   kernel.
 2. Each generic is offered to the target's strategies in order (strategy.py); the first whose
    matcher accepts it emits its kernel (named gac_k<i>_<strategy>).
 3. `loops` (the fallback for any linalg op): loops are interchanged so parallel dims come
@@ -40,6 +42,7 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
@@ -57,6 +60,7 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
     generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
+    map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
     bufferize(module, fn)
     reshapes_to_views(fn)
     copies_to_linalg(fn)

@@ -39,8 +39,9 @@ class GpuLimits:
 @dataclass(frozen=True)
 class Strategy:
     """`name` is the kernel name's suffix (gac_k<i>_<name>) and the launch's `strategy`. `on`
-    says what `match` is offered: "generic" (a bufferized Generic), or "attention" (a call of a
-    gac.attention function on tensors, an AttentionCall: attention.py)."""
+    says what `match` is offered: "generic" (a bufferized Generic), "attention" (a call of a
+    gac.attention function on tensors, an AttentionCall: attention.py), or "rows" (a RowGroup of
+    generics on tensors: rows.py)."""
 
     name: str
     match: Callable[[Any, GpuLimits], Any | None]  # None: not this strategy's op

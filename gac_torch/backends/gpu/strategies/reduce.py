@@ -2,7 +2,8 @@
 least `min_extent` elements, when the reduced dims are innermost or the output is small -> the
 row-reduction kernel gac_torch/kernels/reduce.py (a warp or a block per output), its math cloned
 from the linalg body through the builder's `Ir` backend. Run-time reduction lengths get a warp
-per row."""
+per row. A few outputs of long rows (a loss: one sum over millions) split each row over many
+blocks and combine the partials in a second kernel."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.kernels import reduce
-from gac_torch.kernels.builder import Ir
+from gac_torch.kernels.builder import Ir, delinearize
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class ReduceParams:
     threads: int = 256  # threads per block
     warp_max: int = 1024  # reductions up to this extent get one warp per output
     min_extent: int = 128  # smaller reductions stay sequential per thread (`loops`)
+    # Few outputs of long rows spread over the GPU: each row splits into chunks of at least
+    # `split_min` elements, one block each (about `split_blocks` blocks in all), whose partials
+    # a second small kernel combines (deterministic, unlike atomics).
+    split_max_outs: int = 64
+    split_min: int = 16384
+    split_blocks: int = 1024
 
 
 def strategy(params: ReduceParams = ReduceParams()) -> Strategy:
@@ -48,7 +55,7 @@ def strategy(params: ReduceParams = ReduceParams()) -> Strategy:
     return Strategy("reduce", match, emit)
 
 
-_COMBINERS = {
+COMBINERS = {
     "arith.addf": "add", "arith.addi": "add", "arith.mulf": "mul", "arith.muli": "mul",
     "arith.maxnumf": "maxnumf", "arith.minnumf": "minnumf", "arith.maximumf": "maximumf",
     "arith.minimumf": "minimumf", "arith.maxsi": "maxsi", "arith.minsi": "minsi",
@@ -57,7 +64,7 @@ _COMBINERS = {
 }
 
 
-def _identity(kind: str, t: ir.Type) -> ir.Attribute:
+def identity_attr(kind: str, t: ir.Type) -> ir.Attribute:
     if isinstance(t, ir.FloatType):
         v = {"add": 0.0, "mul": 1.0, "maxnumf": -math.inf, "maximumf": -math.inf,
              "minnumf": math.inf, "minimumf": math.inf}[kind]
@@ -68,7 +75,7 @@ def _identity(kind: str, t: ir.Type) -> ir.Attribute:
     return ir.IntegerAttr.get(t, v)
 
 
-def _widen(v: ir.Value, t: ir.Type, signed: bool) -> ir.Value:
+def widen(v: ir.Value, t: ir.Type, signed: bool) -> ir.Value:
     if v.type == t:
         return v
     if isinstance(t, ir.FloatType):
@@ -76,7 +83,7 @@ def _widen(v: ir.Value, t: ir.Type, signed: bool) -> ir.Value:
     return arith.extsi(t, v) if signed else arith.extui(t, v)
 
 
-def _narrow(v: ir.Value, t: ir.Type) -> ir.Value:
+def narrow(v: ir.Value, t: ir.Type) -> ir.Value:
     if v.type == t:
         return v
     return arith.truncf(t, v) if isinstance(t, ir.FloatType) else arith.trunci(t, v)
@@ -93,14 +100,14 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
     body_ops = [op.operation for op in g.body.operations]
     out_arg = g.body.arguments[len(g.inputs)]
     comb = defining_op(body_ops[-1].operands[0])
-    if comb is None or comb.name not in _COMBINERS or comb.block != g.body:
+    if comb is None or comb.name not in COMBINERS or comb.block != g.body:
         return False
     uses = list(out_arg.uses)
     if len(uses) != 1 or out_arg not in list(comb.operands):
         return False
     if any(op.regions and len(op.regions) for op in body_ops[:-2]):
         return False
-    kind = _COMBINERS[comb.name]
+    kind = COMBINERS[comb.name]
     value = comb.operands[1] if comb.operands[0] == out_arg else comb.operands[0]
     with ir.InsertionPoint(g.op), g.op.location:  # run-time extents: memref.dim on the host
         p_ext = [g.extent(d) for d in par]
@@ -113,8 +120,11 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
         acc_t = ir.F32Type.get() if ir.FloatType(elem).width < 32 else elem
     else:
         acc_t = ir.IntegerType.get_signless(32) if ir.IntegerType(elem).width < 32 else elem
-    p = reduce.plan(n_red if is_static(n_red) else None, limits.warp_size, params.threads, params.warp_max)
     fill = fill_before(g.op, g.outputs[0])
+    if is_static(n_out, n_red) and n_out <= params.split_max_outs and n_red >= 2 * params.split_min:
+        _emit_split(g, name, limits, params, (comb, value, kind, acc_t, par, red, fill), p_ext, r_ext)
+        return True
+    p = reduce.plan(n_red if is_static(n_red) else None, limits.warp_size, params.threads, params.warp_max)
     with ir.InsertionPoint(g.op), g.op.location:
         grid = size_ceildiv(n_out, p.outs_per_block)
         trips = size_ceildiv(n_red, p.group)
@@ -129,6 +139,37 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
         fill[0].erase()
     g.op.erase()
     return True
+
+
+def _emit_split(g: Generic, name: str, limits: GpuLimits, params: ReduceParams, math_: tuple,
+                p_ext: list[int], r_ext: list[int]) -> None:
+    """Two kernels: partial[o, s] = the reduction of chunk s of row o (a block each), then
+    out[o] = combine(init, the reduction of partial[o, :]) (a warp per output)."""
+    acc_t, fill = math_[3], math_[6]
+    n_out, n_red = math.prod(p_ext), math.prod(r_ext)
+    splits = max(2, min(-(-n_red // params.split_min), params.split_blocks // n_out))
+    chunk = -(-n_red // splits)
+    splits = -(-n_red // chunk)
+    with ir.InsertionPoint(g.op), g.op.location:
+        part = memref.AllocOp(ir.MemRefType.get([n_out, splits], acc_t), [], []).result
+        p1 = reduce.plan(chunk, limits.warp_size, params.threads, params.warp_max)
+        launch, body = new_launch(-(-n_out * splits // p1.outs_per_block), p1.threads, name)
+        with ir.InsertionPoint(body):
+            b = _Chunks(body.arguments, g, *math_, part, chunk, n_red, p_ext, r_ext)
+            reduce.kernel(b, p1, acc_t, n_out * splits, chunk, -(-chunk // p1.group), [n_out, splits], [chunk],
+                          exact_grid=(n_out * splits) % p1.outs_per_block == 0, exact_rows=chunk % p1.group == 0)
+            gpu.TerminatorOp()
+        p2 = reduce.plan(splits, limits.warp_size, params.threads, params.warp_max)
+        grid = -(-n_out // p2.outs_per_block)
+        launch, body = new_launch(grid, p2.threads, name.rsplit("_", 1)[0] + "x_reduce")
+        with ir.InsertionPoint(body):
+            b = _Partials(body.arguments, g, *math_, part)
+            reduce.kernel(b, p2, acc_t, n_out, splits, -(-splits // p2.group), p_ext, [splits],
+                          exact_grid=grid * p2.outs_per_block == n_out, exact_rows=splits % p2.group == 0)
+            gpu.TerminatorOp()
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
 
 
 class _Ir(Ir):
@@ -150,7 +191,7 @@ class _Ir(Ir):
         return new.results[0]
 
     def identity(self) -> ir.Value:
-        return arith.constant(self.acc_t, _identity(self.kind, self.acc_t))
+        return arith.constant(self.acc_t, identity_attr(self.kind, self.acc_t))
 
     def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
         g = self.g
@@ -161,7 +202,7 @@ class _Ir(Ir):
         for arg, buf, m in zip(g.body.arguments, g.inputs, g.maps):
             mapping[arg] = load_at(buf, m, ivs)
         clone_body([op.operation for op in g.body.operations][:-1], self.comb, mapping, ivs)
-        return _widen(mapping.get(self.value, self.value), self.acc_t, self.signed)
+        return widen(mapping.get(self.value, self.value), self.acc_t, self.signed)
 
     def shuffle_xor(self, x: ir.Value, off: int, width: int) -> ir.Value:
         i32 = ir.IntegerType.get_signless(32)
@@ -178,7 +219,53 @@ class _Ir(Ir):
 
     def init(self, idx: list[ir.Value]) -> ir.Value:
         init = self.fill[1] if self.fill is not None else memref.load(self.g.outputs[0], idx)
-        return _widen(init, self.acc_t, self.signed)
+        return widen(init, self.acc_t, self.signed)
 
     def store(self, idx: list[ir.Value], val: ir.Value) -> None:
-        memref.store(_narrow(val, self.out_elem), self.g.outputs[0], idx)
+        memref.store(narrow(val, self.out_elem), self.g.outputs[0], idx)
+
+
+class _Chunks(_Ir):
+    """Kernel 1 of a split reduction: output (o, s) reduces elements s * chunk + j of row o into
+    partial[o, s], starting from the identity."""
+
+    def __init__(self, ids, g, comb, value, kind, acc_t, par, red, fill, part, chunk, n_red, p_ext, r_ext):
+        super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
+        self.part, self.chunk, self.n_red, self.p_ext, self.r_ext = part, chunk, n_red, p_ext, r_ext
+
+    def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
+        o, s = p_ivs
+        r = self.add(self.mul(s, self.chunk), r_ivs[0])
+
+        def visit() -> ir.Value:
+            return super(_Chunks, self).element(delinearize(self, o, self.p_ext), delinearize(self, r, self.r_ext))
+
+        if self.n_red % self.chunk == 0:
+            return visit()
+        return self.if_(self.lt(r, self.n_red), self.acc_t, visit, self.identity)
+
+    def out_index(self, p_ivs: list[ir.Value]) -> list[ir.Value]:
+        return list(p_ivs)
+
+    def init(self, idx: list[ir.Value]) -> ir.Value:
+        return self.identity()
+
+    def store(self, idx: list[ir.Value], val: ir.Value) -> None:
+        memref.store(val, self.part, idx)
+
+
+class _Partials(_Ir):
+    """Kernel 2 of a split reduction: out[o] = combine(init, the reduction of partial[o, :])."""
+
+    def __init__(self, ids, g, comb, value, kind, acc_t, par, red, fill, part):
+        super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
+        self.part = part
+
+    def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
+        o = self.const(0)
+        for x, n in zip(p_ivs, self.p_ext_of()):
+            o = self.add(self.mul(o, n), x)
+        return memref.load(self.part, [o, r_ivs[0]])
+
+    def p_ext_of(self) -> list[int]:
+        return [self.g.ranges[d] for d in self.par]  # type: ignore[misc]
