@@ -356,3 +356,37 @@ def test_a_member_value_used_inside_another_ops_region() -> None:
     inputs = (torch.randn((3, 1, 1), generator=g), torch.randint(-4, 5, (3, 1, 1), generator=g))
     compiled = gac_torch.compile(Fn(fn), inputs, target="cuda", options={"arch": "sm_90", "cache": False})
     assert ".entry" in compiled.ir("ptx")
+
+
+CONTRACTIONS = {  # a reduction that gathers its operands is a GEMM's, never a row group's
+    "bf16_matmul_rounded": (lambda a, b: a @ b, [(64, 96), (96, 80)], torch.bfloat16),
+    "bmm_transposed": (lambda a, b: a.transpose(1, 2) @ b, [(3, 40, 24), (3, 40, 56)], torch.float16),
+    "conv1x1": (lambda x, w: F.conv2d(x, w), [(2, 16, 9, 11), (24, 16, 1, 1)], torch.float32),
+    "matvec": (lambda a, b: (a.unsqueeze(1) * b).sum(-1), [(50, 1, 70), (30, 70)], torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTRACTIONS))
+def test_contractions_are_not_row_groups(name: str) -> None:
+    # Regression: a generic contraction (parallel M, N; reduction K) matched the row form with
+    # "gathered" leaves, so a whole GEMM became one row kernel (a thread block per output row).
+    fn, shapes, dt = CONTRACTIONS[name]
+    g = torch.Generator().manual_seed(5)
+    inputs = tuple(torch.randn(s, generator=g).to(dt) for s in shapes)
+    for arch in ("sm_80", "sm_90"):
+        compiled = gac_torch.compile(Fn(fn), inputs, target="cuda",
+                                     options={"arch": arch, "fallback": False, "cache": False})
+        kernels = re.findall(r"\.entry (\w+)\(", compiled.ir("ptx"))
+        assert kernels and not any(k.endswith("_row") for k in kernels), (arch, kernels)
+
+
+@pytest.mark.parametrize("M,K,N", [(512, 256, 512), (1000, 520, 1032)])
+def test_generic_contraction_then_rounding_is_not_a_row_group(M: int, K: int, N: int) -> None:
+    # the same, as a linalg.generic contraction into f32 + a truncf map (failed before the fix)
+    from tests.cuda_cases import compile_case
+    from tests.test_wgmma_gemm import _case
+
+    for arch in ("sm_80", "sm_90"):
+        kernels = [launch.kernel for launch in compile_case(_case(M, K, N, torch.bfloat16, False, False, 0),
+                                                             arch).launches]
+        assert not any(k.endswith("_row") for k in kernels), (arch, kernels)

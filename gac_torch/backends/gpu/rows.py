@@ -320,8 +320,8 @@ def _program(g: RowGroup, forms: dict) -> RowGroup | None:
                 continue
             else:
                 space = _access(m, v.type, f)
-                if space is None:
-                    return None
+                if space is None or (space == "other" and f[0] == "reduce"):
+                    return None  # a reduction gathering its operands is a contraction (a GEMM's)
                 n = _leaf(g, v, space, (f[1], [e.position if isinstance(e, ir.AffineDimExpr) else None
                                                   for e in m.results]))
                 if n is None:
