@@ -86,20 +86,3 @@ def test_cli_compiles_a_dumped_stage(tmp_path, capsys) -> None:
                 "-o", str(out)]) == 0
     assert sorted(os.listdir(out)) == ["fused_0.gpu", "fused_0.llvm", "fused_0.ptx"]
     assert (out / "fused_0.ptx").read_text() == part.stages["ptx"]
-
-
-def test_options_are_frozen_hashable_and_validated_once() -> None:
-    import dataclasses
-
-    from gac_torch.options import TARGETS, Options
-
-    a, b = resolve({"fallback": False}, target="cuda"), resolve({"fallback": False, "target": "cuda"})
-    assert isinstance(a, Options) and a == b and hash(a) == hash(b) and len({a, b}) == 1
-    assert a["target"] == a.target == "cuda" and a.get("nope", 7) == 7
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        a.fallback = True  # type: ignore[misc]
-    with pytest.raises(KeyError):
-        a["falback"]
-    assert resolve(a.replace(target="cpu")).target == "cpu"
-    with pytest.raises(gac_torch.OptionError, match="valid targets: " + ", ".join(TARGETS)):
-        resolve({"target": "tpu"})

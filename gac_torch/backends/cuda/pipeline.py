@@ -30,7 +30,9 @@ from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
 
 @dataclass
-class CudaOptions:
+class CudaCodegen:
+    """What the stages need, made from the user's options.CudaOptions (target.compile_options)."""
+
     arch: str  # "sm_90"
     ptx_features: str  # "+ptx80": the PTX ISA version LLVM emits
     opt_level: int
@@ -45,7 +47,7 @@ class GpuStage:
 
     module: ir.Module
     program: GpuProgram  # ptx still empty
-    options: CudaOptions
+    options: CudaCodegen
 
     @property
     def text(self) -> str:  # what the driver records for this stage
@@ -66,13 +68,13 @@ def _as_module(artifact: str | ir.Module | ir.Operation | Any) -> ir.Module:
     return ir.Module.parse(text, ir.Context())
 
 
-def map_stage(artifact: Any, options: CudaOptions) -> GpuStage:
+def map_stage(artifact: Any, options: CudaCodegen) -> GpuStage:
     module = _as_module(artifact)
     program = schedule_module(module, options.limits, options.strategies, "cuda", options.arch)
     return GpuStage(module, program, options)
 
 
-def parse_gpu_stage(text: str, options: CudaOptions) -> GpuStage:
+def parse_gpu_stage(text: str, options: CudaCodegen) -> GpuStage:
     """A dumped (possibly edited) "gpu" stage back: the module, its host program read again."""
     module = _as_module(text)
     return GpuStage(module, read_scheduled(module, options.arch), options)
