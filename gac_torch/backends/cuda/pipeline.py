@@ -62,10 +62,11 @@ class GpuStage:
 # stage "gpu"
 
 
-def _as_module(artifact: str | ir.Module | ir.Operation | Any) -> ir.Module:
-    """A private copy in a fresh context: stages must not mutate the driver's artifact."""
-    text = artifact if isinstance(artifact, str) else str(artifact)
-    return ir.Module.parse(text, ir.Context())
+def _as_module(artifact: str | ir.Module) -> ir.Module:
+    """The linalg module, rewritten in place by the stages that follow: the driver has recorded
+    its text already, and printing and parsing it again would cost more than the stage itself
+    on a whole model. Text (a dumped stage) is parsed into a fresh context."""
+    return artifact if isinstance(artifact, ir.Module) else ir.Module.parse(artifact, ir.Context())
 
 
 def map_stage(artifact: Any, options: CudaCodegen) -> GpuStage:
@@ -87,7 +88,7 @@ def parse_gpu_stage(text: str, options: CudaCodegen) -> GpuStage:
 def lower_stage(stage: GpuStage) -> GpuStage:
     """Lower the kernels to NVVM. The host function is dropped: it is data in `program` now."""
     opts = stage.options
-    module = ir.Module.parse(str(stage.module), ir.Context())
+    module = stage.module  # in place: the "gpu" stage's text is recorded already
     with module.context, ir.Location.unknown():
         for op in list(module.body.operations):
             if op.operation.name == "func.func":
@@ -152,7 +153,7 @@ def ptx_stage(stage: GpuStage) -> GpuProgram:
     if not program.launches:
         program.ptx = ""
         return program
-    module = ir.Module.parse(str(stage.module), ir.Context())
+    module = stage.module  # in place, as in lower_stage
     toolkit = find_cuda_toolkit()
     opt = f"format=isa toolkit={toolkit}" if toolkit else "format=isa"
     with module.context:

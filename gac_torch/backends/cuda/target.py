@@ -59,7 +59,11 @@ def compile_options(options: Any) -> Any:
     from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.options import CudaOptions, resolve
 
-    opts = options if isinstance(options, CudaOptions) else resolve(options, target="cuda")
+    opts = options
+    if not isinstance(options, CudaOptions):  # a plain dict (tests, benchmarks): TF32 as given
+        opts = resolve(options, target="cuda")
+        exact = {k: v for k, v in (options or {}).items() if k.startswith("allow_tf32") and v is not None}
+        opts = opts.replace(**exact) if exact else opts
     arch, allow_tf32, conv_tf32 = opts.arch, opts.allow_tf32, opts.allow_tf32_conv  # validated there
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
                        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID)
