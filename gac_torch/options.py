@@ -122,9 +122,10 @@ class CudaOptions(Options):
         tf32, conv = given.get("allow_tf32"), given.get("allow_tf32_conv")
         _check_bool("allow_tf32", tf32, none=True)
         _check_bool("allow_tf32_conv", conv, none=True)
-        return cls(**common, arch=given.get("arch") or default_arch(),
-                   allow_tf32=torch_allows_tf32() and tf32 is not False,
-                   allow_tf32_conv=torch_allows_tf32_conv() and conv is not False and tf32 is not False)
+        return cls(**common, **dict(given, arch=given.get("arch") or default_arch(),
+                                    allow_tf32=torch_allows_tf32() and tf32 is not False,
+                                    allow_tf32_conv=torch_allows_tf32_conv() and conv is not False
+                                    and tf32 is not False))
 
 
 VORTEX_MODES = ("simx", "functional")
