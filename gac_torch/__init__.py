@@ -93,10 +93,11 @@ def compile_stage_file(path: str | os.PathLike, *, target: str | None = None,
     from gac_torch.options import resolve
 
     opts = resolve(options, target=target)
+    opts = opts.for_target(opts.target or "cpu")
     stage = os.path.basename(os.fspath(path)).rsplit(".", 1)[-1]
     with open(path) as f:
         text = f.read()
-    return compile_from_stage(text, stage, get_target(opts["target"] or "cpu"), opts)
+    return compile_from_stage(text, stage, get_target(opts.target), opts)
 
 
 def save(compiled, path: str) -> None:

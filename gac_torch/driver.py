@@ -140,10 +140,9 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):
             verify_gac(module)  # shapes and dtypes
-        gac_text = str(module)
         # statically empty outputs are made by the runtime, never by the program (runtime/compiled.py)
         live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
-        key = (cache.cache_key(gac_text, repr(signature), options, target.name, target.cache_key(options))
+        key = (cache.cache_key(str(module), repr(signature), options, target.name, target.cache_key(options))
                if target.pack and cache.enabled(options) else None)
         entry = cache.load(key) if key else None
         executable = _unpack(target, entry, live, options) if entry else None
@@ -200,7 +199,7 @@ def compile_from_stage(text: str, stage: str, target: Target, options: dict) -> 
                     verify_gac(module)
                 module = lower_to_linalg(module)
                 stages["linalg"] = str(module)
-        artifact: Any = ir.Module.parse(str(module), ir.Context())  # the ABI module, own context
+        artifact: Any = module  # the stages rewrite it in place (its text is recorded)
         rest = target_stages
     else:
         at = [st.name for st in target_stages].index(stage)

@@ -15,6 +15,15 @@ os.environ.setdefault("GAC_CACHE", "0")
 torch.backends.cudnn.allow_tf32 = False
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`pytest -m unit` (the fast tier) skips importing test files that hold no unit test:
+    importing every module would cost more than the tier's tests themselves."""
+    if (config.getoption("markexpr", "") == "unit" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return "mark.unit" not in collection_path.read_text()
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     has_simx = bool(os.environ.get("VORTEX_HOME"))

@@ -165,6 +165,7 @@ def test_other_versions_and_settings_miss(cache_on, monkeypatch):
     assert len(_entries(cache_on, "program")) == 4
 
 
+@pytest.mark.unit
 def test_entry_from_another_format_is_refused():
     entry = cache.Entry({"a": 1}, {"so": b"\0\1"}, {"gac": "x"})
     data = bytearray(cache.pack_entry("k" * 64, entry))

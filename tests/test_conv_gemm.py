@@ -12,6 +12,8 @@ from gac_torch.kernels import conv_gemm_twin as twin
 from gac_torch.kernels import cuda_mma as cm
 from gac_torch.kernels.builder import RaceError, round_to
 
+pytestmark = pytest.mark.unit  # the fast tier: pure Python, no model compile
+
 # conv as the shared lowering emits it (conv_2d_ngchw_gfchw on the padded input):
 # dims d0..d7 = (n, g, f, oh, ow, c, kh, kw)
 N_, G_, F_, OH_, OW_, C_, KH_, KW_ = range(8)

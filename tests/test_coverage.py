@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 
 from gac_torch.legalize.registry import REGISTRY
 from gac_torch.tools import coverage
+
+pytestmark = pytest.mark.unit  # the fast tier: pure Python, no model compile
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "coverage.md"
 

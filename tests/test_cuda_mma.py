@@ -49,6 +49,7 @@ def test_mma_instructions_in_ptx(name: str, kind: str) -> None:
         assert "mma.sync" not in program.ptx and {k.strategy for k in program.launches} == {"matmul"}
 
 
+@pytest.mark.unit
 def test_allow_tf32_follows_torch_at_compile_time() -> None:
     # Saved and restored by hand: the flag is a property of a module object (no instance
     # attribute), which some pytest versions' monkeypatch cannot undo.
@@ -112,6 +113,7 @@ def _eval(expr: str, lane: int) -> int:
     return eval(expr.replace("floordiv", "//").replace("mod", "%").replace("s0", str(lane)))
 
 
+@pytest.mark.unit
 def test_mma_fragment_tables_match_upstream() -> None:
     from gac_torch.kernels import cuda_mma as cm
 
@@ -152,6 +154,7 @@ def _mma_spec(kind: str, M: int, N: int, K: int, a_t: bool = False, b_t: bool = 
     return cm.Spec(kind, m, n, k, bd, be + (M, N, K), a, b, c, fill)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind,M,N,K,a_t,b_t,batch,fill,ec,big", [
     ("f16", 70, 50, 66, False, False, 0, True, "f32", False),  # ragged everything, 2-wide loads
     ("f16", 96, 64, 80, False, False, 0, False, "f32", False),  # accumulate onto C
@@ -190,6 +193,7 @@ def test_mma_kernel_emulated_on_cpu(kind, M, N, K, a_t, b_t, batch, fill, ec, bi
     ir.Module.parse(cm.template(spec, plan), ir.Context())
 
 
+@pytest.mark.unit
 def test_mma_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
     from gac_torch.kernels import cuda_mma as cm
 

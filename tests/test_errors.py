@@ -37,6 +37,7 @@ def test_every_exception_class_is_a_gac_error() -> None:
             if not issubclass(c, (gac_torch.GacError, Warning))] == []
 
 
+@pytest.mark.unit
 def test_public_errors_are_exported() -> None:
     for name in ("GacError", "OptionError", "GacInputError", "GacUnsupportedError", "StaticShapesOnly",
                  "CompileError", "TargetUnavailable", "OnnxLoadError"):
@@ -44,6 +45,7 @@ def test_public_errors_are_exported() -> None:
     assert issubclass(gac_torch.OptionError, ValueError) and issubclass(gac_torch.GacInputError, TypeError)
 
 
+@pytest.mark.unit
 def test_an_error_reaches_the_user_as_a_gac_error() -> None:
     with pytest.raises(gac_torch.GacError, match="valid targets"):
         gac_torch.compile(torch.nn.ReLU(), (torch.randn(3),), target="tpu")

@@ -68,6 +68,7 @@ CASES = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_twin_matches_float64(case):
     kind, batch, L, S, D, Dv, mk, ms, causal = case
@@ -83,6 +84,7 @@ def test_twin_matches_float64(case):
     assert err < TOL[kind], err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", ["bf16", "f32x3"])
 def test_twin_eight_warps(kind):
     spec, q, k, v, mask = _case(kind, (1,), 130, 70, 32, 48, "add", (1, 1, 70), True)
@@ -126,6 +128,7 @@ def test_twin_catches_a_read_before_the_copy_lands(monkeypatch):
         twin.emulate(spec, fa.plan(spec), q, k, v)
 
 
+@pytest.mark.unit
 def test_fully_masked_rows_give_zero():
     spec, q, k, v, _ = _case("bf16", (1,), 9, 20, 16, 16, "none")
     mask = np.ones((1, 9, 20), dtype=np.int8)
@@ -135,6 +138,7 @@ def test_fully_masked_rows_give_zero():
     assert (out[0, 3] == 0).all() and np.abs(out[0, 2]).sum() > 0
 
 
+@pytest.mark.unit
 def test_twin_catches_a_missing_barrier(monkeypatch):
     spec, q, k, v, _ = _case("f16", (1,), 20, 70, 16, 16)
     monkeypatch.setattr(twin._Numpy, "barrier", lambda self: None)
@@ -142,6 +146,7 @@ def test_twin_catches_a_missing_barrier(monkeypatch):
         twin.emulate(spec, fa.plan(spec), q, k, v)
 
 
+@pytest.mark.unit
 def test_plan_fits_shared_memory_and_splits_wide_values():
     for kind in fa.KINDS:
         for D in (16, 32, 64, 80, 128, 256):

@@ -62,6 +62,7 @@ def test_fuzz_cpu_vs_vortex(monkeypatch):
     assert not failures, "\n\n".join(failures)
 
 
+@pytest.mark.unit
 def test_generator_is_deterministic_and_covers_the_registry():
     a, b = generate(7), generate(7)
     assert a.source() == b.source()
@@ -73,6 +74,7 @@ def test_generator_is_deterministic_and_covers_the_registry():
     assert len(names) > 100 and len(drawn) > 0.8 * len(names), sorted(names - drawn)
 
 
+@pytest.mark.unit
 def test_generator_makes_the_known_bug_classes():
     """The fuzzer still produces what KNOWN leaves out of CI (so the CLI run finds them), and
     the classes of fixed bugs (so this test's seeds cover them)."""
@@ -85,6 +87,7 @@ def test_generator_makes_the_known_bug_classes():
     assert want <= seen, sorted(want - seen)
 
 
+@pytest.mark.unit
 def test_generated_programs_run_eagerly_and_replay():
     """Every generated line ran eagerly when it was written: the program runs as a whole too."""
     from gac_torch.tools.fuzz import load
@@ -95,6 +98,7 @@ def test_generated_programs_run_eagerly_and_replay():
         assert isinstance(outs, tuple) and outs
 
 
+@pytest.mark.unit
 def test_oracle_non_finite_must_match_exactly():
     from gac_torch.tools.fuzz.oracle import compare_tensor
 

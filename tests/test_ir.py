@@ -13,6 +13,8 @@ from gac_torch.ir.ops._infer import GacTypeError
 from gac_torch.ir.types import tensor_type
 from gac_torch.ir.verifier import add_verify_pass, verify_gac
 
+pytestmark = pytest.mark.unit  # the fast tier: pure Python, no model compile
+
 GOOD = """
 func.func @main(%a: tensor<2x3xf32>, %b: tensor<3xf32>) -> tensor<3x2xf32> {
   %0 = "gac.binary"(%a, %b) {kind = "add"} : (tensor<2x3xf32>, tensor<3xf32>) -> tensor<2x3xf32>

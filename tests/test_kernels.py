@@ -13,6 +13,8 @@ from mlir.dialects import gpu as _gpu  # noqa: F401  (registers the dialects the
 from gac_torch.kernels import simt_matmul as sm
 from gac_torch.kernels.builder import RaceError, round_to
 
+pytestmark = pytest.mark.unit  # the fast tier: pure Python, no model compile
+
 
 def _mm_spec(M: int, N: int, K: int, elem: str = "f32", out: str | None = None, a_t: bool = False,
              b_t: bool = False, batch: tuple[int, ...] = (), fill: bool = False,

@@ -7,7 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import gac_torch
+
+pytestmark = pytest.mark.unit  # the fast tier: pure Python, no model compile
 
 PKG = Path(gac_torch.__file__).parent
 BACKENDS = PKG / "backends"

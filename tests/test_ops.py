@@ -553,11 +553,11 @@ def test_tf32_follows_torch_flags():
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert resolve(None)["allow_tf32"] is False
-        assert resolve({"allow_tf32": True})["allow_tf32"] is False  # cannot override torch
+        assert resolve(None, target="cuda")["allow_tf32"] is False
+        assert resolve({"allow_tf32": True}, target="cuda")["allow_tf32"] is False  # cannot override torch
         torch.set_float32_matmul_precision("high")
-        assert resolve(None)["allow_tf32"] is True
-        assert resolve({"allow_tf32": False})["allow_tf32"] is False
+        assert resolve(None, target="cuda")["allow_tf32"] is True
+        assert resolve({"allow_tf32": False}, target="cuda")["allow_tf32"] is False
     finally:
         torch.set_float32_matmul_precision(before)
 

@@ -18,6 +18,7 @@ from gac_torch.errors import (
     GacCompilerError, GacCompilerWarning, GacUnsupportedError, MissingDependency, StaticShapesOnly,
 )
 from gac_torch.legalize.context import NEEDS_STATIC
+from gac_torch.options import resolve
 from gac_torch.passes.partition import (
     COMPILER_ERROR, GraphReport, analyze, drop_metadata_asserts, op_name, partition,
 )
@@ -116,6 +117,7 @@ def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> 
     graph_id = next(_graph_ids)
     target_name = target.name if target else options["target"] or default_target(gm)
     target = target or get_target(target_name)  # no silent fallback to another target: its errors surface
+    options = resolve(options, target=target_name)  # the target's options (CudaOptions, ...)
 
     target.check_requirements()  # a missing extra is an error naming it, not a silent fallback
     drop_metadata_asserts(gm)

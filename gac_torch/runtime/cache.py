@@ -17,7 +17,6 @@ partition recompiled, with a warning.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gac_torch.errors import GacError
-from gac_torch.options import Options
+from gac_torch.options import Options, key_fields
 
 log = logging.getLogger("gac_torch")
 
@@ -42,8 +41,6 @@ MAGIC = b"GACCACHE\x01\n"
 FORMAT = 1
 SUFFIX = ".gac"
 DEFAULT_SIZE_MB = 2048
-# Options that change where things are written, not what is compiled.
-_NOT_IN_KEY = {"dump_dir", "cache"}
 
 
 class CacheError(GacError, ValueError):
@@ -98,16 +95,12 @@ def clear() -> int:
 
 # -- the key -------------------------------------------------------------------------------------
 
-def key_options(options: Options) -> Options:
-    """The resolved options with those cleared that say where things go, not what is compiled
-    (Options is frozen and hashable: this is the part of the key that options decide)."""
-    return options.replace(**{k: None for k in _NOT_IN_KEY})
-
-
 def options_json(options: Options) -> dict[str, Any]:
-    """key_options as canonical JSON-able data."""
-    return {k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
-            for k, v in sorted(dataclasses.asdict(key_options(options)).items())}
+    """The options that decide what is compiled (`options.key_fields`: not where dumps go nor
+    whether to cache), as canonical JSON-able data; the options' class names the target."""
+    fields = {k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
+              for k, v in sorted(key_fields(options).items())}
+    return {"class": type(options).__name__, **fields}
 
 
 def precision_flags() -> dict[str, Any]:

@@ -31,7 +31,9 @@ from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
 
 @dataclass
-class CudaOptions:
+class CudaCodegen:
+    """What the stages need, made from the user's options.CudaOptions (target.compile_options)."""
+
     arch: str  # "sm_90"
     ptx_features: str  # "+ptx80": the PTX ISA version LLVM emits
     opt_level: int
@@ -48,7 +50,7 @@ class GpuStage:
 
     module: ir.Module
     program: GpuProgram  # ptx still empty
-    options: CudaOptions
+    options: CudaCodegen
 
     @property
     def text(self) -> str:  # what the driver records for this stage
@@ -63,19 +65,20 @@ class GpuStage:
 # stage "gpu"
 
 
-def _as_module(artifact: str | ir.Module | ir.Operation | Any) -> ir.Module:
-    """A private copy in a fresh context: stages must not mutate the driver's artifact."""
-    text = artifact if isinstance(artifact, str) else str(artifact)
-    return ir.Module.parse(text, ir.Context())
+def _as_module(artifact: str | ir.Module) -> ir.Module:
+    """The linalg module, rewritten in place by the stages that follow: the driver has recorded
+    its text already, and printing and parsing it again would cost more than the stage itself
+    on a whole model. Text (a dumped stage) is parsed into a fresh context."""
+    return artifact if isinstance(artifact, ir.Module) else ir.Module.parse(artifact, ir.Context())
 
 
-def map_stage(artifact: Any, options: CudaOptions) -> GpuStage:
+def map_stage(artifact: Any, options: CudaCodegen) -> GpuStage:
     module = _as_module(artifact)
     program = schedule_module(module, options.limits, options.strategies, "cuda", options.arch)
     return GpuStage(module, program, options)
 
 
-def parse_gpu_stage(text: str, options: CudaOptions) -> GpuStage:
+def parse_gpu_stage(text: str, options: CudaCodegen) -> GpuStage:
     """A dumped (possibly edited) "gpu" stage back: the module, its host program read again."""
     module = _as_module(text)
     return GpuStage(module, read_scheduled(module, options.arch), options)
@@ -88,7 +91,7 @@ def parse_gpu_stage(text: str, options: CudaOptions) -> GpuStage:
 def lower_stage(stage: GpuStage) -> GpuStage:
     """Lower the kernels to NVVM. The host function is dropped: it is data in `program` now."""
     opts = stage.options
-    module = ir.Module.parse(str(stage.module), ir.Context())
+    module = stage.module  # in place: the "gpu" stage's text is recorded already
     with module.context, ir.Location.unknown():
         for op in list(module.body.operations):
             if op.operation.name == "func.func":
@@ -202,7 +205,7 @@ def ptx_stage(stage: GpuStage) -> GpuProgram:
     if not program.launches:
         program.ptx = ""
         return program
-    module = ir.Module.parse(str(stage.module), ir.Context())
+    module = stage.module  # in place, as in lower_stage
     toolkit = find_cuda_toolkit()
     opt = f"format=isa toolkit={toolkit}" if toolkit else "format=isa"
     with module.context:

@@ -52,27 +52,22 @@ def default_arch() -> str:
     return DEFAULT_ARCH
 
 
-def compile_options(options: dict | None) -> Any:
-    """Target options -> pipeline.CudaOptions (the import is deferred: loading needs no MLIR)."""
+def compile_options(options: Any) -> Any:
+    """Target options (options.CudaOptions, or a dict resolved into one) -> pipeline.CudaCodegen
+    (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
     from gac_torch.backends.gpu.strategies import (
         flash_attention, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
     )
     from gac_torch.backends.gpu.strategy import GpuLimits
+    from gac_torch.options import CudaOptions, resolve
 
-    arch = (options or {}).get("arch") or default_arch()
-    if arch not in ARCHS:
-        raise ValueError(f"unsupported cuda arch {arch!r}; known: {', '.join(ARCHS)}")
-    allow_tf32 = (options or {}).get("allow_tf32")
-    if allow_tf32 is None:  # not resolved by gac_torch.options: what torch would do right now
-        from gac_torch.options import torch_allows_tf32
-
-        allow_tf32 = torch_allows_tf32()
-    conv_tf32 = (options or {}).get("allow_tf32_conv")
-    if conv_tf32 is None:  # likewise: cuDNN's flag, unless TF32 was forbidden outright
-        from gac_torch.options import torch_allows_tf32_conv
-
-        conv_tf32 = torch_allows_tf32_conv() and (options or {}).get("allow_tf32") is not False
+    opts = options
+    if not isinstance(options, CudaOptions):  # a plain dict (tests, benchmarks): TF32 as given
+        opts = resolve(options, target="cuda")
+        exact = {k: v for k, v in (options or {}).items() if k.startswith("allow_tf32") and v is not None}
+        opts = opts.replace(**exact) if exact else opts
+    arch, allow_tf32, conv_tf32 = opts.arch, opts.allow_tf32, opts.allow_tf32_conv  # validated there
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
                        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
                        max_dynamic_shared_bytes=ARCHS[arch].smem_per_block_optin)
@@ -93,7 +88,7 @@ def compile_options(options: dict | None) -> Any:
         reduce.strategy(reduce.ReduceParams(threads=256, warp_max=1024, min_extent=128)),
     )
     accel = ACCEL_ARCH.get(arch)
-    return pipeline.CudaOptions(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits, strategies, bool(allow_tf32),
+    return pipeline.CudaCodegen(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits, strategies, bool(allow_tf32),
                                 accel, ARCHS[accel].ptx_isa if accel else "")
 
 

@@ -106,7 +106,8 @@ class LlvmStage:
 # --------------------------------------------------------------------------------------------
 def map_stage(artifact: Any, limits: GpuLimits, strategies: tuple[Strategy, ...],
               flags: CompileFlags) -> GpuStage:
-    module = ir.Module.parse(str(artifact), ir.Context())    # private copy: stages do not mutate
+    # in place (the driver has recorded its text); text (a dumped stage) into a fresh context
+    module = artifact if isinstance(artifact, ir.Module) else ir.Module.parse(artifact, ir.Context())
     host = schedule_module(module, limits, strategies, "vortex", "vortex")
     program = VortexProgram(host.launches, host.temps, host.plan, host.args)
     return GpuStage(module, program, flags)
@@ -135,7 +136,7 @@ TO_LLVM = ",".join([
 
 
 def lower_stage(stage: GpuStage) -> LlvmStage:
-    module = ir.Module.parse(str(stage.module), ir.Context())
+    module = stage.module  # in place: the "gpu" stage's text is recorded already
     with module.context, ir.Location.unknown():
         for op in list(module.body.operations):           # the host side is data already
             if op.operation.name == "func.func":
