@@ -214,11 +214,11 @@ def test_graphs_off_by_option_or_environment(fake, monkeypatch) -> None:
     assert not exe.use_graphs and ran == [[outs[0].data_ptr()]] and not driver.launched
     monkeypatch.setenv("GAC_CUDA_GRAPHS", "0")
     assert not make()[0].use_graphs and make(graphs=True)[0].use_graphs
-    assert not runtime.graphs_enabled(resolve({"cuda_graphs": False}).cuda_graphs)
+    assert not runtime.graphs_enabled(resolve({"cuda_graphs": False}, target="cuda").cuda_graphs)
     monkeypatch.setenv("GAC_CUDA_GRAPHS", "1")
-    exe = TARGET.load(program, CASES["mlp_softmax_graph"].signature(), resolve({"cuda_graphs": False}))
+    exe = TARGET.load(program, CASES["mlp_softmax_graph"].signature(), resolve({"cuda_graphs": False}, target="cuda"))
     assert not exe.use_graphs
-    assert TARGET.load(program, CASES["mlp_softmax_graph"].signature(), resolve({})).use_graphs
+    assert TARGET.load(program, CASES["mlp_softmax_graph"].signature(), resolve({}, target="cuda")).use_graphs
 
 
 def test_not_poolable_launches_directly(fake, monkeypatch) -> None:
