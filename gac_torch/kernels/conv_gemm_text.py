@@ -89,23 +89,10 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
         return s
 
     def load_cflat(self, addr: str, ok: str) -> str:
-        ec = self.spec.c.elem
-        r, x = self.fresh(), self.fresh()
-        self.w(f"{r} = scf.if {ok} -> (f32) {{")
-        self.w(f"  {x} = memref.load %Cf[{addr}] : {self.spec.c.flat}")
-        y = self._to_f32(x, ec)
-        z = self.fresh()
-        self.w(f"  scf.yield {y} : f32\n}} else {{\n  {z} = arith.constant 0.0 : f32\n  scf.yield {z} : f32\n}}")
-        return r
+        return self.load_c_at("%Cf", addr, self.spec.c.flat, ok)
 
     def store_cflat(self, addr: str, val: str, ok: str) -> None:
-        ec = self.spec.c.elem
-        self.w(f"scf.if {ok} {{")
-        if ec != "f32":
-            r = self.fresh()
-            self.w(f"  {r} = arith.truncf {val} : f32 to {ec}")
-            val = r
-        self.w(f"  memref.store {val}, %Cf[{addr}] : {self.spec.c.flat}\n}}")
+        self.store_c_at("%Cf", addr, self.spec.c.flat, val, ok)
 
 
 def template(spec: Spec, p: Plan) -> str:

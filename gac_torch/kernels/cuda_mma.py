@@ -477,24 +477,30 @@ class MmaText(Text):
         return self._to_f32("%init", self.spec.c.elem)
 
     def load_c(self, idx: list[str], ok: str) -> str:
-        ec = self.spec.c.elem
-        r = self.fresh()
+        return self.load_c_at("%C", ", ".join(idx), self.spec.c.type, ok)
+
+    def store_c(self, idx: list[str], val: str, ok: str) -> None:
+        self.store_c_at("%C", ", ".join(idx), self.spec.c.type, val, ok)
+
+    def load_c_at(self, ref: str, index: str, mtype: str, ok: str) -> str:
+        """C[index] of memref `ref` as f32 where `ok`, else 0."""
+        r, x = self.fresh(), self.fresh()
         self.w(f"{r} = scf.if {ok} -> (f32) {{")
-        x = self.fresh()
-        self.w(f"  {x} = memref.load %C[{', '.join(idx)}] : {self.spec.c.type}")
-        y = self._to_f32(x, ec)
+        self.w(f"  {x} = memref.load {ref}[{index}] : {mtype}")
+        y = self._to_f32(x, self.spec.c.elem)
         z = self.fresh()
         self.w(f"  scf.yield {y} : f32\n}} else {{\n  {z} = arith.constant 0.0 : f32\n  scf.yield {z} : f32\n}}")
         return r
 
-    def store_c(self, idx: list[str], val: str, ok: str) -> None:
+    def store_c_at(self, ref: str, index: str, mtype: str, val: str, ok: str) -> None:
+        """f32 `val` rounded to C's type into `ref`[index] where `ok`."""
         ec = self.spec.c.elem
         self.w(f"scf.if {ok} {{")
         if ec != "f32":
             r = self.fresh()
             self.w(f"  {r} = arith.truncf {val} : f32 to {ec}")
             val = r
-        self.w(f"  memref.store {val}, %C[{', '.join(idx)}] : {self.spec.c.type}\n}}")
+        self.w(f"  memref.store {val}, {ref}[{index}] : {mtype}\n}}")
 
     def loop(self, n: int, accs: list[str], body: Callable[[Any, list[Any]], list[Any]]) -> list[str]:
         return self.for_(self.const(0), self.const(n), self.const(1), accs, ["f32"] * len(accs), body)
