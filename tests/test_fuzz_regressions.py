@@ -72,15 +72,21 @@ def test_flip_of_a_0d_tensor():
     torch.testing.assert_close(out, fn(x))
 
 
-@pytest.mark.xfail(strict=True, reason="atan2 of two constant zeros (zeros_like) is NaN where eager "
-                   "gives 0 (atan2 of zero-valued inputs is right): fuzz seed 1463, both front-ends")
 def test_atan2_of_constant_zeros():
+    """atan2 of two constant zeros was NaN (MLIR's atan2 folder), eager 0 / pi: fuzz seed 1463.
+    All four signed-zero pairs, as constants, through both front-ends."""
     def fn(x):
-        return torch.atan2(torch.zeros_like(x), torch.zeros_like(x)) + x
+        pairs = ((0.0, 0.0), (0.0, -0.0), (-0.0, 0.0), (-0.0, -0.0))  # fresh constants each
+        return (torch.atan2(torch.zeros_like(x), torch.zeros_like(x)) + x,
+                *(torch.atan2(torch.full_like(x, a), torch.full_like(x, b)) + x for a, b in pairs))
 
     (x,) = _inputs((4,))
+    ref = fn(x)
     out = gac_torch.compile(torch.export.export(Fn(fn), (x,)), options=STRICT)(x)
-    torch.testing.assert_close(out, fn(x))
+    torch.testing.assert_close(out, ref)
+    torch._dynamo.reset()
+    out = torch.compile(Fn(fn), backend="gac", options=STRICT)(x)
+    torch.testing.assert_close(out, ref)
 
 
 def test_atan2_of_zero_inputs():
