@@ -123,3 +123,52 @@ def test_split_of_a_0_size_dim():
     x, y = torch.randn(0, 3), torch.randn(2, 3)
     out = gac_torch.compile(torch.export.export(Fn(fn), (x, y)), options=STRICT)(x, y)
     torch.testing.assert_close(out, fn(x, y))
+
+
+def _concat_also_sliced(x):
+    c = torch.cat([x - 1, x - 1], 2)
+    return c, c.split(2, 0)[0]
+
+
+@pytest.mark.parametrize("target", ["vortex", "cuda"], ids=["vortex", "cuda_ptx_offline"])
+def test_concat_output_also_sliced_into_another_output(target):
+    """A concat that is an output and whose slice is another output: bufferization initialized
+    the concat's buffer from the (uninitialized) output argument and the dataflow check refused
+    the launch list ('reads arg1 before any write'), H200 fuzz seed 120; the vortex simulator
+    runs it here, cuda is compiled to PTX without a GPU."""
+    x = torch.randint(-4, 5, (5, 4, 1, 3), generator=torch.Generator().manual_seed(0))
+    prog = gac_torch.compile(torch.export.export(Fn(_concat_also_sliced), (x,)), target=target,
+                             options=STRICT)
+    if target == "vortex":
+        torch.testing.assert_close(prog(x), _concat_also_sliced(x), rtol=0, atol=0)
+
+
+def test_vector_norm_over_a_negative_size_1_dim_is_traced_with_dims_from_0():
+    """torch 2.11's reference for linalg_vector_norm (the fake-tensor shape under torch.compile
+    on cuda) kept a size-1 dim reduced through a negative index, so legalization refused the
+    node's shape (H200 fuzz seeds 207, 221, 401, 494): the trace now gives dims >= 0."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gac_torch.legalize.registry import decompositions
+
+    def fn(x):
+        return (torch.linalg.vector_norm(x, 1, dim=-2), torch.linalg.vector_norm(x, 2, dim=[-1, 0]),
+                torch.linalg.vector_norm(x.sum(), 2, dim=[-1]))
+
+    (x,) = _inputs((2, 1, 3))
+    g = make_fx(fn, decomposition_table=decompositions())(x)
+    dims = [n.args[2] for n in g.graph.nodes if n.target == torch.ops.aten.linalg_vector_norm.default]
+    assert dims == [[1], [2, 0], [-1]], dims  # (a 0-d input keeps its dims: no recursion)
+    torch._dynamo.reset()
+    out = torch.compile(Fn(fn), backend="gac", options=STRICT)(x)
+    torch.testing.assert_close(out, fn(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [120, 167, 207, 221, 401, 494])
+def test_h200_fuzz_crashes(seed):
+    """The six cuda-only crashes of the 600-seed H200 fuzz run (fuzz_2026-12-01_h200_cuda.md)."""
+    from gac_torch.tools.fuzz import generate, run_case
+
+    result = run_case(generate(seed).source(), seed, ("cuda",))
+    assert result.status == "ok", result.summary()
