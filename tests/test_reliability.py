@@ -187,6 +187,32 @@ def test_transformer_encoder_layer_trains_under_bf16_autocast():
         assert err < 0.25, (name, err)
 
 
+def _linear_layer_norm(backend):
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 8, generator=g, requires_grad=True)
+    w = torch.randn(4, 16, generator=g)
+    torch._dynamo.reset()
+    run = model if backend == "eager" else torch.compile(model, backend="gac")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(x)
+    (out.float() * w).sum().backward()
+    return out, [x.grad] + [p.grad for p in model.parameters()]
+
+
+def test_linear_layer_norm_trains_under_bf16_autocast():
+    """A bf16 Linear into an f32 LayerNorm: ATen's CPU kernel keeps f32 statistics, torch's fake
+    kernel says bf16, and gac produced bf16 ones, which the eager native_layer_norm_backward
+    refused ("expected scalar type Float but found BFloat16"). bf16 tolerances vs eager."""
+    out, grads = _linear_layer_norm("gac")
+    ref_out, ref_grads = _linear_layer_norm("eager")
+    assert out.dtype == ref_out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-2)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
 # Item 6: non-finite values match eager exactly; a constant row normalizes to exactly 0.
 SPECIAL = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 2.5, -3.0, 1e-30])
 NONFINITE = {
