@@ -72,15 +72,21 @@ def test_flip_of_a_0d_tensor():
     torch.testing.assert_close(out, fn(x))
 
 
-@pytest.mark.xfail(strict=True, reason="atan2 of two constant zeros (zeros_like) is NaN where eager "
-                   "gives 0 (atan2 of zero-valued inputs is right): fuzz seed 1463, both front-ends")
 def test_atan2_of_constant_zeros():
+    """atan2 of two constant zeros was NaN (MLIR's atan2 folder), eager 0 / pi: fuzz seed 1463.
+    All four signed-zero pairs, as constants, through both front-ends."""
     def fn(x):
-        return torch.atan2(torch.zeros_like(x), torch.zeros_like(x)) + x
+        pairs = ((0.0, 0.0), (0.0, -0.0), (-0.0, 0.0), (-0.0, -0.0))  # fresh constants each
+        return (torch.atan2(torch.zeros_like(x), torch.zeros_like(x)) + x,
+                *(torch.atan2(torch.full_like(x, a), torch.full_like(x, b)) + x for a, b in pairs))
 
     (x,) = _inputs((4,))
+    ref = fn(x)
     out = gac_torch.compile(torch.export.export(Fn(fn), (x,)), options=STRICT)(x)
-    torch.testing.assert_close(out, fn(x))
+    torch.testing.assert_close(out, ref)
+    torch._dynamo.reset()
+    out = torch.compile(Fn(fn), backend="gac", options=STRICT)(x)
+    torch.testing.assert_close(out, ref)
 
 
 def test_atan2_of_zero_inputs():
@@ -117,3 +123,67 @@ def test_split_of_a_0_size_dim():
     x, y = torch.randn(0, 3), torch.randn(2, 3)
     out = gac_torch.compile(torch.export.export(Fn(fn), (x, y)), options=STRICT)(x, y)
     torch.testing.assert_close(out, fn(x, y))
+
+
+def _concat_also_sliced(x):
+    c = torch.cat([x - 1, x - 1], 2)
+    return c, c.split(2, 0)[0]
+
+
+@pytest.mark.parametrize("target", ["vortex", "cuda"], ids=["vortex", "cuda_ptx_offline"])
+def test_concat_output_also_sliced_into_another_output(target):
+    """A concat that is an output and whose slice is another output: bufferization initialized
+    the concat's buffer from the (uninitialized) output argument and the dataflow check refused
+    the launch list ('reads arg1 before any write'), H200 fuzz seed 120; the vortex simulator
+    runs it here, cuda is compiled to PTX without a GPU."""
+    x = torch.randint(-4, 5, (5, 4, 1, 3), generator=torch.Generator().manual_seed(0))
+    prog = gac_torch.compile(torch.export.export(Fn(_concat_also_sliced), (x,)), target=target,
+                             options=STRICT)
+    if target == "vortex":
+        torch.testing.assert_close(prog(x), _concat_also_sliced(x), rtol=0, atol=0)
+
+
+def test_vector_norm_over_a_negative_size_1_dim_is_traced_with_dims_from_0():
+    """torch 2.11's reference for linalg_vector_norm (the fake-tensor shape under torch.compile
+    on cuda) kept a size-1 dim reduced through a negative index, so legalization refused the
+    node's shape (H200 fuzz seeds 207, 221, 401, 494): the trace now gives dims >= 0."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gac_torch.legalize.registry import decompositions
+
+    def fn(x):
+        return (torch.linalg.vector_norm(x, 1, dim=-2), torch.linalg.vector_norm(x, 2, dim=[-1, 0]),
+                torch.linalg.vector_norm(x.sum(), 2, dim=[-1]))
+
+    (x,) = _inputs((2, 1, 3))
+    g = make_fx(fn, decomposition_table=decompositions())(x)
+    dims = [n.args[2] for n in g.graph.nodes if n.target == torch.ops.aten.linalg_vector_norm.default]
+    assert dims == [[1], [2, 0], [-1]], dims  # (a 0-d input keeps its dims: no recursion)
+    torch._dynamo.reset()
+    out = torch.compile(Fn(fn), backend="gac", options=STRICT)(x)
+    torch.testing.assert_close(out, fn(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [120, 167, 207, 221, 401, 494])
+def test_h200_fuzz_crashes(seed):
+    """The six cuda-only crashes of the 600-seed H200 fuzz run (fuzz_2026-12-01_h200_cuda.md)."""
+    from gac_torch.tools.fuzz import generate, run_case
+
+    result = run_case(generate(seed).source(), seed, ("cuda",))
+    assert result.status == "ok", result.summary()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_split_chunk_feeding_a_matmul(dtype):
+    """A chunk of a 0-size dim that feeds a linear (K = 0: the output is the bias) was an
+    extract_slice at offset 0 into the 0-size dim, which MLIR's verifier refuses (cpu fuzz seed
+    1937, found by the 2,000-case run; default mode ran the partition eagerly)."""
+    def fn(x, w, b):
+        h = torch.relu(x % 3)
+        return torch.nn.functional.linear(h.split(2, -1)[0], w, b), torch.sqrt(h)
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(4, 0).to(dtype), torch.randn(3, 0).to(dtype), torch.randn(3, generator=g).to(dtype)
+    out = gac_torch.compile(torch.export.export(Fn(fn), (x, w, b)), options=STRICT)(x, w, b)
+    torch.testing.assert_close(out, fn(x, w, b))

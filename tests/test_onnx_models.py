@@ -174,3 +174,22 @@ def test_symbolic_dims_need_example_inputs(tmp_path):
     c = gac_torch.compile(path, (x,))
     with torch.no_grad():
         torch.testing.assert_close(c(x=x), mlp(x), rtol=1e-4, atol=1e-5)
+
+
+def test_onnxruntime_nodes_are_freed_with_the_program():
+    """ort_fallback kept every fallback node (its model and onnxruntime session) in a module
+    dict forever: a leak per compile. A dropped program now leaves nothing behind."""
+    import gc
+    import weakref
+
+    model, inputs = _unknown_ops_model()
+    before = set(ort_fallback._NODES)
+    c = gac_torch.compile(model)
+    keys = set(ort_fallback._NODES) - before
+    assert len(keys) == 4  # LRN x2, Hardmax, LpNormalization, called from the graph
+    c(torch.from_numpy(inputs["x"]))  # sessions built
+    nodes = [weakref.ref(ort_fallback._NODES[k]) for k in keys]
+    del c
+    gc.collect()
+    assert not keys & set(ort_fallback._NODES)
+    assert all(r() is None for r in nodes)

@@ -151,9 +151,10 @@ def test_zero_size_reduction_without_identity_fails_as_eager_does():
 
 # Item 9: training nn.TransformerEncoderLayer on the cpu: the eager backward of the CPU flash
 # attention kernel reads the log-sum-exp that the forward's decomposition must produce.
-def _encoder_grads(backend, dtype=torch.float32, autocast=False):
-    torch.manual_seed(5)
-    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).to(dtype)
+def _encoder_grads(backend, dtype=torch.float32, autocast=False, activation="relu", seed=5):
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                             activation=activation).to(dtype)
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(2, 6, 16, generator=g).to(dtype), torch.randn(2, 6, 16, generator=g).to(dtype)
     torch._dynamo.reset()
@@ -173,18 +174,48 @@ def test_transformer_encoder_layer_trains_on_cpu():
         assert errs[0] <= 4 * errs[1] + 1e-6, (name, *errs)
 
 
-def test_transformer_encoder_layer_trains_under_bf16_autocast():
+@pytest.mark.parametrize("seed", [5, 31])
+def test_transformer_encoder_layer_trains_under_bf16_autocast(seed):
     """The crash ("expected scalar type Float but found BFloat16": a bf16 attention matrix read as
     the f32 log-sum-exp) and the wrong gradients (relative error ~4 on in_proj_weight) are gone.
-    The bound is loose: gac's bf16 gradients are still ~6x further from float64 than eager's
-    (4e-2 vs 7e-3 on in_proj_weight, 1e-1 vs 4e-3 on linear1), an open precision gap. It comes
-    from the sdpa decomposition itself (aot_autograd with only that decomposition and no
-    compiler shows it too), not from gac's code generation."""
-    ref = _encoder_grads("eager", torch.float64)
-    gac = _encoder_grads("gac", autocast=True)
+    Each gradient is within 1.5x eager's bf16 error (+1e-3) of float64. With the default ReLU these
+    two seeds showed gac ~6x (up to 25x) further off than eager: one hidden unit of linear1 is
+    within a bf16 ulp of 0 (f64 -3e-5, gac +1.2e-4 at seed 5; eager's forward rounds it to the
+    other side), so ReLU's mask flips and that unit's gradient is dropped. The sdpa output itself
+    is as close to float64 as eager's kernel (1.8e-3 vs 1.9e-3 relative): a discontinuity of the
+    model, not a gac error; GELU keeps the gradient continuous so the bound can be tight."""
+    ref = _encoder_grads("eager", torch.float64, activation="gelu", seed=seed)
+    eager = _encoder_grads("eager", autocast=True, activation="gelu", seed=seed)
+    gac = _encoder_grads("gac", autocast=True, activation="gelu", seed=seed)
     for name in ref:
-        err = ((gac[name].double() - ref[name]).norm() / ref[name].norm()).item()
-        assert err < 0.25, (name, err)
+        err, eager_err = (((g[name].double() - ref[name]).norm() / ref[name].norm()).item() for g in (gac, eager))
+        assert err <= 1.5 * eager_err + 1e-3, (name, err, eager_err)
+
+
+def _linear_layer_norm(backend):
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 8, generator=g, requires_grad=True)
+    w = torch.randn(4, 16, generator=g)
+    torch._dynamo.reset()
+    run = model if backend == "eager" else torch.compile(model, backend="gac")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(x)
+    (out.float() * w).sum().backward()
+    return out, [x.grad] + [p.grad for p in model.parameters()]
+
+
+def test_linear_layer_norm_trains_under_bf16_autocast():
+    """A bf16 Linear into an f32 LayerNorm: ATen's CPU kernel keeps f32 statistics, torch's fake
+    kernel says bf16, and gac produced bf16 ones, which the eager native_layer_norm_backward
+    refused ("expected scalar type Float but found BFloat16"). bf16 tolerances vs eager."""
+    out, grads = _linear_layer_norm("gac")
+    ref_out, ref_grads = _linear_layer_norm("eager")
+    assert out.dtype == ref_out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-2)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
 # Item 6: non-finite values match eager exactly; a constant row normalizes to exactly 0.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any, Sequence
 
@@ -15,7 +16,7 @@ from gac_torch.errors import GacInputError
 from gac_torch.frontends.export_semantics import ExportSemantics
 from gac_torch.frontends.fx import CompiledFx, compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
-from gac_torch.frontends.torch_state import tracing
+from gac_torch.frontends.torch_state import retrace_without_export_guards, tracing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.partition import GraphReport
@@ -93,6 +94,8 @@ class CompiledProgram:
                               int(r.upper) if r.upper.is_Integer else None)
                         for sym, r in ep.range_constraints.items()}
         self._sizes_ok: set[tuple] = set()  # input sizes already checked
+        self.user_program = ep  # the caller's program (compile_exported sets it): run on aliased inputs
+        self._mutated_user = [k for k, i in enumerate(self._user_positions) if i in self.semantics.mutated_inputs]
 
     @property
     def report(self):
@@ -154,6 +157,13 @@ class CompiledProgram:
             self._on_device = True
         flat, _ = pytree.tree_flatten((args, kwargs))
         self._check(flat)
+        if self._mutated_user and _mutated_input_aliases(flat, self._mutated_user):
+            # The functional graph reads every input before any write; eager's in-place write
+            # into a storage another input views changes what that input reads.
+            warnings.warn("gac: an input the program mutates shares memory with another input; "
+                          "running the exported program eagerly (torch.export's graph assumes "
+                          "distinct inputs)", stacklevel=2)
+            return self.user_program.module()(*args, **kwargs)
         full: list[Any] = [None] * self._n_inputs
         for i, t in self._lifted:
             full[i] = t
@@ -161,6 +171,25 @@ class CompiledProgram:
             full[i] = t
         user = self.semantics.run(self.compiled, full)
         return pytree.tree_unflatten(user, self.exported_program.call_spec.out_spec)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' element ranges in one storage intersect (conservative: the span
+    from the lowest to the highest element of each)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        lo = t.storage_offset() * t.element_size()
+        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        return lo, lo + (extent + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _mutated_input_aliases(flat: Sequence[Any], mutated: list[int]) -> bool:
+    tensors = [(k, t) for k, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    return any(k != j and _overlap(flat[k], t) for k in mutated for j, t in tensors)
 
 
 def _device_of(ep: ExportedProgram) -> str:
@@ -203,8 +232,11 @@ def compile_exported(ep: ExportedProgram, options) -> CompiledProgram:
         key = artifact.program_key(ep, options)
         hit = artifact.cached_program(key, options)
         if hit is not None:
-            return _from_cache(ep, hit)
+            compiled = _from_cache(ep, hit)
+            compiled.user_program = ep
+            return compiled
     compiled = _compile_exported(ep, options)
+    compiled.user_program = ep
     if key is not None and isinstance(compiled.compiled, CompiledFx):
         artifact.remember_program(key, compiled)
     return compiled
@@ -219,7 +251,8 @@ def _compile_exported(ep: ExportedProgram, options) -> CompiledProgram:
             # arguments so that eager fallback nodes and compiled partitions agree.
             from torch.export.passes import move_to_device_pass
             ep = move_to_device_pass(ep, device_with_index(device))
-        ep = ep.run_decompositions(decompositions())
+        with retrace_without_export_guards():
+            ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     semantics = ExportSemantics(ep, gm)  # before compile_graph rewrites gm
     compiled, reason = compile_once_or_reason(gm, options)

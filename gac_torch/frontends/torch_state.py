@@ -78,6 +78,26 @@ def tracing() -> Iterator[None]:
             release_trace_globals()
 
 
+@contextlib.contextmanager
+def retrace_without_export_guards() -> Iterator[None]:
+    """ExportedProgram.run_decompositions re-traces ep.module(), whose `_guards_fn` fails on the
+    fake inputs when an example input is non-contiguous and its dims are dynamic (torch 2.13:
+    "'NoneType' object has no attribute 'size'"; e.g. two column views of one tensor with
+    Dim.AUTO). gac checks the inputs itself, so the retrace goes without the guard module.
+    Use under tracing() (the lock: torch's flag is a module global)."""
+    from torch.export import _unlift
+
+    ok = getattr(_unlift, "_ok_to_generate_guards_fn", None)
+    if ok is None:  # another torch version: nothing to switch off
+        yield
+        return
+    _unlift._ok_to_generate_guards_fn = lambda: False
+    try:
+        yield
+    finally:
+        _unlift._ok_to_generate_guards_fn = ok
+
+
 def forget_stale_dynamo_guards() -> None:
     """Every dynamo compile registers weakref.finalize callbacks on the long-lived objects its
     guards ID-match (torch.nn.functional, module classes, builtins). They keep the guard manager

@@ -7,6 +7,7 @@ applied before the single rounding to the output dtype, as ATen's CPU kernels do
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from mlir import ir
@@ -28,6 +29,30 @@ def _shaped(cx: Cx, v: ir.Value, meta: torch.Tensor) -> ir.Value:
     if all(isinstance(s, int) for s in meta.shape) and meta.numel() == 0:
         return cx.b.constant(0, meta.dtype, tuple(meta.shape))
     return cx.to(cx.b.reshape(v, cx.dims(meta.shape)), meta.dtype)
+
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def eager_layer_norm_stat_dtypes(gm: torch.fx.GraphModule) -> None:
+    """ATen's CPU layer norm of an f16/bf16 input with f32 weight or bias (autocast: a bf16
+    Linear into an f32 LayerNorm) returns f32 mean/rstd, and its backward requires them; torch's
+    fake kernel says the input dtype. Set the node's metadata to eager's dtypes, which the
+    lowering then produces (a compiled forward's bf16 statistics crashed the eager backward)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target != aten.native_layer_norm.default:
+            continue
+        x, w, b = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in n.args[:1] + n.args[2:4])
+        outs = n.meta.get("val")
+        if (not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype not in _REDUCED
+                or not any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (w, b))
+                or not isinstance(outs, (tuple, list)) or outs[1].dtype == torch.float32):
+            continue
+        stats = [t.new_empty(t.shape, dtype=torch.float32) for t in outs[1:]]
+        n.meta["val"] = (outs[0], *stats)
+        for u in n.users:
+            if u.target is operator.getitem and u.args[1] in (1, 2):
+                u.meta["val"] = stats[u.args[1] - 1]
 
 
 @lower(aten.native_layer_norm.default, dtypes=FLOATS, dynamic=True)

@@ -125,8 +125,26 @@ def decompositions() -> dict:
         for ov, e in REGISTRY.items():
             if e.bucket in ("lower", "fallback"):
                 table.pop(ov, None)
+        table.update(TRACE_REWRITES)
         _TABLE.update(table)
     return dict(_TABLE)
+
+
+def _vector_norm_with_canonical_dims(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """Traces linalg_vector_norm with dims >= 0 (else NotImplemented: the node stays as it is).
+    torch 2.11's reference (the fake-tensor shape on cuda) keeps a size-1 dim reduced by a
+    negative index: a wrong node shape, e.g. [1, 1] for a (1, 1) tensor's norm over -1 (H200
+    fuzz seeds 207, 221, 401, 494)."""
+    dims = [dim] if isinstance(dim, int) else dim
+    if dims is None or x.dim() == 0 or all(d >= 0 for d in dims):
+        return NotImplemented
+    dims = [d % x.dim() for d in dims]
+    return aten.linalg_vector_norm.default(x, ord, dims, keepdim, dtype=dtype)
+
+
+# Not decompositions: trace-time rewrites of a lowered op's arguments into a form every torch
+# version gives the right meta for (a rewrite returns NotImplemented where nothing needs doing).
+TRACE_REWRITES = {aten.linalg_vector_norm.default: _vector_norm_with_canonical_dims}
 
 
 def lowered_ops() -> list[OpOverload]:

@@ -127,7 +127,12 @@ def lower_split(cx: Cx, x, sizes, dim=0):
     for s in sizes:
         starts, limits = [0] * len(shape), list(shape)
         starts[dim], limits[dim] = off, off + s
-        outs.append(cx.b.slice(x, starts=starts, limits=limits, strides=[1] * len(shape)))
+        chunk = [n if d != dim else s for d, n in enumerate(shape)]
+        if any(isinstance(n, int) and n == 0 for n in chunk):
+            # an empty chunk is no slice: MLIR refuses offset 0 into a 0-size dim (fuzz seed 1937)
+            outs.append(cx.b.broadcast(cx.b.constant(0, cx.dtype_of(x)), shape=chunk))
+        else:
+            outs.append(cx.b.slice(x, starts=starts, limits=limits, strides=[1] * len(shape)))
         off += s
     return tuple(outs)
 

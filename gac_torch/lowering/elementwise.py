@@ -169,6 +169,17 @@ def _floordiv_f(a, b):
     return arith.select(arith.cmpf(F.OEQ, b, zero), arith.divf(a, b), fl)
 
 
+def _atan2_f(y, x):
+    """atan2 with both zeros picked out: MLIR's math.atan2 folder returns NaN for two constant
+    zeros (eager: +-0 for x = +0, +-pi for x = -0, the sign of y), fuzz seed 1463."""
+    t = y.type
+    zero, one = const(0.0, t), const(1.0, t)
+    both = arith.andi(arith.cmpf(F.OEQ, y, zero), arith.cmpf(F.OEQ, x, zero))
+    x_neg = arith.cmpf(F.OLT, mmath.copysign(one, x), zero)
+    at_zero = mmath.copysign(arith.select(x_neg, const(math.pi, t), zero), y)
+    return arith.select(both, at_zero, mmath.atan2(y, x))
+
+
 def _remainder_f(a, b):
     # Python-style modulo: the result takes the divisor's sign.
     r = arith.remf(a, b)
@@ -198,7 +209,7 @@ def _logical(fn):
 FLOAT_BINARY = {
     "add": arith.addf, "sub": arith.subf, "mul": arith.mulf, "div": arith.divf,
     "floordiv": _floordiv_f, "truncdiv": lambda a, b: mmath.trunc(arith.divf(a, b)),
-    "remainder": _remainder_f, "fmod": arith.remf, "pow": mmath.powf, "atan2": mmath.atan2,
+    "remainder": _remainder_f, "fmod": arith.remf, "pow": mmath.powf, "atan2": _atan2_f,
     "maximum": arith.maximumf, "minimum": arith.minimumf, "copysign": mmath.copysign,
     "hypot": _hypot,
     "eq": lambda a, b: arith.cmpf(F.OEQ, a, b), "ne": lambda a, b: arith.cmpf(F.UNE, a, b),

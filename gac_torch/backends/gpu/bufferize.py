@@ -144,9 +144,27 @@ def bufferize(module: ir.Module, fn: ir.Operation) -> None:
     """Tensors -> memrefs with results written straight into the output arguments where that is
     safe; any remaining `alloc A ... copy A -> out` with A dead afterwards is retargeted."""
     _unshare_fills(fn)
+    outputs = [op.operands[1] for op in block_ops(func_block(fn))  # the ABI's output arguments
+               if op.name == "bufferization.materialize_in_destination" and isinstance(op.operands[1].owner, ir.Block)]
     _tensor_destinations(fn)
     run_passes(module, "eliminate-empty-tensors, one-shot-bufferize, canonicalize, cse")
+    _drop_copies_of_unwritten_outputs(fn, outputs)
     _elide_copies_into_outputs(fn)
+
+
+def _drop_copies_of_unwritten_outputs(fn: ir.Operation, outputs: list[ir.Value]) -> None:
+    """`memref.copy %out, A` before anything touches %out copies undefined bytes (outputs come
+    uninitialized): drop it. One-Shot Bufferize emits one when eliminate-empty-tensors made
+    `to_tensor %out` the init of a result it then bufferizes out of place (a concat that is an
+    output and also feeds a slice that is another output: H200 fuzz seed 120, which the
+    dataflow check refused as 'reads arg1 before any write')."""
+    block = func_block(fn)
+    for copy in [op for op in block_ops(block) if op.name == "memref.copy"]:
+        src = copy.operands[0]
+        if not any(src == o for o in outputs):
+            continue
+        if all(copy.is_before_in_block(u) for u in (top_level(x, block) for x in users(src)) if u != copy):
+            copy.erase()
 
 
 def _elide_copies_into_outputs(fn: ir.Operation) -> None:

@@ -90,6 +90,7 @@ class ImportedGraph:
     params: list[torch.Tensor]
     output_names: list[str]
     report: OnnxReport
+    ort_nodes: list = field(default_factory=list)  # the onnxruntime nodes gm calls (kept alive)
 
 
 def import_model(
@@ -113,6 +114,7 @@ def import_model(
     _add_inputs(g, env, user_inputs, example_inputs)
 
     report = OnnxReport()
+    ort_nodes: list = []
     used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     for proto in graph.node:
         n = OnnxNode.of(proto, opsets.get(proto.domain or "", 1))
@@ -145,7 +147,7 @@ def import_model(
                 report.unsupported[(n.key, reason)] += 1
             # Strict mode only lists: the node's outputs stay unknown and later nodes are checked
             # for a mapping only. Otherwise the node runs through onnxruntime.
-            outs = None if strict else _fallback(g, proto, n, xs, model, types)
+            outs = None if strict else _fallback(g, proto, n, xs, model, types, ort_nodes)
         elif all(isinstance(o, torch.Tensor) or o is None for o in outs):
             report.folded += 1
         else:
@@ -173,6 +175,7 @@ def import_model(
         list(g.params.values()),
         [o.name for o in graph.output],
         report,
+        ort_nodes,
     )
 
 
@@ -229,8 +232,10 @@ def _fallback(
     xs: list,
     model: onnx.ModelProto,
     types: dict,
+    ort_nodes: list,
 ) -> list:
-    """The node as an onnxruntime call (or folded through onnxruntime if its inputs are known)."""
+    """The node as an onnxruntime call (or folded through onnxruntime if its inputs are known);
+    a call's node goes into `ort_nodes`, which keeps it alive as long as the graph."""
     present = [(name, x) for name, x in zip(proto.input, xs) if name]
     inputs = [(name, g.meta(x), g.is_const(x)) for name, x in present]
     try:
@@ -248,6 +253,7 @@ def _fallback(
     if all(g.is_const(x) for _, x in present) and ort_fallback.have_onnxruntime():
         return entry.run([])  # every input known: fold now
     dyn = [x for _, x in present if not g.is_const(x)]
+    ort_nodes.append(entry)
     outs = g.call(torch.ops.gac_onnx.ort_node.default, key, dyn)
     it = iter(outs)
     return [next(it) if name else None for name in proto.output]

@@ -9,6 +9,7 @@ graph still imports; the call raises OrtUnavailable, naming the op and the fix.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,9 @@ from onnx import helper
 from gac_torch.frontends.onnx.load import ELEM_TYPES, torch_dtype
 from gac_torch.errors import TargetUnavailable
 
-_NODES: dict[str, OrtNode] = {}
+# key -> node, weakly: the imported graph that calls a node holds it (ImportedGraph.ort_nodes),
+# so a dropped program frees its onnxruntime sessions and models (a plain dict grew forever)
+_NODES: weakref.WeakValueDictionary[str, OrtNode] = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
