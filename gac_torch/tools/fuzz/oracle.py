@@ -3,7 +3,10 @@
 Rules, per output tensor:
 - dtype and shape equal eager's; integer and bool values equal exactly;
 - non-finite elements match eager exactly: a NaN where eager has NaN, the same infinity where
-  eager has one, and nothing non-finite where eager is finite;
+  eager has one, and nothing non-finite where eager is finite. One exception, where eager is the
+  one off: a finite gac element where eager has NaN/inf passes if the float64 reference is finite
+  there and gac is within tolerance of it (eager's vectorized cpu gelu gives NaN for +inf where
+  its own scalar path and float64 give inf: fuzz seed 1978). Never the other way round;
 - finite float elements within (rtol, atol) of eager (TOL, by dtype). Where they are not, the
   float64 reference (the whole program run in float64, rounded to the output dtype) decides: gac
   passes when its largest error against it, in units of the tolerance, is at most 1 or at most
@@ -42,6 +45,23 @@ def _nonfinite(got: torch.Tensor, eager: torch.Tensor) -> str | None:
     return None
 
 
+def _eager_alone_non_finite(got: torch.Tensor, eager: torch.Tensor,
+                            ref: Callable[[], torch.Tensor | None]) -> bool:
+    """Do gac and eager differ only where eager is non-finite and gac is finite, and is gac the
+    float64 reference's (finite) value there?"""
+    g_bad, e_bad = ~got.isfinite(), ~eager.isfinite()
+    if bool((g_bad & ~e_bad).any()) or _nonfinite(got[g_bad], eager[g_bad]) is not None:
+        return False  # gac non-finite where eager is not, or NaN vs inf: never excused
+    r = ref()
+    if r is None or r.shape != eager.shape:
+        return False
+    only = e_bad & ~g_bad
+    if not bool(only.any()):
+        return False
+    r = r.detach().cpu().to(eager.dtype).double()[only]
+    return bool(r.isfinite().all()) and float(_units(got[only].double(), r, eager.dtype).max()) <= 1
+
+
 def compare_tensor(got, eager: torch.Tensor, ref: Callable[[], torch.Tensor | None]) -> str | None:
     """None when got passes, else why not. ref() gives the float64 reference (or None)."""
     if not isinstance(got, torch.Tensor):
@@ -57,9 +77,11 @@ def compare_tensor(got, eager: torch.Tensor, ref: Callable[[], torch.Tensor | No
         i = int((got != eager).flatten().nonzero()[0])
         return f"values differ at flat index {i}: gac {got.flatten()[i].item()}, eager {eager.flatten()[i].item()}"
     why = _nonfinite(got, eager)
-    if why or got.numel() == 0:
+    if why and not _eager_alone_non_finite(got, eager, ref):
         return why
-    fin = eager.isfinite()
+    if got.numel() == 0:
+        return None
+    fin = eager.isfinite() & got.isfinite()
     g, e = got[fin].double(), eager[fin].double()
     err = _units(g, e, eager.dtype)
     if err.numel() == 0 or float(err.max()) <= 1:
