@@ -106,6 +106,8 @@ def test_dynamic_launch_path_without_gpu(attention, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(runtime, "_driver", fake)
     monkeypatch.setattr(runtime, "check_available", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)  # the stream handle the launches use
+    monkeypatch.setattr(runtime, "_capturing", lambda: False)
     exe = runtime.CudaExecutable(program, cg.signature)
     exe.use_graphs = False
     ptrs = [0x10000 * (i + 1) for i in range(len(program.args))]
