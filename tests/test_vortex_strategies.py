@@ -1,0 +1,115 @@
+"""Vortex schedule strategies (issue 17): parity vs eager and the warp-instruction gain over the
+plain `loops` kernels, on the functional simulator (CI) and, marked `simx`, on SimX:
+
+- convolutions and batched matmuls through the tiled local-memory GEMM (implicit GEMM: K over
+  (c, kh, kw)), where the cost table (backend.GEMM_COSTS) says it pays;
+- grid-stride coarsening of elementwise `loops` kernels (backend.LOOPS_COARSEN);
+- a warp per output for reductions with few outputs (vx_shfl_bfly; off by default).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("ziglang")
+pytest.importorskip("elftools")
+
+from parity import Fn
+
+import gac_torch
+from gac_torch.backends import vortex
+from gac_torch.backends.vortex import backend
+
+MODES = ["functional", pytest.param("simx", marks=pytest.mark.simx)]
+
+
+@pytest.fixture(params=MODES)
+def mode(request, monkeypatch):
+    if request.param == "functional":
+        monkeypatch.delenv("VORTEX_HOME", raising=False)
+    return request.param
+
+
+def run(module, inputs, mode, **flags):
+    """Compile (no program cache: the switches below are not in its key), run, compare with
+    eager; returns (kernel names, counters)."""
+    with torch.no_grad(), vortex.compile_flags(**flags):
+        compiled = gac_torch.compile(module, tuple(inputs), target="vortex",
+                                     options={"vortex_mode": mode, "cache": False})
+        got, want = compiled(*inputs), module(*inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    c = vortex.last_counters(compiled)
+    if mode == "functional":
+        assert c["divergent_branches"] == 0
+    return [k["kernel"] for k in c["kernels"]], c
+
+
+def g(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def conv(cin, cout, k, stride=1, padding=0, groups=1, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Conv2d(cin, cout, k, stride=stride, padding=padding, groups=groups, bias=False).eval()
+
+
+def test_conv1x1_tiled_gemm_parity_and_gain(mode):
+    m, x = conv(8, 16, 1), g(2, 8, 6, 10)
+    tiled, ct = run(m, [x], mode)
+    plain, cp = run(m, [x], mode, tiled_gemm=False)
+    assert any(k.endswith("_gemm") for k in tiled) and not any(k.endswith("_gemm") for k in plain)
+    assert ct["instructions"] * 2 < cp["instructions"], (ct["instructions"], cp["instructions"])
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,padding,shape", [
+    (3, 5, 3, 2, 1, (1, 3, 9, 11)),      # strided, padded, K = 27 overhangs a 16-deep stage
+    (4, 6, (2, 3), 1, 0, (2, 4, 5, 7)),  # rectangular kernel, batch of 2
+])
+def test_conv_implicit_gemm_template_parity(cin, cout, k, stride, padding, shape, mode, monkeypatch):
+    """The template on convolutions the cost table would leave to `loops` (forced here):
+    linear subscripts (oh * stride + kh) and K over (c, kh, kw)."""
+    monkeypatch.setattr(backend, "GEMM_COSTS", dict(backend.GEMM_COSTS, loops_mac=1e9))
+    kernels, _ = run(conv(cin, cout, k, stride, padding), [g(*shape)], mode)
+    assert any(n.endswith("_gemm") for n in kernels)
+
+
+def test_cost_table_keeps_small_channel_3x3_conv_on_loops(mode):
+    """3x3, 4 -> 4 channels: staging the im2col tile costs more than it saves (functional
+    simulator: ~1.6x the loops kernel's instructions), so the op stays a `loops` kernel."""
+    m, x = conv(4, 4, 3, padding=1), g(1, 4, 8, 8)
+    kernels, c = run(m, [x], mode)
+    assert not any(k.endswith("_gemm") for k in kernels)
+
+
+def test_batched_matmul_tiled_gemm_gain(mode):
+    """q @ k^T over (batch, heads): batch dims in the grid, B transposed in memory."""
+    q, k = g(2, 3, 16, 8, seed=1), g(2, 3, 16, 8, seed=2)
+    fn = Fn(lambda a, b: a @ b.transpose(-1, -2))
+    tiled, ct = run(fn, [q, k], mode)
+    plain, cp = run(fn, [q, k], mode, tiled_gemm=False)
+    assert any(n.endswith("_gemm") for n in tiled)
+    assert ct["instructions"] < cp["instructions"], (ct["instructions"], cp["instructions"])
+
+
+def test_elementwise_coarsening_gain(mode, monkeypatch):
+    a, b = g(64, 96, seed=3), g(64, 96, seed=4)
+    fn = Fn(lambda x, y: torch.relu(x) * y + 1)
+    _, coarse = run(fn, [a, b], mode)
+    monkeypatch.setattr(backend, "LOOPS_COARSEN", 1)
+    _, fine = run(fn, [a, b], mode)
+    assert coarse["kernels"][0]["ctas"] * 8 <= fine["kernels"][0]["ctas"] if mode == "functional" else True
+    assert coarse["instructions"] * 3 < fine["instructions"] * 2, (coarse["instructions"], fine["instructions"])
+
+
+@pytest.mark.parametrize("name,fn,x", [
+    ("sum_rows", lambda a: a.sum(-1), lambda: g(3, 203)),            # rows not a multiple of 4 lanes
+    ("amax", lambda a: a.amax(-1), lambda: g(2, 64)),
+    ("int_sum", lambda a: a.sum(-1, dtype=torch.int32),
+     lambda: torch.randint(-50, 50, (2, 99), dtype=torch.int32, generator=torch.Generator().manual_seed(5))),
+    ("col_sum", lambda a: a.sum(0), lambda: g(101, 3)),
+])
+def test_warp_reduction_parity(name, fn, x, mode):
+    """A warp per output, combined with vx_shfl_bfly (4-lane butterfly)."""
+    kernels, _ = run(Fn(fn), [x()], mode, warp_reduce=True)
+    assert any(k.endswith("_reduce") for k in kernels), kernels
