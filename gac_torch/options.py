@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from gac_torch.errors import OptionError
@@ -24,6 +25,8 @@ TARGET_KEYS = {
     "arch": None,            # cuda: "sm_80", "sm_90", ...; default: the device's
     "vortex_home": None,     # vortex: a Vortex build with runtime/libvortex.so
     "vortex_mode": None,     # vortex: "simx" | "functional"; default: simx when available
+    "vortex_config": None,   # vortex: "CORESxWARPSxTHREADS", e.g. "4x8x8"; default: what the
+                             # device reports (SimX) or 1x4x4 (functional simulator)
     "allow_tf32": None,      # cuda: f32 matmuls may use TF32; recorded from torch's flags at
                              # compile time (False forbids it; True cannot override torch)
     "allow_tf32_conv": None,  # cuda: f32 convolutions may use TF32; from
@@ -46,6 +49,7 @@ class Options:
     arch: str | None = None  # cuda
     vortex_home: str | None = None  # vortex
     vortex_mode: str | None = None  # vortex
+    vortex_config: str | None = None  # vortex
     allow_tf32: bool | None = None  # cuda
     allow_tf32_conv: bool | None = None  # cuda
 
@@ -101,6 +105,9 @@ def _check_values(opts: dict[str, Any]) -> None:
     if opts["vortex_mode"] is not None and opts["vortex_mode"] not in VORTEX_MODES:
         raise OptionError(f"option 'vortex_mode' must be one of {', '.join(VORTEX_MODES)}, "
                           f"not {opts['vortex_mode']!r}")
+    cfg = opts["vortex_config"]
+    if cfg is not None and (not isinstance(cfg, str) or not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", cfg)):
+        raise OptionError(f"option 'vortex_config' must be 'CORESxWARPSxTHREADS' (e.g. '4x8x8'), not {cfg!r}")
     if opts["arch"] is not None:
         from gac_torch.backends.cuda.target import ARCHS  # the cuda target's data
 
