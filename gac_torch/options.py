@@ -25,8 +25,8 @@ TARGET_KEYS = {
     "arch": None,            # cuda: "sm_80", "sm_90", ...; default: the device's
     "vortex_home": None,     # vortex: a Vortex build with runtime/libvortex.so
     "vortex_mode": None,     # vortex: "simx" | "functional"; default: simx when available
-    "vortex_config": None,   # vortex: "CORESxWARPSxTHREADS", e.g. "4x8x8"; default: what the
-                             # device reports (SimX) or 1x4x4 (functional simulator)
+    "vortex_config": None,   # vortex: "CORESxWARPSxTHREADS" (e.g. "4x8x8") or "device" (what
+                             # the SimX build reports); default 1x4x4 (SimX's default build)
     "allow_tf32": None,      # cuda: f32 matmuls may use TF32; recorded from torch's flags at
                              # compile time (False forbids it; True cannot override torch)
     "allow_tf32_conv": None,  # cuda: f32 convolutions may use TF32; from
@@ -106,8 +106,9 @@ def _check_values(opts: dict[str, Any]) -> None:
         raise OptionError(f"option 'vortex_mode' must be one of {', '.join(VORTEX_MODES)}, "
                           f"not {opts['vortex_mode']!r}")
     cfg = opts["vortex_config"]
-    if cfg is not None and (not isinstance(cfg, str) or not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", cfg)):
-        raise OptionError(f"option 'vortex_config' must be 'CORESxWARPSxTHREADS' (e.g. '4x8x8'), not {cfg!r}")
+    if cfg is not None and (not isinstance(cfg, str) or not re.fullmatch(r"device|[1-9]\d*x[1-9]\d*x[1-9]\d*", cfg)):
+        raise OptionError(f"option 'vortex_config' must be 'CORESxWARPSxTHREADS' (e.g. '4x8x8') or "
+                          f"'device', not {cfg!r}")
     if opts["arch"] is not None:
         from gac_torch.backends.cuda.target import ARCHS  # the cuda target's data
 

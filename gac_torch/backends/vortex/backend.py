@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from gac_torch.backends.gpu.strategy import GpuLimits
 
 # --- data block ------------------------------------------------------------------------------
-# What the compiler assumes about the device, from its configuration (option `vortex_config`,
-# else the device's report; runtime.resolve_config). Below: the SimX default build, 1x4x4.
+# What the compiler assumes about the device, from its configuration (option `vortex_config`:
+# "CxWxT", "device" = what SimX reports; runtime.resolve_config). Below: the default, 1x4x4.
 THREADS_PER_WARP = DEFAULT_CONFIG.threads
 WARPS_PER_CORE = DEFAULT_CONFIG.warps
 CTA_THREADS = THREADS_PER_WARP * WARPS_PER_CORE  # a CTA that synchronises must fit one core
@@ -94,6 +94,15 @@ def _stages(options: dict) -> list[Stage]:
     ]
 
 
+def _config_key(options: dict) -> str | None:
+    from gac_torch.backends.vortex import runtime
+
+    if options.get("vortex_config") != "device":
+        return options.get("vortex_config")
+    cfg = runtime.resolve_config(options, *runtime.resolve_mode(options))
+    return f"{cfg.cores}x{cfg.warps}x{cfg.threads}"
+
+
 def _load(program: Any, signature: Signature, options: dict) -> Any:
     from gac_torch.backends.vortex import runtime
 
@@ -131,8 +140,8 @@ TARGET = Target(
     pack=_pack,
     unpack=_unpack,
     # the internal switches and the configuration change the code; the mode and home only
-    # where it runs (a SimX build's configuration is asked for in `vortex_config` to share it)
-    cache_key=lambda options: {"flags": repr(_flags), "config": options.get("vortex_config")},
+    # where it runs
+    cache_key=lambda options: {"flags": repr(_flags), "config": _config_key(options)},
     requires=("ziglang", "elftools"),
     extra="vortex",
 )

@@ -65,24 +65,16 @@ def resolve_mode(options: dict) -> tuple[str, str | None]:
 
 
 def resolve_config(options: dict, mode: str, vortex_home: str | None) -> VortexConfig:
-    """The device configuration the code is compiled for: option `vortex_config`
-    ("CxWxT"), else what the device reports (SimX: fixed by its build), else 1x4x4. The
-    functional simulator runs whichever configuration is asked for; a SimX build only its own."""
+    """The device configuration the code is compiled for (option `vortex_config`): None, the
+    SimX default build 1x4x4; "device", what the device reports (opens SimX); "CxWxT", that
+    one. The functional simulator runs whichever is asked for; a SimX build only its own
+    (VortexExecutable checks)."""
     text = options.get("vortex_config")
+    if text == "device":
+        return device(mode, vortex_home).config if mode == "simx" else DEFAULT_CONFIG
     if text:
         cores, warps, threads = (int(x) for x in text.split("x"))
-        cfg = dataclasses.replace(DEFAULT_CONFIG, cores=cores, warps=warps, threads=threads)
-        if mode == "simx":
-            have = device(mode, vortex_home).config
-            if (have.cores, have.warps, have.threads) != (cores, warps, threads):
-                raise TargetUnavailable(
-                    f"vortex_config={text!r}, but the SimX build at {vortex_home or '$VORTEX_HOME'} "
-                    f"is {have.cores}x{have.warps}x{have.threads} (cores x warps x threads are "
-                    "fixed when SimX is built)")
-        return cfg
-    if mode == "simx":
-        have = device(mode, vortex_home).config
-        return dataclasses.replace(DEFAULT_CONFIG, cores=have.cores, warps=have.warps, threads=have.threads)
+        return dataclasses.replace(DEFAULT_CONFIG, cores=cores, warps=warps, threads=threads)
     return DEFAULT_CONFIG
 
 
@@ -134,6 +126,11 @@ class VortexExecutable:
         self.config = config
         self.device = device(mode, vortex_home, config)
         cfg = self.device.config
+        if (cfg.cores, cfg.warps, cfg.threads) != (config.cores, config.warps, config.threads):
+            raise TargetUnavailable(
+                f"compiled for vortex_config {config.cores}x{config.warps}x{config.threads}, but the "
+                f"SimX build at {vortex_home or '$VORTEX_HOME'} is {cfg.cores}x{cfg.warps}x{cfg.threads} "
+                "(fixed when SimX is built; vortex_config='device' compiles for it)")
         for k in program.launches:
             threads = k.block[0] * k.block[1] * k.block[2]
             if k.shared_mem and threads > cfg.warps * cfg.threads:
