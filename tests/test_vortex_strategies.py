@@ -15,20 +15,14 @@ import torch
 pytest.importorskip("ziglang")
 pytest.importorskip("elftools")
 
+import test_vortex_target
 from parity import Fn
 
 import gac_torch
 from gac_torch.backends import vortex
 from gac_torch.backends.vortex import backend
 
-MODES = ["functional", pytest.param("simx", marks=pytest.mark.simx)]
-
-
-@pytest.fixture(params=MODES)
-def mode(request, monkeypatch):
-    if request.param == "functional":
-        monkeypatch.delenv("VORTEX_HOME", raising=False)
-    return request.param
+mode = test_vortex_target.mode   # the fixture: functional, and simx-marked
 
 
 def run(module, inputs, mode, **flags):
