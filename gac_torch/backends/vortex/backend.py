@@ -37,8 +37,9 @@ LOOPS_COARSEN_MIN = 4096
 # Cost table for the GEMM strategy's choice (staged tiles, direct tiles or `loops`,
 # tiled_gemm.GemmCosts): a warp-instruction model fitted to the functional simulator (matmuls
 # 32^3..128^3, convs 1x1, 3x3, 7x7/2 of BEVFormer test_tiny) times cycles per warp-instruction
-# measured on SimX 1x4x4 (benchmarks/results/vortex_simx.md, vortex_gemm.md).
-GEMM_COSTS = dict(gemm_cpi=3.2, loops_cpi=2.8, gemm_cta=490, gemm_mac=0.375, stage_plain=1.1,
+# measured on SimX 1x4x4 (BEVFormer's 7x7/2 stem conv: staged 3.79, direct 2.69, loops 3.15;
+# benchmarks/results/vortex_bevformer.md).
+GEMM_COSTS = dict(gemm_cpi=3.8, loops_cpi=3.15, direct_cpi=2.7, gemm_cta=490, gemm_mac=0.375, stage_plain=1.1,
                   stage_conv=3.0, stage_conv_dim=1.0, stage_k_over=3.0, loops_out=15, loops_mac=1.16,
                   direct_cta=300, direct_load=1.5, direct_k=0.5)
 

@@ -20,7 +20,7 @@ from gac_torch.kernels import vortex_gemm
 
 @dataclass(frozen=True)
 class GemmCosts:
-    """The target's cost table: warp-instructions of the two kernels (a model fitted to the
+    """The target's cost table: warp-instructions of the three kernels (a model fitted to the
     functional simulator's counts) times SimX cycles per warp-instruction of each kernel class.
     Tiled, per CTA: `gemm_cta` + per K stage, per staged element `stage_plain` (plain subscripts)
     or `stage_conv + stage_conv_dim * (non-unit K dims)` (+ `stage_k_over` when K overhangs the
@@ -29,6 +29,7 @@ class GemmCosts:
 
     gemm_cpi: float
     loops_cpi: float
+    direct_cpi: float
     gemm_cta: float
     gemm_mac: float
     stage_plain: float
@@ -45,7 +46,7 @@ class GemmCosts:
     def direct(self, s: vortex_gemm.GemmShape, t: vortex_gemm.GemmTiling) -> float:
         gx, gy, gz = vortex_gemm.grid(s, t)
         per_k = t.threads // self.lanes * (self.direct_load * (t.rm + t.rn) + t.rm * t.rn + self.direct_k)
-        return gx * gy * gz * (self.direct_cta + s.K * per_k) * self.loops_cpi
+        return gx * gy * gz * (self.direct_cta + s.K * per_k) * self.direct_cpi
 
     def tiled(self, s: vortex_gemm.GemmShape, t: vortex_gemm.GemmTiling) -> float:
         gx, gy, gz = vortex_gemm.grid(s, t)
