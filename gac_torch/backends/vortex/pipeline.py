@@ -40,7 +40,7 @@ class CompileFlags:
 
     divergence: bool = True       # False: no SPLIT/JOIN (wrong on SimX; the tests prove it)
     tiled_gemm: bool = True       # False: matmuls use the scalar `loops` kernel
-    warp_reduce: bool = False     # True: a warp per output for few long rows (SimX cycles pending)
+    warp_reduce: bool = True      # False: reductions use one thread per output (`loops`)
 
 
 @dataclass
