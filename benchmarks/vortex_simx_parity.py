@@ -86,7 +86,8 @@ def main() -> None:
         "# Vortex target on SimX: op and model parity with counters", "",
         f"Date: {datetime.date.today().isoformat()}. Command: `VORTEX_HOME=... python "
         "benchmarks/vortex_simx_parity.py --out benchmarks/results/vortex_simx.md`", "",
-        "SimX: Vortex v3.0 default build (1 core x 4 warps x 4 threads, 16 KiB local memory); "
+        "SimX: vortexgpgpu/vortex d76b7f24e (v3.0) default build (1 core x 4 warps x 4 threads, "
+        "16 KiB local memory; gac_torch/backends/vortex/README.md says how it was built); "
         "functional: our simulator (same .vxbin). Cases: tests/test_vortex_target.py `CASES` and "
         "its models (MLP 8x32, SmallCNN 1x3x16x16, TransformerEncoderLayer(64, 4) 1x8x64); each "
         "checked against eager with tests/parity.py tolerances. Counters are summed over the "

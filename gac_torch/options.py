@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from typing import Any, ClassVar
 
@@ -143,12 +144,18 @@ class VortexOptions(Options):
                                      in_key=False)
     vortex_mode: str | None = _field(None, '"simx" | "functional"; default: simx when a build is given',
                                      in_key=False)
+    vortex_config: str | None = _field(None, '"CORESxWARPSxTHREADS" (e.g. "4x8x8") or "device" (what the '
+                                             "SimX build reports); default 1x4x4 (SimX's default build)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.vortex_mode is not None and self.vortex_mode not in VORTEX_MODES:
             raise OptionError(f"option 'vortex_mode' must be one of {', '.join(VORTEX_MODES)}, "
                               f"not {self.vortex_mode!r}")
+        cfg = self.vortex_config
+        if cfg is not None and (not isinstance(cfg, str) or not re.fullmatch(r"device|[1-9]\d*x[1-9]\d*x[1-9]\d*", cfg)):
+            raise OptionError(f"option 'vortex_config' must be 'CORESxWARPSxTHREADS' (e.g. '4x8x8') or "
+                              f"'device', not {cfg!r}")
         if self.vortex_home is not None and not isinstance(self.vortex_home, str):
             raise OptionError(f"option 'vortex_home' must be a path, not {type(self.vortex_home).__name__}")
 

@@ -181,7 +181,7 @@ def test_vortex_gemm_emulated_on_cpu(M, N, K, b_t, batch, fill) -> None:
     def ty(dims):
         return "memref<" + "".join(f"{ext[d]}x" for d in dims) + "f32>"
 
-    s = vg.GemmShape((m,), (M,), (n,), (N,), k, K, bd, batch, a_dims, b_dims, c_dims,
+    s = vg.GemmShape((m,), (M,), (n,), (N,), (k,), (K,), bd, batch, a_dims, b_dims, c_dims,
                      ty(a_dims), ty(b_dims), ty(c_dims))
     t = vg.choose_tiling(M, N, K)
     rng = np.random.default_rng(M + N + K)
@@ -191,3 +191,24 @@ def test_vortex_gemm_emulated_on_cpu(M, N, K, b_t, batch, fill) -> None:
     ref = (0.5 if fill else C.astype(np.float64)) + A.astype(np.float64) @ Bm.astype(np.float64)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-5
     ir.Module.parse(vg.gemm_template(s, t, fill), ir.Context())
+
+
+def test_vortex_gemm_conv_subscripts_emulated_on_cpu() -> None:
+    """Implicit GEMM: out[n, f, oh, ow] += x[n, c, 2 oh + kh, 2 ow + kw] * w[f, c, kh, kw], A = w
+    (rows f), B = x (columns n, oh, ow: linear subscripts), K over (c, kh, kw) = 27 (overhangs)."""
+    n, f, oh, ow, c, kh, kw = range(7)
+    N, F, OH, OW, C, KH, KW = 2, 5, 4, 3, 3, 3, 3
+    H, W = 2 * OH + KH - 2, 2 * OW + KW - 2
+    a_dims, c_dims = (f, c, kh, kw), (n, f, oh, ow)
+    b_dims = (n, c, ((oh, 2), (kh, 1)), ((ow, 2), (kw, 1)))
+    s = vg.GemmShape((f,), (F,), (n, oh, ow), (N, OH, OW), (c, kh, kw), (C, KH, KW), (), (),
+                     a_dims, b_dims, c_dims, f"memref<{F}x{C}x{KH}x{KW}xf32>",
+                     f"memref<{N}x{C}x{H}x{W}xf32>", f"memref<{N}x{F}x{OH}x{OW}xf32>")
+    t = vg.choose_tiling(s.M, s.N, s.K)
+    rng = np.random.default_rng(7)
+    w, x = rng.standard_normal((F, C, KH, KW)).astype(np.float32), rng.standard_normal((N, C, H, W)).astype(np.float32)
+    got = vg.emulate(s, t, w, x, np.zeros((N, F, OH, OW), np.float32), init=0.0)
+    patches = np.stack([[x[:, :, i:i + 2 * OH - 1:2, j:j + 2 * OW - 1:2] for j in range(KW)] for i in range(KH)])
+    ref = np.einsum("fcij,ijncyx->nfyx", w.astype(np.float64), patches.astype(np.float64))
+    assert np.abs(got - ref).max() < 1e-4
+    ir.Module.parse(vg.gemm_template(s, t, True), ir.Context())

@@ -134,7 +134,7 @@ CASES = _cases()
 def test_op(name, mode):
     fn, inputs = CASES[name]
     _, counters = check(fn, inputs(), mode, name)
-    if name.startswith("matmul/") and name != "matmul/int":   # f32: the tiled local-memory GEMM
+    if name in ("matmul/mm16", "matmul/linear3d"):   # large enough for the GEMM template to pay
         assert any(k["kernel"].endswith("_gemm") for k in counters["kernels"]), counters["kernels"]
 
 
@@ -189,11 +189,11 @@ def test_divergence_handling_is_needed(divergence, mode):
 # --- target plumbing -----------------------------------------------------------------------------
 def test_stages_counters_and_dumps(tmp_path, monkeypatch):
     monkeypatch.delenv("VORTEX_HOME", raising=False)
-    a, b = r(6, 16), r(16, 5)
+    a, b = r(12, 20), r(20, 9)
     compiled = gac_torch.compile(Fn(lambda x, y: x @ y), (a, b), target="vortex",
                                  options={"dump_dir": str(tmp_path)})
     assert compiled.stages == ["gac", "linalg", "gpu", "llvm", "vxbin"]
-    assert "gpu.func @gac_k0_gemm" in compiled.ir("gpu") and "workgroup" in compiled.ir("gpu")
+    assert "gpu.func @gac_k0_gemm" in compiled.ir("gpu")
     assert 'target triple = "riscv32-unknown-elf"' in compiled.ir("llvm")
     assert compiled.ir("vxbin").startswith("// .vxbin:")
     (part,) = compiled.compiled.partitions.values()

@@ -80,7 +80,7 @@ def kernel(b: Any, p: Plan, acc: Any, n_out: Any, n_red: Any, trips: Any, p_ext:
     (total,) = b.for_(0, trips, 1, [b.identity()], [acc], step)
     # 3. combine the group
     if p.per_warp:  # butterfly: every lane ends with the warp's total
-        for off in (16, 8, 4, 2, 1):
+        for off in (o for o in (16, 8, 4, 2, 1) if o < p.warp):  # narrow warps (Vortex: 4)
             total = b.combine(total, b.shuffle_xor(total, off, p.warp))
     else:
         total = b.block_reduce(total)

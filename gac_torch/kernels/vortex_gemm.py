@@ -15,6 +15,11 @@ BM x BN tile of C, BM = TY * RM and BN = TX * RN:
      3d. barrier  everyone is done reading before the next stage overwrites the tiles
   4. store      C[m0 + ty + TY*i, n0 + tx + TX*j] = acc[i][j] inside the matrix
 
+`direct` tilings skip 3a-3d: K runs as nested loops over its dims (a convolution's c, kh, kw)
+and each thread reads its RM values of A and RN values of B from global memory per k (the
+warp's A value is one broadcast, its B values consecutive). No index decomposition per k and
+no barriers: cheaper than staging where a staged element would feed few rows (few channels).
+
 Thread (ty, tx) owns rows ty + TY*i and columns tx + TX*j: the threads of a warp (same ty,
 consecutive tx) read one broadcast A value and consecutive B values, and store consecutive C
 values. Bounds checks are emitted only where the static shape overhangs the tile; the store
@@ -37,23 +42,28 @@ import numpy as np
 from gac_torch.kernels.builder import WORKGROUP, Numpy, Smem, Text, as_type
 
 
+# A subscript of an operand: an iteration dim, None (a unit dim: constant 0), or a sum of
+# coeff * dim terms (dim None: a constant), e.g. a convolution's input row oh * 2 + kh.
+Sub = int | None | tuple[tuple[int | None, int], ...]
+
+
 @dataclass(frozen=True)
 class GemmShape:
-    """A contraction as the template sees it; dims are the op's iteration dims. Rows and
-    columns may span several dims (x[b, s, :] @ w: rows (b, s), M = b * s), split last-fastest;
-    a subscript None is a unit dim (constant 0)."""
+    """A contraction as the template sees it; dims are the op's iteration dims. Rows, columns
+    and the reduction may span several dims (x[b, s, :] @ w: rows (b, s), M = b * s; a
+    convolution: K over (c, kh, kw), columns over (n, oh, ow)), split last-fastest."""
 
     m_dims: tuple[int, ...]          # row dims (in A and C) and their extents
     m_ext: tuple[int, ...]
     n_dims: tuple[int, ...]          # column dims (in B and C)
     n_ext: tuple[int, ...]
-    k: int                           # the reduction dim (in A and B)
-    K: int
+    k_dims: tuple[int, ...]          # reduction dims (in A and B)
+    k_ext: tuple[int, ...]
     batch_dims: tuple[int, ...]      # dims in A, B and C (grid z, last fastest)
     batch: tuple[int, ...]
-    a_dims: tuple[int | None, ...]   # iteration dim of each subscript (the indexing maps)
-    b_dims: tuple[int | None, ...]
-    c_dims: tuple[int | None, ...]
+    a_dims: tuple[Sub, ...]          # each subscript of A, B, C (the indexing maps)
+    b_dims: tuple[Sub, ...]
+    c_dims: tuple[Sub, ...]
     a_type: str                      # memref types, e.g. "memref<16x32xf32>"
     b_type: str
     c_type: str
@@ -66,6 +76,10 @@ class GemmShape:
     def N(self) -> int:
         return math.prod(self.n_ext)
 
+    @property
+    def K(self) -> int:
+        return math.prod(self.k_ext)
+
 
 @dataclass(frozen=True)
 class GemmTiling:
@@ -74,6 +88,7 @@ class GemmTiling:
     rm: int = 4          # accumulator rows per thread
     rn: int = 4          # accumulator columns per thread
     bk: int = 16         # K depth of one local-memory stage
+    direct: bool = False  # no staging: K as nested loops over its dims, operands from global memory
 
     @property
     def bm(self) -> int:
@@ -88,14 +103,14 @@ class GemmTiling:
         return self.ty * self.tx
 
     def lmem_bytes(self) -> int:
-        return 4 * self.bk * (self.bm + self.bn)
+        return 0 if self.direct else 4 * self.bk * (self.bm + self.bn)
 
 
-def choose_tiling(M: int, N: int, K: int, ty: int = 4, tx: int = 4) -> GemmTiling:
+def choose_tiling(M: int, N: int, K: int, ty: int = 4, tx: int = 4, direct: bool = False) -> GemmTiling:
     """Register tiles no larger than the matrix needs; K staged at most 16 deep."""
     def reg(extent: int, threads: int) -> int:
         return max(1, min(4, 1 << max(0, math.ceil(math.log2(max(1, -(-extent // threads)))))))
-    return GemmTiling(ty, tx, reg(M, ty), reg(N, tx), min(16, 1 << math.ceil(math.log2(max(K, 1)))))
+    return GemmTiling(ty, tx, reg(M, ty), reg(N, tx), min(16, 1 << math.ceil(math.log2(max(K, 1)))), direct)
 
 
 def grid(shape: GemmShape, t: GemmTiling) -> tuple[int, int, int]:
@@ -159,7 +174,19 @@ def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool) -> None:
         b.barrier()                                                             # 3d
         return part
 
-    res = b.for_(c(0), c(s.K), c(t.bk), inits, f32s, stage_k)
+    def nest(level: int, k_names: dict[int, Any], accs: list[Any]) -> list[Any]:    # 3' direct
+        if level == len(s.k_dims):
+            a = [b.get("A", _subscripts(b, s.a_dims, {**batch, **a_rows[i], **k_names})) for i in rows]
+            w = [b.get("B", _subscripts(b, s.b_dims, {**batch, **b_cols[j], **k_names})) for j in cols]
+            return [b.fma(a[i], w[j], accs[n], "f32") for n, (i, j) in enumerate(acc)]
+        return b.for_(c(0), c(s.k_ext[level]), c(1), accs, f32s,
+                      lambda kv, part: nest(level + 1, {**k_names, s.k_dims[level]: kv}, part))
+
+    if t.direct:   # clamped rows/columns: loads stay inside the operands where the tile overhangs
+        a_rows, b_cols = row_names, col_names
+        res = nest(0, {}, inits)
+    else:
+        res = b.for_(c(0), c(s.K), c(t.bk), inits, f32s, stage_k)
     # 4. store
     for n, (i, j) in enumerate(acc):
         guards = ([rok[i]] if m_over else []) + ([cok[j]] if n_over else [])
@@ -180,7 +207,7 @@ def _stage(b: Any, s: GemmShape, t: GemmTiling, which: str, k0: Any, base: Any,
         dims, rows, extent = s.a_dims, t.bm, s.M
     else:
         dims, rows, extent = s.b_dims, t.bn, s.N
-    k_fast = dims[-1] == s.k     # consecutive threads walk the operand's contiguous dim
+    k_fast = dims[-1] == s.k_dims[-1]   # consecutive threads walk the operand's contiguous dim
     size = rows * t.bk
     r_over, k_over = extent % rows != 0, s.K % t.bk != 0
     tid = b.tid()
@@ -201,7 +228,8 @@ def _stage(b: Any, s: GemmShape, t: GemmTiling, which: str, k0: Any, base: Any,
             oks.append(gk < s.K)
             gk = b.min_(gk, c(s.K - 1))
         r_names = _split(b, s.m_dims, s.m_ext, gr) if which == "A" else _split(b, s.n_dims, s.n_ext, gr)
-        v = b.get(which, _subscripts(b, dims, {**batch, **r_names, s.k: gk}))
+        k_names = _split(b, s.k_dims, s.k_ext, gk)
+        v = b.get(which, _subscripts(b, dims, {**batch, **r_names, **k_names}))
         if oks:
             v = b.select(oks[0] & oks[1] if len(oks) == 2 else oks[0], v, zero, "f32")
         b.put(which + "s", [k, r], v)
@@ -216,8 +244,18 @@ def _split(b: Any, dims: tuple[int, ...], ext: tuple[int, ...], flat: Any) -> di
     return names
 
 
-def _subscripts(b: Any, dims: tuple[int | None, ...], names: dict[int, Any]) -> list[Any]:
-    return [b.const(0) if d is None else names[d] for d in dims]
+def _subscripts(b: Any, dims: tuple[Sub, ...], names: dict[int, Any]) -> list[Any]:
+    def one(d: Sub) -> Any:
+        if d is None:
+            return b.const(0)
+        if isinstance(d, int):
+            return names[d]
+        v = None
+        for dim, coeff in d:
+            t = b.const(coeff) if dim is None else names[dim] if coeff == 1 else names[dim] * coeff
+            v = t if v is None else v + t
+        return v
+    return [one(d) for d in dims]
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,7 +291,7 @@ def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
             f"%nt = arith.constant {t.threads} : index",
             ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
              "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-             f"workgroup(%As : {b.types['As']}, %Bs : {b.types['Bs']}) {{"),
+             + ("{" if t.direct else f"workgroup(%As : {b.types['As']}, %Bs : {b.types['Bs']}) {{")),
             "%zero = arith.constant 0.0 : f32"]
     return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
 

@@ -206,7 +206,7 @@ class VortexNotFound(TargetUnavailable):
 
 
 # The runtime API the bridge (simx_worker.py) calls, checked symbol by symbol at device open.
-VORTEX_API = "Vortex 3.0 (vortex2.h API; checked against vortexgpgpu/vortex v3.0 sources)"
+VORTEX_API = "Vortex 3.0 (vortex2.h API; checked against vortexgpgpu/vortex d76b7f24e, v3.0)"
 RUNTIME_SYMBOLS = (
     "vx_device_open", "vx_device_release", "vx_device_query", "vx_device_mpm_query",
     "vx_queue_create", "vx_queue_release", "vx_queue_finish",

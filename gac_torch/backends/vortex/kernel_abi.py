@@ -6,6 +6,8 @@ are pointers and scalars and which `declare` helpers such as `@vx_thread_id_x`. 
 
 - gpu.thread_id / block_id / block_dim / grid_dim  -> `vx_<op>_<dim>()` (i32 -> index)
 - gpu.barrier                                      -> `vx_syncthreads()`
+- gpu.shuffle (32-bit values, constant width)      -> `vx_shfl_{up,down,bfly,idx}` with
+  clamp = width - 1 (lanes past the width keep their value, `valid` says which)
 - workgroup attributions                           -> views of `vx_local_mem()` at fixed
   offsets (one CTA's local memory; the launch asks for their total as `lmem_size`)
 - i1 buffers                                       -> i8 (torch.bool storage; cuda pipeline helper)
@@ -173,8 +175,47 @@ def _replace_gpu_ops(f: ir.Operation, helpers: set[str]) -> None:
             elif op.name == "gpu.barrier":
                 helpers.add("vx_syncthreads")
                 func.CallOp([], "vx_syncthreads", [])
+            elif op.name == "gpu.shuffle":
+                _shuffle(op, helpers)
             elif op.name == "gpu.return":
                 func.ReturnOp([])
             else:
                 raise NotImplementedError(f"vortex: no lowering for {op.name} in a kernel")
         op.erase()
+
+
+_SHFL = {"xor": "bfly", "up": "up", "down": "down", "idx": "idx"}
+
+
+def _shuffle(op: ir.Operation, helpers: set[str]) -> None:
+    """gpu.shuffle -> vx_shfl_* on the value's bits. The control word is (mask << 12) |
+    (clamp << 6) | offset (sim/simx/alu_unit.cpp): mask 0, clamp width - 1 (one segment)."""
+    i32 = ir.IntegerType.get_signless(32)
+    value, offset, width = op.operands
+    mode = str(op.attributes["mode"]).removeprefix("#gpu<shuffle_mode ").strip(">")
+    w = _const_int(width)
+    if w is None or value.type not in (i32, ir.F32Type.get()):
+        raise NotImplementedError(f"vortex: gpu.shuffle of {value.type} with a run-time width")
+    helper = f"vx_shfl_{_SHFL[mode]}"
+    helpers.add(helper)
+    bits = value if value.type == i32 else arith.bitcast(i32, value)
+    off = offset if offset.type == i32 else arith.index_cast(i32, offset)
+    ctl = arith.ori(off, arith.constant(i32, (w - 1) << 6))
+    got = func.CallOp([i32], helper, [bits, ctl]).result
+    op.results[0].replace_all_uses_with(got if value.type == i32 else arith.bitcast(value.type, got))
+    if mode == "xor":          # valid: the source lane is inside the width
+        lane = arith.xori(func.CallOp([i32], "vx_thread_id", []).result, off)
+        helpers.add("vx_thread_id")
+        valid = arith.cmpi(arith.CmpIPredicate.ult, lane, arith.constant(i32, w))
+    else:
+        valid = arith.constant(ir.IntegerType.get_signless(1), 1) if not list(op.results[1].uses) else None
+        if valid is None:
+            raise NotImplementedError(f"vortex: gpu.shuffle {mode} whose `valid` is used")
+    op.results[1].replace_all_uses_with(valid)
+
+
+def _const_int(v: ir.Value) -> int | None:
+    o = v.owner
+    if isinstance(o, ir.Block) or o.name != "arith.constant":
+        return None
+    return ir.IntegerAttr(o.attributes["value"]).value

@@ -12,6 +12,10 @@ LLVM lowering:
   with round-to-nearest-even (F. Giesen's float_to_half_fast3_rtne), every case a select;
 - i64 <-> f32 conversions (`__floatdisf`, `__fixsfdi`) use 32-bit conversions: exact while
   the value fits in i32; beyond, i64 -> f32 may round twice (1 ulp);
+- a float turned into an i64 that only becomes a memory index (grid_sample's corners:
+  fptosi, add/sub/mul/select/compare with small constants, index_cast) is computed in i32
+  (`narrow_index_chains`): the index is 32-bit on this target, add/sub/mul/select commute with
+  the truncation, and a compare differs only for values whose index is out of bounds anyway;
 - i64 divisions and all f64 arithmetic, comparisons and conversions call
   `gac_serial_<compiler_rt name>` (simt_ir.SERIAL_RT): compiler_rt one lane at a time.
   Correct, ~T times slower; f64 appears in scalar bookkeeping, not in hot loops.
@@ -147,6 +151,91 @@ def _walk(module: ir.Module, names: tuple[str, ...]) -> list[ir.Operation]:
     return found
 
 
+def _op(o: ir.Operation | ir.OpView) -> ir.Operation:
+    return o.operation if isinstance(o, ir.OpView) else o
+
+
+_NARROW_OPS = ("arith.addi", "arith.subi", "arith.muli", "arith.select", "arith.cmpi")
+
+
+def _i64_slice(root: ir.Value) -> list[ir.Operation] | None:
+    """The ops an fptosi's i64 result flows through to index_casts (see the module doc), in
+    program order, or None if it goes anywhere else or meets an i64 that is not a small
+    constant or from the slice."""
+    i64 = ir.IntegerType.get_signless(64)
+    inside, ops, work = {root}, [], [root]
+
+    def small_const(v: ir.Value) -> bool:
+        o = v.owner
+        return (not isinstance(o, ir.Block) and o.name == "arith.constant"
+                and abs(ir.IntegerAttr(o.attributes["value"]).value) < 2**31)
+
+    while work:
+        for use in list(work.pop().uses):
+            user = _op(use.owner)
+            if user.name == "arith.index_cast" and isinstance(user.results[0].type, ir.IndexType):
+                continue
+            if user.name not in _NARROW_OPS:
+                return None
+            if user not in ops:
+                ops.append(user)
+                if user.results[0].type == i64:
+                    inside.add(user.results[0])
+                    work.append(user.results[0])
+    for o in ops:
+        if any(v.type == i64 and v not in inside and not small_const(v) for v in o.operands):
+            return None
+        if o.name == "arith.cmpi" and any(   # a condition only for selects of the slice
+                _op(u.owner).name != "arith.select" or u.operand_number != 0 or _op(u.owner) not in ops
+                for u in o.results[0].uses):
+            return None
+    if not all(o.block == ops[0].block for o in ops):
+        return None
+    order = [x.operation for x in ops[0].block.operations]   # program order (one block)
+    return sorted(ops, key=lambda o: next(i for i, x in enumerate(order) if x == o))
+
+
+def narrow_index_chains(module: ir.Module) -> int:
+    """fptosi f32 -> i64 chains that end in index_casts, computed in i32 (module doc)."""
+    f32, i32, i64 = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    count = 0
+    for op in _walk(module, ("arith.fptosi",)):
+        if op.operands[0].type != f32 or op.results[0].type != i64:
+            continue
+        ops = _i64_slice(op.results[0])
+        if ops is None:
+            continue
+        with ir.InsertionPoint(op), op.location:
+            new: dict = {op.results[0]: arith.fptosi(i32, op.operands[0])}
+
+        def get(v: ir.Value) -> ir.Value:
+            if v in new:
+                return new[v]
+            if v.type != i64:
+                return v
+            return arith.constant(i32, ir.IntegerAttr(v.owner.attributes["value"]).value)
+
+        for o in ops:
+            with ir.InsertionPoint(o), o.location:
+                a = [get(v) for v in o.operands]
+                if o.name == "arith.select":
+                    r = arith.select(*a)
+                elif o.name == "arith.cmpi":
+                    r = arith.cmpi(ir.IntegerAttr(o.attributes["predicate"]).value, *a)
+                else:
+                    r = {"arith.addi": arith.addi, "arith.subi": arith.subi, "arith.muli": arith.muli}[o.name](*a)
+            new[o.results[0]] = r
+        for v, r in list(new.items()):
+            for use in list(v.uses):
+                if _op(use.owner).name == "arith.index_cast":
+                    _op(use.owner).operands[0] = r
+        for o in reversed(ops):
+            o.erase()
+        op.erase()
+        count += 1
+    return count
+
+
 def _width(t: ir.Type) -> int:
     return ir.IntegerType(t).width
 
@@ -199,6 +288,7 @@ def expand_numerics(module: ir.Module) -> None:
     """f16 and i64<->f32 conversions -> integer ops; i64 division and f64 ops -> serialised
     compiler_rt calls (module doc)."""
     f16, f32, i64 = ir.F16Type.get(), ir.F32Type.get(), ir.IntegerType.get_signless(64)
+    narrow_index_chains(module)
     rt = _Runtime()
     for op in _walk(module, ("arith.extf", "arith.truncf", *_CONVERSIONS, *_I64_DIVISIONS)):
         src, dst = op.operands[0].type, op.results[0].type

@@ -1,9 +1,10 @@
 """The vortex target's stages: linalg -> "gpu" -> "llvm" -> "vxbin".
 
-- "gpu":   backends/gpu with Vortex's strategies (one kernel per linalg op; the tiled GEMM,
-           else `loops`: CUDA's `reduce` relies on gpu.all_reduce, whose upstream lowering
-           assumes 32-lane subgroups); the host function left over is read into data (launch
-           list + static buffer plan).
+- "gpu":   backends/gpu with Vortex's strategies (one kernel per linalg op; the tiled GEMM for
+           matmuls and convolutions where the cost table says it pays, a warp per output for
+           reductions with fewer outputs than hardware threads (shuffles, never gpu.all_reduce),
+           else `loops`); the host function left over is read into data (launch list + static
+           buffer plan).
 - "llvm":  kernel_abi turns the kernels into func.funcs calling vx_* helpers; math is expanded
            into polynomials (math_expand), f16/bf16/i64 corner cases made branch-free or
            lane-serial (numerics); divergent scf.ifs get SPLIT/JOIN (divergence);
@@ -39,6 +40,7 @@ class CompileFlags:
 
     divergence: bool = True       # False: no SPLIT/JOIN (wrong on SimX; the tests prove it)
     tiled_gemm: bool = True       # False: matmuls use the scalar `loops` kernel
+    warp_reduce: bool = True      # False: reductions use one thread per output (`loops`)
 
 
 @dataclass

@@ -19,6 +19,7 @@ timeout or a dead worker is retried, bridge.is_retryable) and
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +40,7 @@ from gac_torch.backends.vortex.bridge import (
     is_retryable,
 )
 from gac_torch.backends.vortex.pipeline import VortexProgram
-from gac_torch.backends.vortex.target import pack_args
+from gac_torch.backends.vortex.target import DEFAULT_CONFIG, VortexConfig, pack_args
 
 MODES = ("simx", "functional")
 _DEVICES: dict[tuple[str, str], VortexDevice] = {}
@@ -63,8 +64,23 @@ def resolve_mode(options: dict) -> tuple[str, str | None]:
     return mode, home
 
 
-def device(mode: str, vortex_home: str | None) -> VortexDevice:
-    key = (mode, str(vortex_home or ""))
+def resolve_config(options: dict, mode: str, vortex_home: str | None) -> VortexConfig:
+    """The device configuration the code is compiled for (option `vortex_config`): None, the
+    SimX default build 1x4x4; "device", what the device reports (opens SimX); "CxWxT", that
+    one. The functional simulator runs whichever is asked for; a SimX build only its own
+    (VortexExecutable checks)."""
+    text = options.get("vortex_config")
+    if text == "device":
+        return device(mode, vortex_home).config if mode == "simx" else DEFAULT_CONFIG
+    if text:
+        cores, warps, threads = (int(x) for x in text.split("x"))
+        return dataclasses.replace(DEFAULT_CONFIG, cores=cores, warps=warps, threads=threads)
+    return DEFAULT_CONFIG
+
+
+def device(mode: str, vortex_home: str | None, config: VortexConfig = DEFAULT_CONFIG) -> VortexDevice:
+    """One device per (mode, home) for SimX, per configuration for the functional simulator."""
+    key = (mode, str(vortex_home or "")) if mode == "simx" else (mode, "", config)
     dev = _DEVICES.get(key)
     if dev is None:
         if mode == "simx":
@@ -76,7 +92,7 @@ def device(mode: str, vortex_home: str | None) -> VortexDevice:
             fixed = os.environ.get(SIMX_TIMEOUT_ENV)
             dev = SimxDevice(vortex_home, timeout=float(fixed) if fixed else None)
         else:
-            dev = FunctionalDevice()
+            dev = FunctionalDevice(config)
         _DEVICES[key] = dev
     return dev
 
@@ -101,14 +117,20 @@ def _close_devices() -> None:
 
 class VortexExecutable:
     def __init__(self, program: VortexProgram, signature: Signature, mode: str,
-                 vortex_home: str | None) -> None:
+                 vortex_home: str | None, config: VortexConfig = DEFAULT_CONFIG) -> None:
         specs = list(signature.inputs) + list(signature.outputs)
         for i, (s, a) in enumerate(zip(specs, program.args)):
             if tuple(s.shape) != a.shape or s.dtype.itemsize != a.itemsize:
                 raise ValueError(f"buffer {i}: signature {s} does not match compiled {a.elem}{list(a.shape)}")
         self.program, self.signature, self.mode, self.vortex_home = program, signature, mode, vortex_home
-        self.device = device(mode, vortex_home)
+        self.config = config
+        self.device = device(mode, vortex_home, config)
         cfg = self.device.config
+        if (cfg.cores, cfg.warps, cfg.threads) != (config.cores, config.warps, config.threads):
+            raise TargetUnavailable(
+                f"compiled for vortex_config {config.cores}x{config.warps}x{config.threads}, but the "
+                f"SimX build at {vortex_home or '$VORTEX_HOME'} is {cfg.cores}x{cfg.warps}x{cfg.threads} "
+                "(fixed when SimX is built; vortex_config='device' compiles for it)")
         for k in program.launches:
             threads = k.block[0] * k.block[1] * k.block[2]
             if k.shared_mem and threads > cfg.warps * cfg.threads:
@@ -121,7 +143,7 @@ class VortexExecutable:
         self._workspace: DeviceBuffer | None = None
 
     def _prepare(self) -> None:
-        dev = device(self.mode, self.vortex_home)
+        dev = device(self.mode, self.vortex_home, self.config)
         if dev is not self.device:                  # the previous SimX was restarted
             self.device, self._bufs, self._workspace, self._module = dev, [], None, None
         if not self._bufs:
@@ -160,7 +182,7 @@ class VortexExecutable:
                       if isinstance(a, BufferRef) else a.value for a in k.args]
             c = dev.launch(self._module, k.kernel, pack_args(kinds, values),  # type: ignore[arg-type]
                            grid=k.grid, block=k.block, lmem_size=k.shared_mem)
-            per_launch.append(dict(c, kernel=k.kernel))
+            per_launch.append(dict(c, kernel=k.kernel, lmem=k.shared_mem))
         for t, buf in zip(outputs, self._bufs[n_in:]):
             data = dev.read(buf, t.numel() * t.element_size())
             t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))

@@ -1,56 +1,172 @@
-"""`gemm` (vortex): a plain f32 GEMM -> the tiled local-memory template
+"""`gemm` (vortex): a plain f32 contraction (matmul, batched matmul, convolution as an implicit
+GEMM: K over (c, kh, kw), columns over (n, oh, ow)) -> the tiled local-memory template
 gac_torch.kernels.vortex_gemm, a `threads` (rows x cols) CTA with a register tile per thread.
-A Vortex CTA must fit one core (its barrier waits for all of its warps) and warps are narrow."""
+A Vortex CTA must fit one core (its barrier waits for all of its warps) and warps are narrow.
+With a cost table (`GemmCosts`, SimX cycles the target measured) the op stays a `loops` kernel
+where the tiles would cost more than the scalar loop (tiny or badly overhanging shapes)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
+
 from mlir import ir
 
-from gac_torch.backends.gpu.analysis import Generic, fill_before, subscript_dims
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_fused
+from gac_torch.backends.gpu.analysis import Generic, fill_before
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import vortex_gemm
 
 
-def strategy(threads: tuple[int, int]) -> Strategy:
+@dataclass(frozen=True)
+class GemmCosts:
+    """The target's cost table: warp-instructions of the three kernels (a model fitted to the
+    functional simulator's counts) times SimX cycles per warp-instruction of each kernel class.
+    Tiled, per CTA: `gemm_cta` + per K stage, per staged element `stage_plain` (plain subscripts)
+    or `stage_conv + stage_conv_dim * (non-unit K dims)` (+ `stage_k_over` when K overhangs the
+    stage), and `gemm_mac` per multiply-add of the bm x bn x bk tile. `loops`: `loops_out` per
+    output + `loops_mac` per multiply-add."""
+
+    gemm_cpi: float
+    loops_cpi: float
+    direct_cpi: float
+    gemm_cta: float
+    gemm_mac: float
+    stage_plain: float
+    stage_conv: float
+    stage_conv_dim: float
+    stage_k_over: float
+    loops_out: float
+    loops_mac: float
+    direct_cta: float
+    direct_load: float
+    direct_k: float
+    lanes: int            # threads per warp
+
+    def direct(self, s: vortex_gemm.GemmShape, t: vortex_gemm.GemmTiling) -> float:
+        gx, gy, gz = vortex_gemm.grid(s, t)
+        per_k = t.threads // self.lanes * (self.direct_load * (t.rm + t.rn) + t.rm * t.rn + self.direct_k)
+        return gx * gy * gz * (self.direct_cta + s.K * per_k) * self.direct_cpi
+
+    def tiled(self, s: vortex_gemm.GemmShape, t: vortex_gemm.GemmTiling) -> float:
+        gx, gy, gz = vortex_gemm.grid(s, t)
+        kdims = sum(e > 1 for e in s.k_ext)
+        over = self.stage_k_over if s.K % t.bk else 0.0
+
+        def per_elem(subs: tuple[vortex_gemm.Sub, ...]) -> float:
+            plain = all(not isinstance(d, tuple) for d in subs) and kdims <= 1
+            return self.stage_plain if plain else self.stage_conv + self.stage_conv_dim * kdims + over
+
+        stage = (t.bm * t.bk * per_elem(s.a_dims) + t.bk * t.bn * per_elem(s.b_dims)
+                 + t.bm * t.bn * t.bk * self.gemm_mac)
+        return gx * gy * gz * (self.gemm_cta + -(-s.K // t.bk) * stage) * self.gemm_cpi
+
+    def loops(self, s: vortex_gemm.GemmShape) -> float:
+        return s.M * s.N * math.prod(s.batch) * (self.loops_out + self.loops_mac * s.K) * self.loops_cpi
+
+
+def strategy(threads: tuple[int, int], costs: GemmCosts | None = None) -> Strategy:
     """`threads`: (rows, cols) of the GEMM CTA; rows * cols <= one core's threads."""
 
-    def match(g: Generic, limits: GpuLimits) -> tuple[Generic, vortex_gemm.GemmShape] | None:
-        shape = match_gemm(g) if len(g.inputs) == 2 and len(g.outputs) == 1 else None
-        if shape is None or 0 in (shape.M, shape.N, shape.K):
+    def match(g: Generic, limits: GpuLimits) -> tuple[Generic, vortex_gemm.GemmShape, bool] | None:
+        m = match_gemm(g) if len(g.inputs) == 2 and len(g.outputs) == 1 else None
+        if m is None or 0 in (m[0].M, m[0].N, m[0].K):
             return None
-        return g, shape
+        return g, *m
 
-    def emit(m: tuple[Generic, vortex_gemm.GemmShape], name: str, limits: GpuLimits) -> bool:
-        g, shape = m
+    def emit(m: tuple[Generic, vortex_gemm.GemmShape, bool], name: str, limits: GpuLimits) -> bool:
+        g, shape, swap = m
         tiling = vortex_gemm.choose_tiling(shape.M, shape.N, shape.K, *threads)
         if tiling.lmem_bytes() > limits.max_static_shared_bytes or any(
                 x > lim for x, lim in zip(vortex_gemm.grid(shape, tiling), limits.max_grid)):
             return False
+        if costs is not None:   # the cheapest of staged tiles, direct tiles and `loops`
+            direct = dataclasses.replace(tiling, direct=True)
+            est = {costs.tiled(shape, tiling): tiling, costs.direct(shape, direct): direct}
+            best = min(est)
+            if best > costs.loops(shape):
+                return False
+            tiling = est[best]
         fill = fill_before(g.op, g.outputs[0])
         text = vortex_gemm.gemm_template(shape, tiling, fused_fill=fill is not None)
-        splice_fused(text, g, fill, "f32", name)
+        a, b = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
+        splice_template(text, g.op, [a, b, g.outputs[0]], fill[1] if fill is not None else None, "f32", name)
+        if fill is not None:
+            fill[0].erase()
+        g.op.erase()
         return True
 
     return Strategy("gemm", match, emit)
 
 
-def match_gemm(g: Generic) -> vortex_gemm.GemmShape | None:
-    """A plain f32 GEMM: out += a * b with one reduction dim k (in A and B), column dims
-    (B and C), row dims (A and C) and batch dims (A, B and C)."""
+def linear_subscripts(m: ir.AffineMap) -> list[vortex_gemm.Sub] | None:
+    """Each result of an indexing map as a vortex_gemm.Sub (a dim, None for 0, or a sum of
+    coeff * dim terms and a constant), or None if some result is not linear in the dims."""
+    def terms(e: ir.AffineExpr) -> dict[int | None, int] | None:
+        if isinstance(e, ir.AffineDimExpr):
+            return {e.position: 1}
+        if isinstance(e, ir.AffineConstantExpr):
+            return {None: e.value}
+        if isinstance(e, (ir.AffineAddExpr, ir.AffineMulExpr)):
+            x, y = terms(e.lhs), terms(e.rhs)
+            if x is None or y is None:
+                return None
+            if isinstance(e, ir.AffineAddExpr):
+                return {d: x.get(d, 0) + y.get(d, 0) for d in {*x, *y}}
+            if set(y) == {None}:
+                return {d: c * y[None] for d, c in x.items()}
+            if set(x) == {None}:
+                return {d: c * x[None] for d, c in y.items()}
+        return None
+
+    out: list[vortex_gemm.Sub] = []
+    for e in m.results:
+        t = terms(e)
+        if t is None:
+            return None
+        t = {d: c for d, c in t.items() if c}
+        if not t:
+            out.append(None)
+        elif len(t) == 1 and None not in t and next(iter(t.values())) == 1:
+            out.append(next(iter(t)))
+        else:
+            out.append(tuple(sorted(t.items(), key=lambda dc: (dc[0] is None, dc[0] or 0))))
+    return out
+
+
+def _sub_dims(subs: list[vortex_gemm.Sub]) -> set[int]:
+    return {d for s in subs if s is not None
+            for d in ((s,) if isinstance(s, int) else (dd for dd, _ in s if dd is not None))}
+
+
+def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
+    """A plain f32 contraction out += x * y (a matmul, a batched matmul, a convolution): the
+    shape with A = the input without the output's innermost dim (so C's stores walk columns),
+    and whether A is the op's second input. Reduction, row (A and C), column (B and C) and
+    batch (A, B and C) dims may each be several; A's and B's subscripts may be linear in them
+    (a convolution's oh * stride + kh), C's must be plain dims."""
     elems = [str(ir.MemRefType(v.type).element_type) if isinstance(v.type, ir.MemRefType) else ""
              for v in (*g.inputs, *g.outputs)]
-    subs = [subscript_dims(m) for m in g.maps]
-    if elems != ["f32"] * 3 or any(d is None for d in subs):
+    if elems != ["f32"] * 3:
         return None
-    a, b, out = ({d for d in ds if d is not None} for ds in subs)  # type: ignore[union-attr]
+    subs = [linear_subscripts(m) for m in g.maps]
+    c_subs = subs[2]
+    if subs[0] is None or subs[1] is None or c_subs is None or any(isinstance(d, tuple) for d in c_subs):
+        return None
+    c_named = [d for d in c_subs if d is not None]
+    if len(set(c_named)) != len(c_named) or not c_named:
+        return None
+    swap = c_named[-1] not in _sub_dims(subs[1])   # the innermost output dim belongs to B
+    a_subs, b_subs = (subs[1], subs[0]) if swap else (subs[0], subs[1])
+    a, b, out = _sub_dims(a_subs), _sub_dims(b_subs), set(c_named)
     red = [d for d, t in enumerate(g.iters) if t == "reduction"]
     par = [d for d, t in enumerate(g.iters) if t == "parallel"]
-    if len(red) != 1 or red[0] not in a or red[0] not in b or red[0] in out:
+    if not red or any(d in out for d in red) or not all(d in a or d in b for d in red):
         return None
     rows = [d for d in par if d in a and d not in b]
     cols = [d for d in par if d in b and d not in a]
     batch = [d for d in par if d in a and d in b]
-    if not rows or not cols or any(d not in out for d in par):
+    if not rows or not cols or any(d not in out for d in par) or None in g.ranges:
         return None
     # body: yield(addf(out, mulf(a, b))), operands in any order
     ops = [op.operation for op in g.body.operations]
@@ -62,9 +178,11 @@ def match_gemm(g: Generic) -> vortex_gemm.GemmShape | None:
             or yld.operands[0] != add.results[0]):
         return None
     ext = g.ranges
+    a_in, b_in = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
     return vortex_gemm.GemmShape(
-        m_dims=tuple(rows), m_ext=tuple(ext[d] for d in rows),
-        n_dims=tuple(cols), n_ext=tuple(ext[d] for d in cols), k=red[0], K=ext[red[0]],
-        batch_dims=tuple(batch), batch=tuple(ext[d] for d in batch),
-        a_dims=tuple(subs[0]), b_dims=tuple(subs[1]), c_dims=tuple(subs[2]),  # type: ignore[arg-type]
-        a_type=str(g.inputs[0].type), b_type=str(g.inputs[1].type), c_type=str(g.outputs[0].type))
+        m_dims=tuple(rows), m_ext=tuple(ext[d] for d in rows),  # type: ignore[misc]
+        n_dims=tuple(cols), n_ext=tuple(ext[d] for d in cols),  # type: ignore[misc]
+        k_dims=tuple(red), k_ext=tuple(ext[d] for d in red),  # type: ignore[misc]
+        batch_dims=tuple(batch), batch=tuple(ext[d] for d in batch),  # type: ignore[misc]
+        a_dims=tuple(a_subs), b_dims=tuple(b_subs), c_dims=tuple(c_subs),
+        a_type=str(a_in.type), b_type=str(b_in.type), c_type=str(g.outputs[0].type)), swap
