@@ -9,7 +9,7 @@ import torch
 
 from gac_torch.kernels import conv_gemm as cg
 from gac_torch.kernels import conv_gemm_twin as twin
-from gac_torch.kernels import cuda_mma as cm
+from gac_torch.kernels import cuda_mma_twin as cmt
 from gac_torch.kernels.builder import RaceError, round_to
 
 pytestmark = pytest.mark.unit  # the fast tier: pure Python, no model compile
@@ -127,14 +127,14 @@ def test_twin_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None
     spec, shapes, strides = conv_spec("f32", 1, 1, 8, 10, 10, 16, 3, 3, pad=1)
     p = cg.plan(spec, big=False)
     calls = []
-    real = cm.MmaNumpy.barrier
+    real = cmt.MmaNumpy.barrier
 
     def barrier(self):  # only the prologue's barrier survives
         calls.append(1)
         if len(calls) == 1:
             real(self)
 
-    monkeypatch.setattr(cm.MmaNumpy, "barrier", barrier)
+    monkeypatch.setattr(cmt.MmaNumpy, "barrier", barrier)
     X, W, C0 = (np.ones(s, np.float32) for s in shapes)
     with pytest.raises(RaceError):
         twin.emulate(spec, p, X, W, C0, strides)

@@ -170,6 +170,7 @@ def test_mma_kernel_emulated_on_cpu(kind, M, N, K, a_t, b_t, batch, fill, ec, bi
     import numpy as np
 
     from gac_torch.kernels import cuda_mma as cm
+    from gac_torch.kernels import cuda_mma_twin as cmt
 
     spec = _mma_spec(kind, M, N, K, a_t, b_t, batch, fill, ec)
     plan = cm.plan(spec, big=big)
@@ -178,7 +179,7 @@ def test_mma_kernel_emulated_on_cpu(kind, M, N, K, a_t, b_t, batch, fill, ec, bi
     A = rng.standard_normal(spec.a.shape).astype(np.float32)
     B = rng.standard_normal(spec.b.shape).astype(np.float32)
     C = round_to(rng.standard_normal(spec.c.shape).astype(np.float32), ec)
-    out = cm.emulate(spec, plan, A, B, C, init=0.25)
+    out = cmt.emulate(spec, plan, A, B, C, init=0.25)
     rnd = "tf32" if kind == "tf32" else kind
     Am, Bm = round_to(A, rnd).astype(np.float64), round_to(B, rnd).astype(np.float64)
     Am = np.swapaxes(Am, -1, -2) if a_t else Am
@@ -196,20 +197,21 @@ def test_mma_kernel_emulated_on_cpu(kind, M, N, K, a_t, b_t, batch, fill, ec, bi
 @pytest.mark.unit
 def test_mma_emulation_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
     from gac_torch.kernels import cuda_mma as cm
+    from gac_torch.kernels import cuda_mma_twin as cmt
 
     spec = _mma_spec("f16", 64, 64, 96)
     plan = cm.plan(spec, big=False)
     import numpy as np
 
     calls = []
-    real = cm.MmaNumpy.barrier
+    real = cmt.MmaNumpy.barrier
 
     def barrier(self):  # the loop's barrier (every one after the prologue's) is dropped
         calls.append(1)
         if len(calls) == 1:
             real(self)
 
-    monkeypatch.setattr(cm.MmaNumpy, "barrier", barrier)
+    monkeypatch.setattr(cmt.MmaNumpy, "barrier", barrier)
     A, B, C = (np.ones(s, np.float32) for s in (spec.a.shape, spec.b.shape, spec.c.shape))
     with pytest.raises(RaceError):
-        cm.emulate(spec, plan, A, B, C)
+        cmt.emulate(spec, plan, A, B, C)

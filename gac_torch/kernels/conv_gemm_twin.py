@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
+from gac_torch.kernels.cuda_mma_twin import MmaNumpy
 from gac_torch.kernels.builder import Smem, round_to
 from gac_torch.kernels.conv_gemm import Operand, Plan, Spec, kernel, smem_elem
 
@@ -16,7 +16,7 @@ from gac_torch.kernels.conv_gemm import Operand, Plan, Spec, kernel, smem_elem
 # builder 2: numpy, one block at a time, threads in lockstep
 
 
-class _Numpy(gemm_epilogue.NumpyMixin, mma.MmaNumpy):
+class _Numpy(gemm_epilogue.NumpyMixin, MmaNumpy):
     def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                  init: float, block: tuple[int, int, int]):
         super().__init__(spec, p, A, B, C, init, block)  # type: ignore[arg-type]

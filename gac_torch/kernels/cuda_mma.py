@@ -29,10 +29,10 @@ One CTA of WARPS_M x WARPS_N warps computes a BM x BN tile of C; warp (wm, wn) o
   5. store      each accumulator to C at its fragment coordinates (FRAG_C), rounded to C's
                 type, inside the matrix only
 
-The kernel body is written once (`_kernel`) against a small builder interface with two
+The kernel body is written once (`kernel`) against a small builder interface with two
 implementations: `MmaText` emits the MLIR (`template`, a `func.func @tmpl(%A, %B, %C, %init)`
 holding one gpu.launch, the form backends/gpu/strategy.splice_template splices into a graph) and
-`MmaNumpy` executes it on the CPU, all threads of a block in lockstep, emulating mma.sync from the
+`MmaNumpy` (cuda_mma_twin.py) executes it on the CPU, all threads of a block in lockstep, emulating mma.sync from the
 same fragment tables and checking every shared-memory access against the barriers (a read or
 write of an element another thread wrote or read since the last barrier is a race). `emulate`
 runs a whole grid that way; the tests compare it with numpy's matmul.
@@ -45,9 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
-from gac_torch.kernels.builder import WORKGROUP, Numpy, Smem, Text, round_to
+from gac_torch.kernels.builder import WORKGROUP, Text
 
 # --- fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 / mma.m16n8k8") ----------
 # Lane l holds g = l // 4 (groupID) and t = l % 4 (threadID_in_group).
@@ -157,7 +156,7 @@ def mma_kind(ea: str, eb: str, ec: str, casts_ok: bool, allow_tf32: bool) -> str
     return None
 
 
-def _elem(spec: Spec) -> str:
+def elem_of(spec: Spec) -> str:
     return "f32" if spec.kind == "tf32" else spec.kind
 
 
@@ -197,7 +196,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     still makes about a wave of blocks."""
     if spec.kind not in KINDS or spec.K == 0 or spec.M == 0 or spec.N == 0:
         return None
-    if spec.a.elem != _elem(spec) or spec.b.elem != _elem(spec):
+    if spec.a.elem != elem_of(spec) or spec.b.elem != elem_of(spec):
         return None
     batch = math.prod(spec.batch_ext)
     if big is None:
@@ -219,7 +218,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
 
 
 def smem_bytes(p: Plan, spec: Spec) -> int:
-    es = _ESIZE[_elem(spec)]
+    es = _ESIZE[elem_of(spec)]
     return sum(2 * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
 
 
@@ -227,7 +226,7 @@ def smem_bytes(p: Plan, spec: Spec) -> int:
 # the kernel, once, against a builder
 
 
-def _kernel(b: Any, spec: Spec, p: Plan) -> None:
+def kernel(b: Any, spec: Spec, p: Plan) -> None:
     T, BM, BN, BK, KS = p.threads, p.bm, p.bn, p.bk, p.ks
     tf32 = spec.kind == "tf32"
     c = b.const
@@ -370,7 +369,7 @@ class MmaText(Text):
     def __init__(self, spec: Spec, p: Plan):
         super().__init__()
         self.spec, self.p = spec, p
-        self.e = _elem(spec)
+        self.e = elem_of(spec)
         es = {"A": p.a, "B": p.b}
         self.smem = {w: f"memref<2x{s.rows}x{s.cols + s.pad}x{self.e}, {_WG}>" for w, s in es.items()}
 
@@ -509,7 +508,7 @@ class MmaText(Text):
 def template(spec: Spec, p: Plan) -> str:
     """`func.func @tmpl(%A, %B, %C, %init)` holding the gpu.launch (see the banner)."""
     b = MmaText(spec, p)
-    _kernel(b, spec, p)
+    kernel(b, spec, p)
     gx, gy, gz = p.grid
     head = [
         f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, %init: {spec.c.elem}) {{",
@@ -521,106 +520,3 @@ def template(spec: Spec, p: Plan) -> str:
          f"workgroup(%SA : {b.smem['A']}, %SB : {b.smem['B']}) {{"),
     ]
     return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])
-
-
-# --------------------------------------------------------------------------------------------
-# builder 2: numpy, one block at a time, threads in lockstep
-
-
-class MmaNumpy(Numpy):
-    def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
-                 init: float, block: tuple[int, int, int]):
-        super().__init__(p.threads, block)
-        self.spec, self.p = spec, p
-        self.A, self.B, self.C, self.initv = A, B, C, init
-        self.e = _elem(spec)
-        self.S = {w: Smem(w, (2, s.rows, s.cols + s.pad)) for w, s in (("A", p.a), ("B", p.b))}
-
-    def load_global(self, which: str, idx: list[np.ndarray], vec: int, ok: np.ndarray) -> np.ndarray:
-        buf = self.A if which == "A" else self.B
-        out = np.zeros((self.T, vec), dtype=np.float32)
-        for i in range(vec):
-            at = [np.where(ok, x, 0) for x in idx[:-1]] + [np.where(ok, idx[-1] + i, 0)]
-            if ok.any():
-                assert all((a[ok] < s).all() for a, s in zip(at, buf.shape)), "global load out of bounds"
-            out[:, i] = np.where(ok, buf[tuple(at)], 0.0)
-        return out
-
-    def round_tf32(self, val: np.ndarray, vec: int) -> np.ndarray:
-        return round_to(val, "tf32")
-
-    def store_smem(self, which: str, idx: list[np.ndarray], val: np.ndarray, vec: int) -> None:
-        for i, at in enumerate(self.touch(self.S[which], idx, vec, True)):
-            self.S[which].data[at] = val[:, i]
-
-    def load_smem(self, which: str, idx: list[np.ndarray], vec: int) -> np.ndarray:
-        cells = self.touch(self.S[which], idx, vec, False)
-        vals = np.stack([self.S[which].data[at] for at in cells], axis=1)
-        if np.isnan(vals).any():
-            raise AssertionError(f"smem {which}: read of an element never written")
-        return vals if vec > 1 else vals[:, 0]
-
-    def pack(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        return np.stack([lo, hi], axis=1)
-
-    def mma(self, kind: str, a: list[np.ndarray], bregs: list[np.ndarray], acc: list[np.ndarray]) -> list[np.ndarray]:
-        """mma.sync per warp: rebuild the A (16xK) and B (Kx8) tiles from the lanes' registers
-        with the fragment tables, multiply in f64, scatter D back the same way."""
-        T = self.T
-        lane = np.arange(T) % 32
-        warp = np.arange(T) // 32
-        g, t = lane // 4, lane % 4
-        K = 8 if kind == "tf32" else 16
-        nw = T // 32
-        At = np.full((nw, 16, K), np.nan)
-        Bt = np.full((nw, K, 8), np.nan)
-        if kind == "tf32":
-            for e, (r, cc) in enumerate(FRAG_A8):
-                At[warp, g + r, t + cc] = a[e]
-            for e, kk in enumerate(FRAG_B8):
-                Bt[warp, t + kk, g] = bregs[e]
-        else:
-            for e, (r, cc) in enumerate(FRAG_A16):
-                for h in range(2):
-                    At[warp, g + r, 2 * t + cc + h] = a[e][:, h]
-            for e, kk in enumerate(FRAG_B16):
-                for h in range(2):
-                    Bt[warp, 2 * t + kk + h, g] = bregs[e][:, h]
-        assert not np.isnan(At).any() and not np.isnan(Bt).any(), "fragments do not cover the tile"
-        D = At @ Bt
-        out = []
-        for q, (r, cc) in enumerate(FRAG_C):
-            out.append((acc[q] + D[warp, g + r, 2 * t + cc]).astype(np.float32))
-        return out
-
-    def init_f32(self) -> np.ndarray:
-        return np.full(self.T, self.initv, dtype=np.float32)
-
-    def load_c(self, idx: list[np.ndarray], ok: np.ndarray) -> np.ndarray:
-        at = tuple(np.where(ok, x, 0) for x in idx)
-        return np.where(ok, self.C[at], 0.0).astype(np.float32)
-
-    def store_c(self, idx: list[np.ndarray], val: np.ndarray, ok: np.ndarray) -> None:
-        at = tuple(x[ok] for x in idx)
-        flat = np.ravel_multi_index(at, self.C.shape)
-        assert len(np.unique(flat)) == len(flat), "two threads store one C element"
-        self.C[at] = round_to(val[ok], self.spec.c.elem)
-
-    def loop(self, n: int, accs: list[np.ndarray], body: Callable) -> list[np.ndarray]:
-        return self.for_(0, n, 1, accs, ["f32"] * len(accs), body)
-
-
-def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
-            init: float = 0.0) -> np.ndarray:
-    """Run the kernel on the CPU; A, B, C are arrays shaped like the memrefs (offset 0, dense).
-    Returns the new C (f32 array holding values rounded to C's type). Raises RaceError on a
-    shared-memory race, AssertionError on out-of-range or unwritten accesses."""
-    assert all(o.offset == 0 for o in (spec.a, spec.b, spec.c))
-    A = round_to(A, spec.a.elem if spec.kind != "tf32" else "f32")
-    B = round_to(B, spec.b.elem if spec.kind != "tf32" else "f32")
-    C = np.array(C, dtype=np.float32)
-    for bz in range(p.grid[2]):
-        for by in range(p.grid[1]):
-            for bx in range(p.grid[0]):
-                _kernel(MmaNumpy(spec, p, A, B, C, init, (bx, by, bz)), spec, p)
-    return C
