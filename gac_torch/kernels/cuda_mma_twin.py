@@ -15,6 +15,31 @@ from gac_torch.kernels.cuda_mma import (
 
 
 
+def fragments_to_tiles(T: int, k8: bool, a: list[np.ndarray], bregs: list[np.ndarray]):
+    """Per warp of a T-thread block, the A (16xK) and B (Kx8) tiles of one mma.sync rebuilt from
+    the lanes' fragment registers (K = 8: tf32, else 16: f16/bf16 pairs), checked to cover the
+    tiles; with each thread's (warp, g, t) for scattering C/D back through FRAG_C."""
+    lane, warp = np.arange(T) % 32, np.arange(T) // 32
+    g, t = lane // 4, lane % 4
+    K, nw = (8 if k8 else 16), T // 32
+    At = np.full((nw, 16, K), np.nan)
+    Bt = np.full((nw, K, 8), np.nan)
+    if k8:
+        for e, (r, cc) in enumerate(FRAG_A8):
+            At[warp, g + r, t + cc] = a[e]
+        for e, kk in enumerate(FRAG_B8):
+            Bt[warp, t + kk, g] = bregs[e]
+    else:
+        for e, (r, cc) in enumerate(FRAG_A16):
+            for h in range(2):
+                At[warp, g + r, 2 * t + cc + h] = a[e][:, h]
+        for e, kk in enumerate(FRAG_B16):
+            for h in range(2):
+                Bt[warp, 2 * t + kk + h, g] = bregs[e][:, h]
+    assert not np.isnan(At).any() and not np.isnan(Bt).any(), "fragments do not cover the tile"
+    return At, Bt, (warp, g, t)
+
+
 class MmaNumpy(Numpy):
     def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                  init: float, block: tuple[int, int, int]):
@@ -54,27 +79,7 @@ class MmaNumpy(Numpy):
     def mma(self, kind: str, a: list[np.ndarray], bregs: list[np.ndarray], acc: list[np.ndarray]) -> list[np.ndarray]:
         """mma.sync per warp: rebuild the A (16xK) and B (Kx8) tiles from the lanes' registers
         with the fragment tables, multiply in f64, scatter D back the same way."""
-        T = self.T
-        lane = np.arange(T) % 32
-        warp = np.arange(T) // 32
-        g, t = lane // 4, lane % 4
-        K = 8 if kind == "tf32" else 16
-        nw = T // 32
-        At = np.full((nw, 16, K), np.nan)
-        Bt = np.full((nw, K, 8), np.nan)
-        if kind == "tf32":
-            for e, (r, cc) in enumerate(FRAG_A8):
-                At[warp, g + r, t + cc] = a[e]
-            for e, kk in enumerate(FRAG_B8):
-                Bt[warp, t + kk, g] = bregs[e]
-        else:
-            for e, (r, cc) in enumerate(FRAG_A16):
-                for h in range(2):
-                    At[warp, g + r, 2 * t + cc + h] = a[e][:, h]
-            for e, kk in enumerate(FRAG_B16):
-                for h in range(2):
-                    Bt[warp, 2 * t + kk + h, g] = bregs[e][:, h]
-        assert not np.isnan(At).any() and not np.isnan(Bt).any(), "fragments do not cover the tile"
+        At, Bt, (warp, g, t) = fragments_to_tiles(self.T, kind == "tf32", a, bregs)
         D = At @ Bt
         out = []
         for q, (r, cc) in enumerate(FRAG_C):

@@ -12,13 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gac_torch.kernels.cuda_mma import (
-    FRAG_A8,
-    FRAG_A16,
-    FRAG_B8,
-    FRAG_B16,
-    FRAG_C,
-)
+from gac_torch.kernels.cuda_mma import FRAG_C
+from gac_torch.kernels.cuda_mma_twin import fragments_to_tiles
 from gac_torch.kernels.builder import RaceError, round_to
 from gac_torch.kernels.flash_attention import Plan, Spec, kernel
 
@@ -197,26 +192,8 @@ class _Numpy:
     def mma(self, kind: str, a: list[np.ndarray], bregs: list[np.ndarray], acc: list[np.ndarray]) -> list[np.ndarray]:
         """Per warp: rebuild the A (16xK) and B (Kx8) tiles from the lanes' registers, multiply
         in f64 (tf32: operands rounded; f32x3: big·big + big·small + small·big), scatter D."""
-        T = self.T
-        lane, warp = np.arange(T) % 32, np.arange(T) // 32
-        g, t = lane // 4, lane % 4
-        K = 16 if kind in ("f16", "bf16") else 8
-        nw = T // 32
-        At = np.full((nw, 16, K), np.nan)
-        Bt = np.full((nw, K, 8), np.nan)
-        if K == 8:
-            for e, (r, cc) in enumerate(FRAG_A8):
-                At[warp, g + r, t + cc] = a[e]
-            for e, kk in enumerate(FRAG_B8):
-                Bt[warp, t + kk, g] = bregs[e]
-        else:
-            for e, (r, cc) in enumerate(FRAG_A16):
-                for h in range(2):
-                    At[warp, g + r, 2 * t + cc + h] = a[e][:, h]
-            for e, kk in enumerate(FRAG_B16):
-                for h in range(2):
-                    Bt[warp, 2 * t + kk + h, g] = bregs[e][:, h]
-        assert not np.isnan(At).any() and not np.isnan(Bt).any(), "fragments do not cover the tile"
+        At, Bt, (warp, g, t) = fragments_to_tiles(self.T, kind not in ("f16", "bf16"), a, bregs)
+        nw = self.T // 32
         C = np.zeros((nw, 16, 8))
         for q, (r, cc) in enumerate(FRAG_C):
             C[warp, g + r, 2 * t + cc] = acc[q]
