@@ -59,7 +59,7 @@ from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.gemm_epilogue import Epilogue
 
 KINDS = ("f16", "bf16", "tf32", "f32")
-_ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
+ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     if not simt and run_k == run_o == 1:
         glob_k = _step(op, spec.ks, r) <= _step(op, outer, r)
     run, inside, cols_g = (run_k, in_k, bk) if glob_k else (run_o, in_o, tile_o)
-    es = _ESIZE[op.elem]
+    es = ESIZE[op.elem]
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
     if op.guards:  # a vector could straddle the padding's edge
@@ -230,7 +230,7 @@ CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # mma kinds stage >= 4-b
 
 
 def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
-    es = _ESIZE[op.elem]
+    es = ESIZE[op.elem]
     if (tile_o * bk // vec) % threads:
         return None
     smem_k = glob_k and not simt
@@ -294,7 +294,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
 
 
 def smem_bytes(p: Plan, spec: Spec) -> int:
-    es = _ESIZE[smem_elem(spec.kind)]
+    es = ESIZE[smem_elem(spec.kind)]
     return sum(p.stages * s.rows * (s.cols + s.pad) * es for s in (p.a, p.b))
 
 

@@ -9,7 +9,7 @@ import dataclasses
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import WORKGROUP
-from gac_torch.kernels.conv_gemm import _ESIZE, Plan, Spec, kernel, smem_bytes, smem_elem
+from gac_torch.kernels.conv_gemm import ESIZE, Plan, Spec, kernel, smem_bytes, smem_elem
 
 
 class _Text(gemm_epilogue.TextMixin, mma.MmaText):
@@ -28,7 +28,7 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
         at, n, t = self.fresh(), self.fresh(), self.fresh()
         self.w(f"{at} = arith.select {ok}, {addr}, {self.const(0)} : index")
         self.w(f"{n} = arith.select {ok}, {self.const(vec)}, {self.const(0)} : index")
-        l1 = " {bypassL1}" if vec * _ESIZE[op.elem] == 16 else ""
+        l1 = " {bypassL1}" if vec * ESIZE[op.elem] == 16 else ""
         self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %S{which}[{', '.join(idx)}], {vec}, {n}{l1} "
                f": {op.flat} to {self.smem[which]}")
         self.copies.append(t)
@@ -66,7 +66,7 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
         vt = f"vector<{vec}x{op.elem}>"
         at, ld, z, r = self.fresh(), self.fresh(), self.fresh(), self.fresh()
         self.w(f"{at} = arith.select {ok}, {addr}, {self.const(0)} : index")
-        self.w(f"{ld} = vector.load %{which}f[{at}] {{alignment = {vec * _ESIZE[op.elem]}}} : {op.flat}, {vt}")
+        self.w(f"{ld} = vector.load %{which}f[{at}] {{alignment = {vec * ESIZE[op.elem]}}} : {op.flat}, {vt}")
         self.w(f"{z} = arith.constant dense<0.0> : {vt}")
         self.w(f"{r} = arith.select {ok}, {ld}, {z} : {vt}")
         return r

@@ -60,7 +60,7 @@ WG = 128  # threads per warpgroup
 THREADS = 3 * WG
 SWIZZLE = 128  # bytes: the swizzle span, and the inner extent of every TMA box
 ALIGN = 1024  # a swizzled tile's atom (8 rows of 128 B) must start 1024-byte aligned
-_ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
+ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128*40 + 256*232 <= 64K registers
 SMEM_LIMIT = 227 * 1024
 MIN_WORK = 1 << 21  # M*N*K*batch below this stays with mma.sync (launch-bound sizes)
@@ -139,7 +139,7 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     batch = math.prod(spec.batch_ext)
     if spec.M * spec.N * spec.K * batch < MIN_WORK:
         return None
-    es = _ESIZE[e]
+    es = ESIZE[e]
     bk = SWIZZLE // es  # one swizzle span of K per slice: 64 (16-bit), 32 (tf32)
     bn = bn or int(os.environ.get("GAC_WGMMA_BN", 0))  # (tuning: force a tile width)
     if not bn:  # the wide tile once it still fills the GPU
@@ -169,7 +169,7 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles, cluster=cluster)
     # 5b: 16-bit C whose rows are 16-byte multiples goes through shared memory (H200,
     # 2026-12-01, 4096^3: 4-9 % faster than pair stores); GAC_WGMMA_EPILOGUE=direct: never
-    c_es = _ESIZE.get(c.elem, 4)
+    c_es = ESIZE.get(c.elem, 4)
     if (os.environ.get("GAC_WGMMA_EPILOGUE", "smem") == "smem" and pair and c_es == 2 and spec.N % 8 == 0
             and all(x % 8 == 0 for x in c.strides[:-1]) and c.offset % 8 == 0):
         staged = Plan(**{**p.__dict__, "staged_store": True, "c_bytes": c_es})
@@ -224,7 +224,7 @@ def swizzle128(offset: int) -> int:
 
 
 def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
-    es = _ESIZE[_elem(spec)]
+    es = ESIZE[_elem(spec)]
     c = b.const
     S = p.stages
     a_base, b_base = 0, S * p.a.stage_bytes

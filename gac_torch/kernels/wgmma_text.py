@@ -8,7 +8,7 @@ from typing import Any
 
 from gac_torch.kernels.builder import Text
 from gac_torch.kernels.cuda_mma import Spec
-from gac_torch.kernels.wgmma_gemm import _ESIZE, ALIGN, Plan, Side, descriptor
+from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
 
 
 class WgmmaText(Text):
@@ -214,7 +214,7 @@ class WgmmaText(Text):
         def st() -> None:
             x = self.fresh()
             self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{ec}>")
-            self.w(f"vector.store {x}, %C[{', '.join(self._cidx(row, col))}] {{alignment = {2 * _ESIZE[ec]}}}"
+            self.w(f"vector.store {x}, %C[{', '.join(self._cidx(row, col))}] {{alignment = {2 * ESIZE[ec]}}}"
                    f" : {ct}, vector<2x{ec}>")
 
         self.when(self._inside(row, col), st)
