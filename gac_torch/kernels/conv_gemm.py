@@ -146,7 +146,7 @@ class Staging:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(mma.WarpTiling):
     bm: int
     bn: int
     bk: int
@@ -160,18 +160,6 @@ class Plan:
     tn: int = 0
     stages: int = 2  # shared-memory buffers per operand (cp.async: up to stages - 1 slices in flight)
     dynamic: bool = False  # the buffers are dynamic shared memory (over the static 48 KB)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
-
-    @property
-    def mt(self) -> int:
-        return self.bm // self.warps_m // 16
-
-    @property
-    def nt(self) -> int:
-        return self.bn // self.warps_n // 8
 
 
 def smem_elem(kind: str) -> str:

@@ -120,17 +120,14 @@ class Staging:
     per_thread: int  # vector loads per thread per slice
 
 
-@dataclass(frozen=True)
-class Plan:
+class WarpTiling:
+    """A block of warps_m x warps_n warps over a bm x bn tile of m16n8 mma fragments: the
+    threads, and the fragments per warp along M (mt) and N (nt)."""
+
     bm: int
     bn: int
-    bk: int
-    ks: int  # k per mma
     warps_m: int
     warps_n: int
-    a: Staging
-    b: Staging
-    grid: tuple[int, int, int]
 
     @property
     def threads(self) -> int:
@@ -143,6 +140,20 @@ class Plan:
     @property
     def nt(self) -> int:
         return self.bn // self.warps_n // 8
+
+
+@dataclass(frozen=True)
+class Plan(WarpTiling):
+    bm: int
+    bn: int
+    bk: int
+    ks: int  # k per mma
+    warps_m: int
+    warps_n: int
+    a: Staging
+    b: Staging
+    grid: tuple[int, int, int]
+
 
 
 def mma_kind(ea: str, eb: str, ec: str, casts_ok: bool, allow_tf32: bool) -> str | None:
