@@ -243,3 +243,42 @@ def test_cluster_pairs_compile_with_multicast(monkeypatch: pytest.MonkeyPatch) -
         assert program.launches[0].grid[0] % (2 if pairs else 1) == 0
         result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
         assert result.ok and " 0 bytes spill stores" in result.log, result.log
+
+
+# ------------------------------------------------------------------------------------------------
+# transposed operands from torch: read in place (backends/gpu/transposed_operands.py)
+
+
+def launches(compiled) -> list[str]:
+    """The strategies of a compiled graph's kernels, in launch order (from the PTX header)."""
+    head = compiled.ir("ptx").split("\n.version")[0]
+    return [line.rsplit("[", 1)[1].split("]")[0] for line in head.splitlines() if line.startswith("// launch")]
+
+
+class _Mm(torch.nn.Module):
+    def __init__(self, a_t: bool, b_t: bool) -> None:
+        super().__init__()
+        self.a_t, self.b_t = a_t, b_t
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.transpose(-1, -2) if self.a_t else a) @ (b.transpose(-1, -2) if self.b_t else b)
+
+
+@pytest.mark.parametrize("M,K,N,dt,a_t,b_t,batch,arch,want", [
+    (200, 136, 262, torch.float16, False, True, 0, "sm_90", ["wgmma"]),  # nn.Linear's B (K-major)
+    (200, 136, 264, torch.bfloat16, False, True, 3, "sm_90", ["wgmma"]),
+    (136, 72, 264, torch.bfloat16, True, False, 0, "sm_90", ["wgmma"]),  # A M-major
+    (520, 200, 1032, torch.float16, True, True, 0, "sm_90", ["wgmma"]),
+    (200, 136, 262, torch.float16, False, True, 0, "sm_80", ["mma", "loops"]),  # (+ the rounding)
+])
+def test_transposes_are_views_not_kernels(M, K, N, dt, a_t, b_t, batch, arch, want) -> None:
+    import gac_torch
+
+    lead = (batch,) if batch else ()
+    a = torch.randn(lead + ((K, M) if a_t else (M, K))).to(dt)
+    b = torch.randn(lead + ((N, K) if b_t else (K, N))).to(dt)
+    compiled = gac_torch.compile(_Mm(a_t, b_t), (a, b), target="cuda", options={"arch": arch})
+    assert launches(compiled) == want, compiled.ir("ptx").split("\n.version")[0]
+    if arch == "sm_90":  # TMA boxes over the arguments themselves, no temporary
+        head = compiled.ir("ptx").split("\n.version")[0]
+        assert "tma(arg0 " in head and "tma(arg1 " in head and "temp" not in head
