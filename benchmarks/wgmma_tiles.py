@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gac_torch  # noqa: E402
 
-DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}  # tf32: f32, TF32 on
 
 
 class Mm(torch.nn.Module):
@@ -67,6 +67,7 @@ def main() -> None:
     n = args.size
     for name in args.dtypes.split(","):
         dt = DT[name]
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"  # eager (cuBLAS) and gac alike
         gen = torch.Generator().manual_seed(0)
         sets = [(torch.randn(n, n, generator=gen).to("cuda", dt), torch.randn(n, n, generator=gen).to("cuda", dt))
                 for _ in range(5)]  # 5 x 64 MiB: past the L2
@@ -80,7 +81,7 @@ def main() -> None:
             os.environ["GAC_WGMMA_CLUSTER"] = "2" if "c2" in more else "1"
             epi = more
             try:
-                compiled = gac_torch.compile(Mm(), sets[0], target="cuda", options={"cache": False})
+                compiled = gac_torch.compile(Mm(), sets[0], target="cuda", options={"cache": False, "allow_tf32": name == "tf32"})
                 strategies = [ln.split("[")[1].split("]")[0] for ln in compiled.ir("ptx").splitlines()
                               if ln.startswith("// launch")]
                 err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gac_torch
-from test_wgmma_gemm import launches
+from test_wgmma_gemm import launches, matmul_tf32
 
 pytestmark = pytest.mark.cuda
 
@@ -41,6 +41,13 @@ CASES = [  # M, K, N, dtype, a_t, b_t, batch, expected strategy
     (200, 136, 264, torch.bfloat16, False, False, 3, "wgmma"),  # bmm
     (200, 136, 264, torch.float16, False, True, 3, "wgmma"),
     (200, 136, 262, torch.float16, False, True, 0, "wgmma"),  # C stored in pairs (no staging)
+    # f32 with TF32 allowed: B N-major -> C^T = B^T A^T with B's tile from registers
+    (2048, 2048, 2048, torch.float32, False, False, 0, "wgmma"),
+    (1000, 520, 1032, torch.float32, False, False, 0, "wgmma"),
+    (200, 136, 264, torch.float32, False, False, 3, "wgmma"),
+    (136, 72, 264, torch.float32, True, True, 0, "wgmma"),  # A M-major from registers, no swap
+    (520, 200, 1032, torch.float32, False, True, 0, "wgmma"),  # both K-major (shared memory)
+    (520, 200, 1032, torch.float32, True, False, 0, "mma"),  # A M-major, B N-major
 ]
 
 
@@ -53,9 +60,11 @@ def test_gemm_matches_float64_on_gpu(M, K, N, dtype, a_t, b_t, batch, strategy) 
     model = _Mm(a_t, b_t)
     a = torch.randn(a_shape, generator=gen).to("cuda", dtype)
     b = torch.randn(b_shape, generator=gen).to("cuda", dtype)
-    compiled = gac_torch.compile(model, (a, b), target="cuda")
+    tf32 = dtype == torch.float32
+    with matmul_tf32(tf32):  # read at compile time
+        compiled = gac_torch.compile(model, (a, b), target="cuda")
     kernels = launches(compiled)  # transposes are read in place, the rounding is in the store
-    assert kernels == ([strategy] if strategy == "wgmma" else [strategy, "loops"]), kernels
+    assert kernels == ([strategy] if strategy == "wgmma" or tf32 else [strategy, "loops"]), kernels
     for seed in (0, 1):  # fresh inputs: descriptors are rebuilt for new addresses
         g2 = torch.Generator().manual_seed(seed)
         a = torch.randn(a_shape, generator=g2).to("cuda", dtype)

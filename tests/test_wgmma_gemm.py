@@ -4,6 +4,9 @@ descriptor reads; the strategy's choice and the PTX (sm_90a, ptxas, no spills)."
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch
 from gac_torch.backends.cuda import ptxas
 from gac_torch.backends.gpu.program import BufferRef, KernelLaunch, TensorMapArg, from_json, to_json
 from gac_torch.kernels import wgmma_gemm as W
-from gac_torch.kernels.cuda_mma import Operand, Spec
+from gac_torch.kernels.cuda_mma import FRAG_A8, Operand, Spec
 from cuda_cases import MLIR, Case, compile_case, matmul
 
 # ------------------------------------------------------------------------------------------------
@@ -176,17 +179,61 @@ def test_wgmma_chosen_and_assembles(M, K, N, dt, a_t, b_t, batch, bn) -> None:
     assert result.ok and " 0 bytes spill stores" in result.log, result.log
 
 
-def test_wgmma_tf32_needs_k_major_operands() -> None:
-    opts = {"allow_tf32": True}
-    linear = _case(512, 256, 384, torch.float32, b_t=True)
-    linear.options = opts
-    program = compile_case(linear, "sm_90")
-    assert [k.strategy for k in program.launches] == ["wgmma"]
-    assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in program.ptx
-    assert ptxas.assemble(program.ptx, "sm_90a", _PTXAS).ok
-    mm = _case(512, 256, 384, torch.float32)  # B N-major: wgmma has no tf32 transpose
-    mm.options = opts
-    assert [k.strategy for k in compile_case(mm, "sm_90").launches] == ["mma"]
+class _Ints:
+    """The builder verbs `a_frag_offset` uses, on plain ints."""
+
+    const = staticmethod(lambda x: x)
+    add = staticmethod(lambda x, y: x + y)
+    mul = staticmethod(lambda x, y: x * y)
+    div = staticmethod(lambda x, y: x // y)
+    rem = staticmethod(lambda x, y: x % y)
+    xor = staticmethod(lambda x, y: x ^ y)
+
+
+def test_register_fragments_read_back_what_tma_wrote() -> None:
+    # 4b': tf32 with an M-major A, each thread loads its m64n?k8 A fragment (FRAG_A8) from the
+    # swizzled boxes [BK][32 rows] TMA wrote; the kernel adds the K step as kstep * 8 rows
+    es, ks = 4, 8
+    side = W.Side(False, 128, (32, 32), 4, 128 * 32 * es)
+    rng = np.random.default_rng(1)
+    tile = rng.standard_normal((128, 32)).astype(np.float32)  # [M row][k] of one stage
+    base = 2 * W.ALIGN
+    smem = np.zeros(base + side.stage_bytes + 1024, dtype=np.uint8)
+    for off, shift in W.box_origins(side, es):
+        _tma_write(smem, base + off, np.ascontiguousarray(tile[shift:shift + 32, :].T), es)
+    for cw in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                row0 = cw * 64 + warp * 16 + g
+                for dr, dk in FRAG_A8:
+                    off0 = W.a_frag_offset(_Ints, side, es, row0 + dr, t + dk)
+                    for kstep in range(32 // ks):
+                        at = base + off0 + kstep * ks * W.SWIZZLE
+                        got = smem[at:at + es].view(np.float32)[0]
+                        assert got == tile[row0 + dr, kstep * ks + t + dk], (cw, warp, lane, dr, dk, kstep)
+
+
+@pytest.mark.parametrize("M,K,N,a_t,b_t,want,form", [
+    (512, 256, 384, False, True, "wgmma", "desc"),  # nn.Linear's B: both K-major
+    (512, 256, 384, False, False, "wgmma", "regs"),  # B N-major: C^T = B^T A^T, A from registers
+    (1000, 520, 1032, False, False, "wgmma", "regs"),
+    (136, 72, 264, True, True, "wgmma", "regs"),  # A M-major: from registers
+    (512, 256, 384, True, False, "mma", None),  # A M-major and B N-major: no wgmma tf32 form
+])
+def test_wgmma_tf32_operand_layouts(M, K, N, a_t, b_t, want, form) -> None:
+    case = _case(M, K, N, torch.float32, a_t, b_t)
+    case.options = {"allow_tf32": True}
+    program = compile_case(case, "sm_90")
+    assert [k.strategy for k in program.launches] == [want], program.describe()
+    if form is None:
+        return
+    wg = [ln for ln in program.ptx.splitlines() if ln.startswith("wgmma.mma_async")]
+    assert wg and all(".f32.tf32.tf32" in ln for ln in wg)
+    assert all(("}, {%r" in ln) == (form == "regs") for ln in wg), wg[0]  # A: registers or descriptor
+    assert ("cvt.rna.tf32.f32" in program.ptx) == (form == "regs")
+    result = ptxas.assemble(program.ptx, "sm_90a", _PTXAS)
+    assert result.ok and " 0 bytes spill stores" in result.log and "serialized" not in result.log, result.log
 
 
 @pytest.mark.parametrize("M,K,N,arch", [(1000, 520, 1030, "sm_90"),  # B's rows: 2060 B, not 16-aligned
@@ -247,6 +294,18 @@ def test_cluster_pairs_compile_with_multicast(monkeypatch: pytest.MonkeyPatch) -
 
 # ------------------------------------------------------------------------------------------------
 # transposed operands from torch: read in place (backends/gpu/transposed_operands.py)
+
+
+@contextlib.contextmanager
+def matmul_tf32(allow: bool) -> Iterator[None]:
+    """torch's matmul TF32 flag set for a compile (saved and restored by hand: a property of a
+    module object, which some pytest versions' monkeypatch cannot undo)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def launches(compiled) -> list[str]:

@@ -4,7 +4,10 @@ with warpgroup `wgmma.mma_async` on operands that TMA (`cp.async.bulk.tensor`) s
 f32 accumulators, C rounded to its type in the store.
 
   kinds   f16 x f16, bf16 x bf16 (either operand K- or M/N-major: wgmma's transpose bits);
-          f32 x f32 as tf32 when allowed (both operands K-major: wgmma has no tf32 transpose)
+          f32 x f32 as tf32 when allowed: wgmma reads a tf32 B only K-major from shared memory;
+          an M-major A is read from registers instead (4b'); with B N-major and A K-major
+          (`a @ b` row-major) the kernel computes C^T = B^T A^T (`orient`): B's tile becomes
+          the register operand, C is stored transposed
 
 A persistent CTA of 3 warpgroups computes BM x BN tiles (BM = 128) bid, bid + grid, ...:
 warpgroup 0 is the producer, its thread 0 issues the TMA loads; warpgroups 1 and 2 (consumers)
@@ -22,6 +25,8 @@ ahead into the next tile while the consumers store the last one.
   4. consumers registers raised (setmaxnreg.inc); accumulators = the fill or C; per slice kt:
                4a. wait full[kt % S]
                4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit
+               4b'. (A from registers) first every K step's A fragment, loaded from the
+                   swizzled tile (`a_frag_offset`) and rounded to tf32 (cvt.rna)
                4c. wait until one group at most is in flight: the previous slice's stage is
                    free, one thread per warpgroup arrives on its empty barrier (the tile's last
                    slice: after waiting for all)
@@ -47,10 +52,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from gac_torch.kernels.cuda_mma import FRAG_C, Operand, Spec
+from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_C, Operand, Spec
 
 if TYPE_CHECKING:
     from gac_torch.kernels.wgmma_text import WgmmaText
@@ -91,6 +96,7 @@ class Plan:
     pair_store: bool  # C stored two columns at a time
     tiles: int  # work units: BM x BN tiles over the batch (cluster 2: pairs of M-adjacent tiles)
     staged_store: bool = False  # C through shared memory, 16-byte coalesced stores (5b)
+    a_regs: bool = False  # tf32 with an M-major A: fragments from shared memory to registers (4b')
     c_bytes: int = 2
     cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
 
@@ -108,9 +114,20 @@ def _elem(spec: Spec) -> str:
     return "f32" if spec.kind == "tf32" else spec.kind
 
 
+def orient(spec: Spec) -> Spec:
+    """The product the kernel computes: `spec`, or for tf32 with B N-major and A K-major the
+    transposed one, C^T[n, m] = sum_k B^T[n, k] A^T[k, m] (its A, B's tile, is M-major and read
+    from registers; its B, A's tile, K-major; C's subscripts follow the dims, so the stores land
+    transposed)."""
+    if spec.kind != "tf32" or spec.b.dims[-1] == spec.k or spec.a.dims[-1] != spec.k:
+        return spec
+    return replace(spec, m=spec.n, n=spec.m, a=spec.b, b=spec.a)
+
+
 def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> Side | None:
     """Staging for one operand, or None when TMA cannot read it (strides not 16-byte
-    multiples, a view offset not 16-byte aligned, or a dim that is neither K nor M/N)."""
+    multiples, a view offset not 16-byte aligned, or a dim that is neither K nor M/N) or wgmma
+    cannot (a tf32 B that is not K-major)."""
     if op.strides[-1] != 1 or len(op.dims) != len(set(op.dims)) or len(op.dims) > 3:
         return None
     if any(s * es % 16 for s in op.strides[:-1]) or op.offset * es % 16:
@@ -124,8 +141,8 @@ def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> S
     span = SWIZZLE // es  # elements in 128 bytes
     if inner == spec.k:
         return Side(True, rows, (bk, rows), 1, rows * bk * es)
-    if spec.kind == "tf32":
-        return None  # wgmma reads tf32 K-major only
+    if spec.kind == "tf32" and outer != spec.m:
+        return None  # wgmma reads a tf32 B K-major only (an M-major A: from registers)
     return Side(False, rows, (span, bk), rows // span, rows * bk * es)
 
 
@@ -166,7 +183,8 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles, cluster=cluster)
+    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles, cluster=cluster,
+             a_regs=spec.kind == "tf32" and not sa.k_major)
     # 5b: 16-bit C whose rows are 16-byte multiples goes through shared memory (H200,
     # 2026-12-01, 4096^3: 4-9 % faster than pair stores); GAC_WGMMA_EPILOGUE=direct: never
     c_es = ESIZE.get(c.elem, 4)
@@ -205,6 +223,18 @@ def desc_layout(side: Side, es: int, rows0: int, kstep: int) -> tuple[int, int, 
     box_bytes = side.box[0] * side.box[1] * es
     span = SWIZZLE // es
     return (rows0 // span) * box_bytes + kstep * ks * SWIZZLE, box_bytes, 8 * SWIZZLE
+
+
+def a_frag_offset(b: Any, side: Side, es: int, row: Any, k: Any) -> Any:
+    """Byte offset in a stage of element (row, k) of an M-major A tile (4b'): box row // span
+    (TMA wrote them side by side), in it K-row k of 128 bytes, the element's 16-byte chunk XOR
+    k % 8 (the 128-byte swizzle; the box starts 1024-byte aligned). `b`: the kernel's builder,
+    or plain ints (the tests)."""
+    c = b.const
+    span = SWIZZLE // es
+    box = b.mul(b.div(row, c(span)), c(side.box[0] * side.box[1] * es))
+    chunk = b.xor(b.mul(b.rem(row, c(span)), c(es)), b.mul(b.rem(k, c(8)), c(16)))
+    return b.add(box, b.add(b.mul(k, c(SWIZZLE)), chunk))
 
 
 def descriptor(addr: int, lbo: int, sbo: int) -> int:
@@ -327,7 +357,12 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
         cw = b.sub(wg, c(1))  # consumer index: rows cw*64 .. +63 of the tile
         frag = [(i, q) for i in range(p.bn // 8) for q in range(4)]
-        a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
+        if p.a_regs:  # 4b': this thread's A fragment (FRAG_A8: rows g, g + 8; k t, t + 4) in a stage
+            row0 = b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g))
+            a_offs = [b.to_i32(a_frag_offset(b, p.a, es, b.add(row0, c(dr)), b.add(tq, c(dk))))
+                      for dr, dk in FRAG_A8]
+        else:
+            a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
         leader = b.eq(t, c(0))  # one arrival per consumer warpgroup
 
         def one_tile(tl: Any) -> None:
@@ -351,9 +386,13 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 it = b.add(first, kt)
                 s, phase = stage_phase(it)
                 b.mbar_wait(full(s), phase)  # 4a
+                if p.a_regs:  # 4b'
+                    a_stage = b.i32_add(smem, b.i32_add(b.i32(a_base), b.i32_mul(b.to_i32(s), b.i32(p.a.stage_bytes))))
+                    regs = [[b.lds_tf32(b.i32_add(a_stage, b.i32_add(off, b.i32(kstep * p.ks * SWIZZLE))))
+                             for off in a_offs] for kstep in range(p.bk // p.ks)]
                 b.asm("wgmma.fence.sync.aligned;")  # 4b
                 for kstep in range(p.bk // p.ks):
-                    da = b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
+                    da = regs[kstep] if p.a_regs else b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
                     db = b.desc(smem, b_base, p.b, s, desc_layout(p.b, es, 0, kstep), None, 0)
                     accs = b.wgmma(accs, da, db)
                 b.asm("wgmma.commit_group.sync.aligned;")

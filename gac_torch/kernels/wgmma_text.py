@@ -29,6 +29,14 @@ class WgmmaText(Text):
     def i32_mul(self, x: str, y: str) -> str:
         return self.binop("arith.muli", x, y, "i32")
 
+    def xor(self, x: str, y: str) -> str:
+        return self.binop("arith.xori", x, y)
+
+    def lds_tf32(self, addr: str) -> str:
+        """An f32 from shared `addr`, rounded to tf32 (cvt.rna: as mma.sync's operands)."""
+        return self.asm("{\n.reg .f32 F;\nld.shared.f32 F, [$1];\ncvt.rna.tf32.f32 $0, F;\n}",
+                        args=[(addr, "r", "i32")], results=1)[0]
+
     def xor1(self, x: str) -> str:
         return self.binop("arith.xori", x, self.i32(1), "i32")
 
@@ -128,13 +136,20 @@ class WgmmaText(Text):
                         self.const(4, "i64"), "i64")
         return self.binop("arith.ori", lo, self.const(descriptor(0, lbo, sbo), "i64"), "i64")
 
-    def wgmma(self, accs: list[str], da: str, db: str) -> list[str]:
+    def wgmma(self, accs: list[str], da: str | list[str], db: str) -> list[str]:
+        """One wgmma on the accumulators; A by descriptor `da`, or (a list) from registers."""
         spec, p = self.spec, self.p
         n = len(accs)
         regs = ", ".join(f"${i}" for i in range(n))
-        # operands: the n outputs, the n tied inputs, then the descriptors and the scale-d flag
-        da_, db_, sd = 2 * n, 2 * n + 1, 2 * n + 2
-        if spec.kind == "tf32":
+        # operands: the n outputs, the n tied inputs, then A (descriptor or registers), B's
+        # descriptor and the scale-d flag
+        na = len(da) if isinstance(da, list) else 1
+        da_, db_, sd = 2 * n, 2 * n + na, 2 * n + na + 1
+        a_args = [(r, "r", "i32") for r in da] if isinstance(da, list) else [(da, "l", "i64")]
+        if isinstance(da, list):
+            a_regs = "{" + ", ".join(f"${da_ + i}" for i in range(na)) + "}"
+            ins = f"wgmma.mma_async.sync.aligned.m64n{p.bn}k8.f32.tf32.tf32 {{{regs}}}, {a_regs}, ${db_}, P, 1, 1;"
+        elif spec.kind == "tf32":
             ins = f"wgmma.mma_async.sync.aligned.m64n{p.bn}k8.f32.tf32.tf32 {{{regs}}}, ${da_}, ${db_}, P, 1, 1;"
         else:
             ta, tb = int(not p.a.k_major), int(not p.b.k_major)
@@ -142,7 +157,7 @@ class WgmmaText(Text):
                    f"{{{regs}}}, ${da_}, ${db_}, P, 1, 1, {ta}, {tb};")
         acc = list(accs)
         self.asm("{\n.reg .pred P;\nsetp.ne.b32 P, $" + str(sd) + ", 0;\n" + ins + "\n}", acc,
-                 [(da, "l", "i64"), (db, "l", "i64"), (self.i32(1), "r", "i32")])
+                 [*a_args, (db, "l", "i64"), (self.i32(1), "r", "i32")])
         return acc
 
     def loop(self, lo: str, hi: str, body: Any) -> None:

@@ -68,14 +68,16 @@ def strategy(allow_tf32: bool) -> Strategy:
         rounding = _rounding_consumer(g, fill)
         if rounding is not None:
             spec = Spec(**{**spec.__dict__, "c": mma.operand(rounding.outputs[0], g.maps[2])})
-        plan = wgmma_gemm.plan(spec)
-        return None if plan is None else (g, spec, plan, fill, rounding)
+        oriented = wgmma_gemm.orient(spec)  # (tf32, B N-major: C^T = B^T A^T)
+        plan = wgmma_gemm.plan(oriented)
+        ins = g.inputs if oriented is spec else g.inputs[::-1]  # the kernel's A, B
+        return None if plan is None else (g, oriented, plan, fill, rounding, ins)
 
     def emit(m, name: str, limits: GpuLimits) -> bool:
-        g, spec, plan, fill, rounding = m
+        g, spec, plan, fill, rounding, ins = m
         out = rounding.outputs[0] if rounding is not None else g.outputs[0]
         acc = str(ir.MemRefType(g.outputs[0].type).element_type)  # the fill's type
-        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*g.inputs, out],
+        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*ins, out],
                         fill[1] if fill is not None else None, acc, name)
         if fill is not None:
             fill[0].erase()
