@@ -37,7 +37,7 @@ _KEEP_NAMED = (
 )
 
 
-GENERALIZE_SCRIPT = """
+_GENERALIZE_SCRIPT = """
 module attributes {transform.with_named_sequence} {
   transform.named_sequence @__transform_main(%root: !transform.any_op {transform.readonly}) {
     %ops = transform.structured.match attributes {gac.generalize} in %root
@@ -58,7 +58,7 @@ def generalize_elementwise_named_ops(module: ir.Module, fn: ir.Operation) -> Non
             op.attributes["gac.generalize"] = ir.UnitAttr.get()
             tagged = True
     if tagged:
-        script = ir.Module.parse(GENERALIZE_SCRIPT, module.context)
+        script = ir.Module.parse(_GENERALIZE_SCRIPT, module.context)
         interpreter.apply_named_sequence(module.operation, script.body.operations[0], script)
 
 
