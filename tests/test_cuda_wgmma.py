@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gac_torch
-from test_wgmma_gemm import launches, matmul_tf32
+from test_wgmma_gemm import EPILOGUES, Epilogue, launches, matmul_tf32
 
 pytestmark = pytest.mark.cuda
 
@@ -102,3 +102,22 @@ def test_transposed_operands_in_place_on_gpu(M, K, N, dtype, a_t, b_t, batch) ->
     ref = case.reference(*[t.double() for t in inputs])[0]
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all() and err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear", EPILOGUES)
+def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear) -> None:
+    gen = torch.Generator().manual_seed(M + N + K)
+    shapes = [(M, K), (N, K) if linear else (K, N), (N,), (M, N)]
+    model = Epilogue(act, residual, linear)
+    args = [torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes]
+    with matmul_tf32(dtype == torch.float32):
+        compiled = gac_torch.compile(model, tuple(args), target="cuda")
+    assert launches(compiled) == ["wgmma"], compiled.ir("ptx").split("\n.version")[0]
+    for seed in (0, 1):
+        g2 = torch.Generator().manual_seed(seed)
+        args = [torch.randn(s, generator=g2).to("cuda", dtype) for s in shapes]
+        got = compiled(*args)
+        ref = model(*[t.double() for t in args])
+        assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[dtype], (M, K, N, dtype, act, residual, linear, err)

@@ -341,3 +341,47 @@ def test_transposes_are_views_not_kernels(M, K, N, dt, a_t, b_t, batch, arch, wa
     if arch == "sm_90":  # TMA boxes over the arguments themselves, no temporary
         head = compiled.ir("ptx").split("\n.version")[0]
         assert "tma(arg0 " in head and "tma(arg1 " in head and "temp" not in head
+
+
+# ------------------------------------------------------------------------------------------------
+# epilogues: bias, activation, residual add in the wgmma kernel's store (5c)
+
+
+class Epilogue(torch.nn.Module):
+    """A Linear (x @ w.T + bias, or a @ b + bias with b row-major) and what follows it: the
+    activation and a residual add run in the wgmma kernel's store."""
+
+    def __init__(self, act: str, residual: bool, linear: bool) -> None:
+        super().__init__()
+        self.act, self.residual, self.linear = act, residual, linear
+
+    def forward(self, x, w, bias, r):
+        y = torch.nn.functional.linear(x, w, bias) if self.linear else x @ w + bias
+        y = {"none": y, "relu": torch.relu(y), "gelu": torch.nn.functional.gelu(y)}[self.act]
+        return y + r if self.residual else y
+
+
+EPILOGUES = [  # M, K, N, dtype, activation, residual, linear layout (else a @ b)
+    (1000, 520, 1030, torch.bfloat16, "gelu", False, True),  # partial tiles in M, N, K
+    (1000, 520, 1030, torch.float16, "relu", True, True),
+    (520, 256, 1032, torch.bfloat16, "none", True, False),  # B N-major (16-bit: transpose bit)
+    (1000, 520, 1032, torch.float32, "relu", False, True),  # TF32, both K-major
+    (1000, 520, 1032, torch.float32, "gelu", True, False),  # TF32 C^T = B^T A^T, A from registers
+]
+
+
+
+@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear", EPILOGUES)
+def test_epilogue_runs_in_the_wgmma_store(M, K, N, dtype, act, residual, linear, monkeypatch) -> None:
+    import gac_torch
+
+    shapes = [(M, K), (N, K) if linear else (K, N), (N,), (M, N)]
+    args = tuple(torch.randn(s).to(dtype) for s in shapes)
+    with matmul_tf32(dtype == torch.float32):
+        compiled = gac_torch.compile(Epilogue(act, residual, linear), args, target="cuda", options={"arch": "sm_90"})
+        assert launches(compiled) == ["wgmma"], compiled.ir("ptx").split("\n.version")[0]
+        result = ptxas.assemble(compiled.ir("ptx"), "sm_90a", _PTXAS)
+        assert result.ok and " 0 bytes spill stores" in result.log, result.log
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_FUSION", "0")  # (bisecting: a separate pass)
+        unfused = gac_torch.compile(Epilogue(act, residual, linear), args, target="cuda", options={"arch": "sm_90"})
+        assert launches(unfused) == ["wgmma", "loops"]

@@ -33,7 +33,10 @@ ahead into the next tile while the consumers store the last one.
   5. store     each accumulator (pairs when C's rows are contiguous and even) to C, rounded to
                C's type, inside the matrix only; 5b. for f16/bf16 C with 16-byte rows, through
                a padded shared-memory staging buffer per warpgroup (named barrier), then 16-byte
-               stores of whole row chunks
+               stores of whole row chunks; 5c. with a fused epilogue (`GemmSpec.epilogue`: bias,
+               activation, residual, output cast), per accumulator: its elementwise consumer's
+               body on it and the consumer's other operands, stored to the consumer's output
+               (gemm_epilogue.store; C itself is not written)
 
 Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
 mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
@@ -56,6 +59,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_C, Operand, Spec
+from gac_torch.kernels.gemm_epilogue import Epilogue
 
 if TYPE_CHECKING:
     from gac_torch.kernels.wgmma_text import WgmmaText
@@ -70,6 +74,18 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128*40 + 256*232 <= 64K re
 SMEM_LIMIT = 227 * 1024
 MIN_WORK = 1 << 21  # M*N*K*batch below this stays with mma.sync (launch-bound sizes)
 SM_COUNT_HINT = 132
+
+
+@dataclass(frozen=True)
+class GemmSpec(Spec):
+    """cuda_mma's Spec plus C's fused elementwise consumer (kernels/gemm_epilogue.py), whose
+    operands are conv_gemm.Operands over the contraction's dims or the consumer's own space."""
+
+    epilogue: Epilogue | None = None
+
+
+def epilogue_of(spec: Spec) -> Epilogue | None:
+    return spec.epilogue if isinstance(spec, GemmSpec) else None
 
 
 @dataclass(frozen=True)
@@ -407,6 +423,10 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
             last = b.rem(b.add(first, c(nk - 1)), c(S))
             b.when(leader, lambda: release(last))
             # 5. store (the producer is already loading the next tile)
+            if epilogue_of(spec) is not None:  # 5c
+                for j, (i, q) in enumerate(frag):
+                    b.epilogue_store(*at(i, q), accs[j])
+                return
             if p.staged_store:  # 5b: rounded pairs into this warpgroup's staging rows, then
                 # 16-byte row chunks to C, consecutive threads on consecutive chunks
                 mine_rows = b.i32_add(smem, b.i32_add(b.i32(bar_base + 16 * S),
@@ -457,7 +477,7 @@ def tensor_map_type(box: list[int], elem: str) -> str:
 
 
 def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
-    """`func.func @tmpl(%A, %B, %C, %init)`: the two TMA descriptors created on the host
+    """`func.func @tmpl(%A, %B, %C, [%E.., %Z,] %init)`: the two TMA descriptors created on the host
     (read into the host program as data: built by the runtime once per buffer address), then
     the gpu.launch (see the banner). `init_type`: the fill value's type (default C's; f32 when
     C is the f16/bf16 buffer of a fused rounding)."""
@@ -468,7 +488,12 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     _kernel(b, spec, p)
     e = _elem(spec)
     gx, gy, gz = p.grid
-    head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, %init: {init_type}) {{"]
+    ep = epilogue_of(spec)  # its operands (E<k>, Z) follow C, read through flat views
+    extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
+    flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], strides: [1] "
+            f": {op.type} to {op.flat}" for n, op in extra]
+    head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
+            + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{"]
     types = {}
     for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b)):
         box = box_dims(op, side, spec)
@@ -488,4 +513,4 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     ]
     casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
              for w in ("A", "B")]
-    return "\n".join(head + casts + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])
+    return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import Text
+from gac_torch.kernels.conv_gemm import _addr, _split
 from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
 
 
-class WgmmaText(Text):
+class WgmmaText(gemm_epilogue.TextMixin, Text):
     def __init__(self, spec: Spec, p: Plan, init_type: str):
         super().__init__(hoist=True)
         self.spec, self.p, self.init_type = spec, p, init_type
@@ -196,6 +198,19 @@ class WgmmaText(Text):
     def _round(self, v: str) -> str:
         ec = self.spec.c.elem
         return v if ec == "f32" else self.cast("arith.truncf", v, "f32", ec)
+
+    def epilogue_store(self, row: str, col: str, v: str) -> None:
+        """5c: accumulator `v` of C[row, col] through the fused epilogue. C (the f32 scratch the
+        consumer read, dense) gives the flat index an operand over the consumer's own space is
+        delinearised from; operands over the contraction's dims are addressed directly."""
+        spec = self.spec
+        at = {spec.m: row, spec.n: col, **{d: self.batch for d in spec.batch}}
+        flat = None
+        for d, stride in zip(spec.c.dims, spec.c.strides):
+            term = self.mul(at[d], self.const(stride))
+            flat = term if flat is None else self.add(flat, term)
+        gemm_epilogue.store(self, spec, flat, v, self._inside(row, col), _split, _addr,
+                            lambda op: _addr(self, op, at, tuple(at), self.const(op.const)))
 
     def store_c(self, row: str, col: str, v: str) -> None:
         self.when(self._inside(row, col),

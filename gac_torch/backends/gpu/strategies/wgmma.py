@@ -5,12 +5,16 @@ it does not take goes on to `mma` (the matcher's analysis is mma.py's).
 
 The shared lowering accumulates an f16/bf16 matmul in an f32 buffer and rounds it in the next
 elementwise op; when that op does nothing else, the kernel stores the rounded values into its
-output directly and the op is erased (by `fused`, first in the strategy list).
+output directly (the staged / paired stores). Any other elementwise consumer chain the
+implicit-GEMM epilogue takes (bias, activation, residual add, output cast: implicit_gemm's
+`_epilogue`) runs in the kernel's store instead (GAC_WGMMA_EPILOGUE_FUSION=0: never). Either
+way the consumer is erased by `fused`, first in the strategy list.
 GAC_WGMMA=0 bisects (everything goes on to mma)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from mlir import ir
@@ -18,7 +22,7 @@ from mlir import ir
 from gac_torch.backends.gpu.analysis import Generic, analyze
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
 from gac_torch.backends.gpu.strategies import mma
-from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED
+from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED, _epilogue, _rename_from
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import wgmma_gemm
 from gac_torch.kernels.cuda_mma import Spec
@@ -77,13 +81,28 @@ def strategy(allow_tf32: bool) -> Strategy:
         g, spec, plan, fill, rounding, ins = m
         out = rounding.outputs[0] if rounding is not None else g.outputs[0]
         acc = str(ir.MemRefType(g.outputs[0].type).element_type)  # the fill's type
-        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*ins, out],
+        fused = None
+        if rounding is None and os.environ.get("GAC_WGMMA_EPILOGUE_FUSION") != "0":
+            fused = _epilogue(g, list(g.inputs), fill[0] if fill is not None else None)
+        extra: list[ir.Value] = []
+        if fused is not None:  # as implicit_gemm._emit: what the epilogue reads exists at g
+            ops = block_ops(g.op.block)
+            for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
+                if op not in fused[0]:
+                    op.move_before(g.op)
+            if buffer_root(fused[2][-1]) in {buffer_root(v) for v in g.inputs}:
+                fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)
+            spec = wgmma_gemm.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
+            plan = replace(plan, pair_store=False, staged_store=False)
+            extra = fused[2]
+        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*ins, out, *extra],
                         fill[1] if fill is not None else None, acc, name)
         if fill is not None:
             fill[0].erase()
         g.op.erase()
-        if rounding is not None:  # erased by `fused` when the scheduler reaches it
-            rounding.op.attributes[FUSED] = ir.UnitAttr.get()
+        # the consumers are erased by `fused` when the scheduler reaches them
+        for op in fused[0] if fused is not None else [rounding.op] if rounding is not None else []:
+            op.attributes[FUSED] = ir.UnitAttr.get()
         return True
 
     return Strategy("wgmma", match, emit)
