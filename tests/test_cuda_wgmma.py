@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gac_torch
-from test_wgmma_gemm import EPILOGUES, Epilogue, launches, matmul_tf32
+from test_wgmma_gemm import EPILOGUES, Epilogue, epilogue_shapes, launches, matmul_tf32
 
 pytestmark = pytest.mark.cuda
 
@@ -104,10 +104,10 @@ def test_transposed_operands_in_place_on_gpu(M, K, N, dtype, a_t, b_t, batch) ->
     assert torch.isfinite(out).all() and err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear", EPILOGUES)
-def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear) -> None:
+@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear,batch", EPILOGUES)
+def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear, batch) -> None:
     gen = torch.Generator().manual_seed(M + N + K)
-    shapes = [(M, K), (N, K) if linear else (K, N), (N,), (M, N)]
+    shapes = epilogue_shapes(M, K, N, linear, batch)
     model = Epilogue(act, residual, linear)
     args = [torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes]
     with matmul_tf32(dtype == torch.float32):
@@ -120,4 +120,4 @@ def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear) -> 
         ref = model(*[t.double() for t in args])
         assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
         err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert err < TOL[dtype], (M, K, N, dtype, act, residual, linear, err)
+        assert err < TOL[dtype], (M, K, N, dtype, act, residual, linear, batch, err)

@@ -356,26 +356,36 @@ class Epilogue(torch.nn.Module):
         self.act, self.residual, self.linear = act, residual, linear
 
     def forward(self, x, w, bias, r):
-        y = torch.nn.functional.linear(x, w, bias) if self.linear else x @ w + bias
+        if self.linear:  # nn.Linear's call; batched: the same layout per batch
+            y = torch.nn.functional.linear(x, w, bias) if w.dim() == 2 else x @ w.transpose(-1, -2) + bias
+        else:
+            y = x @ w + bias
         y = {"none": y, "relu": torch.relu(y), "gelu": torch.nn.functional.gelu(y)}[self.act]
         return y + r if self.residual else y
 
 
-EPILOGUES = [  # M, K, N, dtype, activation, residual, linear layout (else a @ b)
-    (1000, 520, 1030, torch.bfloat16, "gelu", False, True),  # partial tiles in M, N, K
-    (1000, 520, 1030, torch.float16, "relu", True, True),
-    (520, 256, 1032, torch.bfloat16, "none", True, False),  # B N-major (16-bit: transpose bit)
-    (1000, 520, 1032, torch.float32, "relu", False, True),  # TF32, both K-major
-    (1000, 520, 1032, torch.float32, "gelu", True, False),  # TF32 C^T = B^T A^T, A from registers
+def epilogue_shapes(M: int, K: int, N: int, linear: bool, batch: int) -> list[tuple[int, ...]]:
+    lead = (batch,) if batch else ()
+    return [lead + (M, K), lead + ((N, K) if linear else (K, N)), (N,), lead + (M, N)]
+
+
+EPILOGUES = [  # M, K, N, dtype, activation, residual, linear layout (else a @ b), batch
+    (1000, 520, 1030, torch.bfloat16, "gelu", False, True, 0),  # partial tiles in M, N, K
+    (1000, 520, 1030, torch.float16, "relu", True, True, 0),
+    (520, 256, 1032, torch.bfloat16, "none", True, False, 0),  # B N-major (16-bit: transpose bit)
+    (1000, 520, 1032, torch.float32, "relu", False, True, 0),  # TF32, both K-major
+    (1000, 520, 1032, torch.float32, "gelu", True, False, 0),  # TF32 C^T = B^T A^T, A from registers
+    (200, 136, 262, torch.bfloat16, "relu", True, True, 3),  # batched
+    (200, 136, 264, torch.float32, "none", False, False, 2),
 ]
 
 
 
-@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear", EPILOGUES)
-def test_epilogue_runs_in_the_wgmma_store(M, K, N, dtype, act, residual, linear, monkeypatch) -> None:
+@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear,batch", EPILOGUES)
+def test_epilogue_runs_in_the_wgmma_store(M, K, N, dtype, act, residual, linear, batch, monkeypatch) -> None:
     import gac_torch
 
-    shapes = [(M, K), (N, K) if linear else (K, N), (N,), (M, N)]
+    shapes = epilogue_shapes(M, K, N, linear, batch)
     args = tuple(torch.randn(s).to(dtype) for s in shapes)
     with matmul_tf32(dtype == torch.float32):
         compiled = gac_torch.compile(Epilogue(act, residual, linear), args, target="cuda", options={"arch": "sm_90"})
