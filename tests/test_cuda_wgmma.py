@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import gac_torch
-from test_wgmma_gemm import EPILOGUES, Epilogue, epilogue_shapes, launches, matmul_tf32
+from test_wgmma_gemm import (
+    EPILOGUES, LINEAR_3D, Epilogue, epilogue_shapes, launches, linear_3d_shapes, matmul_tf32,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -121,3 +123,19 @@ def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear, bat
         assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err < TOL[dtype], (M, K, N, dtype, act, residual, linear, batch, err)
+
+
+@pytest.mark.parametrize("B,M,K,N,dtype,act,residual,linear", LINEAR_3D)
+def test_linear_on_3d_input_on_gpu(B, M, K, N, dtype, act, residual, linear) -> None:
+    gen = torch.Generator().manual_seed(B + M + N + K)
+    shapes = linear_3d_shapes(B, M, K, N, linear)
+    model = Epilogue(act, residual, linear)
+    args = [torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes]
+    with matmul_tf32(dtype == torch.float32):
+        compiled = gac_torch.compile(model, tuple(args), target="cuda")
+    assert launches(compiled) == ["wgmma"], compiled.ir("ptx").split("\n.version")[0]
+    got = compiled(*args)
+    ref = model(*[t.double() for t in args])
+    assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], (B, M, K, N, dtype, act, residual, linear, err)

@@ -395,3 +395,31 @@ def test_epilogue_runs_in_the_wgmma_store(M, K, N, dtype, act, residual, linear,
         monkeypatch.setenv("GAC_WGMMA_EPILOGUE_FUSION", "0")  # (bisecting: a separate pass)
         unfused = gac_torch.compile(Epilogue(act, residual, linear), args, target="cuda", options={"arch": "sm_90"})
         assert launches(unfused) == ["wgmma", "loops"]
+
+
+LINEAR_3D = [  # B, M, K, N, dtype, activation, residual, linear layout: x [B, M, K] with a 2-D weight
+    (4, 130, 256, 520, torch.bfloat16, "gelu", False, True),  # M = B * M = 520: partial tiles
+    (2, 250, 520, 1030, torch.float16, "relu", True, True),
+    (3, 200, 136, 264, torch.float32, "none", False, True),  # TF32, both K-major
+    (3, 200, 136, 264, torch.float32, "relu", True, False),  # TF32 x @ w: C^T, merged M is N'
+]
+
+
+def linear_3d_shapes(B: int, M: int, K: int, N: int, linear: bool) -> list[tuple[int, ...]]:
+    return [(B, M, K), (N, K) if linear else (K, N), (N,), (B, M, N)]
+
+
+@pytest.mark.parametrize("B,M,K,N,dtype,act,residual,linear", LINEAR_3D)
+def test_linear_on_3d_input_is_one_wgmma_kernel(B, M, K, N, dtype, act, residual, linear, monkeypatch) -> None:
+    # the input's (B, M) are one M run in x and in the result: one GEMM over B * M rows
+    # through collapse_shape views (strategies/merged_rows.py), not the mma.sync igemm
+    import gac_torch
+
+    args = tuple(torch.randn(s).to(dtype) for s in linear_3d_shapes(B, M, K, N, linear))
+    with matmul_tf32(dtype == torch.float32):
+        compiled = gac_torch.compile(Epilogue(act, residual, linear), args, target="cuda", options={"arch": "sm_90"})
+    head = compiled.ir("ptx").split("\n.version")[0]
+    assert launches(compiled) == ["wgmma"], head
+    assert "tma(arg0 box=" in head and "temp" not in head  # x read in place, no copy
+    result = ptxas.assemble(compiled.ir("ptx"), "sm_90a", _PTXAS)
+    assert result.ok and " 0 bytes spill stores" in result.log, result.log

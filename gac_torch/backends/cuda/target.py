@@ -80,9 +80,10 @@ def compile_options(options: Any) -> Any:
         *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         row.strategy(),
         implicit_gemm.fused_strategy(),
+        # (wgmma before igemm: it also takes a GEMM whose M is several dims, nn.Linear on 3-D)
+        *([wgmma.strategy(allow_tf32=bool(allow_tf32))] if arch in ACCEL_ARCH else []),
         *([implicit_gemm.strategy(igemm, simt=False)] if mma_ok else []),
         implicit_gemm.strategy(igemm, simt=True),
-        *([wgmma.strategy(allow_tf32=bool(allow_tf32))] if arch in ACCEL_ARCH else []),
         *([mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         simt_matmul.strategy(big_tile_min_blocks=256),
         reduce.strategy(reduce.ReduceParams(threads=256, warp_max=1024, min_extent=128)),

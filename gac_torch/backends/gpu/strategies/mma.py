@@ -35,12 +35,7 @@ def match_spec(g: Generic, allow_tf32: bool) -> tuple[Contraction, cuda_mma.Spec
     c = match_contraction(g)
     if c is None or not c.is_float or g.dynamic:
         return None
-    ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
-    ec = str(ir.MemRefType(g.outputs[0].type).element_type)
-    widen = [("arith.extf", "f32")]
-    casts_ok = (c.a_casts in ([], widen) and c.b_casts in ([], widen)
-                and (ec == "f32" or (not c.a_casts and not c.b_casts)))
-    kind = cuda_mma.mma_kind(ea, eb, ec, casts_ok, allow_tf32)
+    kind = tensor_core_kind(g, c.a_casts, c.b_casts, allow_tf32)
     if kind is None:
         return None
     fill = fill_before(g.op, g.outputs[0])
@@ -48,6 +43,17 @@ def match_spec(g: Generic, allow_tf32: bool) -> tuple[Contraction, cuda_mma.Spec
                          operand(g.inputs[0], g.maps[0]), operand(g.inputs[1], g.maps[1]),
                          operand(g.outputs[0], g.maps[2]), fill is not None)
     return c, spec, fill
+
+
+def tensor_core_kind(g: Generic, a_casts: list, b_casts: list, allow_tf32: bool) -> str | None:
+    """The tensor-core kind of a float contraction whose body casts A and B by `a_casts` /
+    `b_casts` (only widening to f32, and only into an f32 result), or None."""
+    ea, eb = (str(ir.MemRefType(v.type).element_type) for v in g.inputs)
+    ec = str(ir.MemRefType(g.outputs[0].type).element_type)
+    widen = [("arith.extf", "f32")]
+    casts_ok = (a_casts in ([], widen) and b_casts in ([], widen)
+                and (ec == "f32" or (not a_casts and not b_casts)))
+    return cuda_mma.mma_kind(ea, eb, ec, casts_ok, allow_tf32)
 
 
 def strategy(allow_tf32: bool) -> Strategy:

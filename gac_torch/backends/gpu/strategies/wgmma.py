@@ -21,7 +21,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu.analysis import Generic, analyze
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
-from gac_torch.backends.gpu.strategies import mma
+from gac_torch.backends.gpu.strategies import merged_rows, mma
 from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED, _epilogue, _rename_from
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import wgmma_gemm
@@ -61,29 +61,54 @@ def _rounding_consumer(g: Generic, fill: Any) -> Generic | None:
     return r
 
 
+def _merged_epilogue(fused: Any, rows: merged_rows.Rows) -> Any:
+    """implicit_gemm's epilogue with its operands over the contraction's dims addressed through
+    the merged M dim; None where one is not linear in it."""
+    ops, ep, values = fused
+    merged = []
+    for x in (*ep.inputs, ep.out):
+        if x is None or x[1] is not None:  # Y itself, or an operand over its own space
+            merged.append(x)
+            continue
+        op = rows.merge_coef(x[0])
+        if op is None:
+            return None
+        merged.append((op, None))
+    return ops, replace(ep, inputs=tuple(merged[:-1]), out=merged[-1]), values
+
+
 def strategy(allow_tf32: bool) -> Strategy:
     def match(g: Generic, limits: GpuLimits):
         if os.environ.get("GAC_WGMMA") == "0":
             return None
         m = mma.match_spec(g, allow_tf32)
+        rows = None  # several M dims (nn.Linear on 3-D inputs) merged into one
         if m is None:
-            return None
-        _, spec, fill = m
+            mr = merged_rows.merged_spec(g, allow_tf32)
+            if mr is None:
+                return None
+            spec, fill, rows = mr
+        else:
+            _, spec, fill = m
         rounding = _rounding_consumer(g, fill)
+        if rounding is not None and rows is not None and not rows.has_run(rounding.outputs[0], g.maps[2]):
+            rounding = None
         if rounding is not None:
-            spec = Spec(**{**spec.__dict__, "c": mma.operand(rounding.outputs[0], g.maps[2])})
+            c = mma.operand(rounding.outputs[0], g.maps[2])
+            spec = Spec(**{**spec.__dict__, "c": rows.merge(c) if rows is not None else c})
         oriented = wgmma_gemm.orient(spec)  # (tf32, B N-major: C^T = B^T A^T)
         plan = wgmma_gemm.plan(oriented)
-        ins = g.inputs if oriented is spec else g.inputs[::-1]  # the kernel's A, B
-        return None if plan is None else (g, oriented, plan, fill, rounding, ins)
+        return None if plan is None else (g, oriented, plan, fill, rounding, oriented is not spec, rows)
 
     def emit(m, name: str, limits: GpuLimits) -> bool:
-        g, spec, plan, fill, rounding, ins = m
+        g, spec, plan, fill, rounding, swapped, rows = m
         out = rounding.outputs[0] if rounding is not None else g.outputs[0]
         acc = str(ir.MemRefType(g.outputs[0].type).element_type)  # the fill's type
         fused = None
         if rounding is None and os.environ.get("GAC_WGMMA_EPILOGUE_FUSION") != "0":
             fused = _epilogue(g, list(g.inputs), fill[0] if fill is not None else None)
+        if fused is not None and rows is not None:
+            fused = _merged_epilogue(fused, rows)
         extra: list[ir.Value] = []
         if fused is not None:  # as implicit_gemm._emit: what the epilogue reads exists at g
             ops = block_ops(g.op.block)
@@ -95,8 +120,14 @@ def strategy(allow_tf32: bool) -> Strategy:
             spec = wgmma_gemm.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
             plan = replace(plan, pair_store=False, staged_store=False)
             extra = fused[2]
+        a_in = g.inputs[0]
+        if rows is not None:  # A and C through views with the M run as one dim
+            a_in, out = rows.collapse(a_in, g.maps[0], g.op), rows.collapse(out, g.maps[2], g.op)
+        ins = [a_in, g.inputs[1]][::-1 if swapped else 1]  # the kernel's A, B
         splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*ins, out, *extra],
                         fill[1] if fill is not None else None, acc, name)
+        if rows is not None and not list(out.uses):  # (C unused: the epilogue writes Z)
+            out.owner.erase()
         if fill is not None:
             fill[0].erase()
         g.op.erase()
