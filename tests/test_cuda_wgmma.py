@@ -106,36 +106,28 @@ def test_transposed_operands_in_place_on_gpu(M, K, N, dtype, a_t, b_t, batch) ->
     assert torch.isfinite(out).all() and err < TOL[dtype], err
 
 
-@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear,batch", EPILOGUES)
-def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear, batch) -> None:
-    gen = torch.Generator().manual_seed(M + N + K)
-    shapes = epilogue_shapes(M, K, N, linear, batch)
-    model = Epilogue(act, residual, linear)
+def _one_wgmma_kernel_matches_float64(model, shapes, dtype, seeds=(0, 1)) -> None:
+    """Compiled once (TF32 allowed for f32), one wgmma kernel; per seed, fresh inputs vs float64."""
+    gen = torch.Generator().manual_seed(sum(map(sum, shapes)))
     args = [torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes]
     with matmul_tf32(dtype == torch.float32):
         compiled = gac_torch.compile(model, tuple(args), target="cuda")
     assert launches(compiled) == ["wgmma"], compiled.ir("ptx").split("\n.version")[0]
-    for seed in (0, 1):
+    for seed in seeds:
         g2 = torch.Generator().manual_seed(seed)
         args = [torch.randn(s, generator=g2).to("cuda", dtype) for s in shapes]
         got = compiled(*args)
         ref = model(*[t.double() for t in args])
         assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
         err = ((got.double() - ref).norm() / ref.norm()).item()
-        assert err < TOL[dtype], (M, K, N, dtype, act, residual, linear, batch, err)
+        assert err < TOL[dtype], (shapes, dtype, err)
+
+
+@pytest.mark.parametrize("M,K,N,dtype,act,residual,linear,batch", EPILOGUES)
+def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear, batch) -> None:
+    _one_wgmma_kernel_matches_float64(Epilogue(act, residual, linear), epilogue_shapes(M, K, N, linear, batch), dtype)
 
 
 @pytest.mark.parametrize("B,M,K,N,dtype,act,residual,linear", LINEAR_3D)
 def test_linear_on_3d_input_on_gpu(B, M, K, N, dtype, act, residual, linear) -> None:
-    gen = torch.Generator().manual_seed(B + M + N + K)
-    shapes = linear_3d_shapes(B, M, K, N, linear)
-    model = Epilogue(act, residual, linear)
-    args = [torch.randn(s, generator=gen).to("cuda", dtype) for s in shapes]
-    with matmul_tf32(dtype == torch.float32):
-        compiled = gac_torch.compile(model, tuple(args), target="cuda")
-    assert launches(compiled) == ["wgmma"], compiled.ir("ptx").split("\n.version")[0]
-    got = compiled(*args)
-    ref = model(*[t.double() for t in args])
-    assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
-    err = ((got.double() - ref).norm() / ref.norm()).item()
-    assert err < TOL[dtype], (B, M, K, N, dtype, act, residual, linear, err)
+    _one_wgmma_kernel_matches_float64(Epilogue(act, residual, linear), linear_3d_shapes(B, M, K, N, linear), dtype)
