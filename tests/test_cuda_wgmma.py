@@ -9,7 +9,7 @@ import torch
 
 import gac_torch
 from test_wgmma_gemm import (
-    EPILOGUES, LINEAR_3D, Epilogue, epilogue_shapes, launches, linear_3d_shapes, matmul_tf32,
+    EPILOGUES, LINEAR_3D, Epilogue, WeightT, epilogue_shapes, launches, linear_3d_shapes, matmul_tf32,
 )
 
 pytestmark = pytest.mark.cuda
@@ -131,3 +131,8 @@ def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear, bat
 @pytest.mark.parametrize("B,M,K,N,dtype,act,residual,linear", LINEAR_3D)
 def test_linear_on_3d_input_on_gpu(B, M, K, N, dtype, act, residual, linear) -> None:
     _one_wgmma_kernel_matches_float64(Epilogue(act, residual, linear), linear_3d_shapes(B, M, K, N, linear), dtype)
+
+
+@pytest.mark.parametrize("N", [520, 262])
+def test_3d_input_times_weight_t_on_gpu(N) -> None:
+    _one_wgmma_kernel_matches_float64(WeightT(), [(4, 130, 256), (N, 256)], torch.bfloat16, seeds=(0,))

@@ -423,3 +423,20 @@ def test_linear_on_3d_input_is_one_wgmma_kernel(B, M, K, N, dtype, act, residual
     assert "tma(arg0 box=" in head and "temp" not in head  # x read in place, no copy
     result = ptxas.assemble(compiled.ir("ptx"), "sm_90a", _PTXAS)
     assert result.ok and " 0 bytes spill stores" in result.log, result.log
+
+
+class WeightT(torch.nn.Module):
+    """x @ w.T without a bias: the f32 result's rounding is the kernel's store (5 / 5b)."""
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("N,staged", [(520, True), (262, False)])
+def test_3d_input_times_weight_t_rounds_in_the_store(N, staged) -> None:
+    import gac_torch
+
+    args = (torch.randn(4, 130, 256).to(torch.bfloat16), torch.randn(N, 256).to(torch.bfloat16))
+    compiled = gac_torch.compile(WeightT(), args, target="cuda", options={"arch": "sm_90"})
+    assert launches(compiled) == ["wgmma"]
+    assert ("st.global.v4.b32" in compiled.ir("ptx")) == staged  # 16-byte rows: staged (5b)
