@@ -194,8 +194,9 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
             and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
     per_stage = sa.stage_bytes + sb.stage_bytes + 16
     # 3 x 48 KiB for the wide tile, 4 x 32 KiB for the narrow one (H200, 2026-12-01: 128x256
-    # with 4 stages measured slower than with 3; benchmarks/wgmma_tiles.py)
-    want = int(os.environ.get("GAC_WGMMA_STAGES", 0)) or (3 if bn == 256 else 4)
+    # with 4 stages measured slower than with 3; benchmarks/wgmma_tiles.py). tf32 slices are
+    # half as deep (BK = 32): 50 % more of them in flight for the same TMA latency (unmeasured)
+    want = int(os.environ.get("GAC_WGMMA_STAGES", 0)) or (3 if bn == 256 else 4) * (3 if spec.kind == "tf32" else 2) // 2
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
