@@ -36,7 +36,7 @@ ahead into the next tile while the consumers store the last one.
                stores of whole row chunks; 5c. with a fused epilogue (`GemmSpec.epilogue`: bias,
                activation, residual, output cast), per accumulator: its elementwise consumer's
                body on it and the consumer's other operands, stored to the consumer's output
-               (gemm_epilogue.store; C itself is not written)
+               (C itself is not written); a chunk's operand loads first, then its stores
 
 Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
 mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
@@ -425,8 +425,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
             b.when(leader, lambda: release(last))
             # 5. store (the producer is already loading the next tile)
             if epilogue_of(spec) is not None:  # 5c
-                for j, (i, q) in enumerate(frag):
-                    b.epilogue_store(*at(i, q), accs[j])
+                b.epilogue_store_all([at(i, q) for i, q in frag], accs)
                 return
             if p.staged_store:  # 5b: rounded pairs into this warpgroup's staging rows, then
                 # 16-byte row chunks to C, consecutive threads on consecutive chunks

@@ -4,6 +4,7 @@ PTX through llvm.inline_asm for what the NVVM dialect spells differently across 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gac_torch.kernels import gemm_epilogue
@@ -11,6 +12,9 @@ from gac_torch.kernels.builder import Text
 from gac_torch.kernels.conv_gemm import _addr, _split
 from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
+
+
+EPILOGUE_CHUNK = 8  # 5c: accumulators whose epilogue loads are issued together
 
 
 class WgmmaText(gemm_epilogue.TextMixin, Text):
@@ -199,18 +203,61 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         ec = self.spec.c.elem
         return v if ec == "f32" else self.cast("arith.truncf", v, "f32", ec)
 
-    def epilogue_store(self, row: str, col: str, v: str) -> None:
-        """5c: accumulator `v` of C[row, col] through the fused epilogue. C (the f32 scratch the
-        consumer read, dense) gives the flat index an operand over the consumer's own space is
-        delinearised from; operands over the contraction's dims are addressed directly."""
+    def _locator(self, row: str, col: str) -> Any:
+        """Where an epilogue operand (Operand, space) is read / written for C[row, col]: over
+        the contraction's dims (space None) directly; over its own space, delinearised from
+        the flat index in C (the f32 scratch the consumer read: dense)."""
         spec = self.spec
         at = {spec.m: row, spec.n: col, **{d: self.batch for d in spec.batch}}
         flat = None
         for d, stride in zip(spec.c.dims, spec.c.strides):
             term = self.mul(at[d], self.const(stride))
             flat = term if flat is None else self.add(flat, term)
-        gemm_epilogue.store(self, spec, flat, v, self._inside(row, col), _split, _addr,
-                            lambda op: _addr(self, op, at, tuple(at), self.const(op.const)))
+        spaces: dict[tuple[int, ...], Any] = {}
+
+        def locate(x: tuple[Any, tuple[int, ...] | None]) -> str:
+            op, shape = x
+            if shape is None:
+                return _addr(self, op, at, tuple(at), self.const(op.const))
+            dims = tuple(range(len(shape)))
+            if shape not in spaces:
+                spaces[shape] = _split(self, flat, dims, shape)
+            return _addr(self, op, spaces[shape], dims, self.const(op.const))
+
+        return locate
+
+    def epilogue_store_all(self, points: list[tuple[str, str]], vals: list[str]) -> None:
+        """5c: accumulator vals[n] of C at points[n] (row, col) through the fused epilogue
+        (gemm_epilogue's steps), EPILOGUE_CHUNK at a time: first the chunk's operand loads,
+        branch-free (outside the matrix: element 0), then per accumulator, inside only, the body
+        and the store. A load after a store waits for it (the compiler cannot tell they do not
+        alias): a memory latency per accumulator. Loading ahead of earlier stores is safe: an
+        operand reads Z's buffer only at the element its own accumulator writes
+        (implicit_gemm._consumer)."""
+        spec, zero = self.spec, self.const(0)
+        ep = spec.epilogue
+        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", EPILOGUE_CHUNK))  # (1: bisects)
+        for s in range(0, len(vals), n):
+            ready = []
+            for (row, col), v in zip(points[s:s + n], vals[s:s + n]):
+                ok, locate = self._inside(row, col), self._locator(row, col)
+                col_ok = self.lt(col, self.const(spec.N))  # (an operand constant along M, a bias:
+                args = [None if x is None else self.load_e(k, self.select(  # one load per column)
+                    col_ok if x[1] is None and x[0].coef[spec.m] == 0 else ok, locate(x), zero, "index"))
+                    for k, x in enumerate(ep.inputs)]
+                ready.append((ok, args, locate(ep.out), v))
+            for ok, args, z, v in ready:
+                self.begin_if(ok)
+                y = self.round_to(v, spec.c.elem)
+                vals_ = [y if a is None else a for a in args]
+                results: list[str] = []
+                for op in ep.ops:
+                    results.append(self.eop(op, [self._ref(r, vals_, results) for r in op.args]))
+                self.store_e(z, self._ref(ep.result, vals_, results))
+                self.end_if()
+
+    def _ref(self, r: tuple, args: list[str], results: list[str]) -> str:
+        return args[r[1]] if r[0] == "arg" else results[r[1]] if r[0] == "op" else self.econst(r[1], r[2])
 
     def store_c(self, row: str, col: str, v: str) -> None:
         self.when(self._inside(row, col),
