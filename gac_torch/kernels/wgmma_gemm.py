@@ -134,8 +134,9 @@ def orient(spec: Spec) -> Spec:
     """The product the kernel computes: `spec`, or for tf32 with B N-major and A K-major the
     transposed one, C^T[n, m] = sum_k B^T[n, k] A^T[k, m] (its A, B's tile, is M-major and read
     from registers; its B, A's tile, K-major; C's subscripts follow the dims, so the stores land
-    transposed)."""
-    if spec.kind != "tf32" or spec.b.dims[-1] == spec.k or spec.a.dims[-1] != spec.k:
+    transposed). GAC_WGMMA_TF32_REGS=0 (bisecting): no register A, so neither."""
+    if (spec.kind != "tf32" or spec.b.dims[-1] == spec.k or spec.a.dims[-1] != spec.k
+            or os.environ.get("GAC_WGMMA_TF32_REGS") == "0"):
         return spec
     return replace(spec, m=spec.n, n=spec.m, a=spec.b, b=spec.a)
 
@@ -157,7 +158,7 @@ def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> S
     span = SWIZZLE // es  # elements in 128 bytes
     if inner == spec.k:
         return Side(True, rows, (bk, rows), 1, rows * bk * es)
-    if spec.kind == "tf32" and outer != spec.m:
+    if spec.kind == "tf32" and (outer != spec.m or os.environ.get("GAC_WGMMA_TF32_REGS") == "0"):
         return None  # wgmma reads a tf32 B K-major only (an M-major A: from registers)
     return Side(False, rows, (span, bk), rows // span, rows * bk * es)
 
