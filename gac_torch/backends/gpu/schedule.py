@@ -43,6 +43,7 @@ from gac_torch.backends.gpu.irutil import (
     top_level,
 )
 from gac_torch.backends.gpu.rows import map_rows
+from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
@@ -102,7 +103,7 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     run_passes(module, "gpu-launch-sink-index-computations")
     dynamic_memrefs_as_metadata(fn)
     run_passes(module, "gpu-kernel-outlining, canonicalize, cse")
-    number_kernels(module, fn)
+    tuning.rename(number_kernels(module, fn))
 
 
 def _apply_strategy(op: ir.Operation, strategies: Sequence[Strategy], limits: GpuLimits,
@@ -113,9 +114,13 @@ def _apply_strategy(op: ir.Operation, strategies: Sequence[Strategy], limits: Gp
     if g is None:
         return False
     for s in mine:
+        tuning.discard()  # choices of a matcher that declined are nobody's
         m = s.match(g, limits)
         if m is not None:
-            return s.emit(m, f"gac_k{next(counter)}_{s.name}", limits)
+            name = f"gac_k{next(counter)}_{s.name}"
+            done = s.emit(m, name, limits)
+            tuning.bind(name) if done else tuning.discard()
+            return done
     return False
 
 
