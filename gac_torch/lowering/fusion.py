@@ -4,7 +4,7 @@
 propagates reshapes by expanding the consumer's loops, which turns a named `linalg.matmul` into a
 generic. A contraction consumer would then get its operand's producer (e.g. bias + ReLU before a
 Linear) as a prologue: it is recomputed once per output column, and the body is no longer the
-multiply-add that the GEMM strategies and the CPU/Vortex tilings recognise. The pass takes no
+multiply-add that the GEMM strategies (cuda, vortex) recognise. The pass takes no
 control function from Python, so such a producer is given a second, temporary use (an op the
 pass cannot fold) while it runs: it stays a kernel of its own (its own producers still fuse into
 it), or becomes the epilogue of the contraction that produced it where a target does that.
@@ -18,15 +18,17 @@ from mlir import ir, passmanager
 
 PIPELINE = "func.func(linalg-fuse-elementwise-ops), canonicalize, cse"
 _KEEP = "gac_fusion.keep"  # the temporary use; never outlives fuse_elementwise
-_NAMED_CONTRACTIONS = (
+NAMED_CONTRACTIONS = (
     "linalg.matmul", "linalg.batch_matmul", "linalg.batch_reduce_matmul", "linalg.matvec",
     "linalg.vecmat", "linalg.batch_matvec", "linalg.batch_vecmat", "linalg.dot", "linalg.contract",
     "linalg.mmt4d", "linalg.batch_mmt4d", "linalg.quantized_",
 )
 _RESHAPES = ("tensor.expand_shape", "tensor.collapse_shape")
 _MOVES = ("linalg.transpose", "linalg.broadcast", "linalg.copy")
-_CASTS = ("arith.extf", "arith.truncf", "arith.sitofp", "arith.uitofp", "arith.extsi",
-          "arith.extui", "arith.trunci", "arith.fptosi", "arith.fptoui", "arith.bitcast")
+# Conversions a contraction applies to its operands' elements while it loads them (the GEMM
+# matchers accept them: backends/gpu/analysis.py), so they may still fold into it.
+OPERAND_CASTS = ("arith.extf", "arith.truncf", "arith.sitofp", "arith.uitofp", "arith.extsi",
+                 "arith.extui", "arith.trunci", "arith.fptosi", "arith.fptoui")
 
 
 def fuse_elementwise(module: ir.Module, pipeline: str = PIPELINE) -> None:
@@ -54,7 +56,7 @@ def is_contraction(op: ir.Operation) -> bool:
     """A named matmul-like op, or a generic with a reduction dim that two inputs share while each
     has a parallel dim the other lacks (an M and an N)."""
     name = op.name
-    if name.startswith(_NAMED_CONTRACTIONS):
+    if name.startswith(NAMED_CONTRACTIONS):
         return True
     if name != "linalg.generic":
         return False
@@ -118,7 +120,7 @@ def _moved_input(op: ir.Operation) -> ir.Value | None:
     ops = list(body.operations)
     x = ops[-1].operands[0] if len(ops[-1].operands) == 1 else None
     for inner in reversed(ops[:-1]):
-        if x is None or inner.name not in _CASTS or _defining_op(x) != inner:
+        if x is None or inner.name not in OPERAND_CASTS or _defining_op(x) != inner:
             return None
         x = inner.operands[0]
     args = list(body.arguments)[:_num_inputs(op)]

@@ -9,6 +9,7 @@ from mlir import ir
 from mlir.dialects import memref
 
 from gac_torch.backends.gpu.irutil import DYN, as_index, block_ops, defining_op
+from gac_torch.lowering.fusion import OPERAND_CASTS
 
 @dataclass
 class Generic:
@@ -89,8 +90,7 @@ def fill_before(op: ir.Operation, out: ir.Value) -> tuple[ir.Operation, ir.Value
     return f, value
 
 
-CASTS = ("arith.extf", "arith.truncf", "arith.sitofp", "arith.uitofp", "arith.extsi",
-          "arith.extui", "arith.trunci", "arith.fptosi", "arith.fptoui")
+CASTS = OPERAND_CASTS  # what elementwise fusion still folds into a contraction
 
 
 @dataclass
