@@ -66,10 +66,10 @@ def _strategies(compiled) -> list[str]:
     return re.findall(r"// launch \S+ .*?\[(\w+)\]", compiled.ir("ptx").split("\n.version")[0])
 
 
-def _encoder(seq: int):
+def _encoder(seq: int, dtype=torch.float32):
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 4, 160, dropout=0.0, batch_first=True).eval()
-    return layer, torch.randn(1, seq, 64)
+    return layer.to(dtype), torch.randn(1, seq, 64).to(dtype)
 
 
 def test_linear_relu_linear_keeps_bias_relu_out_of_the_second_contraction():
@@ -89,10 +89,13 @@ def test_linear_relu_linear_keeps_bias_relu_out_of_the_second_contraction():
     assert len(groups["matmul"]) == 2 and not set(groups["relu"]) & set(groups["matmul"]), groups
 
 
-def test_encoder_layer_contractions_are_gemms_offline():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_encoder_layer_contractions_are_gemms_offline(dtype):
     """The encoder layer's four Linears run on GEMM strategies: the FFN's second one ran on
-    `reduce` (bias + ReLU fused into it as a prologue; 0.16 of 0.52 ms on the H200)."""
-    layer, x = _encoder(37)
+    `reduce` (bias + ReLU fused into it as a prologue; 0.16 of 0.52 ms on the H200), and in bf16
+    the output projection too (attention's f32 -> bf16 cast fused into it; igemm takes widening
+    casts only)."""
+    layer, x = _encoder(37, dtype)
     with torch.no_grad():
         compiled = gac_torch.compile(layer, (x,), target="cuda",
                                      options={"arch": "sm_90", "allow_tf32": False, "cache": False})

@@ -8,7 +8,7 @@ multiply-add that the GEMM strategies (cuda, vortex) recognise. The pass takes n
 control function from Python, so such a producer is given a second, temporary use (an op the
 pass cannot fold) while it runs: it stays a kernel of its own (its own producers still fuse into
 it), or becomes the epilogue of the contraction that produced it where a target does that.
-Data movement (transpose, broadcast, copy, casts) still folds into the contraction's indexing
+Data movement (transpose, broadcast, copy, widening casts) still folds into the contraction's indexing
 maps, which every contraction strategy reads.
 """
 
@@ -25,10 +25,10 @@ NAMED_CONTRACTIONS = (
 )
 _RESHAPES = ("tensor.expand_shape", "tensor.collapse_shape")
 _MOVES = ("linalg.transpose", "linalg.broadcast", "linalg.copy")
-# Conversions a contraction applies to its operands' elements while it loads them (the GEMM
-# matchers accept them: backends/gpu/analysis.py), so they may still fold into it.
-OPERAND_CASTS = ("arith.extf", "arith.truncf", "arith.sitofp", "arith.uitofp", "arith.extsi",
-                 "arith.extui", "arith.trunci", "arith.fptosi", "arith.fptoui")
+# Widening conversions: the GEMM kernels apply them while loading an operand (mma/igemm take
+# extf), so they still fold into a contraction. A narrowing one (e.g. attention's f32 output to
+# bf16) runs once, in its own kernel, and the contraction reads the narrow type.
+_WIDENING = ("arith.extf", "arith.extsi", "arith.extui")
 
 
 def fuse_elementwise(module: ir.Module, pipeline: str = PIPELINE) -> None:
@@ -115,12 +115,12 @@ def _computing_producer(v: ir.Value) -> ir.Operation | None:
 
 
 def _moved_input(op: ir.Operation) -> ir.Value | None:
-    """The input a generic only moves or casts (its body yields cast*(input)), else None."""
+    """The input a generic only moves or widens (its body yields ext*(input)), else None."""
     body = op.regions[0].blocks[0]
     ops = list(body.operations)
     x = ops[-1].operands[0] if len(ops[-1].operands) == 1 else None
     for inner in reversed(ops[:-1]):
-        if x is None or inner.name not in OPERAND_CASTS or _defining_op(x) != inner:
+        if x is None or inner.name not in _WIDENING or _defining_op(x) != inner:
             return None
         x = inner.operands[0]
     args = list(body.arguments)[:_num_inputs(op)]

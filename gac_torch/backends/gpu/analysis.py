@@ -9,7 +9,6 @@ from mlir import ir
 from mlir.dialects import memref
 
 from gac_torch.backends.gpu.irutil import DYN, as_index, block_ops, defining_op
-from gac_torch.lowering.fusion import OPERAND_CASTS
 
 @dataclass
 class Generic:
@@ -90,7 +89,8 @@ def fill_before(op: ir.Operation, out: ir.Value) -> tuple[ir.Operation, ir.Value
     return f, value
 
 
-CASTS = OPERAND_CASTS  # what elementwise fusion still folds into a contraction
+CASTS = ("arith.extf", "arith.truncf", "arith.sitofp", "arith.uitofp", "arith.extsi",
+          "arith.extui", "arith.trunci", "arith.fptosi", "arith.fptoui")
 
 
 @dataclass
