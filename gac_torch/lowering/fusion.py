@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from mlir import ir, passmanager
 
-PIPELINE = "func.func(linalg-fuse-elementwise-ops), canonicalize, cse"
+_PIPELINE = "func.func(linalg-fuse-elementwise-ops), canonicalize, cse"
 _KEEP = "gac_fusion.keep"  # the temporary use; never outlives fuse_elementwise
 NAMED_CONTRACTIONS = (
     "linalg.matmul", "linalg.batch_matmul", "linalg.batch_reduce_matmul", "linalg.matvec",
@@ -31,9 +31,9 @@ _MOVES = ("linalg.transpose", "linalg.broadcast", "linalg.copy")
 _WIDENING = ("arith.extf", "arith.extsi", "arith.extui")
 
 
-def fuse_elementwise(module: ir.Module, pipeline: str = PIPELINE) -> None:
-    """Runs `pipeline` (which fuses elementwise ops) with every computing producer of a
-    contraction's operand kept out of the contraction."""
+def fuse_elementwise(module: ir.Module) -> None:
+    """Elementwise fusion (then canonicalize, cse), every computing producer of a contraction's
+    operand kept out of the contraction."""
     ctx = module.context
     allowed = ctx.allow_unregistered_dialects
     ctx.allow_unregistered_dialects = True
@@ -45,7 +45,7 @@ def fuse_elementwise(module: ir.Module, pipeline: str = PIPELINE) -> None:
                 if p is not None:
                     with ir.InsertionPoint(op), op.location:
                         keeps.append(ir.Operation.create(_KEEP, operands=[p.result]))
-        passmanager.PassManager.parse(f"builtin.module({pipeline})", ctx).run(module.operation)
+        passmanager.PassManager.parse(f"builtin.module({_PIPELINE})", ctx).run(module.operation)
     finally:
         for k in keeps:
             k.erase()
