@@ -46,6 +46,7 @@ from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.lowering.fusion import fuse_elementwise
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
 # (a cut leaves the serial ops' scalars, e.g. an index read from a tensor, used across kernels).
@@ -60,7 +61,7 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     counter = iter(range(1 << 30))
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
     generalize_elementwise_named_ops(module, fn)
-    run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
+    fuse_elementwise(module)  # as in the shared lowering: no prologue inside a contraction
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
     bufferize(module, fn)
     reshapes_to_views(fn)
