@@ -21,18 +21,22 @@ m-tile m (FRAG_C of cuda_mma).
                 outside L, S and D; no register round trip), wait, barrier
   3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row; the
      last tile is peeled: it alone masks keys past S and fetches no next K). One K and one V
-     buffer, FA2's order: V(n0) loads during 3b-3d, K(n0 + BN) during 3e.
+     buffer, FA2's order: V(n0) loads during 3b-3d, K(n0 + BN) during 3e-3f.
      3a. wait      K(n0) landed (and every warp is done with V(n0 - BN)): barrier, V(n0) starts
      3b. S = Q Kᵀ  per k-step, A fragments of Q (loaded once before the loop where D <= 64,
                    but for f32x3) and B fragments of K from shared memory (f16/bf16:
                    ldmatrix x4, two fragments an instruction); S 16 x BN per warp, f32 accumulators
      3c. mask      s = s·scale (+ mask | -inf where a bool mask is false), -inf where causal
                    hides it or the key is past S; kept in base 2 (times log2 e) for exp2
-     3d. softmax   row max over the lane's values (unscaled where no additive mask: the
-                   scale then goes into one fma per score), then the quad (shfl.xor 1, 2); m_new =
-                   max(m, tile max) (0 where it is -inf); corr = exp2(m - m_new); p = exp2(s -
-                   m_new) (ex2.approx.ftz); the lane's partial row sums l = l·corr + Σp; O *= corr
-     3e. O += P V  wait: V(n0) landed (every warp done with K(n0)), barrier; K(n0 + BN) starts;
+     3d. row max   over the lane's values (unscaled where no additive mask: the scale then
+                   goes into one fma per score), then the quad (shfl.xor 1, 2); m_new =
+                   max(m, tile max) (0 where it is -inf)
+     3e. wait      V(n0) landed (every warp done with K(n0)): barrier; K(n0 + BN) starts
+     3f. O += P V  corr = exp2(m - m_new); O *= corr; then per k-step of 16 keys (8: tf32) its
+                   p = exp2(s - m_new) (ex2.approx.ftz) and its mma, so that the exponentials
+                   (MUFU) of one k-step overlap the mma (tensor pipe) of the one before (they
+                   came before the barrier: each warp then ran MUFU and the tensor pipe in
+                   turn); the lane's partial row sums l = l·corr + Σp.
                    P stays in registers: the S accumulator layout is the A fragment layout
                    of the next mma (f16/bf16: S n-tiles 2kk, 2kk+1 make k-step kk; tf32: keys
                    permuted inside each 8-key step, k-index t <-> key 2t, t+4 <-> 2t+1, and V's
@@ -283,32 +287,53 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                         hide = mv if hide is None else b.or_(hide, mv)  # load_mask: `hidden` for bool
                 s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
 
-    def online_softmax(s: list[Any], mrow: list[Any], lrow: list[Any]) -> tuple[list, list, list]:
-        """3d on one m-tile: scores become p in place; returns (corr, m_new, l_new) per half."""
-        corr, mnew, muse = [], [], []
+    def row_max(s: list[Any], mrow: list[Any]) -> tuple[list[Any], list[Any]]:
+        """3d, first half, on one m-tile: the new row maxima (per half: rows g, g + 8) and the
+        value exp2's argument subtracts (0 where the max is -inf; not yet scaled where raw)."""
+        mnew, use = [], []
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
         for h in range(2):  # (pairwise trees: 5-6 dependent steps for 2·NT values, not 2·NT)
             mx = b.fmax(mrow[h], _tree(b.fmax, half_rows[h]))
             mx = b.fmax(mx, b.shfl_xor(mx, 1))
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
-            use = b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx)
-            corr.append(b.fexp2(b.fmul(b.fsub(mrow[h], use), sc) if raw else b.fsub(mrow[h], use)))
             mnew.append(mx)
-            muse.append(b.fmul(use, sc) if raw else use)
-        for j in range(NT):
-            for q in range(4):
-                s[4 * j + q] = b.fexp2(b.fsub(b.fmul(s[4 * j + q], sc) if raw else s[4 * j + q], muse[q // 2]))
-        half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
-        lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h])) for h in range(2)]
-        return corr, mnew, lnew
+            use.append(b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx))
+        return mnew, use
 
-    def p_fragments(s: list[Any]) -> list[list[Any]]:
-        """One m-tile's P as the A fragments of the P·V k-steps (3e)."""
+    def correction(mrow: list[Any], use: list[Any]) -> tuple[list[Any], list[Any]]:
+        """corr = exp2(m - m_new) per half, and m_new as exp2's argument subtracts it."""
+        corr = [b.fexp2(b.fmul(b.fsub(mrow[h], use[h]), sc) if raw else b.fsub(mrow[h], use[h])) for h in range(2)]
+        return corr, [b.fmul(u, sc) if raw else u for u in use]
+
+    def exponentiate(s: list[Any], j: int, muse: list[Any]) -> None:
+        """3f on n-tile j of one m-tile's scores, in place: p = exp2(s - m_new)."""
+        for q in range(4):
+            x = s[4 * j + q]
+            s[4 * j + q] = b.fexp2(b.fsub(b.fmul(x, sc) if raw else x, muse[q // 2]))
+
+    def row_sums(s: list[Any], lrow: list[Any], corr: list[Any]) -> list[Any]:
+        """The lane's partial row sums l = l·corr + Σp (summed over the quad in 4)."""
+        half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
+        return [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h])) for h in range(2)]
+
+    def p_fragment(s: list[Any], kk: int) -> list[Any]:
+        """One m-tile's P as the A fragment of P·V k-step kk (3f): f16/bf16 n-tiles 2kk, 2kk+1;
+        tf32 n-tile kk, its keys permuted (k-index t <-> key 2t, t + 4 <-> key 2t + 1)."""
         if half:
-            return [[b.pack_f32(s[8 * kk + 0], s[8 * kk + 1]), b.pack_f32(s[8 * kk + 2], s[8 * kk + 3]),
-                     b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])]
-                    for kk in range(BN // 16)]
-        return [[s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]] for kk in range(NT)]
+            return [b.pack_f32(s[8 * kk + 0], s[8 * kk + 1]), b.pack_f32(s[8 * kk + 2], s[8 * kk + 3]),
+                    b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])]
+        return [s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]]
+
+    def v_fragments(kk: int, j: int, fbs: list[Any]) -> list[Any]:
+        """V's B fragment of n-tile j at P·V k-step kk (f16/bf16: ldmatrix.trans of n-tiles j,
+        j + 1 at even j into `fbs`, which the odd j reuses)."""
+        if not half:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
+            return [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
+        if j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
+            num = 4 if j + 1 < NO else 2
+            fbs[:] = b.ldmatrix("V", b.add(l8, b.add(l8h, c(16 * kk))), b.add(l16 if num == 4 else c(0), c(8 * j)),
+                                num, True)
+        return fbs[2 * (j % 2):2 * (j % 2) + 2]
 
     def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
         # state: the row maxima (2 a m-tile), the row sums (2 a m-tile), the O accumulators
@@ -333,52 +358,53 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     fb = [b.load_smem("K", [b.add(g, c(8 * j)), b.add(t, c(k0 + kk))], 1) for kk in FRAG_B8]
                 for m in range(MT):
                     s[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, s[m][4 * j:4 * j + 4])
-        # 3c. mask, 3d. online softmax
-        corr, mnew, lnew = [], [], []
+        # 3c. mask, 3d. the row maxima (they need every score of the tile)
+        maxima = []
         for m in range(MT):
             mask_scores(s[m], rows[m], n0, last)
-            cm, mn, ln = online_softmax(s[m], mrow[m], lrow[m])
-            corr.append(cm)
-            mnew += mn
-            lnew += ln
-        # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts; O += P V
+            maxima.append(row_max(s[m], mrow[m]))
+        # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts. 3f. The
+        # exponentials come after this barrier, so that the scheduler can interleave them
+        # (MUFU) with the P·V mma (tensor pipe) of the k-steps before them.
         b.wait_async()
         b.barrier()
         if not last:
             tile_copy("K", b.add(n0, c(BN)), BN, c(0), DP, spec.S, spec.D, p.vkv)
-        steps = [p_fragments(s[m]) for m in range(MT)]
+        corr, muse = zip(*(correction(mrow[m], maxima[m][1]) for m in range(MT)))
         if spec.kind == "f32x3":  # (MT == 1)
+            for j in range(NT):
+                exponentiate(s[0], j, muse[0])
             # The tensor cores truncate while they accumulate: a sum over every key in one mma
             # chain drifts toward zero (2e-5 at S = 4096). The tile's keys go into a
             # fresh accumulator, added to O in an fma rounded to nearest: all n-tiles at once
             # (k-steps outer: NO·4 more registers) or one at a time (P's 8·NT split parts stay
             # live across them), whichever keeps fewer registers live.
             jg = NO if 4 * NO + 8 <= 4 + 8 * NT else 1
+            steps = [p_fragment(s[0], kk) for kk in range(NT)]
             for j0 in range(0, NO, jg):
                 tmp = [b.fconst(0.0)] * (4 * jg)
-                for kk, fa in enumerate(steps[0]):  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
+                for kk, fa in enumerate(steps):
                     for j in range(j0, j0 + jg):
-                        fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1)
-                              for e in (0, 1)]
                         i = 4 * (j - j0)
-                        tmp[i:i + 4] = b.mma(spec.kind, fa, fb, tmp[i:i + 4])
+                        tmp[i:i + 4] = b.mma(spec.kind, fa, v_fragments(kk, j, []), tmp[i:i + 4])
                 for i in range(4 * jg):
                     acc[0][4 * j0 + i] = b.fadd(b.fmul(acc[0][4 * j0 + i], corr[0][(i % 4) // 2]), tmp[i])
-            steps = [[]]
-        else:
+        else:  # O *= corr, then per k-step: its exponentials, P's fragment, O += P V
             acc = [[b.fmul(a, corr[m][(i % 4) // 2]) for i, a in enumerate(acc[m])] for m in range(MT)]
-        for kk in range(len(steps[0])):
-            for j in range(NO):
-                if half and j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
-                    num = 4 if j + 1 < NO else 2
-                    fbs = b.ldmatrix("V", b.add(l8, b.add(l8h, c(16 * kk))), b.add(l16 if num == 4 else c(0), c(8 * j)),
-                                     num, True)
-                if half:
-                    fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
-                else:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
-                    fb = [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
+            per = 2 if half else 1  # score n-tiles a k-step
+            for kk in range(NT // per):
+                fa = []
                 for m in range(MT):
-                    acc[m][4 * j:4 * j + 4] = b.mma(spec.kind, steps[m][kk], fb, acc[m][4 * j:4 * j + 4])
+                    for j in range(per * kk, per * kk + per):
+                        exponentiate(s[m], j, muse[m])
+                    fa.append(p_fragment(s[m], kk))
+                fbs: list[Any] = []
+                for j in range(NO):
+                    fb = v_fragments(kk, j, fbs)
+                    for m in range(MT):
+                        acc[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, acc[m][4 * j:4 * j + 4])
+        mnew = [x for mx in maxima for x in mx[0]]
+        lnew = [x for m in range(MT) for x in row_sums(s[m], lrow[m], corr[m])]
         return mnew + lnew + [x for a in acc for x in a]
 
     # every tile but the last in the loop; the last one peeled (no prefetch, the S tail masked)
