@@ -90,14 +90,16 @@ def test_sdpa_f32_long_rows_at_eager_error(shape):
     assert err < 1e-5 and err < 3 * err_eager
 
 
-@pytest.mark.parametrize("tiles,mt", [((4, 128), 1), ((8, 128), 1), ((4, 64), 2), ((4, 128), 2)], ids=str)
-def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt):
-    """The tilings benchmarks/flash_variants.py times (not the default plan's), on odd sizes with
-    an additive mask and with causal: parity before any of them becomes a default."""
+@pytest.mark.parametrize("tiles,mt,stages", [((4, 128), 1, None), ((8, 128), 1, None), ((4, 64), 2, None),
+                                             ((4, 128), 2, None), ((8, 64), 1, 1), ((4, 64), 1, 2)], ids=str)
+def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt, stages):
+    """The tilings benchmarks/flash_variants.py times (not the default plan's; one or two K/V
+    stages), on odd sizes with an additive mask and with causal: parity before any of them
+    becomes a default."""
     from gac_torch.kernels import flash_attention as fa
 
     orig = fa.plan
-    monkeypatch.setattr(fa, "plan", lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt))
+    monkeypatch.setattr(fa, "plan", lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt, stages=stages))
     g = torch.Generator(device="cuda").manual_seed(13)
     q, k, v = (torch.randn(2, 3, n, 32, device="cuda", dtype=torch.bfloat16, generator=g) for n in (300, 271, 271))
     m = torch.randn(1, 3, 300, 271, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -108,3 +110,5 @@ def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt):
         assert compiled.ir("ptx").count("_flash(") == 1
         out = compiled(*inputs)
         assert _rel(out, fn(*[t.double() for t in inputs])) < REL["bf16"]
+        if stages is not None:
+            assert compiled.ir("ptx").count("bar.sync") == (2 if stages == 2 else 5)

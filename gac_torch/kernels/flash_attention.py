@@ -18,11 +18,17 @@ m-tile m (FRAG_C of cuda_mma).
 
   1. locate     block -> (query tile m0, column chunk c0, batch index); warp, g, t
   2. stage      cp.async of Q's BM x D tile and the first K tile into shared memory (zero
-                outside L, S and D; no register round trip), wait, barrier
+                outside L, S and D; no register round trip), wait, barrier. Two stages (f16/bf16,
+                D <= 64, where Q's fragments live in registers anyway): the fragments load
+                straight from global memory, and cp.async of K and V's first tile
   3. for each key tile n0 (BN keys; causal: only tiles with a key <= the block's last row; the
      last tile is peeled: it alone masks keys past S and fetches no next K). One K and one V
-     buffer, FA2's order: V(n0) loads during 3b-3d, K(n0 + BN) during 3e-3f.
-     3a. wait      K(n0) landed (and every warp is done with V(n0 - BN)): barrier, V(n0) starts
+     buffer, FA2's order: V(n0) loads during 3b-3d, K(n0 + BN) during 3e-3f. Two stages (K and
+     V buffers of 2·BN rows; tile n0 in rows (n0 / BN % 2)·BN..): K and V (n0 + BN) load during
+     the whole of tile n0, one barrier a tile (3a; no 3e)
+     3a. wait      K(n0) landed (and every warp is done with V(n0 - BN)): barrier, V(n0) starts.
+                   Two stages: K and V (n0) landed, every warp done with tile n0 - BN: barrier,
+                   K and V (n0 + BN) start into the other stage
      3b. S = Q Kᵀ  per k-step, A fragments of Q (loaded once before the loop where D <= 64,
                    but for f32x3) and B fragments of K from shared memory (f16/bf16:
                    ldmatrix x4, two fragments an instruction); S 16 x BN per warp, f32 accumulators
@@ -118,6 +124,8 @@ class Plan:
     vkv: int
     grid: tuple[int, int, int]
     mt: int = 1  # 16-row m-tiles a warp (f16/bf16): K and V fragments serve mt mma rows
+    stages: int = 1  # K/V buffers: 2 = the next tile loads during the whole of this one (Q's
+    #                  fragments then come straight from global memory: no Q buffer)
 
     @property
     def threads(self) -> int:
@@ -132,8 +140,8 @@ def kind_for(elem: str, allow_tf32: bool) -> str | None:
     return {"f16": "f16", "bf16": "bf16", "f32": "tf32" if allow_tf32 else "f32x3"}.get(elem)
 
 
-def smem_bytes(spec: Spec, bm: int, bn: int, dp: int, dvc: int, pad: int) -> int:
-    return ELEM_BYTES[spec.elem] * (bm * (dp + pad) + bn * (dp + pad) + bn * (dvc + pad))
+def smem_bytes(spec: Spec, bm: int, bn: int, dp: int, dvc: int, pad: int, stages: int = 1) -> int:
+    return ELEM_BYTES[spec.elem] * (bm * (dp + pad) * (stages == 1) + stages * bn * (dp + pad + dvc + pad))
 
 
 def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
@@ -148,10 +156,11 @@ def _vec(buf: Buf, cols: int, rows: int, threads: int, es: int) -> int | None:
 
 def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 1024,
          big: bool | None = None, tiles: tuple[tuple[int, int], ...] | None = None,
-         mt: int = 1) -> Plan | None:
+         mt: int = 1, stages: int | None = None) -> Plan | None:
     """Tiling for `spec`, or None when the kernel does not apply (then the maths runs unfused).
     `big` forces (or forbids) the 8-warp block; `tiles` replaces the (warps, BN) candidates;
-    `mt` m-tiles a warp (f16/bf16 only)."""
+    `mt` m-tiles a warp (f16/bf16 only); `stages` K/V buffers (2: f16/bf16 with D <= 64, whose
+    Q fragments stay in registers; the default there where shared memory holds them)."""
     if spec.kind not in KINDS or min(spec.L, spec.S, spec.D, spec.Dv) < 1 or spec.D > 256 or spec.Dv > 256:
         return None
     bufs = [spec.q, spec.k, spec.v, spec.o] + ([spec.mask] if spec.mask is not None else [])
@@ -168,11 +177,16 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
     if big is None:  # (only where ~128 registers a thread still let two blocks share an SM)
         big = (dp <= (64 if spec.elem in ("f16", "bf16") else 32)
                and -(-spec.L // 128) * math.prod(spec.batch) >= 2 * SM_COUNT_HINT)
+    two = spec.elem in ("f16", "bf16") and dp <= 64
+    if stages == 2 and not two:
+        return None
     if tiles is None:
         tiles = ((8, 64),) * big + ((4, 64), (4, 32), (2, 64), (2, 32), (4, 16), (2, 16), (1, 16))
     for warps, bn in tiles:
         bm = 16 * warps * mt
-        if smem_bytes(spec, bm, bn, dp, dvc, pad) > smem_limit:
+        fits = [n for n in ((stages,) if stages else (2, 1) if two else (1,))
+                if smem_bytes(spec, bm, bn, dp, dvc, pad, n) <= smem_limit]
+        if not fits:
             continue
         t = 32 * warps
         vq = _vec(spec.q, dp, bm, t, es)
@@ -183,7 +197,7 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
         grid = (-(-spec.L // bm), -(-dv8 // dvc), math.prod(spec.batch))
         if any(x > lim for x, lim in zip(grid, max_grid)):
             return None
-        return Plan(warps, bn, dp, dvc, pad, vq, min(vk, vv), grid, mt)  # type: ignore[type-var]
+        return Plan(warps, bn, dp, dvc, pad, vq, min(vk, vv), grid, mt, fits[0])  # type: ignore[type-var]
     return None
 
 
@@ -221,21 +235,32 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             for m in range(MT)]
 
     def tile_copy(which: str, r0: Any, nrows: int, col0: Any, ncols: int, ext_r: int,
-                  ext_c: int, vec: int) -> None:
-        """cp.async of a tile (rows r0.., cols col0..) into shared memory, zero outside."""
+                  ext_c: int, vec: int, srow: Any = None) -> None:
+        """cp.async of a tile (rows r0.., cols col0..) into shared memory (from row srow), zero
+        outside."""
         per_row = ncols // vec
         for i in range(nrows * ncols // vec // T):
             lin = b.add(tid, c(i * T))
             r, col = b.div(lin, c(per_row)), b.mul(b.rem(lin, c(per_row)), c(vec))
             gr, gc = b.add(r0, r), b.add(col0, col)
             ok = b.and_(b.lt(gr, c(ext_r)), b.lt(gc, c(ext_c)))
-            b.copy_async(which, [r, col], bidx + [gr, gc], vec, ok)
+            b.copy_async(which, [r if srow is None else b.add(srow, r), col], bidx + [gr, gc], vec, ok)
 
-    # 2. stage Q and the first K tile
-    tile_copy("Q", m0, BM, c(0), DP, spec.L, spec.D, p.vq)
-    tile_copy("K", c(0), BN, c(0), DP, spec.S, spec.D, p.vkv)
-    b.wait_async()
-    b.barrier()
+    def kv_copy(n0: Any, srow: Any) -> None:
+        """K and V of the key tile at n0 into the buffers' rows srow.. (two stages)."""
+        tile_copy("K", n0, BN, c(0), DP, spec.S, spec.D, p.vkv, srow)
+        tile_copy("V", n0, BN, c0, DVC, spec.S, spec.Dv, p.vkv, srow)
+
+    # 2. stage Q and the first K tile (two stages: K and V of the first tile; Q's fragments
+    # come from global memory below)
+    two = p.stages == 2
+    if two:
+        kv_copy(c(0), c(0))
+    else:
+        tile_copy("Q", m0, BM, c(0), DP, spec.L, spec.D, p.vq)
+        tile_copy("K", c(0), BN, c(0), DP, spec.S, spec.D, p.vkv)
+        b.wait_async()
+        b.barrier()
 
     nkt = -(-spec.S // BN)
     if spec.causal:  # tiles with a key <= the block's last row
@@ -248,6 +273,13 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     def q_frag(k0: int, m: int) -> list[Any]:
         wr = wrow if m == 0 else b.add(wrow, c(16 * m))
+        if two:  # FRAG_A16 straight from global: (rows g, g + 8) x (cols k0 + 2t, k0 + 8 + 2t), pairs
+            out = []
+            for cc in (0, 8):
+                for r in (0, 8):
+                    row, col = b.add(m0, b.add(wr, b.add(g, c(r)))), b.add(t2, c(k0 + cc))
+                    out.append(b.load_pair("Q", bidx + [row, col], b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.D)))))
+            return out
         if half:  # matrices (rows +0/+8) x (cols k0/k0+8) = FRAG_A16's four registers
             return b.ldmatrix("Q", b.add(wr, b.add(l8, l8h)), b.add(l16, c(k0)), 4, False)
         return [b.load_smem("Q", [b.add(wr, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
@@ -324,14 +356,15 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     b.pack_f32(s[8 * kk + 4], s[8 * kk + 5]), b.pack_f32(s[8 * kk + 6], s[8 * kk + 7])]
         return [s[4 * kk + 0], s[4 * kk + 2], s[4 * kk + 1], s[4 * kk + 3]]
 
-    def v_fragments(kk: int, j: int, fbs: list[Any]) -> list[Any]:
+    def v_fragments(kk: int, j: int, fbs: list[Any], st: Any) -> list[Any]:
         """V's B fragment of n-tile j at P·V k-step kk (f16/bf16: ldmatrix.trans of n-tiles j,
         j + 1 at even j into `fbs`, which the odd j reuses)."""
         if not half:  # k-index t <-> key 2t, t + 4 <-> key 2t + 1
             return [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
         if j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
             num = 4 if j + 1 < NO else 2
-            fbs[:] = b.ldmatrix("V", b.add(l8, b.add(l8h, c(16 * kk))), b.add(l16 if num == 4 else c(0), c(8 * j)),
+            row = b.add(l8, b.add(l8h, c(16 * kk)))
+            fbs[:] = b.ldmatrix("V", row if st is None else b.add(st, row), b.add(l16 if num == 4 else c(0), c(8 * j)),
                                 num, True)
         return fbs[2 * (j % 2):2 * (j % 2) + 2]
 
@@ -341,17 +374,26 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         lrow = [state[2 * MT + 2 * m:2 * MT + 2 * m + 2] for m in range(MT)]
         acc = [state[4 * MT + 4 * NO * m:4 * MT + 4 * NO * (m + 1)] for m in range(MT)]
         n0 = b.mul(kt, c(BN))
-        # 3a. K(kt) has landed (and every warp is done with V(kt - 1)): V(kt) starts
+        # 3a. K(kt) has landed (and every warp is done with V(kt - 1)): V(kt) starts.
+        # Two stages: K and V (kt) have landed in rows st.. (and every warp is done with the
+        # other stage's tile kt - 1): K and V (kt + 1) start there
         b.wait_async()
         b.barrier()
-        tile_copy("V", n0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
+        st = None  # the stage's first row in the K and V buffers (one stage: 0)
+        if two:
+            st = b.mul(b.rem(kt, c(2)), c(BN))
+            if not last:
+                kv_copy(b.add(n0, c(BN)), b.sub(c(BN), st))
+        else:
+            tile_copy("V", n0, BN, c0, DVC, spec.S, spec.Dv, p.vkv)
         # 3b. S = Q Kᵀ (each K fragment serves the warp's MT m-tiles)
         s = [[b.fconst(0.0)] * (NT * 4) for _ in range(MT)]
         for k0 in range(0, DP, KS):
             fa = [qfrags[(k0, m)] if qfrags else q_frag(k0, m) for m in range(MT)]
             for j in range(NT):
                 if half and j % 2 == 0:  # B fragments of n-tiles j, j + 1 (keys x cols k0/k0+8)
-                    fbs = b.ldmatrix("K", b.add(l8, b.add(l16, c(8 * j))), b.add(l8h, c(k0)), 4, False)
+                    row = b.add(l8, b.add(l16, c(8 * j)))
+                    fbs = b.ldmatrix("K", row if st is None else b.add(st, row), b.add(l8h, c(k0)), 4, False)
                 if half:
                     fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
                 else:
@@ -366,10 +408,11 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts. 3f. The
         # exponentials come after this barrier, so that the scheduler can interleave them
         # (MUFU) with the P·V mma (tensor pipe) of the k-steps before them.
-        b.wait_async()
-        b.barrier()
-        if not last:
-            tile_copy("K", b.add(n0, c(BN)), BN, c(0), DP, spec.S, spec.D, p.vkv)
+        if not two:
+            b.wait_async()
+            b.barrier()
+            if not last:
+                tile_copy("K", b.add(n0, c(BN)), BN, c(0), DP, spec.S, spec.D, p.vkv)
         corr, muse = zip(*(correction(mrow[m], maxima[m][1]) for m in range(MT)))
         if spec.kind == "f32x3":  # (MT == 1)
             for j in range(NT):
@@ -386,7 +429,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 for kk, fa in enumerate(steps):
                     for j in range(j0, j0 + jg):
                         i = 4 * (j - j0)
-                        tmp[i:i + 4] = b.mma(spec.kind, fa, v_fragments(kk, j, []), tmp[i:i + 4])
+                        tmp[i:i + 4] = b.mma(spec.kind, fa, v_fragments(kk, j, [], st), tmp[i:i + 4])
                 for i in range(4 * jg):
                     acc[0][4 * j0 + i] = b.fadd(b.fmul(acc[0][4 * j0 + i], corr[0][(i % 4) // 2]), tmp[i])
         else:  # O *= corr, then per k-step: its exponentials, P's fragment, O += P V
@@ -400,7 +443,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     fa.append(p_fragment(s[m], kk))
                 fbs: list[Any] = []
                 for j in range(NO):
-                    fb = v_fragments(kk, j, fbs)
+                    fb = v_fragments(kk, j, fbs, st)
                     for m in range(MT):
                         acc[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, acc[m][4 * j:4 * j + 4])
         mnew = [x for mx in maxima for x in mx[0]]

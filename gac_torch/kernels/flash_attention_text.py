@@ -22,9 +22,10 @@ class _Text:
         self.n = 0
         self.consts: dict[tuple, str] = {}
         e = spec.elem
-        self.smem = {"Q": f"memref<{p.bm}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
-                     "K": f"memref<{p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
-                     "V": f"memref<{p.bn}x{p.dvc + p.pad}x{e}, {WORKGROUP}>"}
+        self.smem = {"K": f"memref<{p.stages * p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
+                     "V": f"memref<{p.stages * p.bn}x{p.dvc + p.pad}x{e}, {WORKGROUP}>"}
+        if p.stages == 1:  # (two stages: Q's fragments come from global memory)
+            self.smem["Q"] = f"memref<{p.bm}x{p.dp + p.pad}x{e}, {WORKGROUP}>"
         self.bufs = {"Q": spec.q, "K": spec.k, "V": spec.v}
 
     def _v(self) -> str:
@@ -125,6 +126,15 @@ class _Text:
     def wait_async(self) -> None:
         """This thread's cp.async copies have landed (other threads' after a barrier)."""
         self.w("nvvm.cp.async.commit.group\nnvvm.cp.async.wait.group 0")
+
+    def load_pair(self, which: str, idx: list[str], ok: str) -> str:
+        """Two adjacent elements of a global buffer as vector<2 x elem> (zeros where not ok)."""
+        buf, e = self.bufs[which], self.spec.elem
+        r, x, z = self._v(), self._v(), self._v()
+        self.w(f"{r} = scf.if {ok} -> (vector<2x{e}>) {{\n  {x} = vector.load %{which}[{', '.join(idx)}] "
+               f"{{alignment = {2 * ELEM_BYTES[e]}}} : {buf.type}, vector<2x{e}>\n  scf.yield {x} : vector<2x{e}>\n"
+               f"}} else {{\n  {z} = arith.constant dense<0.0> : vector<2x{e}>\n  scf.yield {z} : vector<2x{e}>\n}}")
+        return r
 
     def load_smem(self, which: str, idx: list[str], n: int) -> str:
         r = self._v()
@@ -273,6 +283,6 @@ def template(spec: Spec, p: Plan) -> str:
         f"%nt = arith.constant {p.threads} : index",
         ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
          "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-         f"workgroup(%SQ : {b.smem['Q']}, %SK : {b.smem['K']}, %SV : {b.smem['V']}) {{"),
+         f"workgroup({', '.join(f'%S{w} : {t}' for w, t in b.smem.items())}) {{"),
     ]
     return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])

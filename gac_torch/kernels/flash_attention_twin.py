@@ -50,8 +50,9 @@ class _Numpy:
         self.spec, self.p, self.arr, self.block = spec, p, arrays, block
         self.T = p.threads
         self.epoch = 0
-        self.S = {"Q": _Smem((p.bm, p.dp + p.pad)), "K": _Smem((p.bn, p.dp + p.pad)),
-                  "V": _Smem((p.bn, p.dvc + p.pad))}
+        self.S = {"K": _Smem((p.stages * p.bn, p.dp + p.pad)), "V": _Smem((p.stages * p.bn, p.dvc + p.pad))}
+        if p.stages == 1:  # (two stages: Q's fragments come from global memory)
+            self.S["Q"] = _Smem((p.bm, p.dp + p.pad))
         self.pending: list[tuple[str, list, np.ndarray]] = []  # cp.async copies in flight
 
     # scalars: arrays over the threads
@@ -110,6 +111,9 @@ class _Numpy:
                 assert all((a[ok] < s).all() for a, s in zip(at, buf.shape)), f"{which}: load out of bounds"
             out[:, i] = np.where(ok, buf[tuple(at)], 0.0)
         return out
+
+    def load_pair(self, which: str, idx: list[np.ndarray], ok: np.ndarray) -> np.ndarray:
+        return self._load_global(which, idx, 2, ok)
 
     def copy_async(self, which: str, sidx: list[np.ndarray], gidx: list[np.ndarray], vec: int,
                    ok: np.ndarray) -> None:
