@@ -270,6 +270,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # ldmatrix (f16/bf16): lane l gives the address of row l % 8 of 8x8 matrix l / 8
     l8, l8h, l16 = b.rem(lane, c(8)), b.mul(b.rem(b.div(lane, c(8)), c(2)), c(8)), b.mul(b.div(lane, c(16)), c(8))
+    krow, vrow = b.add(l8, l16), b.add(l8, l8h)  # the lane's row in K's x4 (n-tile pairs), V's .trans
 
     def q_frag(k0: int, m: int) -> list[Any]:
         wr = wrow if m == 0 else b.add(wrow, c(16 * m))
@@ -281,7 +282,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     out.append(b.load_pair("Q", bidx + [row, col], b.and_(b.lt(row, c(spec.L)), b.lt(col, c(spec.D)))))
             return out
         if half:  # matrices (rows +0/+8) x (cols k0/k0+8) = FRAG_A16's four registers
-            return b.ldmatrix("Q", b.add(wr, b.add(l8, l8h)), b.add(l16, c(k0)), 4, False)
+            return b.ldmatrix("Q", b.add(wr, b.add(l8, l8h)), l16, 4, False, coff=k0)
         return [b.load_smem("Q", [b.add(wr, b.add(g, c(r))), b.add(t, c(k0 + cc))], 1)
                 for r, cc in FRAG_A8]
 
@@ -363,9 +364,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             return [b.load_smem("V", [b.add(t2, c(8 * kk + e)), b.add(g, c(8 * j))], 1) for e in (0, 1)]
         if j % 2 == 0:  # transposed: keys +0/+8 x cols 8j / 8j + 8
             num = 4 if j + 1 < NO else 2
-            row = b.add(l8, b.add(l8h, c(16 * kk)))
-            fbs[:] = b.ldmatrix("V", row if st is None else b.add(st, row), b.add(l16 if num == 4 else c(0), c(8 * j)),
-                                num, True)
+            fbs[:] = b.ldmatrix("V", vrow, l16 if num == 4 else c(0), num, True, st, 16 * kk, 8 * j)
         return fbs[2 * (j % 2):2 * (j % 2) + 2]
 
     def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
@@ -392,8 +391,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             fa = [qfrags[(k0, m)] if qfrags else q_frag(k0, m) for m in range(MT)]
             for j in range(NT):
                 if half and j % 2 == 0:  # B fragments of n-tiles j, j + 1 (keys x cols k0/k0+8)
-                    row = b.add(l8, b.add(l16, c(8 * j)))
-                    fbs = b.ldmatrix("K", row if st is None else b.add(st, row), b.add(l8h, c(k0)), 4, False)
+                    fbs = b.ldmatrix("K", krow, l8h, 4, False, st, 8 * j, k0)
                 if half:
                     fb = fbs[2 * (j % 2):2 * (j % 2) + 2]
                 else:

@@ -97,13 +97,23 @@ class _Text:
         self.w(f"{r}, {r}_ok = gpu.shuffle xor {x}, {self._const(m, 'i32')}, {self._const(32, 'i32')} : f32")
         return r
 
-    def _sptr(self, which: str, row: str, col: str) -> str:
-        """!llvm.ptr<3> of element (row, col) of a shared buffer."""
+    def _sptr(self, which: str, row: str, col: str, srow: str | None = None, roff: int = 0, coff: int = 0) -> str:
+        """!llvm.ptr<3> of element (srow + row + roff, col + coff) of a shared buffer: the
+        lane's (row, col) stays one loop-invariant offset, the stage's row srow adds once to
+        the base and the constants (roff, coff) become the load's immediate offset."""
         st = {"Q": self.p.dp, "K": self.p.dp, "V": self.p.dvc}[which] + self.p.pad
+        es = ELEM_BYTES[self.spec.elem]
         base, off, a, i, ptr = (self._v() for _ in range(5))
         self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
-        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * {ELEM_BYTES[self.spec.elem]})>"
-               f"({row}, {col})")
+        if srow is not None:
+            b0, soff, base = base, self._v(), self._v()
+            self.w(f"{soff} = affine.apply affine_map<(d0) -> (d0 * {st * es})>({srow})")
+            self.w(f"{base} = arith.addi {b0}, {soff} : index")
+        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * {es})>({row}, {col})")
+        if roff or coff:
+            a0 = self._v()
+            self.w(f"{a0} = arith.addi {base}, {off} : index")
+            base, off = a0, self.const((roff * st + coff) * es)
         self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
         self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
         return ptr
@@ -150,11 +160,13 @@ class _Text:
         self.w(f"{r} = vector.from_elements {lo}, {hi} : vector<2x{self.spec.elem}>")
         return r
 
-    def ldmatrix(self, which: str, row: str, col: str, num: int, trans: bool) -> list[str]:
+    def ldmatrix(self, which: str, row: str, col: str, num: int, trans: bool, srow: str | None = None,
+                 roff: int = 0, coff: int = 0) -> list[str]:
         """ldmatrix.sync.x{num}[.trans] of 8x8 b16 matrices: this lane's row address is
-        (row, col) of the shared buffer; returns num registers as vector<2 x elem>."""
+        (srow + row + roff, col + coff) of the shared buffer (`_sptr`); returns num registers as
+        vector<2 x elem>."""
         e = self.spec.elem
-        ptr, r = self._sptr(which, row, col), self._v()
+        ptr, r = self._sptr(which, row, col, srow, roff, coff), self._v()
         rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
         self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
                f"shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>}} "

@@ -166,10 +166,12 @@ class _Numpy:
             raise AssertionError(f"smem {which}: read of an element never written")
         return vals if n > 1 else vals[:, 0]
 
-    def ldmatrix(self, which: str, row: np.ndarray, col: np.ndarray, num: int, trans: bool) -> list[np.ndarray]:
+    def ldmatrix(self, which: str, row: np.ndarray, col: np.ndarray, num: int, trans: bool,
+                 srow: np.ndarray | None = None, roff: int = 0, coff: int = 0) -> list[np.ndarray]:
         """Lane l of each warp supplies row l % 8 of matrix l / 8 (16-byte aligned rows of 8);
         register i of lane l: matrix i's (row l/4, cols 2(l%4), +1), or transposed (rows
         2(l%4), +1; col l/4)."""
+        row, col = row + roff + (0 if srow is None else srow), col + coff
         assert (col % 8 == 0).all(), "ldmatrix rows must be 16-byte aligned"
         cells = self._touch(which, [row, col], 8, False)
         rows = np.stack([self.S[which].data[at] for at in cells], axis=1)  # (T, 8)
