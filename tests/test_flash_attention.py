@@ -127,6 +127,29 @@ def test_twin_kv_stages(kind, stages, mt):
     assert not np.isnan(out).any() and np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
 
 
+@pytest.mark.parametrize("kind,mt,mask_kind", [("bf16", 1, "none"), ("f16", 2, "add")])
+def test_twin_lazy_rescale(kind, mt, mask_kind, monkeypatch):
+    """f16/bf16 rescale O and l only when a row max grows by more than RESCALE (log2 units).
+    Keys scaled up along the row make the max grow by ~20 units a tile, so later tiles rescale;
+    with the threshold at infinity the first max is never taken and p overflows (the test
+    sees the rescaling)."""
+    spec, q, k, v, mask = _case(kind, (2,), 40, 200, 32, 32, mask_kind, (1, 1, 200) if mask_kind == "add" else None,
+                                False, seed=8)
+    k = k * (1 + 40 * np.arange(200) / 200)[None, :, None].astype(np.float32)
+    p = fa.plan(spec, tiles=((2, 32),), mt=mt)
+    e = _ELEM[kind]
+    ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), None if mask is None else round_to(mask, e),
+                         mask_kind, spec.scale, False)
+
+    def err() -> float:
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = twin.emulate(spec, p, q, k, v, mask)
+            return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    assert err() < TOL[kind]
+    monkeypatch.setattr(fa, "RESCALE", math.inf)
+    assert not err() < TOL[kind]
+
+
 def test_plan_kv_stages():
     """The default: two stages where Q's fragments stay in registers (f16/bf16, D <= 64) and
     both stages fit 48 KB; one otherwise."""

@@ -38,8 +38,11 @@ m-tile m (FRAG_C of cuda_mma).
                    goes into one fma per score), then the quad (shfl.xor 1, 2); m_new =
                    max(m, tile max) (0 where it is -inf)
      3e. wait      V(n0) landed (every warp done with K(n0)): barrier; K(n0 + BN) starts
-     3f. O += P V  corr = exp2(m - m_new); O *= corr; then per k-step of 16 keys (8: tf32) its
-                   p = exp2(s - m_new) (ex2.approx.ftz) and its mma, so that the exponentials
+     3f. O += P V  corr = exp2(m - m_new); O *= corr (f16/bf16: only where a row max of the warp
+                   grew by more than RESCALE = 8 log2 units, a warp-uniform branch: else the old
+                   max stays, p <= 2^8, and the tile skips O's multiplies); then per k-step of
+                   16 keys (8: tf32) its p = exp2(s - m_new) (ex2.approx.ftz) and its mma, so
+                   that the exponentials
                    (MUFU) of one k-step overlap the mma (tensor pipe) of the one before (they
                    came before the barrier: each warp then ran MUFU and the tensor pipe in
                    turn); the lane's partial row sums l = l·corr + Σp.
@@ -73,6 +76,7 @@ from gac_torch.kernels.cuda_mma import (
 
 KINDS = ("f16", "bf16", "tf32", "f32x3")
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x · log2 e)
+RESCALE = 8.0  # f16/bf16: O and l are rescaled only when a row max grows by more (log2 units)
 SM_COUNT_HINT = 132  # H200: 8-warp blocks once they still make about two waves
 ELEM_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
@@ -344,10 +348,25 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             x = s[4 * j + q]
             s[4 * j + q] = b.fexp2(b.fsub(b.fmul(x, sc) if raw else x, muse[q // 2]))
 
-    def row_sums(s: list[Any], lrow: list[Any], corr: list[Any]) -> list[Any]:
+    def row_sums(s: list[Any], lrow: list[Any], corr: list[Any] | None) -> list[Any]:
         """The lane's partial row sums l = l·corr + Σp (summed over the quad in 4)."""
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
-        return [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h])) for h in range(2)]
+        return [b.fadd(lrow[h] if corr is None else b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h]))
+                for h in range(2)]
+
+    def lazy_rescale(mrow: list[Any], lrow: list[Any], acc: list[Any], mx: list[Any], use: list[Any]) -> list[Any]:
+        """f16/bf16, 3f's O *= corr only where a row max of the warp grew by more than RESCALE
+        (log2 units; a warp-uniform branch): else the old max stays the reference, p <= 2^8
+        (f32 sums, P's type holds it) and the tile skips 4·NO + 2 multiplies and 2 exp2.
+        Returns the maxima used, l and O."""
+        grow = [b.fgt(b.fmul(b.fsub(mx[h], mrow[h]), sc) if raw else b.fsub(mx[h], mrow[h]), b.fconst(RESCALE))
+                for h in range(2)]  # (-inf - -inf is NaN: no growth)
+
+        def rescale() -> list[Any]:
+            corr, _ = correction(mrow, use)
+            return (list(mx) + [b.fmul(x, corr[h]) for h, x in enumerate(lrow)]
+                    + [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)])
+        return b.cond(b.warp_any(b.or_(grow[0], grow[1])), rescale, list(mrow) + list(lrow) + list(acc))
 
     def p_fragment(s: list[Any], kk: int) -> list[Any]:
         """One m-tile's P as the A fragment of P·V k-step kk (3f): f16/bf16 n-tiles 2kk, 2kk+1;
@@ -411,7 +430,18 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             b.barrier()
             if not last:
                 tile_copy("K", b.add(n0, c(BN)), BN, c(0), DP, spec.S, spec.D, p.vkv)
-        corr, muse = zip(*(correction(mrow[m], maxima[m][1]) for m in range(MT)))
+        if half:
+            mnew, lnew = [], []
+            for m in range(MT):
+                out = lazy_rescale(mrow[m], lrow[m], acc[m], *maxima[m])
+                mnew += out[:2]
+                lrow[m], acc[m] = out[2:4], out[4:]
+            use = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mnew]
+            muse = [[b.fmul(u, sc) if raw else u for u in use[2 * m:2 * m + 2]] for m in range(MT)]
+            corr = [None] * MT
+        else:
+            corr, muse = zip(*(correction(mrow[m], maxima[m][1]) for m in range(MT)))  # type: ignore[assignment]
+            mnew = [x for mx in maxima for x in mx[0]]
         if spec.kind == "f32x3":  # (MT == 1)
             for j in range(NT):
                 exponentiate(s[0], j, muse[0])
@@ -430,8 +460,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                         tmp[i:i + 4] = b.mma(spec.kind, fa, v_fragments(kk, j, [], st), tmp[i:i + 4])
                 for i in range(4 * jg):
                     acc[0][4 * j0 + i] = b.fadd(b.fmul(acc[0][4 * j0 + i], corr[0][(i % 4) // 2]), tmp[i])
-        else:  # O *= corr, then per k-step: its exponentials, P's fragment, O += P V
-            acc = [[b.fmul(a, corr[m][(i % 4) // 2]) for i, a in enumerate(acc[m])] for m in range(MT)]
+        else:  # O *= corr (f16/bf16: done above), then per k-step: its exponentials, P's fragment, O += P V
+            if not half:
+                acc = [[b.fmul(a, corr[m][(i % 4) // 2]) for i, a in enumerate(acc[m])] for m in range(MT)]
             per = 2 if half else 1  # score n-tiles a k-step
             for kk in range(NT // per):
                 fa = []
@@ -444,7 +475,6 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     fb = v_fragments(kk, j, fbs, st)
                     for m in range(MT):
                         acc[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, acc[m][4 * j:4 * j + 4])
-        mnew = [x for mx in maxima for x in mx[0]]
         lnew = [x for m in range(MT) for x in row_sums(s[m], lrow[m], corr[m])]
         return mnew + lnew + [x for a in acc for x in a]
 

@@ -79,6 +79,25 @@ class _Text:
     fdiv = lambda s, x, y: s._op("arith.divf", x, y, "f32")
     fmax = lambda s, x, y: s._op("arith.maximumf", x, y, "f32")
     feq = lambda s, x, y: s._op("arith.cmpf oeq,", x, y, "f32")
+    fgt = lambda s, x, y: s._op("arith.cmpf ogt,", x, y, "f32")
+
+    def warp_any(self, pred: str) -> str:
+        """vote.sync.any over the warp: one i1, the same in every lane."""
+        r = self._v()
+        self.w(f'{r} = llvm.call_intrinsic "llvm.nvvm.vote.any.sync"({self._const(-1, "i32")}, {pred}) '
+               ": (i32, i1) -> i1")
+        return r
+
+    def cond(self, pred: str, then: Callable[[], list[str]], other: list[str]) -> list[str]:
+        """f32 values: then()'s where pred (warp-uniform: a branch), else `other`."""
+        res, types = self._v(), ", ".join(["f32"] * len(other))
+        self.w(f"{res}:{len(other)} = scf.if {pred} -> ({types}) {{")
+        saved = self.consts
+        self.consts = dict(saved)  # constants defined inside the branch stay inside
+        out = then()
+        self.consts = saved
+        self.w(f"scf.yield {', '.join(out)} : {types}\n}} else {{\nscf.yield {', '.join(other)} : {types}\n}}")
+        return [f"{res}#{i}" for i in range(len(other))]
 
     def fsel(self, cond: str, x: str, y: str) -> str:
         r = self._v()

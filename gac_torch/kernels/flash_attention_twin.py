@@ -80,9 +80,25 @@ class _Numpy:
     and_ = staticmethod(lambda x, y: x & y)
     or_ = staticmethod(lambda x, y: x | y)
     fadd = staticmethod(lambda x, y: (x + y).astype(np.float32))
-    fsub = staticmethod(lambda x, y: (x - y).astype(np.float32))
+
+    @staticmethod
+    def fsub(x, y):
+        with np.errstate(invalid="ignore"):  # (-inf - -inf: NaN, as on the GPU)
+            return (x - y).astype(np.float32)
+
     fmul = staticmethod(lambda x, y: (x * y).astype(np.float32))
     feq = staticmethod(lambda x, y: x == y)
+    fgt = staticmethod(lambda x, y: x > y)
+
+    def warp_any(self, pred: np.ndarray) -> np.ndarray:
+        return np.repeat(pred.reshape(-1, 32).any(axis=1), 32)
+
+    @staticmethod
+    def cond(pred: np.ndarray, then: Callable, other: list[np.ndarray]) -> list[np.ndarray]:
+        """Both sides computed (then() touches no memory), each lane taking its warp's."""
+        with np.errstate(invalid="ignore"):
+            vals = then()
+        return [np.where(pred, v, o).astype(np.float32) for v, o in zip(vals, other)]
     fsel = staticmethod(lambda c, x, y: np.where(c, x, y).astype(np.float32))
 
     @staticmethod
