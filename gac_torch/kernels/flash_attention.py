@@ -324,9 +324,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                         hide = mv if hide is None else b.or_(hide, mv)  # load_mask: `hidden` for bool
                 s[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
 
-    def row_max(s: list[Any], mrow: list[Any]) -> tuple[list[Any], list[Any]]:
+    def row_max(s: list[Any], mrow: list[Any], corr: list[Any] | None = None) -> tuple[list[Any], list[Any]]:
         """3d, first half, on one m-tile: the new row maxima (per half: rows g, g + 8) and the
-        value exp2's argument subtracts (0 where the max is -inf; not yet scaled where raw)."""
+        value exp2's argument subtracts (0 where the max is -inf; not yet scaled where raw).
+        With `corr` (f32x3): also each half's correction appended to it, and the value scaled."""
         mnew, use = [], []
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
         for h in range(2):  # (pairwise trees: 5-6 dependent steps for 2·NT values, not 2·NT)
@@ -335,11 +336,15 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
             mnew.append(mx)
             use.append(b.fsel(b.feq(mx, b.fconst(neg)), b.fconst(0.0), mx))
+            if corr is not None:  # (in this order the f32x3 kernels keep to their registers)
+                c1, u1 = correction(mrow[h:h + 1], use[h:h + 1])
+                corr += c1
+                use[h] = u1[0]
         return mnew, use
 
     def correction(mrow: list[Any], use: list[Any]) -> tuple[list[Any], list[Any]]:
         """corr = exp2(m - m_new) per half, and m_new as exp2's argument subtracts it."""
-        corr = [b.fexp2(b.fmul(b.fsub(mrow[h], use[h]), sc) if raw else b.fsub(mrow[h], use[h])) for h in range(2)]
+        corr = [b.fexp2(b.fmul(b.fsub(m, u), sc) if raw else b.fsub(m, u)) for m, u in zip(mrow, use)]
         return corr, [b.fmul(u, sc) if raw else u for u in use]
 
     def exponentiate(s: list[Any], j: int, muse: list[Any]) -> None:
@@ -418,20 +423,27 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 for m in range(MT):
                     s[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, s[m][4 * j:4 * j + 4])
         # 3c. mask, 3d. the row maxima (they need every score of the tile)
-        maxima = []
+        maxima, corr = [], []
         for m in range(MT):
             mask_scores(s[m], rows[m], n0, last)
-            maxima.append(row_max(s[m], mrow[m]))
+            maxima.append(row_max(s[m], mrow[m], corr if spec.kind == "f32x3" else None))
         # 3e. V(kt) has landed (and every warp is done with K(kt)): K(kt + 1) starts. 3f. The
         # exponentials come after this barrier, so that the scheduler can interleave them
         # (MUFU) with the P·V mma (tensor pipe) of the k-steps before them.
+        if spec.kind == "f32x3":  # (MT == 1; its P·V chains start after every exponential, so
+            # nothing interleaves: they stay before the barrier, where they used fewer registers)
+            corr, muse = [corr], [maxima[0][1]]
+            mnew = list(maxima[0][0])
+            for j in range(NT):
+                exponentiate(s[0], j, muse[0])
+            lnew = row_sums(s[0], lrow[0], corr[0])
         if not two:
             b.wait_async()
             b.barrier()
             if not last:
                 tile_copy("K", b.add(n0, c(BN)), BN, c(0), DP, spec.S, spec.D, p.vkv)
         if half:
-            mnew, lnew = [], []
+            mnew = []
             for m in range(MT):
                 out = lazy_rescale(mrow[m], lrow[m], acc[m], *maxima[m])
                 mnew += out[:2]
@@ -439,12 +451,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             use = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mnew]
             muse = [[b.fmul(u, sc) if raw else u for u in use[2 * m:2 * m + 2]] for m in range(MT)]
             corr = [None] * MT
-        else:
+        elif spec.kind == "tf32":
             corr, muse = zip(*(correction(mrow[m], maxima[m][1]) for m in range(MT)))  # type: ignore[assignment]
             mnew = [x for mx in maxima for x in mx[0]]
-        if spec.kind == "f32x3":  # (MT == 1)
-            for j in range(NT):
-                exponentiate(s[0], j, muse[0])
+        if spec.kind == "f32x3":
             # The tensor cores truncate while they accumulate: a sum over every key in one mma
             # chain drifts toward zero (2e-5 at S = 4096). The tile's keys go into a
             # fresh accumulator, added to O in an fma rounded to nearest: all n-tiles at once
@@ -461,7 +471,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 for i in range(4 * jg):
                     acc[0][4 * j0 + i] = b.fadd(b.fmul(acc[0][4 * j0 + i], corr[0][(i % 4) // 2]), tmp[i])
         else:  # O *= corr (f16/bf16: done above), then per k-step: its exponentials, P's fragment, O += P V
-            if not half:
+            if spec.kind == "tf32":
                 acc = [[b.fmul(a, corr[m][(i % 4) // 2]) for i, a in enumerate(acc[m])] for m in range(MT)]
             per = 2 if half else 1  # score n-tiles a k-step
             for kk in range(NT // per):
@@ -475,7 +485,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     fb = v_fragments(kk, j, fbs, st)
                     for m in range(MT):
                         acc[m][4 * j:4 * j + 4] = b.mma(spec.kind, fa[m], fb, acc[m][4 * j:4 * j + 4])
-        lnew = [x for m in range(MT) for x in row_sums(s[m], lrow[m], corr[m])]
+        if spec.kind != "f32x3":  # (f32x3: above)
+            lnew = [x for m in range(MT) for x in row_sums(s[m], lrow[m], corr[m])]
         return mnew + lnew + [x for a in acc for x in a]
 
     # every tile but the last in the loop; the last one peeled (no prefetch, the S tail masked)

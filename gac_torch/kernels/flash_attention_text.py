@@ -22,10 +22,11 @@ class _Text:
         self.n = 0
         self.consts: dict[tuple, str] = {}
         e = spec.elem
-        self.smem = {"K": f"memref<{p.stages * p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
+        self.smem = {"Q": f"memref<{p.bm}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
+                     "K": f"memref<{p.stages * p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
                      "V": f"memref<{p.stages * p.bn}x{p.dvc + p.pad}x{e}, {WORKGROUP}>"}
-        if p.stages == 1:  # (two stages: Q's fragments come from global memory)
-            self.smem["Q"] = f"memref<{p.bm}x{p.dp + p.pad}x{e}, {WORKGROUP}>"
+        if p.stages == 2:  # (Q's fragments come from global memory)
+            del self.smem["Q"]
         self.bufs = {"Q": spec.q, "K": spec.k, "V": spec.v}
 
     def _v(self) -> str:
