@@ -2,7 +2,7 @@
 for each SDPA bench shape, the default plan and forced (warps, BN) tilings, with the error
 against float64. Used to choose `flash_attention.plan`'s tiles per head dim from measurements.
 
-    python benchmarks/flash_variants.py [--rounds 7] [--only bf16]
+    python benchmarks/flash_variants.py [--rounds 7] [--only bf16] [--quick]
 
 Method (/work/.library/device/METHOD.md): CUDA events after warm-up, medians of interleaved
 rounds, input sets rotated past L2; `ratio` = variant / eager.
@@ -27,17 +27,21 @@ from gac_torch.kernels import flash_attention as fa  # noqa: E402
 from tests.parity import Fn  # noqa: E402
 
 SHAPES = [(8, 8, 2500, 32), (4, 16, 4096, 64)]
-# ((warps, BN) or None for the default plan, register cap or None for the default, m-tiles a warp)
-VARIANTS = {"bf16": [(None, None, 1), ((4, 128), None, 1), ((8, 128), None, 1), ((4, 64), None, 1),
-                     ((8, 32), None, 1), ((4, 64), None, 2), ((4, 128), None, 2)],
-            "f32": [(None, None, 1), (None, 255, 1), ((4, 64), None, 1), ((8, 16), None, 1)]}
+# ((warps, BN) or None for the default plan, register cap or None for the default, m-tiles a warp,
+# K/V stages or None for the plan's choice)
+VARIANTS = {"bf16": [(None, None, 1, None), (None, None, 1, 1), ((4, 128), None, 1, None), ((8, 128), None, 1, None),
+                     ((4, 64), None, 1, None), ((8, 32), None, 1, None), ((4, 64), None, 2, None),
+                     ((4, 128), None, 2, None)],
+            "f32": [(None, None, 1, None), (None, 255, 1, None), ((4, 64), None, 1, None), ((8, 16), None, 1, None)]}
+# --quick (the GPU check of branch flash): the default, one K/V stage, 4-warp blocks of 1 and 2 m-tiles
+QUICK = [(None, None, 1, None), (None, None, 1, 1), ((4, 64), None, 1, None), ((4, 64), None, 2, None)]
 DT = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
-def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, mt: int):
+def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, mt: int, stages: int | None):
     orig, orig_reg = fa.plan, pipeline._flash_maxnreg
-    if tiles is not None:
-        fa.plan = lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt)
+    if tiles is not None or stages is not None:
+        fa.plan = lambda spec, *a, **k: orig(spec, *a, **({"tiles": (tiles,)} if tiles else {}), mt=mt, stages=stages)
     if maxnreg is not None:
         pipeline._flash_maxnreg = lambda kernel: maxnreg
     try:
@@ -56,6 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--only", default="bf16,f32")
+    ap.add_argument("--quick", action="store_true", help="bf16: only the QUICK variants")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -70,10 +75,11 @@ def main() -> int:
             with torch.no_grad():
                 ref = F.scaled_dot_product_attention(*(t.double() for t in sets[0]))
                 fns = {"eager": (F.scaled_dot_product_attention, "")}
-                for tiles, reg, mt in VARIANTS[dname]:
-                    name = f"gac {tiles or 'default'}{f' mt {mt}' if mt > 1 else ''}{f' maxnreg {reg}' if reg else ''}"
+                for tiles, reg, mt, stages in (QUICK if args.quick and dname == "bf16" else VARIANTS[dname]):
+                    name = (f"gac {tiles or 'default'}{f' mt {mt}' if mt > 1 else ''}{f' maxnreg {reg}' if reg else ''}"
+                            f"{f' stages {stages}' if stages else ''}")
                     try:
-                        fns[name] = _compile(sets[0], tiles, reg, mt)
+                        fns[name] = _compile(sets[0], tiles, reg, mt, stages)
                     except Exception as e:  # noqa: BLE001  (a tiling that does not apply: report it)
                         print(f"{dname} {shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}

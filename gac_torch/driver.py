@@ -84,6 +84,19 @@ def _load(target: Target, artifact: Any, signature: Signature, options: dict):
         return _Unavailable(e)
 
 
+def _autotune(module: ir.Module, target: Target, signature: Signature, options: dict) -> None:
+    """Let the target measure its tile candidates on this partition (before the cache key is
+    made: the key holds the tuning table's digest). Each variant compiles a fresh copy."""
+    text = str(module)
+
+    def build():
+        artifact, _, _ = _run_stages(ir.Module.parse(text), target, options)
+        return _load(target, artifact, signature, options)
+
+    progress.step("autotune")
+    target.tune(build, signature, options)  # type: ignore[misc]
+
+
 _pack_warned: set[str] = set()
 
 
@@ -142,6 +155,8 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
             verify_gac(module)  # shapes and dtypes
         # statically empty outputs are made by the runtime, never by the program (runtime/compiled.py)
         live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
+        if options.get("autotune") and target.tune is not None:
+            _autotune(module, target, live, options)
         key = (cache.cache_key(str(module), repr(signature), options, target.name, target.cache_key(options))
                if target.pack and cache.enabled(options) else None)
         entry = cache.load(key) if key else None

@@ -46,6 +46,9 @@ class Options:
     verify: bool = _field(True, "run gac-verify (shapes and dtypes) on every module")
     cache: bool | None = _field(None, "False: no on-disk compile cache; None: on unless GAC_CACHE=0",
                                 in_key=False)
+    autotune: bool = _field(False, "measure the tile candidates of each kernel on the device at compile "
+                                   "time and remember the fastest (cuda; torch.compile's mode="
+                                   "'max-autotune'); the table's digest is in the cache key", in_key=False)
 
     def __post_init__(self) -> None:
         if self.target is not None and self.target not in TARGETS:
@@ -58,6 +61,7 @@ class Options:
                 or self.min_block_size < 1:
             raise OptionError("option 'min_block_size' must be a positive integer")
         _check_bool("cache", self.cache, none=True)
+        _check_bool("autotune", self.autotune)
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise OptionError(f"option 'dump_dir' (or GAC_DUMP_DIR) must be a path, not "
                               f"{type(self.dump_dir).__name__}")

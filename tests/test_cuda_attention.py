@@ -90,14 +90,16 @@ def test_sdpa_f32_long_rows_at_eager_error(shape):
     assert err < 1e-5 and err < 3 * err_eager
 
 
-@pytest.mark.parametrize("tiles,mt", [((4, 128), 1), ((8, 128), 1), ((4, 64), 2), ((4, 128), 2)], ids=str)
-def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt):
-    """The tilings benchmarks/flash_variants.py times (not the default plan's), on odd sizes with
-    an additive mask and with causal: parity before any of them becomes a default."""
+@pytest.mark.parametrize("tiles,mt,stages", [((4, 128), 1, None), ((8, 128), 1, None), ((4, 64), 2, None),
+                                             ((4, 128), 2, None), ((8, 64), 1, 1), ((4, 64), 1, 2)], ids=str)
+def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt, stages):
+    """The tilings benchmarks/flash_variants.py times (not the default plan's; one or two K/V
+    stages), on odd sizes with an additive mask and with causal: parity before any of them
+    becomes a default."""
     from gac_torch.kernels import flash_attention as fa
 
     orig = fa.plan
-    monkeypatch.setattr(fa, "plan", lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt))
+    monkeypatch.setattr(fa, "plan", lambda spec, *a, **k: orig(spec, *a, tiles=(tiles,), mt=mt, stages=stages))
     g = torch.Generator(device="cuda").manual_seed(13)
     q, k, v = (torch.randn(2, 3, n, 32, device="cuda", dtype=torch.bfloat16, generator=g) for n in (300, 271, 271))
     m = torch.randn(1, 3, 300, 271, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -108,3 +110,21 @@ def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt):
         assert compiled.ir("ptx").count("_flash(") == 1
         out = compiled(*inputs)
         assert _rel(out, fn(*[t.double() for t in inputs])) < REL["bf16"]
+        if stages is not None:
+            assert compiled.ir("ptx").count("bar.sync") == (2 if stages == 2 else 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sdpa_lazy_rescale_growing_keys(dtype):
+    """f16/bf16 rescale O and l only when a row max of the warp grows by more than 8 log2 units
+    (a warp vote and branch): keys scaled up along the row make later tiles rescale, the
+    bench shape's head dim (two K/V stages) and an odd one."""
+    g = torch.Generator(device="cuda").manual_seed(17)
+    for D in (64, 40):
+        q, k, v = (torch.randn(2, 4, n, D, device="cuda", dtype=dtype, generator=g) for n in (300, 333, 333))
+        k = k * (1 + 40 * torch.arange(333, device="cuda", dtype=dtype) / 333)[:, None]
+        fn = F.scaled_dot_product_attention
+        compiled = gac_torch.compile(Fn(fn), (q, k, v), target="cuda", options={"fallback": False})
+        assert compiled.ir("ptx").count("_flash(") == 1 and "vote.sync.any" in compiled.ir("ptx")
+        tol = REL["f16" if dtype == torch.float16 else "bf16"]
+        assert _rel(compiled(q, k, v), fn(q.double(), k.double(), v.double())) < tol

@@ -17,6 +17,7 @@ from gac_torch.backends.cuda import ptxas
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.kernels import flash_attention as fa
 from gac_torch.kernels import flash_attention_twin as twin
+from gac_torch.kernels.flash_attention_text import template
 from gac_torch.kernels.builder import RaceError, round_to
 from gac_torch.options import resolve
 
@@ -109,6 +110,57 @@ def test_twin_other_tilings(kind, tiles, mt, D):
     e = _ELEM[kind]
     ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), round_to(mask, e), "add", spec.scale, True)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
+@pytest.mark.parametrize("kind,stages,mt", [("bf16", 1, 1), ("bf16", 2, 1), ("f16", 2, 2)])
+def test_twin_kv_stages(kind, stages, mt):
+    """Two K/V stages (f16/bf16 with D <= 64: Q's fragments straight from global memory, the
+    next tile loading during the whole of this one, one barrier a tile) and one, over seven
+    key tiles (the last partial), rows past L, causal and a broadcast additive mask."""
+    spec, q, k, v, mask = _case(kind, (2,), 70, 200, 40, 24, "add", (1, 70, 1), True, seed=6)
+    p = fa.plan(spec, tiles=((4, 32),), mt=mt, stages=stages)
+    assert p.stages == stages
+    assert template(spec, p).count("gpu.barrier") == (2 if stages == 2 else 5)  # 1 a tile (+ 1 peeled), or 2 (+ Q's)
+    out = twin.emulate(spec, p, q, k, v, mask)
+    e = _ELEM[kind]
+    ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), round_to(mask, e), "add", spec.scale, True)
+    assert not np.isnan(out).any() and np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
+@pytest.mark.parametrize("kind,mt,mask_kind", [("bf16", 1, "none"), ("f16", 2, "add")])
+def test_twin_lazy_rescale(kind, mt, mask_kind, monkeypatch):
+    """f16/bf16 rescale O and l only when a row max grows by more than RESCALE (log2 units).
+    Keys scaled up along the row make the max grow by ~20 units a tile, so later tiles rescale;
+    with the threshold at infinity the first max is never taken and p overflows (the test
+    sees the rescaling)."""
+    spec, q, k, v, mask = _case(kind, (2,), 40, 200, 32, 32, mask_kind, (1, 1, 200) if mask_kind == "add" else None,
+                                False, seed=8)
+    k = k * (1 + 40 * np.arange(200) / 200)[None, :, None].astype(np.float32)
+    p = fa.plan(spec, tiles=((2, 32),), mt=mt)
+    e = _ELEM[kind]
+    ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), None if mask is None else round_to(mask, e),
+                         mask_kind, spec.scale, False)
+
+    def err() -> float:
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = twin.emulate(spec, p, q, k, v, mask)
+            return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    assert err() < TOL[kind]
+    monkeypatch.setattr(fa, "RESCALE", math.inf)
+    assert not err() < TOL[kind]
+
+
+def test_plan_kv_stages():
+    """The default: two stages where Q's fragments stay in registers (f16/bf16, D <= 64) and
+    both stages fit 48 KB; one otherwise."""
+    for kind, D, stages in (("bf16", 64, 2), ("f16", 32, 2), ("bf16", 80, 1), ("f16", 128, 1), ("tf32", 32, 1)):
+        spec, *_ = _case(kind, (64,), 4096, 4096, D, D)
+        p = fa.plan(spec)
+        assert p.stages == stages, (kind, D)
+        assert fa.smem_bytes(spec, p.bm, p.bn, p.dp, p.dvc, p.pad, p.stages) <= 48 * 1024
+    spec, *_ = _case("bf16", (64,), 4096, 4096, 64, 64)
+    assert fa.plan(spec, tiles=((4, 128),)).stages == 1  # two 128-key stages of K and V: 72 KB
+    assert fa.plan(_case("tf32", (1,), 7, 7, 16, 16)[0], stages=2) is None
 
 
 def test_two_m_tiles_odd_rows_and_bool_mask():

@@ -79,11 +79,14 @@ def test_errors_under_torch_compile_name_the_users_arguments():
         cg(m.lin.weight, m.lin.bias, torch.ones(2, 4, dtype=torch.float64), torch.randn(4))
 
 
-def test_unsupported_mode_warns_and_unknown_mode_fails():
+def test_modes_map_to_options_and_unknown_mode_fails():
     torch.compiler.reset()
     dynamo._modes_warned.clear()
-    with pytest.warns(UserWarning, match="mode='max-autotune' has no effect"):
-        out = torch.compile(torch.nn.ReLU(), backend="gac", mode="max-autotune")(torch.randn(3))
+    with pytest.warns(UserWarning, match="mode='reduce-overhead' changes nothing"):
+        out = torch.compile(torch.nn.ReLU(), backend="gac", mode="reduce-overhead")(torch.randn(3))
     assert out.shape == (3,)
+    assert dynamo._check_mode("max-autotune") == {"autotune": True}
+    x = torch.randn(3)
+    torch.testing.assert_close(torch.compile(torch.nn.ReLU(), backend="gac", mode="max-autotune")(x), x.relu())
     with pytest.raises(gac_torch.OptionError, match="unknown torch.compile mode"):
         dynamo._check_mode("fastest")

@@ -109,6 +109,9 @@ class Target:
     pack: Callable[..., tuple[dict, dict[str, bytes]] | None] | None = None
     unpack: Callable[[dict, dict[str, bytes], Signature, dict], Executable] | None = None
     cache_key: Callable[[dict], dict] = lambda options: {}
+    # options["autotune"]: tune(build, signature, options) measures the variants `build()`
+    # compiles and records the fastest tiles (backends/gpu/tuning.py); None: nothing to tune
+    tune: Callable[[Callable[[], Executable], Signature, dict], None] | None = None
     # Python modules compiling for this target needs, and the extra that installs them.
     requires: tuple[str, ...] = ()
     extra: str = ""

@@ -62,15 +62,20 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 _modes_warned: set = set()
 
 
-def _check_mode(mode) -> None:
-    """torch.compile's `mode`: gac has one way to compile today, so any other mode says so once."""
+def _check_mode(mode) -> dict:
+    """torch.compile's `mode` -> the options it implies: max-autotune measures tile candidates
+    (options["autotune"], backends/gpu/tuning.py); reduce-overhead is what gac does anyway (CUDA
+    graphs where safe), which a warning says once."""
     if mode not in MODES:
         raise OptionError(f"unknown torch.compile mode {mode!r} for backend 'gac'; torch's modes: "
                           f"{', '.join(m for m in MODES if m)}")
-    if mode not in (None, "default") and mode not in _modes_warned:
+    if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        return {"autotune": True}
+    if mode == "reduce-overhead" and mode not in _modes_warned:
         _modes_warned.add(mode)
-        warnings.warn(f"gac: mode={mode!r} has no effect yet (no autotuner, no CUDA graphs per mode); "
-                      "compiling as mode='default'", stacklevel=2)
+        warnings.warn("gac: mode='reduce-overhead' changes nothing: gac replays CUDA graphs by default "
+                      "where that is safe (options={'cuda_graphs': False} turns them off)", stacklevel=2)
+    return {}
 
 
 def _user_names(gm: torch.fx.GraphModule) -> list[str]:
@@ -124,8 +129,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    options = {**_check_mode(mode), **(options or {})}
     resolve(options, **kw)  # unknown or ill-typed options fail here, before tracing
-    _check_mode(mode)
 
     def compile_now(graph: torch.fx.GraphModule):
         compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now

@@ -23,8 +23,10 @@ class _Text:
         self.consts: dict[tuple, str] = {}
         e = spec.elem
         self.smem = {"Q": f"memref<{p.bm}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
-                     "K": f"memref<{p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
-                     "V": f"memref<{p.bn}x{p.dvc + p.pad}x{e}, {WORKGROUP}>"}
+                     "K": f"memref<{p.stages * p.bn}x{p.dp + p.pad}x{e}, {WORKGROUP}>",
+                     "V": f"memref<{p.stages * p.bn}x{p.dvc + p.pad}x{e}, {WORKGROUP}>"}
+        if p.stages == 2:  # (Q's fragments come from global memory)
+            del self.smem["Q"]
         self.bufs = {"Q": spec.q, "K": spec.k, "V": spec.v}
 
     def _v(self) -> str:
@@ -78,6 +80,25 @@ class _Text:
     fdiv = lambda s, x, y: s._op("arith.divf", x, y, "f32")
     fmax = lambda s, x, y: s._op("arith.maximumf", x, y, "f32")
     feq = lambda s, x, y: s._op("arith.cmpf oeq,", x, y, "f32")
+    fgt = lambda s, x, y: s._op("arith.cmpf ogt,", x, y, "f32")
+
+    def warp_any(self, pred: str) -> str:
+        """vote.sync.any over the warp: one i1, the same in every lane."""
+        r = self._v()
+        self.w(f'{r} = llvm.call_intrinsic "llvm.nvvm.vote.any.sync"({self._const(-1, "i32")}, {pred}) '
+               ": (i32, i1) -> i1")
+        return r
+
+    def cond(self, pred: str, then: Callable[[], list[str]], other: list[str]) -> list[str]:
+        """f32 values: then()'s where pred (warp-uniform: a branch), else `other`."""
+        res, types = self._v(), ", ".join(["f32"] * len(other))
+        self.w(f"{res}:{len(other)} = scf.if {pred} -> ({types}) {{")
+        saved = self.consts
+        self.consts = dict(saved)  # constants defined inside the branch stay inside
+        out = then()
+        self.consts = saved
+        self.w(f"scf.yield {', '.join(out)} : {types}\n}} else {{\nscf.yield {', '.join(other)} : {types}\n}}")
+        return [f"{res}#{i}" for i in range(len(other))]
 
     def fsel(self, cond: str, x: str, y: str) -> str:
         r = self._v()
@@ -96,13 +117,23 @@ class _Text:
         self.w(f"{r}, {r}_ok = gpu.shuffle xor {x}, {self._const(m, 'i32')}, {self._const(32, 'i32')} : f32")
         return r
 
-    def _sptr(self, which: str, row: str, col: str) -> str:
-        """!llvm.ptr<3> of element (row, col) of a shared buffer."""
+    def _sptr(self, which: str, row: str, col: str, srow: str | None = None, roff: int = 0, coff: int = 0) -> str:
+        """!llvm.ptr<3> of element (srow + row + roff, col + coff) of a shared buffer: the
+        lane's (row, col) stays one loop-invariant offset, the stage's row srow adds once to
+        the base and the constants (roff, coff) become the load's immediate offset."""
         st = {"Q": self.p.dp, "K": self.p.dp, "V": self.p.dvc}[which] + self.p.pad
+        es = ELEM_BYTES[self.spec.elem]
         base, off, a, i, ptr = (self._v() for _ in range(5))
         self.w(f"{base} = memref.extract_aligned_pointer_as_index %S{which} : {self.smem[which]} -> index")
-        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * {ELEM_BYTES[self.spec.elem]})>"
-               f"({row}, {col})")
+        if srow is not None:
+            b0, soff, base = base, self._v(), self._v()
+            self.w(f"{soff} = affine.apply affine_map<(d0) -> (d0 * {st * es})>({srow})")
+            self.w(f"{base} = arith.addi {b0}, {soff} : index")
+        self.w(f"{off} = affine.apply affine_map<(d0, d1) -> ((d0 * {st} + d1) * {es})>({row}, {col})")
+        if roff or coff:
+            a0 = self._v()
+            self.w(f"{a0} = arith.addi {base}, {off} : index")
+            base, off = a0, self.const((roff * st + coff) * es)
         self.w(f"{a} = arith.addi {base}, {off} : index\n{i} = arith.index_cast {a} : index to i64")
         self.w(f"{ptr} = llvm.inttoptr {i} : i64 to !llvm.ptr<3>")
         return ptr
@@ -126,6 +157,15 @@ class _Text:
         """This thread's cp.async copies have landed (other threads' after a barrier)."""
         self.w("nvvm.cp.async.commit.group\nnvvm.cp.async.wait.group 0")
 
+    def load_pair(self, which: str, idx: list[str], ok: str) -> str:
+        """Two adjacent elements of a global buffer as vector<2 x elem> (zeros where not ok)."""
+        buf, e = self.bufs[which], self.spec.elem
+        r, x, z = self._v(), self._v(), self._v()
+        self.w(f"{r} = scf.if {ok} -> (vector<2x{e}>) {{\n  {x} = vector.load %{which}[{', '.join(idx)}] "
+               f"{{alignment = {2 * ELEM_BYTES[e]}}} : {buf.type}, vector<2x{e}>\n  scf.yield {x} : vector<2x{e}>\n"
+               f"}} else {{\n  {z} = arith.constant dense<0.0> : vector<2x{e}>\n  scf.yield {z} : vector<2x{e}>\n}}")
+        return r
+
     def load_smem(self, which: str, idx: list[str], n: int) -> str:
         r = self._v()
         if n == 1:
@@ -140,11 +180,13 @@ class _Text:
         self.w(f"{r} = vector.from_elements {lo}, {hi} : vector<2x{self.spec.elem}>")
         return r
 
-    def ldmatrix(self, which: str, row: str, col: str, num: int, trans: bool) -> list[str]:
+    def ldmatrix(self, which: str, row: str, col: str, num: int, trans: bool, srow: str | None = None,
+                 roff: int = 0, coff: int = 0) -> list[str]:
         """ldmatrix.sync.x{num}[.trans] of 8x8 b16 matrices: this lane's row address is
-        (row, col) of the shared buffer; returns num registers as vector<2 x elem>."""
+        (srow + row + roff, col + coff) of the shared buffer (`_sptr`); returns num registers as
+        vector<2 x elem>."""
         e = self.spec.elem
-        ptr, r = self._sptr(which, row, col), self._v()
+        ptr, r = self._sptr(which, row, col, srow, roff, coff), self._v()
         rt = "i32" if num == 1 else f"!llvm.struct<({', '.join(['i32'] * num)})>"
         self.w(f"{r} = nvvm.ldmatrix {ptr} {{num = {num} : i32, layout = #nvvm.mma_layout<{'col' if trans else 'row'}>, "
                f"shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>}} "
@@ -273,6 +315,6 @@ def template(spec: Spec, p: Plan) -> str:
         f"%nt = arith.constant {p.threads} : index",
         ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
          "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-         f"workgroup(%SQ : {b.smem['Q']}, %SK : {b.smem['K']}, %SV : {b.smem['V']}) {{"),
+         f"workgroup({', '.join(f'%S{w} : {t}' for w, t in b.smem.items())}) {{"),
     ]
     return "\n".join(head + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -50,8 +50,9 @@ class _Numpy:
         self.spec, self.p, self.arr, self.block = spec, p, arrays, block
         self.T = p.threads
         self.epoch = 0
-        self.S = {"Q": _Smem((p.bm, p.dp + p.pad)), "K": _Smem((p.bn, p.dp + p.pad)),
-                  "V": _Smem((p.bn, p.dvc + p.pad))}
+        self.S = {"K": _Smem((p.stages * p.bn, p.dp + p.pad)), "V": _Smem((p.stages * p.bn, p.dvc + p.pad))}
+        if p.stages == 1:  # (two stages: Q's fragments come from global memory)
+            self.S["Q"] = _Smem((p.bm, p.dp + p.pad))
         self.pending: list[tuple[str, list, np.ndarray]] = []  # cp.async copies in flight
 
     # scalars: arrays over the threads
@@ -79,9 +80,25 @@ class _Numpy:
     and_ = staticmethod(lambda x, y: x & y)
     or_ = staticmethod(lambda x, y: x | y)
     fadd = staticmethod(lambda x, y: (x + y).astype(np.float32))
-    fsub = staticmethod(lambda x, y: (x - y).astype(np.float32))
+
+    @staticmethod
+    def fsub(x, y):
+        with np.errstate(invalid="ignore"):  # (-inf - -inf: NaN, as on the GPU)
+            return (x - y).astype(np.float32)
+
     fmul = staticmethod(lambda x, y: (x * y).astype(np.float32))
     feq = staticmethod(lambda x, y: x == y)
+    fgt = staticmethod(lambda x, y: x > y)
+
+    def warp_any(self, pred: np.ndarray) -> np.ndarray:
+        return np.repeat(pred.reshape(-1, 32).any(axis=1), 32)
+
+    @staticmethod
+    def cond(pred: np.ndarray, then: Callable, other: list[np.ndarray]) -> list[np.ndarray]:
+        """Both sides computed (then() touches no memory), each lane taking its warp's."""
+        with np.errstate(invalid="ignore"):
+            vals = then()
+        return [np.where(pred, v, o).astype(np.float32) for v, o in zip(vals, other)]
     fsel = staticmethod(lambda c, x, y: np.where(c, x, y).astype(np.float32))
 
     @staticmethod
@@ -110,6 +127,9 @@ class _Numpy:
                 assert all((a[ok] < s).all() for a, s in zip(at, buf.shape)), f"{which}: load out of bounds"
             out[:, i] = np.where(ok, buf[tuple(at)], 0.0)
         return out
+
+    def load_pair(self, which: str, idx: list[np.ndarray], ok: np.ndarray) -> np.ndarray:
+        return self._load_global(which, idx, 2, ok)
 
     def copy_async(self, which: str, sidx: list[np.ndarray], gidx: list[np.ndarray], vec: int,
                    ok: np.ndarray) -> None:
@@ -162,10 +182,12 @@ class _Numpy:
             raise AssertionError(f"smem {which}: read of an element never written")
         return vals if n > 1 else vals[:, 0]
 
-    def ldmatrix(self, which: str, row: np.ndarray, col: np.ndarray, num: int, trans: bool) -> list[np.ndarray]:
+    def ldmatrix(self, which: str, row: np.ndarray, col: np.ndarray, num: int, trans: bool,
+                 srow: np.ndarray | None = None, roff: int = 0, coff: int = 0) -> list[np.ndarray]:
         """Lane l of each warp supplies row l % 8 of matrix l / 8 (16-byte aligned rows of 8);
         register i of lane l: matrix i's (row l/4, cols 2(l%4), +1), or transposed (rows
         2(l%4), +1; col l/4)."""
+        row, col = row + roff + (0 if srow is None else srow), col + coff
         assert (col % 8 == 0).all(), "ldmatrix rows must be 16-byte aligned"
         cells = self._touch(which, [row, col], 8, False)
         rows = np.stack([self.S[which].data[at] for at in cells], axis=1)  # (T, 8)

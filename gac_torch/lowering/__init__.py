@@ -16,7 +16,7 @@ size their buffers with `shape(result)` whatever the shapes.
 
 from __future__ import annotations
 
-from mlir import ir, passmanager
+from mlir import ir
 from mlir.dialects import bufferization, func
 from mlir.dialects import tensor as tensor_d
 
@@ -25,6 +25,7 @@ from gac_torch.ir.types import DYN
 from gac_torch.lowering import core
 from gac_torch.lowering import attention, elementwise, reduction, shape, structured  # noqa: F401 (registers)
 from gac_torch.lowering.core import convert, elem, elementwise as ew
+from gac_torch.lowering.fusion import fuse_elementwise
 from gac_torch.lowering.registry import DATA_MOVEMENT, LOWERINGS
 from gac_torch.errors import GacUnsupportedError
 
@@ -94,10 +95,9 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
         # the bool conversions above disappear into their users. Fusion only moves single-use
         # producers, so it runs before CSE would merge two users' private i8 -> i1 conversions;
         # it can also move a reshape onto an i1 value, which a second round fuses through.
-        fuse = passmanager.PassManager.parse(
-            "builtin.module(func.func(linalg-fuse-elementwise-ops), canonicalize, cse)")
+        # Contractions take no computing producer as a prologue (fusion.py says why).
         for _ in range(3):
-            fuse.run(module.operation)
+            fuse_elementwise(module)
             if not _bool_tensors(module):
                 break
         _check_no_bool_buffers(module)

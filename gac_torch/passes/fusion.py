@@ -2,7 +2,7 @@
 
 The fusion itself happens once, on linalg (linalg-fuse-elementwise-ops in the shared lowering:
 elementwise chains become one loop nest, elementwise producers fold into reductions and
-contractions' consumers). Each linalg op created for gac op #i is located at "gac<i>", and fusion
+contractions' consumers, never into a contraction: gac_torch/lowering/fusion.py). Each linalg op created for gac op #i is located at "gac<i>", and fusion
 merges locations, so every structured op left after fusion names the gac ops it computes. This
 pass writes that back onto the gac module as `gac.kernel = <k>`, so the groups are visible in
 `compiled.ir("gac")` and dumps, and they are what targets turn into kernels.

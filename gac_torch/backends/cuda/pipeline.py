@@ -22,7 +22,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import gpu
 
-from gac_torch.backends.gpu import host
+from gac_torch.backends.gpu import host, tuning
 from gac_torch.errors import CompileError
 from gac_torch.backends.gpu.irutil import run_passes
 from gac_torch.backends.gpu.program import GpuProgram
@@ -74,7 +74,8 @@ def _as_module(artifact: str | ir.Module) -> ir.Module:
 
 def map_stage(artifact: Any, options: CudaCodegen) -> GpuStage:
     module = _as_module(artifact)
-    program = schedule_module(module, options.limits, options.strategies, "cuda", options.arch)
+    with tuning.session(tuning.load_table(options.arch)):  # measured tiles (gpu/tuning.py)
+        program = schedule_module(module, options.limits, options.strategies, "cuda", options.arch)
     return GpuStage(module, program, options)
 
 

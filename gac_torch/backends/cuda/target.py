@@ -12,6 +12,7 @@ import torch
 
 from gac_torch.backends.base import Signature, Stage, Target
 from gac_torch.backends.cuda import runtime
+from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.program import GpuProgram
 
 
@@ -109,6 +110,24 @@ def _load(program: GpuProgram, signature: Signature, options: dict) -> runtime.C
     return runtime.CudaExecutable(program, signature, (options or {}).get("cuda_graphs"))
 
 
+def _tune(build, signature: Signature, options: dict) -> None:
+    """options["autotune"]: time each tile candidate on this GPU (backends/cuda/autotune.py)."""
+    from gac_torch.backends.cuda import autotune
+
+    if not torch.cuda.is_available():
+        autotune.log.warning("gac autotune: no GPU visible; kernels keep the heuristic tiles")
+        return
+    inputs = autotune.random_inputs(signature)
+    if inputs is None:
+        autotune.log.info("gac autotune: skipped (run-time sizes or non-float inputs)")
+        return
+    def measure(exe: runtime.CudaExecutable) -> dict[str, float]:
+        exe.use_graphs = False  # kernel by kernel: each launch is the profiler's own event
+        return autotune.kernel_times(lambda: exe.call(inputs))
+
+    autotune.tune(build, measure, options.get("arch") or default_arch())
+
+
 def _pack(program: GpuProgram, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
     from gac_torch.backends.gpu.program import to_json
 
@@ -130,5 +149,7 @@ TARGET = Target(
     dynamic_shapes=True,
     pack=_pack,
     unpack=_unpack,
-    cache_key=lambda options: {"arch": options.get("arch") or default_arch()},
+    cache_key=lambda options: {"arch": (arch := options.get("arch") or default_arch()),
+                               "tuning": tuning.digest(arch)},
+    tune=_tune,
 )

@@ -26,15 +26,11 @@ from gac_torch.backends.gpu.irutil import (
     DYN, block_ops, const_int, defining_op, func_block, identity_layout, run_passes, size_mul,
     top_level, users,
 )
+from gac_torch.lowering.fusion import NAMED_CONTRACTIONS
 
 # Named ops kept named through elementwise fusion: fusing a producer into them would recompute
 # it once per use (N times for a matmul operand); they also get dedicated strategies.
-_KEEP_NAMED = (
-    "linalg.matmul", "linalg.batch_matmul", "linalg.batch_reduce_matmul", "linalg.matvec",
-    "linalg.vecmat", "linalg.batch_matvec", "linalg.batch_vecmat", "linalg.dot", "linalg.contract",
-    "linalg.conv_", "linalg.depthwise_conv", "linalg.pooling_", "linalg.mmt4d",
-    "linalg.batch_mmt4d", "linalg.quantized_",
-)
+_KEEP_NAMED = (*NAMED_CONTRACTIONS, "linalg.conv_", "linalg.depthwise_conv", "linalg.pooling_")
 
 
 _GENERALIZE_SCRIPT = """

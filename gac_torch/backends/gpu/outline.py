@@ -85,16 +85,20 @@ def dynamic_memrefs_as_metadata(fn: ir.Operation) -> None:
                     owner.operands[use.operand_number] = view
 
 
-def number_kernels(module: ir.Module, fn: ir.Operation) -> None:
-    """Rename kernels gac_k<launch order>_<strategy> (they were named in creation order)."""
+def number_kernels(module: ir.Module, fn: ir.Operation) -> dict[str, str]:
+    """Rename kernels gac_k<launch order>_<strategy> (they were named in creation order);
+    returns old name -> new name."""
     funcs = {}
     for op in module.body.operations:
         if op.operation.name == "gpu.module":
             for f in op.regions[0].blocks[0].operations:
                 funcs[ir.StringAttr(f.attributes["sym_name"]).value] = f.operation
     launches = [op for op in block_ops(func_block(fn)) if op.name == "gpu.launch_func"]
+    renames = {}
     for i, op in enumerate(launches):
         old = str(op.attributes["kernel"]).rsplit("::@", 1)[-1].strip('"')
         new = f"gac_k{i}_{old.rsplit('_', 1)[-1]}"
         funcs[old].attributes["sym_name"] = ir.StringAttr.get(new)
         op.attributes["kernel"] = ir.SymbolRefAttr.get([KERNEL_MODULE, new])
+        renames[old] = new
+    return renames

@@ -43,9 +43,11 @@ from gac_torch.backends.gpu.irutil import (
     top_level,
 )
 from gac_torch.backends.gpu.rows import map_rows
+from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
+from gac_torch.lowering.fusion import fuse_elementwise
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
 # (a cut leaves the serial ops' scalars, e.g. an index read from a tensor, used across kernels).
@@ -61,7 +63,7 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
     fold_transposes_into_matmuls(fn)  # a GEMM reads its transposed operands in place
     generalize_elementwise_named_ops(module, fn)
-    run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
+    fuse_elementwise(module)  # as in the shared lowering: no prologue inside a contraction
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
     bufferize(module, fn)
     reshapes_to_views(fn)
@@ -104,7 +106,7 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     run_passes(module, "gpu-launch-sink-index-computations")
     dynamic_memrefs_as_metadata(fn)
     run_passes(module, "gpu-kernel-outlining, canonicalize, cse")
-    number_kernels(module, fn)
+    tuning.rename(number_kernels(module, fn))
 
 
 def _apply_strategy(op: ir.Operation, strategies: Sequence[Strategy], limits: GpuLimits,
@@ -115,9 +117,13 @@ def _apply_strategy(op: ir.Operation, strategies: Sequence[Strategy], limits: Gp
     if g is None:
         return False
     for s in mine:
+        tuning.discard()  # choices of a matcher that declined are nobody's
         m = s.match(g, limits)
         if m is not None:
-            return s.emit(m, f"gac_k{next(counter)}_{s.name}", limits)
+            name = f"gac_k{next(counter)}_{s.name}"
+            done = s.emit(m, name, limits)
+            tuning.bind(name) if done else tuning.discard()
+            return done
     return False
 
 
