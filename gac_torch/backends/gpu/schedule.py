@@ -42,6 +42,7 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu.invariant import depends_on, serial_dim, unroll, unroll_by
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
@@ -203,6 +204,12 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
         return ir.WalkResult.ADVANCE
 
     p.walk(find_loops, ir.WalkOrder.PRE_ORDER)
+    pbody = p.regions[0].blocks[0]
+    inner = serial_dim(pbody, bounds, extents, has_loops)  # a dim looped over inside each thread
+    if inner is not None:
+        inner_extent = extents[inner]
+        extents = extents[:inner] + extents[inner + 1:]
+        total, has_loops = total // inner_extent, True
     if is_static(total):
         coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
@@ -227,17 +234,25 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
             with ir.InsertionPoint(inside.then_block):
                 idx = delinearize(lin, extents)
                 ivs = []
-                for (lb, _, st), i in zip(bounds, idx):
+                for (lb, _, st), i in zip([b for d, b in enumerate(bounds) if d != inner], idx):
                     v = i if st == 1 else arith.muli(i, as_index(st))
                     ivs.append(v if lb == 0 else arith.addi(v, as_index(lb)))
+                if inner is not None:  # (its lower bound 0, step 1)
+                    loop = scf.ForOp(as_index(0), as_index(inner_extent), as_index(unroll_by(inner_extent)))
+                    ivs.insert(inner, loop.induction_variable)
+                    with ir.InsertionPoint(loop.body):
+                        loop_term = scf.YieldOp([])
                 term = scf.YieldOp([])
             gpu.TerminatorOp()
-    pbody = p.regions[0].blocks[0]
+    in_loop = depends_on(pbody, pbody.arguments[inner]) if inner is not None else set()
+    before = loop.operation if inner is not None else term.operation  # the invariant ops
     for op in block_ops(pbody)[:-1]:  # all but scf.reduce
-        op.move_before(term.operation)
+        op.move_before(loop_term.operation if op in in_loop else before)
     for old, new in zip(pbody.arguments, ivs):
         old.replace_all_uses_with(new)
     p.erase()
+    if inner is not None:
+        unroll(loop)
 
 
 def _writes(op: ir.Operation, root: ir.Value) -> bool:
