@@ -57,20 +57,24 @@ CASES = [(m, p, a) for m in ("bilinear", "nearest") for p in ("zeros", "border",
          for a in (False, True)]
 
 
+@pytest.mark.parametrize("target", ["cpu", "vortex"])
 @pytest.mark.parametrize("mode,padding,align", CASES)
-def test_channel_loop_on_vortex(mode, padding, align, monkeypatch):
-    """The channel-loop schedule on the vortex functional simulator (the same GPU schedule
-    layer), forced on small odd shapes (6 channels: unrolled by 3), against float64 eager."""
-    pytest.importorskip("ziglang")
-    pytest.importorskip("elftools")
-    monkeypatch.delenv("VORTEX_HOME", raising=False)
-    monkeypatch.setattr(invariant, "MIN_THREADS", 1)
+def test_grid_sample_odd_shapes_vs_float64(mode, padding, align, target, monkeypatch):
+    """Odd shapes (6 channels, 5x7 image, 3x5 points, a corner and far points) against float64
+    eager. On vortex (the same GPU schedule layer as cuda, functional simulator) the channel
+    loop is forced on (6 channels: unrolled by 3)."""
+    if target == "vortex":
+        pytest.importorskip("ziglang")
+        pytest.importorskip("elftools")
+        monkeypatch.delenv("VORTEX_HOME", raising=False)
+        monkeypatch.setattr(invariant, "MIN_THREADS", 1)
     x, g = r(2, 6, 5, 7), r(2, 3, 5, 2, lo=-1.3, hi=1.3)
     g[1, 2, 3], g[0, 1, 1] = torch.tensor([1.0, -1.0]), torch.tensor([7.0, -3.0])  # corner, far
     fn = _sample(mode, padding, align)
-    compiled = gac_torch.compile(Fn(fn), (x, g), target="vortex", options={"fallback": False})
-    gpu = compiled.ir("gpu")
-    assert "scf.for" in gpu and "step %c3" in gpu, "the channel loop was not used"
+    compiled = gac_torch.compile(Fn(fn), (x, g), target=target, options={"fallback": False})
+    if target == "vortex":
+        gpu = compiled.ir("gpu")
+        assert "scf.for" in gpu and "step %c3" in gpu, "the channel loop was not used"
     want = fn(x.double(), g.double()).float()
     torch.testing.assert_close(compiled(x, g), want, rtol=1e-5, atol=1e-5)
 
