@@ -44,6 +44,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu.invariant import depends_on, serial_dim, unroll, unroll_by
 from gac_torch.backends.gpu.rows import map_rows
+from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_reductions
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 
@@ -60,7 +61,11 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     counter = iter(range(1 << 30))
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
     generalize_elementwise_named_ops(module, fn)
+    if has_reshaped_gather(fn):  # sampling: gathers fuse into their weighted sums (sampling.py)
+        run_passes(module, "func.func(linalg-fold-unit-extent-dims)")
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
+    if merge_added_reductions(fn):  # e.g. the levels of deformable attention: one kernel
+        run_passes(module, "canonicalize, cse")
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
     bufferize(module, fn)
     reshapes_to_views(fn)
