@@ -10,9 +10,10 @@ into that form). Two things would keep each level's samples in memory:
    slice of the grid's last dim). Reshape propagation (`linalg-fuse-elementwise-ops` folding
    the expand_shape into the gather) needs projected permutations and no collapse in the way:
    `has_reshaped_gather` asks for `linalg-fold-unit-extent-dims` first (only in such graphs).
-2. Sibling reductions over the same iteration space whose results are only added become one
-   reduction whose body adds their terms (`merge_added_reductions`): one kernel for all levels,
-   the per-level partial sums never written.
+2. Sibling gather reductions over the same iteration space whose results are only added
+   become one reduction whose body adds their terms (`merge_added_reductions`): one kernel for
+   all levels, the per-level partial sums never written. (Only sums of gathers: other
+   reductions keep the strategies that take them.)
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ def _has_gather(op: ir.Operation) -> bool:
 
 
 def has_reshaped_gather(fn: ir.Operation) -> bool:
-    """A gather generic (a tensor.extract in its body) whose result is reshaped."""
+    """A gather generic (a tensor.extract in its body) whose result is reshaped for a
+    reduction (deformable attention's weighted sum over points)."""
+    def reduces(op: ir.Operation) -> bool:
+        return op.name == "linalg.generic" and any("reduction" in str(a) for a in op.attributes["iterator_types"])
+
     return any(op.name == "linalg.generic" and len(op.results) == 1 and _has_gather(op)
-               and any(u.name == "tensor.expand_shape" for u in _users(op.results[0]))
+               and any(u.name == "tensor.expand_shape" and any(reduces(c) for c in _users(u.results[0]))
+                       for u in _users(op.results[0]))
                for op in block_ops(func_block(fn)))
 
 
@@ -57,12 +63,29 @@ def _sum_reduction(op: ir.Operation | None) -> ir.Value | None:
     out = body.arguments[len(body.arguments) - 1]
     if len(ops) < 2 or ops[-2].name != "arith.addf" or ops[-1].operands[0] != ops[-2].results[0]:
         return None
+    if len(list(out.uses)) != 1:
+        return None  # the term reads the running sum
     a, b = ops[-2].operands
     if b == out and a != out:
         return a
     if a == out and b != out:
         return b
     return None
+
+
+def _loop_ranges(op: ir.Operation) -> list[int] | None:
+    """Each loop's extent, read off the operands' static shapes (None if not all known)."""
+    maps = [ir.AffineMapAttr(a).value for a in op.attributes["indexing_maps"]]
+    ranges: dict[int, int] = {}
+    for v, m in zip(op.operands, maps):
+        t = ir.RankedTensorType(v.type)
+        for k, e in enumerate(m.results):
+            if isinstance(e, ir.AffineDimExpr):
+                if t.is_dynamic_dim(k):
+                    return None
+                ranges[ir.AffineDimExpr(e).position] = t.shape[k]
+    n = maps[0].n_dims
+    return [ranges[d] for d in range(n)] if len(ranges) == n else None
 
 
 def _zero(fill: ir.Operation) -> bool:
@@ -97,14 +120,17 @@ def merge_added_reductions(fn: ir.Operation) -> int:
         if not _sum_of_inputs(add):
             continue
         reds = [defining_op(v) for v in list(add.operands)[:-1]]
-        if any(r is None or _sum_reduction(r) is None or len(_users(r.results[0])) != 1 for r in reds):
-            continue
+        if any(r is None or _sum_reduction(r) is None or len(_users(r.results[0])) != 1
+               or not _has_gather(r) for r in reds):
+            continue  # (sums of gathers only: other reductions keep their strategies)
         if len({r for r in reds}) != len(reds):
             continue
         maps = [list(r.attributes["indexing_maps"]) for r in reds]
+        ranges = [_loop_ranges(r) for r in reds]
         if (len({str(r.attributes["iterator_types"]) for r in reds}) != 1
-                or len({str(m[-1]) for m in maps}) != 1):
-            continue
+                or len({str(m[-1]) for m in maps}) != 1 or None in ranges
+                or any(x != ranges[0] for x in ranges)):
+            continue  # not one iteration space
         _merge(reds, maps, add)
         merged += 1
     return merged
