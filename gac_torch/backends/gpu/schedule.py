@@ -3,7 +3,9 @@
 Order of work (all in one MLIR module, in place):
 
 1. Tensor level: calls of gac.attention go to the target's "attention" strategies (e.g. one
-   flash-attention kernel) or are inlined (attention.py); elementwise fusion; row groups
+   flash-attention kernel) or are inlined (attention.py); elementwise fusion (gathers reshaped
+   into weighted sums first lose their unit dims, and added sums of gathers become one
+   reduction: sampling.py); row groups
    (reductions with the elementwise ops around them over the same rows) go to the "rows"
    strategies (rows.py); then bufferization (bufferize.py), one `linalg.generic` on memrefs per
    kernel.
@@ -13,7 +15,9 @@ Order of work (all in one MLIR module, in place):
    first, `convert-linalg-to-parallel-loops`, then the scf.parallel space is linearized onto a
    1-D grid of 1-D blocks (last dim fastest, so row-major writes coalesce; large elementwise
    spaces give each thread `coarsen` points a grid apart); reduction dims stay sequential loops
-   inside the thread. A fill of the output right before is folded into the same kernel.
+   inside the thread, and so does a parallel dim along which most of a loop-free body is
+   invariant (invariant.py: grid_sample's position math once per point, not per channel).
+   A fill of the output right before is folded into the same kernel.
 4. `serial`: scalar leftovers (rank-0 ops) run in a single-thread kernel.
 5. Outlining (outline.py): globals sink into kernels, run-time-sized buffers enter as base
    pointers plus sizes, `gpu-kernel-outlining` puts every kernel into `gpu.module @gac_kernels`.
