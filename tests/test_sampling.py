@@ -151,3 +151,21 @@ def test_msda_cuda():
     compiled = gac_torch.compile(MsDeformAttn(), inputs, target="cuda", options={"fallback": False})
     want = MsDeformAttn()(*(t.double() for t in inputs)).float()
     torch.testing.assert_close(compiled(*inputs), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["weighted", "weight_first_keepdim", "broadcast_weight", "plain3"])
+def test_sum_over_concat_is_split(case):
+    """gac-split-concat-sum on unequal parts (3 + 5 (+ 2)), the weight on either side, with
+    keepdim, broadcast along the summed dim, or absent: no concat left, cpu vs float64."""
+    fns = {
+        "weighted": lambda a, b, w: (torch.cat([a, b], -1) * w).sum(-1),
+        "weight_first_keepdim": lambda a, b, w: (w * torch.cat([a, b], 2)).sum(2, keepdim=True),
+        "broadcast_weight": lambda a, b, w: (torch.cat([a, b], -1) * w[..., :1]).sum(-1),
+        "plain3": lambda a, b, w: torch.cat([a, b, a[..., :2]], -1).sum(-1),
+    }
+    fn = fns[case]
+    inputs = (r(2, 4, 3), r(2, 4, 5), r(4, 8))
+    compiled = gac_torch.compile(Fn(fn), inputs, target="cpu", options={"fallback": False})
+    assert "gac.concat" not in compiled.ir("gac")
+    want = fn(*(t.double() for t in inputs)).float()
+    torch.testing.assert_close(compiled(*inputs), want, rtol=1e-5, atol=1e-5)
