@@ -104,11 +104,11 @@ class MsDeformAttn(torch.nn.Module):
         return ms_deform_attn(value, LEVELS, loc, weights)
 
 
-def _msda_inputs(q: int = 9, heads: int = 2, d: int = 6, points: int = 3):
+def _msda_inputs(q: int = 9, heads: int = 2, d: int = 6, points: int = 3, batch: int = 1):
     s = sum(h * w for h, w in LEVELS)
-    value = r(1, s, heads, d)
-    loc = r(1, q, heads, len(LEVELS), points, 2, lo=-0.1, hi=1.1)  # some points outside: zeros
-    weights = r(1, q, heads, len(LEVELS), points, lo=0.0, hi=1.0)
+    value = r(batch, s, heads, d)
+    loc = r(batch, q, heads, len(LEVELS), points, 2, lo=-0.1, hi=1.1)  # some outside: zeros
+    weights = r(batch, q, heads, len(LEVELS), points, lo=0.0, hi=1.0)
     return value, loc, weights
 
 
@@ -134,13 +134,16 @@ def test_msda_levels_sum_in_one_cuda_kernel():
 @pytest.mark.parametrize("target", ["cpu", "vortex"])
 def test_msda_vs_float64(target, monkeypatch):
     """ms_deform_attn with three odd levels against float64 eager (vortex: the one-kernel
-    schedule of the GPU targets on the functional simulator)."""
+    schedule of the GPU targets on the functional simulator, channel loop forced on)."""
     if target == "vortex":
         pytest.importorskip("ziglang")
         pytest.importorskip("elftools")
         monkeypatch.delenv("VORTEX_HOME", raising=False)
-    inputs = _msda_inputs()
+        monkeypatch.setattr(invariant, "MIN_THREADS", 1)  # the channel loop in the reduction
+    inputs = _msda_inputs(batch=2)
     compiled = gac_torch.compile(MsDeformAttn(), inputs, target=target, options={"fallback": False})
+    if target == "vortex":  # 6 channels: loops by 3 for the output's zero fill and per point
+        assert compiled.ir("gpu").count("step %c3") == 2, "the channel loops were not used"
     want = MsDeformAttn()(*(t.double() for t in inputs)).float()
     torch.testing.assert_close(compiled(*inputs), want, rtol=1e-5, atol=1e-5)
 

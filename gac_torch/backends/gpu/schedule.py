@@ -46,7 +46,7 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
-from gac_torch.backends.gpu.invariant import depends_on, serial_dim, unroll, unroll_by
+from gac_torch.backends.gpu.invariant import loop_over, serial_dim
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_reductions
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
@@ -214,11 +214,11 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
 
     p.walk(find_loops, ir.WalkOrder.PRE_ORDER)
     pbody = p.regions[0].blocks[0]
-    inner = serial_dim(pbody, bounds, extents, has_loops)  # a dim looped over inside each thread
-    if inner is not None:
-        inner_extent = extents[inner]
-        extents = extents[:inner] + extents[inner + 1:]
-        total, has_loops = total // inner_extent, True
+    plan = serial_dim(pbody, bounds, extents)  # a dim looped over inside each thread
+    inner = plan.dim if plan is not None else None
+    if plan is not None:
+        extents = extents[:plan.dim] + extents[plan.dim + 1:]
+        total, has_loops = total // plan.extent, True
     if is_static(total):
         coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
@@ -246,22 +246,18 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
                 for (lb, _, st), i in zip([b for d, b in enumerate(bounds) if d != inner], idx):
                     v = i if st == 1 else arith.muli(i, as_index(st))
                     ivs.append(v if lb == 0 else arith.addi(v, as_index(lb)))
-                if inner is not None:  # (its lower bound 0, step 1)
-                    loop = scf.ForOp(as_index(0), as_index(inner_extent), as_index(unroll_by(inner_extent)))
-                    ivs.insert(inner, loop.induction_variable)
-                    with ir.InsertionPoint(loop.body):
-                        loop_term = scf.YieldOp([])
+                if inner is not None:  # (its uses move into loops over it: loop_over)
+                    ivs.insert(inner, None)
                 term = scf.YieldOp([])
             gpu.TerminatorOp()
-    in_loop = depends_on(pbody, pbody.arguments[inner]) if inner is not None else set()
-    before = loop.operation if inner is not None else term.operation  # the invariant ops
     for op in block_ops(pbody)[:-1]:  # all but scf.reduce
-        op.move_before(loop_term.operation if op in in_loop else before)
+        op.move_before(term.operation)
+    if plan is not None:
+        loop_over(plan, pbody.arguments[plan.dim], inside.then_block)
     for old, new in zip(pbody.arguments, ivs):
-        old.replace_all_uses_with(new)
+        if new is not None:
+            old.replace_all_uses_with(new)
     p.erase()
-    if inner is not None:
-        unroll(loop)
 
 
 def _writes(op: ir.Operation, root: ir.Value) -> bool:
