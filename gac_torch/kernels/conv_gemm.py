@@ -166,7 +166,7 @@ def smem_elem(kind: str) -> str:
     return "f32" if kind in ("tf32", "f32") else kind
 
 
-def _run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[int, set[int]]:
+def unit_run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[int, set[int]]:
     """Extent and dims of the unit-stride run at the end of `dims` (unit-extent dims skipped:
     they move no address)."""
     run, inside = 1, set()
@@ -189,7 +189,7 @@ def _step(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> int:
 def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
              simt: bool) -> Staging | None:
     r = spec.ranges
-    (run_k, in_k), (run_o, in_o) = _run(op, spec.ks, r), _run(op, outer, r)
+    (run_k, in_k), (run_o, in_o) = unit_run(op, spec.ks, r), unit_run(op, outer, r)
     # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows);
     # mma, neither run (a strided conv's input): the dim with the smaller address step (a
     # stride-2 ow, not c's whole plane apart: 2 lanes a 32-byte sector instead of 1 each)
