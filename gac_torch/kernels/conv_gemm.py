@@ -450,6 +450,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     row_iv: dict[int, dict[int, Any]] = {}  # per accumulator row / column: its M / N indices
     col_iv: dict[int, dict[int, Any]] = {}
+    col_ok: dict[int, Any] = {}
 
     def out_points() -> list[tuple[Any, Any]]:
         """(C address, inside) per accumulator."""
@@ -462,6 +463,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             gn = b.add(n0, col)
             col_iv[j] = _split(b, gn, spec.ns, R)
             c_at[j] = (_addr(b, spec.c, col_iv[j], spec.ns), b.lt(gn, c(spec.N)))
+            col_ok[j] = c_at[j][1]
         return [(b.add(r_at[i][0], c_at[j][0]), b.and_(r_at[i][1], c_at[j][1])) for i, j in places]
 
     def direct(i: int, j: int) -> Any:
@@ -602,8 +604,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     if copied:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
-    for (addr, ok), val, (i, j) in zip(out_points(), accs, places):
-        if spec.epilogue is not None:
-            gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
-        else:
-            b.store_cflat(addr, val, ok)
+    if spec.epilogue is not None:
+        gemm_epilogue.store_all(b, spec, out_points(), accs, places, col_ok, _split, _addr, direct)
+        return
+    for (addr, ok), val in zip(out_points(), accs):
+        b.store_cflat(addr, val, ok)
