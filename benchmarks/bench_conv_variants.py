@@ -1,14 +1,15 @@
-"""A/B of implicit-GEMM conv variants on the device: each distinct 3x3 conv (+ BatchNorm-eval +
-ReLU, fused into the kernel) of the ResNet-50 body at the BEVFormer input (batch 6, 480x800),
+"""A/B of implicit-GEMM conv variants on the device: ResNet-50's distinct 3x3 convs and two of its
+1x1 convs (+ BatchNorm-eval + ReLU, fused into the kernel) at the BEVFormer input (batch 6, 480x800),
 compiled by gac once per variant (environment switches read at compile time, the program cache
 off) and timed with CUDA events next to eager (cuDNN); or the whole body, gac only.
 
     python benchmarks/bench_conv_variants.py --prec tf32,bf16 [--variants gather,copy] [--out-dir D]
     python benchmarks/bench_conv_variants.py --resnet default [--wait FILE]   # whole body, gac
 
-Variants: `gather` the weights read as [f, c, kh, kw] with K = (kh, kw, c) (c a stride-9 gather,
-before weight_layout.py); `natural` K = (c, kh, kw) (contiguous weights, im2col indices per
-element); `copy` the weights copied to [f, kh, kw, c] first (the default).
+Variants: `gather` as before weight_layout.py: the weights read as [f, c, kh, kw] with K =
+(kh, kw, c) (c a stride-9 gather), the epilogue per accumulator; `natural` K = (c, kh, kw)
+(contiguous weights, im2col indices per element); `peracc` the default but the epilogue per
+accumulator; `copy` the default: weights copied to [f, kh, kw, c] first, epilogue loads first.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 os.environ["GAC_CACHE"] = "0"  # (the cache does not key on the switches)
 
-VARIANTS = {"gather": {"GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": "cinner"},
-            "natural": {"GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": ""},
-            "copy": {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": ""}}
-# (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body)
+_OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": ""}
+VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": "cinner",
+                       "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
+            "natural": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0"},
+            "peracc": {**_OFF, "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
+            "copy": _OFF}
+# (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body), two 1x1
 SHAPES = [(64, 120, 200, 64, 3, 1), (128, 120, 200, 128, 3, 2), (128, 60, 100, 128, 3, 1),
           (256, 60, 100, 256, 3, 2), (256, 30, 50, 256, 3, 1), (512, 30, 50, 512, 3, 2),
-          (512, 15, 25, 512, 3, 1)]
-COUNT = {SHAPES[0]: 3, SHAPES[1]: 1, SHAPES[2]: 3, SHAPES[3]: 1, SHAPES[4]: 5, SHAPES[5]: 1, SHAPES[6]: 2}
+          (512, 15, 25, 512, 3, 1), (64, 120, 200, 256, 1, 1), (1024, 30, 50, 256, 1, 1)]
+COUNT = {SHAPES[0]: 3, SHAPES[1]: 1, SHAPES[2]: 3, SHAPES[3]: 1, SHAPES[4]: 5, SHAPES[5]: 1, SHAPES[6]: 2,
+         SHAPES[7]: 4, SHAPES[8]: 5}
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a smoke run of the script itself)
@@ -147,7 +152,7 @@ def main() -> int:
         for prec in args.prec.split(","):  # the body's 3x3 convs, each as often as the body has it
             mine = [r for r in rows if r["prec"] == prec]
             tot = {v: sum(r["count"] * r.get(f"{v}_ms", float("nan")) for r in mine) for v in ["eager", *variants]}
-            print(f"{prec}: 3x3 convs of the body, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in tot.items()))
+            print(f"{prec}: these convs as often as the body has them, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in tot.items()))
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.out_dir) / name).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
