@@ -69,14 +69,18 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def convs(precs: list[str], variants: list[str]) -> list[dict]:
+def convs(precs: list[str], variants: list[str], budget_s: float = 1e9) -> list[dict]:
     from models import randomize_bn
 
-    rows = []
+    rows: list[dict] = []
+    t0 = time.time()
     for prec in precs:
         torch.backends.cudnn.allow_tf32 = prec == "tf32"
         dt = torch.bfloat16 if prec == "bf16" else torch.float32
         for i, (cin, h, w, cout, k, s) in enumerate(SHAPES):
+            if time.time() - t0 > budget_s:
+                print(f"budget: {prec} {SHAPES[i]} and after not run", flush=True)
+                break
             torch.manual_seed(i)
             model = randomize_bn(torch.nn.Sequential(
                 torch.nn.Conv2d(cin, cout, k, s, k // 2, bias=False), torch.nn.BatchNorm2d(cout),
@@ -122,7 +126,7 @@ def resnet(flags: str, wait: str | None) -> dict:
         with bh.torch_flags(flags):
             t = time.time()
             f = torch.compile(body, backend="gac")
-            err = _rel(f(xs[0]), ref)
+            err = bh.rel_err(f(xs[0]), ref)
             torch.cuda.synchronize()
             compile_s = time.time() - t
             while wait and not os.path.exists(wait):
@@ -140,6 +144,7 @@ def main() -> int:
     ap.add_argument("--variants", default="gather,copy")
     ap.add_argument("--resnet", default="", help="time the whole body under these bench_h200 flags instead")
     ap.add_argument("--wait", default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no conv after this many seconds")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.resnet:
@@ -147,7 +152,7 @@ def main() -> int:
         name = f"resnet_{args.resnet}.json"
     else:
         variants = args.variants.split(",")
-        rows = convs(args.prec.split(","), variants)
+        rows = convs(args.prec.split(","), variants, args.budget_s)
         name = "conv_variants.json"
         for prec in args.prec.split(","):  # the body's 3x3 convs, each as often as the body has it
             mine = [r for r in rows if r["prec"] == prec]
