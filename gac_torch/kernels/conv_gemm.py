@@ -448,7 +448,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
     if spec.epilogue is not None and os.environ.get("GAC_IGEMM_EPILOGUE_PER_ACC") != "1":
-        gemm_epilogue.store_all(b, spec, out_points(), accs, places, col_ok, _split, _addr, direct)
+        # (8 accumulators' loads at once where registers allow; 2 where the kernel gets 128 per
+        # thread: no register-staged vectors, backends/cuda/pipeline.py gives it 2 blocks per SM)
+        two = not simt and all(st.cp or st.vec == 1 for st in (p.a, p.b))
+        gemm_epilogue.store_all(b, spec, out_points(), accs, places, col_ok, _split, _addr, direct, 2 if two else 8)
         return
     for (addr, ok), val, (i, j) in zip(out_points(), accs, places):  # (per accumulator: bisects)
         if spec.epilogue is not None:

@@ -59,35 +59,35 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any,
     b.end_if()
 
 
-CHUNK = 8  # accumulators whose operand loads are issued together (registers: 2 blocks per SM)
 
 
 def store_all(b: Any, spec: Any, points: list, vals: list, places: list, col_ok: dict, split: Any,
-              lin: Any, direct: Any) -> None:
+              lin: Any, direct: Any, chunk: int) -> None:
     """`store` for every accumulator: `points` (C address, inside) per accumulator `vals` at
     (row, column) `places`; `direct(i, j)` as `store`'s `direct` there. Loads go first, without
     branches (addresses outside moved to element 0): a load after a store could read what it
     wrote, so each waited for the stores before it (one memory latency per accumulator).
-    Operands constant along M (a bias, BatchNorm's per-channel parameters) are loaded once per
-    column (`col_ok`: inside N); the others per chunk of CHUNK accumulators."""
+    Accumulators go by pairs of columns, `chunk` at a time: operands constant along M (a bias,
+    BatchNorm's per-channel parameters) are loaded once per column (`col_ok`: inside N), the
+    others per accumulator."""
     ep: Epilogue = spec.epilogue
     zero = b.const(0)
     per_col = [x is not None and x[1] is None and all(x[0].coef[d] == 0 for d in spec.ms) for x in ep.inputs]
+    order = sorted(range(len(vals)), key=lambda n: (places[n][1] // 2, n))
     col_args: dict[tuple[int, int], Any] = {}
-    for k, x in enumerate(ep.inputs):
-        for i, j in places if per_col[k] else ():
-            if (k, j) not in col_args:
-                col_args[k, j] = b.load_e(k, b.select(col_ok[j], direct(i, j)(x[0]), zero, "index"))
-    for s in range(0, len(vals), CHUNK):
-        chunk = range(s, min(s + CHUNK, len(vals)))
+    for s in range(0, len(order), chunk):
+        part = order[s:s + chunk]
         outs, args = {}, {}
-        for n in chunk:
+        for n in part:
             (addr, ok), (i, j) = points[n], places[n]
             at = _locator(b, addr, split, lin, direct(i, j))
+            for k, x in enumerate(ep.inputs):
+                if per_col[k] and (k, j) not in col_args:
+                    col_args[k, j] = b.load_e(k, b.select(col_ok[j], at(x), zero, "index"))
             args[n] = [None if x is None else col_args[k, j] if per_col[k] else
                        b.load_e(k, b.select(ok, at(x), zero, "index")) for k, x in enumerate(ep.inputs)]  # 3
             outs[n] = at(ep.out)
-        for n in chunk:
+        for n in part:
             b.begin_if(points[n][1])
             y = b.round_to(vals[n], spec.c.elem)  # 1
             _body_store(b, ep, [y if v is None else v for v in args[n]], outs[n])
