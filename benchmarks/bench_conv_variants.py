@@ -74,13 +74,13 @@ def convs(precs: list[str], variants: list[str], budget_s: float = 1e9) -> list[
 
     rows: list[dict] = []
     t0 = time.time()
-    for prec in precs:
-        torch.backends.cudnn.allow_tf32 = prec == "tf32"
-        dt = torch.bfloat16 if prec == "bf16" else torch.float32
-        for i, (cin, h, w, cout, k, s) in enumerate(SHAPES):
-            if time.time() - t0 > budget_s:
-                print(f"budget: {prec} {SHAPES[i]} and after not run", flush=True)
-                break
+    for i, (cin, h, w, cout, k, s) in enumerate(SHAPES):  # (each shape in every precision first)
+        if time.time() - t0 > budget_s:
+            print(f"budget: {SHAPES[i:]} not run", flush=True)
+            break
+        for prec in precs:
+            torch.backends.cudnn.allow_tf32 = prec == "tf32"
+            dt = torch.bfloat16 if prec == "bf16" else torch.float32
             torch.manual_seed(i)
             model = randomize_bn(torch.nn.Sequential(
                 torch.nn.Conv2d(cin, cout, k, s, k // 2, bias=False), torch.nn.BatchNorm2d(cout),
