@@ -18,6 +18,7 @@ from gac_torch.legalize import build_module
 from gac_torch.legalize.context import is_empty_output
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.attention import fuse_attention
+from gac_torch.passes.concat_sum import split_concat_sum
 from gac_torch.passes.dce import gac_dce
 from gac_torch.passes.fusion import annotate_kernels
 from gac_torch.lowering import lower_to_linalg
@@ -148,7 +149,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         raise ValueError(f"target {target.name} compiles static shapes only (this partition has run-time sizes)")
 
     ctx = make_context()
-    module = fuse_attention(gac_dce(build_module(gm, ctx)))  # before verify: it checks the result
+    module = split_concat_sum(fuse_attention(gac_dce(build_module(gm, ctx))))  # before verify: it checks the result
     with ctx, ir.Location.unknown():
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):

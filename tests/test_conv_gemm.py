@@ -306,3 +306,34 @@ def test_ldmatrix_fragments_in_every_operand_layout(kind: str, a_km: bool, b_kn:
     ref = (A.T if a_km else A).astype(np.float64) @ (B if b_kn else B.T).astype(np.float64)
     out = twin.emulate(spec, p, A, B, np.zeros((37, 24), np.float32), (sa, sb, sc)).reshape(37, 24)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("kind,c,f,stride", [("tf32", 32, 12, 1), ("bf16", 32, 9, 2), ("f32", 64, 20, 1)])
+def test_weights_copied_into_the_k_order_are_staged_in_vectors(kind: str, c: int, f: int, stride: int) -> None:
+    # K = (kh, kw, c): [g, f, c, kh, kw] weights gather c at a stride of kh*kw (scalars);
+    # weight_layout's copy [g, f, kh, kw, c] is contiguous along K -> 16-byte vectors, same conv
+    from gac_torch.backends.gpu.strategies import weight_layout
+
+    spec, shapes, strides = conv_spec(kind, 2, 1, c, 7, 9, f, 3, 3, stride, 1, 1, fold_pad=True,
+                                      channels_last_k=True)
+    assert cg.plan(spec).b.vec == 1
+    e = spec.b.elem
+    rl = weight_layout.permuted(spec.b.type, e, shapes[1], strides[1], 0, (G_, F_, C_, KH_, KW_), 8,
+                                spec.ks, spec.ranges)
+    assert rl is not None and rl.perm == (0, 1, 3, 4, 2)
+    spec2 = cg.Spec(**{**spec.__dict__, "b": rl.operand})
+    p = cg.plan(spec2)
+    assert (p.b.glob_k, p.b.vec, p.b.cp) == (True, 16 // cg.ESIZE[e], kind != "f32")
+    rng = np.random.default_rng(c + f)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    Wt = np.ascontiguousarray(W.transpose(rl.perm))
+    out = twin.emulate(spec2, p, X, Wt, np.zeros(shapes[2], np.float32), (strides[0], _dense(Wt.shape), strides[2]))
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    ref = _conv_ref(round_to(X, rnd), round_to(W, rnd), stride, 1, 1)
+    err = np.linalg.norm(out.reshape(ref.shape) - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err
+    # already contiguous along K (a 1x1 conv's [g, f, c, 1, 1]): no copy
+    spec1, shapes1, strides1 = conv_spec(kind, 1, 1, c, 5, 5, f, 1, 1, channels_last_k=True)
+    assert weight_layout.permuted(spec1.b.type, e, shapes1[1], strides1[1], 0, (G_, F_, C_, KH_, KW_), 8,
+                                  spec1.ks, spec1.ranges) is None

@@ -194,8 +194,10 @@ def test_implicit_gemm_env_switch_leaves_convs_to_loops(monkeypatch) -> None:
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_resnet_stage3_conv_stages_by_cp_async_without_spills(precision: str) -> None:
-    # a ResNet-50 layer-3 3x3 conv (+ BatchNorm + ReLU) at its real shape: tf32 stages both
-    # operands by cp.async (4 buffers, 2 blocks per SM, 128 registers); bf16's scalar NCHW
+    # a ResNet-50 layer-3 3x3 conv (+ BatchNorm + ReLU) at its real shape: its [f, c, kh, kw]
+    # weights are first copied to [f, kh, kw, c] (a `loops` kernel), the contraction's K order,
+    # and then staged in 16-byte cp.async vectors (cp.async.cg); tf32 stages the input by
+    # 4-byte cp.async too (.ca: 4 buffers, 2 blocks per SM, 128 registers); bf16's scalar NCHW
     # gathers stay in registers (1 block per SM); neither spills
     dtype, tf32, _ = PRECISIONS[precision]
     model = torch.nn.Sequential(torch.nn.Conv2d(256, 256, 3, padding=1, bias=False), torch.nn.BatchNorm2d(256),
@@ -204,18 +206,26 @@ def test_resnet_stage3_conv_stages_by_cp_async_without_spills(precision: str) ->
     with _cudnn_tf32(tf32):
         compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
     (part,) = compiled.compiled.partitions.values()
+    kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
+    assert kernels == ["loops", "igemm"], kernels
     ptx = part.ir("ptx")
     assert ("cp.async.ca.shared.global" in ptx) == (precision == "tf32")
-    assert ("cp.async.wait_group" in ptx) == (precision == "tf32")
-    # tf32: 4 stages of 128 x 128 x 16 tiles (76 KB) in dynamic shared memory (the launch opts in)
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    # 4 stages of 128 x 128 x 16 (tf32) / 32 (bf16) tiles in dynamic shared memory (the launch
+    # opts in)
     dyn = re.search(r"dynamic_shared_memory_size %c(\d+)_i32", part.ir("gpu"))
-    assert (dyn is not None and 48 * 1024 < int(dyn[1]) <= 80 * 1024) == (precision == "tf32")
+    assert dyn is not None and 48 * 1024 < int(dyn[1]) <= 80 * 1024
     result = assemble(ptx, "sm_90")
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", result.log)]
     spills = re.findall(r"(\d+) bytes spill stores", result.log)
     assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
     if precision == "tf32":
         assert max(regs) <= 128, result.log
+    # the epilogue loads BatchNorm's 4 per-channel parameters once per accumulator column (8 of
+    # a thread's 64), not once per accumulator
+    (conv,) = [k for k in ptx.split(".entry") if "mma.sync" in k]
+    loads = re.findall(r"ld\.global", conv[conv.rindex("mma.sync"):])
+    assert 0 < len(loads) <= 8 * 4, len(loads)
 
 
 class _Bottleneck(torch.nn.Module):

@@ -47,7 +47,6 @@ the barriers; `emulate`, the tests).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -56,78 +55,12 @@ from typing import Any
 
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
-from gac_torch.kernels.gemm_epilogue import Epilogue
+from gac_torch.kernels.conv_gemm_spec import Operand as Operand
+from gac_torch.kernels.conv_gemm_spec import Spec as Spec
+from gac_torch.kernels.conv_gemm_spec import operand as operand
 
 KINDS = ("f16", "bf16", "tf32", "f32")
 ESIZE = {"f16": 2, "bf16": 2, "f32": 4}
-
-
-@dataclass(frozen=True)
-class Operand:
-    """A buffer as the kernel sees it: its memref type, and the linear address of the element at
-    iteration point i: const + sum_d coef[d] * i[d], relative to `offset` in a flat view of
-    `span` elements."""
-
-    type: str
-    elem: str
-    coef: tuple[int, ...]  # per iteration dim (0: not used)
-    const: int
-    offset: int
-    span: int
-    # a fused zero padding: elements where some 0 <= const + sum coef[d] * i[d] < upper fails
-    # read as 0 (not loaded); each guard is (coef, const, upper)
-    guards: tuple[tuple[tuple[int, ...], int, int], ...] = ()
-
-    @property
-    def flat(self) -> str:
-        return f"memref<{self.span}x{self.elem}, strided<[1], offset: {self.offset}>>"
-
-
-def operand(type_text: str, elem: str, shape: tuple[int, ...], strides: tuple[int, ...],
-            offset: int, terms: list[tuple[dict[int, int], int]], ndims: int,
-            guarded: tuple[int, ...] = ()) -> Operand:
-    """From a strided memref and its indexing map as linear forms ({dim: coeff}, const) per
-    memref dim; `guarded` memref dims may be indexed outside [0, size) (a fused padding)."""
-    coef = [0] * ndims
-    const = 0
-    for st, (lin, c0) in zip(strides, terms):
-        for d, k in lin.items():
-            coef[d] += k * st
-        const += c0 * st
-    span = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 1
-    guards = tuple((tuple(terms[j][0].get(d, 0) for d in range(ndims)), terms[j][1], shape[j])
-                   for j in guarded)
-    return Operand(type_text, elem, tuple(coef), const, offset, span, guards)
-
-
-@dataclass(frozen=True)
-class Spec:
-    kind: str  # f16 | bf16 | tf32 | f32
-    ms: tuple[int, ...]  # iteration dims, outermost first
-    ns: tuple[int, ...]
-    ks: tuple[int, ...]
-    batch: tuple[int, ...]
-    ranges: tuple[int, ...]
-    a: Operand
-    b: Operand
-    c: Operand
-    fill: bool  # accumulators start from %init (a fused fill) instead of C
-    epilogue: Epilogue | None = None  # the elementwise consumer of C, run in step 5 (C not stored)
-
-    def ext(self, dims: tuple[int, ...]) -> int:
-        return math.prod(self.ranges[d] for d in dims)
-
-    @property
-    def M(self) -> int:
-        return self.ext(self.ms)
-
-    @property
-    def N(self) -> int:
-        return self.ext(self.ns)
-
-    @property
-    def K(self) -> int:
-        return self.ext(self.ks)
 
 
 @dataclass(frozen=True)
@@ -166,7 +99,7 @@ def smem_elem(kind: str) -> str:
     return "f32" if kind in ("tf32", "f32") else kind
 
 
-def _run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[int, set[int]]:
+def unit_run(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[int, set[int]]:
     """Extent and dims of the unit-stride run at the end of `dims` (unit-extent dims skipped:
     they move no address)."""
     run, inside = 1, set()
@@ -189,7 +122,7 @@ def _step(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> int:
 def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
              simt: bool) -> Staging | None:
     r = spec.ranges
-    (run_k, in_k), (run_o, in_o) = _run(op, spec.ks, r), _run(op, outer, r)
+    (run_k, in_k), (run_o, in_o) = unit_run(op, spec.ks, r), unit_run(op, outer, r)
     # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows);
     # mma, neither run (a strided conv's input): the dim with the smaller address step (a
     # stride-2 ow, not c's whole plane apart: 2 lanes a 32-byte sector instead of 1 each)
@@ -450,6 +383,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     row_iv: dict[int, dict[int, Any]] = {}  # per accumulator row / column: its M / N indices
     col_iv: dict[int, dict[int, Any]] = {}
+    col_ok: dict[int, Any] = {}
 
     def out_points() -> list[tuple[Any, Any]]:
         """(C address, inside) per accumulator."""
@@ -462,6 +396,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             gn = b.add(n0, col)
             col_iv[j] = _split(b, gn, spec.ns, R)
             c_at[j] = (_addr(b, spec.c, col_iv[j], spec.ns), b.lt(gn, c(spec.N)))
+            col_ok[j] = c_at[j][1]
         return [(b.add(r_at[i][0], c_at[j][0]), b.and_(r_at[i][1], c_at[j][1])) for i, j in places]
 
     def direct(i: int, j: int) -> Any:
@@ -602,7 +537,13 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     if copied:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
-    for (addr, ok), val, (i, j) in zip(out_points(), accs, places):
+    if spec.epilogue is not None and os.environ.get("GAC_IGEMM_EPILOGUE_PER_ACC") != "1":
+        # (8 accumulators' loads at once where registers allow; 2 where the kernel gets 128 per
+        # thread: no register-staged vectors, backends/cuda/pipeline.py gives it 2 blocks per SM)
+        two = not simt and all(st.cp or st.vec == 1 for st in (p.a, p.b))
+        gemm_epilogue.store_all(b, spec, out_points(), accs, places, col_ok, _split, _addr, direct, 2 if two else 8)
+        return
+    for (addr, ok), val, (i, j) in zip(out_points(), accs, places):  # (per accumulator: bisects)
         if spec.epilogue is not None:
             gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
         else:

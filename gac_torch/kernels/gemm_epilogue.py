@@ -7,7 +7,8 @@ contraction's result runs in the kernel's store step instead of as its own pass.
 generics follow, chained through scratch buffers, each possibly over its own reshaped view of
 Y: every operand carries the iteration space its index e is taken in). Per accumulator: 1. the
 value rounded to Y's type, 2. its flat index in Y delinearised into e (per space), 3. each other
-operand loaded at its linear address in e, 4. the body's ops (generic MLIR form in the text
+operand loaded at its linear address in e (a chunk's loads before its stores, an operand
+constant along M once per column), 4. the body's ops (generic MLIR form in the text
 builder, a numpy table in the twin), 5. the store to Z.
 """
 
@@ -52,6 +53,49 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any,
     ep: Epilogue = spec.epilogue
     b.begin_if(ok)
     y = b.round_to(val, spec.c.elem)  # 1
+    at = _locator(b, addr, split, lin, direct)
+    args = [y if x is None else b.load_e(k, at(x)) for k, x in enumerate(ep.inputs)]  # 3
+    _body_store(b, ep, args, at(ep.out))
+    b.end_if()
+
+
+
+
+def store_all(b: Any, spec: Any, points: list, vals: list, places: list, col_ok: dict, split: Any,
+              lin: Any, direct: Any, chunk: int) -> None:
+    """`store` for every accumulator: `points` (C address, inside) per accumulator `vals` at
+    (row, column) `places`; `direct(i, j)` as `store`'s `direct` there. Loads go first, without
+    branches (addresses outside moved to element 0): a load after a store could read what it
+    wrote, so each waited for the stores before it (one memory latency per accumulator).
+    Accumulators go by pairs of columns, `chunk` at a time: operands constant along M (a bias,
+    BatchNorm's per-channel parameters) are loaded once per column (`col_ok`: inside N), the
+    others per accumulator."""
+    ep: Epilogue = spec.epilogue
+    zero = b.const(0)
+    per_col = [x is not None and x[1] is None and all(x[0].coef[d] == 0 for d in spec.ms) for x in ep.inputs]
+    order = sorted(range(len(vals)), key=lambda n: (places[n][1] // 2, n))
+    col_args: dict[tuple[int, int], Any] = {}
+    for s in range(0, len(order), chunk):
+        part = order[s:s + chunk]
+        outs, args = {}, {}
+        for n in part:
+            (addr, ok), (i, j) = points[n], places[n]
+            at = _locator(b, addr, split, lin, direct(i, j))
+            for k, x in enumerate(ep.inputs):
+                if per_col[k] and (k, j) not in col_args:
+                    col_args[k, j] = b.load_e(k, b.select(col_ok[j], at(x), zero, "index"))
+            args[n] = [None if x is None else col_args[k, j] if per_col[k] else
+                       b.load_e(k, b.select(ok, at(x), zero, "index")) for k, x in enumerate(ep.inputs)]  # 3
+            outs[n] = at(ep.out)
+        for n in part:
+            b.begin_if(points[n][1])
+            y = b.round_to(vals[n], spec.c.elem)  # 1
+            _body_store(b, ep, [y if v is None else v for v in args[n]], outs[n])
+            b.end_if()
+
+
+def _locator(b: Any, addr: Any, split: Any, lin: Any, direct: Any) -> Any:
+    """Operand (Operand, space) -> its address for the accumulator at flat index `addr`."""
     spaces: dict[tuple[int, ...], Any] = {}
 
     def at(x: tuple[Any, tuple[int, ...] | None]) -> Any:
@@ -63,7 +107,10 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any,
             spaces[shape] = split(b, addr, dims, shape)  # 2
         return lin(b, op, spaces[shape], dims, b.const(op.const))
 
-    args = [y if x is None else b.load_e(k, at(x)) for k, x in enumerate(ep.inputs)]  # 3
+    return at
+
+
+def _body_store(b: Any, ep: Epilogue, args: list, out: Any) -> None:
     results: list[Any] = []
 
     def value(r: Ref) -> Any:
@@ -71,8 +118,7 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any,
 
     for op in ep.ops:  # 4
         results.append(b.eop(op, [value(r) for r in op.args]))
-    b.store_e(at(ep.out), value(ep.result))  # 5
-    b.end_if()
+    b.store_e(out, value(ep.result))  # 5
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,9 +218,10 @@ class NumpyMixin:
 
     def load_e(self, k: int, addr: np.ndarray) -> np.ndarray:
         buf = self.E[k]
-        at = np.where(self.emask, addr, 0)
+        mask = np.ones(self.T, bool) if self.emask is None else self.emask
+        at = np.where(mask, addr, 0)
         assert ((at >= 0) & (at < buf.size)).all(), "epilogue load out of bounds"
-        return np.where(self.emask, buf[at], 0.0).astype(np.float32)
+        return np.where(mask, buf[at], 0.0).astype(np.float32)
 
     def econst(self, value: str, ty: str) -> np.ndarray:
         text = value.split(":")[0].strip()

@@ -171,6 +171,8 @@ def _elide_copies_into_outputs(fn: ir.Operation) -> None:
     """
     block = func_block(fn)
     for copy in [op for op in block_ops(block) if op.name == "memref.copy"]:
+        if _reshaped_copy_into_output(copy, block):
+            continue
         src, dst = copy.operands[0], copy.operands[1]
         alloc = defining_op(src)
         if alloc is None or alloc.name != "memref.alloc" or src.type != dst.type:
@@ -190,6 +192,44 @@ def _elide_copies_into_outputs(fn: ir.Operation) -> None:
         src.replace_all_uses_with(dst)
         copy.erase()
         alloc.erase()
+
+
+def _reshaped_copy_into_output(copy: ir.Operation, block: ir.Block) -> bool:
+    """`alloc A; ...writes A...; memref.copy reshape(A), %out` (an expand_shape or collapse_shape)
+    with %out a whole output argument and A used by nothing after the copy -> A becomes the
+    inverse reshape of %out (the same bytes, row-major both ways) and the copy goes.
+
+    A result reshaped into the output (grid_sample's [n, c, oh*ow] into [n, c, oh, ow]) would
+    otherwise cost a copy kernel and an intermediate as large as the output."""
+    src, dst = copy.operands[0], copy.operands[1]
+    view = defining_op(src)
+    if (view is None or view.name not in ("memref.expand_shape", "memref.collapse_shape")
+            or not isinstance(dst.owner, ir.Block)):
+        return False
+    alloc = defining_op(view.operands[0])
+    if (alloc is None or alloc.name != "memref.alloc" or alloc.block != block or src.type != dst.type
+            or not identity_layout(dst.type) or not identity_layout(alloc.results[0].type)):
+        return False
+    a = alloc.results[0]
+    a_type = ir.MemRefType(a.type)
+    if view.name == "memref.collapse_shape" and not a_type.has_static_shape:
+        return False
+    if any(u != copy and copy.is_before_in_block(u) for u in (top_level(x, block) for x in users(a))):
+        return False  # A is read after the copy
+    if any(u != copy and u.is_before_in_block(copy) for u in (top_level(x, block) for x in users(dst))):
+        return False  # %out is used while A is live
+    reassoc = view.attributes["reassociation"]
+    with ir.InsertionPoint(alloc), alloc.location:
+        if view.name == "memref.expand_shape":
+            alias = memref.collapse_shape(a.type, dst, reassoc)
+        else:
+            alias = memref.expand_shape(a.type, dst, reassoc, [], list(a_type.shape))
+    copy.erase()
+    if not list(view.results[0].uses):
+        view.erase()
+    a.replace_all_uses_with(alias)
+    alloc.erase()
+    return True
 
 
 def reshapes_to_views(fn: ir.Operation) -> None:

@@ -3,7 +3,9 @@
 Order of work (all in one MLIR module, in place):
 
 1. Tensor level: calls of gac.attention go to the target's "attention" strategies (e.g. one
-   flash-attention kernel) or are inlined (attention.py); elementwise fusion; row groups
+   flash-attention kernel) or are inlined (attention.py); elementwise fusion (gathers reshaped
+   into weighted sums first lose their unit dims, and added sums of gathers become one
+   reduction: sampling.py); row groups
    (reductions with the elementwise ops around them over the same rows) go to the "rows"
    strategies (rows.py); then bufferization (bufferize.py), one `linalg.generic` on memrefs per
    kernel.
@@ -13,7 +15,9 @@ Order of work (all in one MLIR module, in place):
    first, `convert-linalg-to-parallel-loops`, then the scf.parallel space is linearized onto a
    1-D grid of 1-D blocks (last dim fastest, so row-major writes coalesce; large elementwise
    spaces give each thread `coarsen` points a grid apart); reduction dims stay sequential loops
-   inside the thread. A fill of the output right before is folded into the same kernel.
+   inside the thread, and so does a parallel dim along which most of a loop-free body is
+   invariant (invariant.py: grid_sample's position math once per point, not per channel).
+   A fill of the output right before is folded into the same kernel.
 4. `serial`: scalar leftovers (rank-0 ops) run in a single-thread kernel.
 5. Outlining (outline.py): globals sink into kernels, run-time-sized buffers enter as base
    pointers plus sizes, `gpu-kernel-outlining` puts every kernel into `gpu.module @gac_kernels`.
@@ -42,8 +46,10 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu.invariant import loop_over, serial_dim
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
+from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_reductions
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
@@ -63,7 +69,11 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
     fold_transposes_into_matmuls(fn)  # a GEMM reads its transposed operands in place
     generalize_elementwise_named_ops(module, fn)
+    if has_reshaped_gather(fn):  # sampling: gathers fuse into their weighted sums (sampling.py)
+        run_passes(module, "func.func(linalg-fold-unit-extent-dims)")
     fuse_elementwise(module)  # as in the shared lowering: no prologue inside a contraction
+    if merge_added_reductions(fn):  # e.g. the levels of deformable attention: one kernel
+        run_passes(module, "canonicalize, cse")
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
     bufferize(module, fn)
     reshapes_to_views(fn)
@@ -211,6 +221,12 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
         return ir.WalkResult.ADVANCE
 
     p.walk(find_loops, ir.WalkOrder.PRE_ORDER)
+    pbody = p.regions[0].blocks[0]
+    plan = serial_dim(pbody, bounds, extents)  # a dim looped over inside each thread
+    inner = plan.dim if plan is not None else None
+    if plan is not None:
+        extents = extents[:plan.dim] + extents[plan.dim + 1:]
+        total, has_loops = total // plan.extent, True
     if is_static(total):
         coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
@@ -235,16 +251,20 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
             with ir.InsertionPoint(inside.then_block):
                 idx = delinearize(lin, extents)
                 ivs = []
-                for (lb, _, st), i in zip(bounds, idx):
+                for (lb, _, st), i in zip([b for d, b in enumerate(bounds) if d != inner], idx):
                     v = i if st == 1 else arith.muli(i, as_index(st))
                     ivs.append(v if lb == 0 else arith.addi(v, as_index(lb)))
+                if inner is not None:  # (its uses move into loops over it: loop_over)
+                    ivs.insert(inner, None)
                 term = scf.YieldOp([])
             gpu.TerminatorOp()
-    pbody = p.regions[0].blocks[0]
     for op in block_ops(pbody)[:-1]:  # all but scf.reduce
         op.move_before(term.operation)
+    if plan is not None:
+        loop_over(plan, pbody.arguments[plan.dim], inside.then_block)
     for old, new in zip(pbody.arguments, ivs):
-        old.replace_all_uses_with(new)
+        if new is not None:
+            old.replace_all_uses_with(new)
     p.erase()
 
 

@@ -28,6 +28,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.backends.gpu.strategies import weight_layout
 from gac_torch.kernels import conv_gemm, conv_gemm_text, cuda_mma
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
@@ -85,6 +86,7 @@ class _Match:
     plan: conv_gemm.Plan
     pads: list
     fill: tuple[ir.Operation, ir.Value] | None
+    relayout: weight_layout.Relayout | None = None
 
 
 def strategy(params: Params, simt: bool) -> Strategy:
@@ -152,12 +154,15 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     ms.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
     ns.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
     ks = sorted(red, key=lambda d: (-b.coef[d], -a.coef[d], d))  # type: ignore[union-attr]
-    # a K dim whose extent is a multiple of 32 goes innermost (a conv: (kh, kw, c)): each K
-    # slice then shares the outer K dims, so the im2col indices are computed once per slice
-    wide = [d for d in ks if r[d] > 1]
-    if wide and r[wide[-1]] % 32 and any(r[d] % 32 == 0 for d in wide):
-        inner = max((d for d in wide if r[d] % 32 == 0), key=lambda d: r[d])
-        ks = [d for d in ks if d != inner] + [inner]
+    conv = any(not isinstance(e, ir.AffineDimExpr) for m in g.maps[:2] for e in m.results)
+    moved = weight_layout.c_inner(ks, r)
+    relayout = None
+    if conv and moved != ks and pads[1] is None:  # the weights copied into that K order
+        relayout = weight_layout.relayout(g.inputs[1], g.maps[1], tuple(moved), r)
+    if relayout is not None:
+        b, ks = relayout.operand, moved
+    elif moved != ks and weight_layout.keeps_runs(ks, moved, r, a, b):  # type: ignore[arg-type]
+        ks = moved
     ms = ms or [d for d in par if r[d] == 1 and d not in batch][:1]
     ns = ns or [d for d in par if r[d] == 1 and d not in batch and d not in ms][:1]
     if not ms or not ns or math.prod(r[d] for d in ns) < 8:
@@ -166,7 +171,6 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     widen = [("arith.extf", "f32")]
     casts_ok = (a_casts in ([], widen) and b_casts in ([], widen)
                 and (ec == "f32" or (not a_casts and not b_casts)))
-    conv = any(not isinstance(e, ir.AffineDimExpr) for m in g.maps[:2] for e in m.results)
     allow_tf32 = params.conv_allow_tf32 if conv else params.allow_tf32
     kind = cuda_mma.mma_kind(ea, eb, ec, casts_ok, allow_tf32) if params.mma else None
     if kind is None and ea == eb == ec == "f32" and not a_casts and not b_casts:
@@ -180,13 +184,15 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic)
     if plan is None:
         return None
-    return _Match(g, spec, plan, pads, fill)
+    return _Match(g, spec, plan, pads, fill, relayout)
 
 
 def _emit(m: _Match, name: str, params: Params) -> bool:
     g, spec, plan, pads, fill = m.g, m.spec, m.plan, m.pads, m.fill
     ec = spec.c.elem
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
+    if m.relayout is not None:
+        ins[1] = weight_layout.copy_before(m.relayout, ins[1], g.op)
     fused = _epilogue(g, ins, fill[0] if fill is not None else None) if params.fuse_epilogue else None  # type: ignore[arg-type]
     if fused is not None:
         ops = block_ops(g.op.block)
