@@ -118,3 +118,24 @@ def test_max_autotune_measures_and_matches_eager_on_gpu(cache_dir):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     table = json.loads(next((cache_dir / "tuning").glob("sm_*.json")).read_text())
     assert table["best"] and all(len(v) >= 2 for v in table["ms"].values()), table
+
+
+def _launches(prog) -> list[str]:
+    return [ln for ln in prog.ir("ptx").split("\n.version")[0].splitlines() if "// launch" in ln]
+
+
+def test_wgmma_tile_width_is_a_choice_and_a_table_entry_builds_it(cache_dir):
+    """Offline (sm_90 PTX): the 4096^3 bf16 GEMM offers bn128/bn256 and builds bn256 by the
+    heuristic; a measured table entry for its key makes the next compile build bn128."""
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, dtype=torch.bfloat16)
+    opts = {"arch": "sm_90", "cache": False}
+    with tuning.session() as s:
+        first = _launches(gac_torch.compile(_Mm(), (a, b), target="cuda", options=opts))
+    [(name, [choice])] = s.kernels.items()
+    assert "wgmma" in name and choice.candidates == ("bn128", "bn256") and choice.chosen == "bn256"
+    tuning.save_table("sm_90", {choice.key: "bn128"})
+    second = _launches(gac_torch.compile(_Mm(), (a, b), target="cuda", options=opts))
+    assert first != second and "smem=" in second[0]
+    tuning.save_table("sm_90", {choice.key: "bn256"})
+    assert _launches(gac_torch.compile(_Mm(), (a, b), target="cuda", options=opts)) == first

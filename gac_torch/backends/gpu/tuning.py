@@ -73,6 +73,13 @@ def choose(key: str, candidates: Sequence[str], heuristic: str) -> str:
     return heuristic if s is None else s.choose(key, candidates, heuristic)
 
 
+def problem_key(spec: object) -> str:
+    """A readable, stable name of a GEMM/conv problem: its sizes, then a digest of everything
+    else the plan reads (operand layouts, windows), so two problems never share an entry."""
+    sizes = "x".join(str(getattr(spec, d)) for d in ("M", "N", "K") if hasattr(spec, d))
+    return f"{sizes}:{hashlib.sha256(repr(spec).encode()).hexdigest()[:10]}"
+
+
 def bind(kernel: str) -> None:
     if (s := current()) is not None:
         s.bind(kernel)

@@ -19,6 +19,7 @@ from typing import Any
 
 from mlir import ir
 
+from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import Generic, analyze
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
@@ -77,6 +78,19 @@ def _merged_epilogue(fused: Any, rows: merged_rows.Rows) -> Any:
     return ops, replace(ep, inputs=tuple(merged[:-1]), out=merged[-1]), values
 
 
+def _tuned_plan(spec: Spec) -> wgmma_gemm.Plan | None:
+    """The heuristic tile width (256 once it still fills the GPU), or the other where the GPU
+    measured it faster for this problem (gpu/tuning.py)."""
+    plan = wgmma_gemm.plan(spec)
+    if plan is None:
+        return None
+    alts = {f"bn{bn}": p for bn in (128, 256) if (p := wgmma_gemm.plan(spec, bn=bn)) is not None}
+    if len(alts) < 2 or f"bn{plan.bn}" not in alts:
+        return plan
+    key = f"wgmma:{spec.kind}:{tuning.problem_key(spec)}"
+    return alts[tuning.choose(key, tuple(alts), f"bn{plan.bn}")]
+
+
 def strategy(allow_tf32: bool) -> Strategy:
     def match(g: Generic, limits: GpuLimits):
         if os.environ.get("GAC_WGMMA") == "0":
@@ -97,7 +111,7 @@ def strategy(allow_tf32: bool) -> Strategy:
             c = mma.operand(rounding.outputs[0], g.maps[2])
             spec = Spec(**{**spec.__dict__, "c": rows.merge(c) if rows is not None else c})
         oriented = wgmma_gemm.orient(spec)  # (tf32, B N-major: C^T = B^T A^T)
-        plan = wgmma_gemm.plan(oriented)
+        plan = _tuned_plan(oriented)
         return None if plan is None else (g, oriented, plan, fill, rounding, oriented is not spec, rows)
 
     def emit(m, name: str, limits: GpuLimits) -> bool:
