@@ -45,6 +45,7 @@ from gac_torch.backends.gpu.irutil import (
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
 # (a cut leaves the serial ops' scalars, e.g. an index read from a tensor, used across kernels).
@@ -58,6 +59,7 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     fn = main_func(module)
     counter = iter(range(1 << 30))
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
+    fold_transposes_into_matmuls(fn)  # a GEMM reads its transposed operands in place
     generalize_elementwise_named_ops(module, fn)
     run_passes(module, "func.func(linalg-fuse-elementwise-ops), canonicalize, cse")
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each

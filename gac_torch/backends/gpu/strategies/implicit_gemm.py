@@ -89,10 +89,14 @@ class _Match:
 
 def strategy(params: Params, simt: bool) -> Strategy:
     """`igemm` (simt=False: tensor-core kinds) or `sgemm` (simt=True: exact f32). Plain matmuls
-    (`match_contraction`) are left to the strategies after these. GAC_IMPLICIT_GEMM=0 bisects."""
+    (`match_contraction`) are left by igemm to mma / wgmma; sgemm takes them too (static f32:
+    its 128x128 register tiles beat simt_matmul's, which keeps dynamic shapes, casts and ints).
+    GAC_IMPLICIT_GEMM=0 bisects both; GAC_SGEMM_PLAIN=0 only plain matmuls on sgemm."""
+    plain_ok = simt and os.environ.get("GAC_SGEMM_PLAIN") != "0"
 
     def match(g: Generic, limits: GpuLimits) -> _Match | None:
-        if os.environ.get("GAC_IMPLICIT_GEMM") == "0" or match_contraction(g) is not None:
+        if os.environ.get("GAC_IMPLICIT_GEMM") == "0" or (
+                not plain_ok and match_contraction(g) is not None):
             return None
         m = _match(g, limits, params)
         return m if m is not None and (m.spec.kind == "f32") == simt else None
