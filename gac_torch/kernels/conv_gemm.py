@@ -225,7 +225,8 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
     # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
     pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
-    cp = CP_ASYNC and not simt and vec * es in (4, 8, 16)
+    # cp.async copies without reordering: simt tiles are [k][outer], so only runs along outer
+    cp = CP_ASYNC and not (simt and glob_k) and vec * es in (4, 8, 16)
     return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
 
 

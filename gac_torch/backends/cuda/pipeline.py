@@ -115,7 +115,7 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 # epilogue spilled). An igemm staging only through cp.async (no registers hold a
                 # slice in flight) fits 2 blocks per SM in 128 registers without spills: the second
                 # block runs while the first waits at its barrier.
-                blocks = 2 if name.endswith("_igemm") and not _global_vector_loads(f) else 1
+                blocks = 2 if (name.endswith("_sgemm") and os.environ.get("GAC_SGEMM_CTAS", "2") == "2") or (name.endswith("_igemm") and not _global_vector_loads(f)) else 1
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
             if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
                 f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
