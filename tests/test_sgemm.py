@@ -157,8 +157,7 @@ def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("m,n,k", [(1, 77, 300), (37, 29, 45), (130, 131, 20), (257, 200, 1001),
-                                   (1024, 1024, 512)])
+@pytest.mark.parametrize("m,n,k", [(1, 77, 300), (37, 29, 45), (257, 200, 1001), (520, 1040, 264)])
 def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
