@@ -25,7 +25,7 @@ def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
 
 
-def _operand(dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[cg.Operand, tuple[int, ...], tuple[int, ...]]:
+def _operand(dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[cg.Operand, tuple, tuple]:
     shape = tuple(ranges[d] for d in dims)
     t = "memref<" + "x".join(map(str, shape)) + "xf32>"
     st = _dense(shape)
@@ -132,7 +132,8 @@ def test_folded_transposes_match_eager_end_to_end_on_vortex() -> None:
     a, b = torch.randn(12, 10), torch.randn(9, 12)
     f = _Fn(lambda a, b: (a.t() @ b.t(), torch.bmm(a.reshape(2, 6, 10).transpose(1, 2), a.reshape(2, 6, 10))))
     with torch.no_grad():
-        compiled = gac_torch.compile(f, (a, b), target="vortex", options={"vortex_mode": "functional", "cache": False})
+        compiled = gac_torch.compile(f, (a, b), target="vortex",
+                                     options={"vortex_mode": "functional", "cache": False})
         got, want = compiled(a, b), f(a, b)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

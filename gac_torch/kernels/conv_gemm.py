@@ -25,7 +25,7 @@ never materialised.
                    coefficient and the offset divisible by the width), else scalars; a thread's
                    vectors after its first are the first + a constant where the layout allows;
                    outside M/N/K or the fused padding: zero, not read.
-                   cp.async (mma kinds, vectors of 4/8/16 bytes): slice kt+S-1 -> buffer
+                   cp.async (4/8/16-byte vectors; simt: runs along outer): slice kt+S-1 -> buffer
                    (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers
      4b. compute   mma: fragments from buffer kt%S -> mma.sync (f16/bf16: ldmatrix x4, .trans
                    for [k][outer] tiles; tf32: scalar loads, cp.async'd values rounded here);
@@ -214,7 +214,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
 
 # bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
 LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
-CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # mma kinds stage >= 4-byte vectors by cp.async
+CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
 
 
 def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
@@ -225,8 +225,7 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
     # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
     pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
-    # cp.async copies without reordering: simt tiles are [k][outer], so only runs along outer
-    cp = CP_ASYNC and not (simt and glob_k) and vec * es in (4, 8, 16)
+    cp = CP_ASYNC and not (simt and glob_k) and vec * es in (4, 8, 16)  # (simt tiles: [k][outer])
     return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
 
 

@@ -46,7 +46,7 @@ def fold_transposes_into_matmuls(fn: ir.Operation) -> int:
         changed = False
         for i, v in enumerate(ins):
             t = defining_op(v)
-            if t is None or t.name != "linalg.transpose" or not isinstance(v.type, ir.RankedTensorType):
+            if t is None or t.name != "linalg.transpose":
                 continue
             perm = list(ir.DenseI64ArrayAttr(t.attributes["permutation"]))
             ins[i], maps[i] = t.operands[0], _permuted(maps[i], perm)
