@@ -173,3 +173,15 @@ def test_mlp_step_gemms_and_batched_linear_match_float64_on_gpu() -> None:
     _check_gpu(lambda x, w, bias, dy: (torch.nn.functional.gelu(x @ w.t() + bias), dy.t() @ x, dy @ w,
                                        torch.nn.functional.linear(x.reshape(3, 100, 264), w, bias)),
                x, w, bias, dy)
+
+
+def test_sm75_stages_through_registers() -> None:
+    # cp.async exists from sm_80 on: older archs stage every operand through registers
+    for arch in ("sm_75", "sm_80"):
+        c = gac_torch.compile(_Fn(_FNS["tn"]), (torch.randn(96, 64), torch.randn(96, 80)), target="cuda",
+                              options={"arch": arch, "allow_tf32": False, "fallback": False})
+        (part,) = c.compiled.partitions.values()
+        assert set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))) == {"sgemm"}
+        assert ("cp.async" in part.ir("ptx")) == (arch == "sm_80")
+        if find_ptxas() is not None:
+            assert assemble(part.ir("ptx"), arch).ok

@@ -187,7 +187,7 @@ def _step(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> int:
 
 
 def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
-             simt: bool) -> Staging | None:
+             simt: bool, simt_cp: bool) -> Staging | None:
     r = spec.ranges
     (run_k, in_k), (run_o, in_o) = _run(op, spec.ks, r), _run(op, outer, r)
     # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows);
@@ -201,7 +201,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
     if op.guards:  # a vector could straddle the padding's edge
-        return _fit(glob_k, simt, op, tile_o, bk, threads, 1)
+        return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, 1)
     # (tf32 at 4 wide through registers: sm_90's ptxas caps the 64x64 kernel at 72 registers
     # and spills; 2 wide not. cp.async holds no registers: 4 wide)
     for v in ((8, 4, 2) if es == 2 else (4, 2) if simt or CP_ASYNC else (2,)):
@@ -209,7 +209,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v
             break
-    return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
+    return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, vec)
 
 
 # bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
@@ -217,7 +217,8 @@ LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by 
 CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
 
 
-def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
+def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: int, threads: int,
+         vec: int) -> Staging | None:
     es = ESIZE[op.elem]
     if (tile_o * bk // vec) % threads:
         return None
@@ -225,7 +226,7 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
     # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
     pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
-    cp = CP_ASYNC and not (simt and glob_k) and vec * es in (4, 8, 16)  # (simt tiles: [k][outer])
+    cp = CP_ASYNC and (not simt or simt_cp and not glob_k) and vec * es in (4, 8, 16)  # ([k][outer])
     return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
 
 
@@ -235,11 +236,13 @@ DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
-         smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0) -> Plan | None:
+         smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
+         simt_cp: bool = True) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
     cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
-    memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes."""
+    memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes.
+    `simt_cp`: f32 operands may stage by cp.async too (sm_80+)."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -261,8 +264,8 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
     threads = 32 * wm * wn
-    sa = _staging(spec, spec.a, spec.ms, bm, bk, threads, simt)
-    sb = _staging(spec, spec.b, spec.ns, bn, bk, threads, simt)
+    sa = _staging(spec, spec.a, spec.ms, bm, bk, threads, simt, simt_cp)
+    sb = _staging(spec, spec.b, spec.ns, bn, bk, threads, simt, simt_cp)
     if sa is None or sb is None:
         return None
     grid = (-(-spec.N // bn), -(-spec.M // bm), batch)

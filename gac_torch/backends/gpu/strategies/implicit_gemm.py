@@ -181,7 +181,8 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     spec = conv_gemm.Spec(kind, tuple(ms), tuple(ns), tuple(ks), batch, r, a, b, c,  # type: ignore[arg-type]
                           fill is not None)
     dynamic = 0 if os.environ.get("GAC_IGEMM_DYNAMIC_SMEM") == "0" else limits.max_dynamic_shared_bytes  # (bisects)
-    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic)
+    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic,
+                          simt_cp=params.mma)  # (cp.async: sm_80+, as mma.sync)
     if plan is None:
         return None
     return _Match(g, spec, plan, pads, fill)
