@@ -47,12 +47,14 @@ def gemm_spec(layout: str, m: int, n: int, k: int, batch: int = 0, fill: bool = 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("m,n,k,batch,big", [(37, 29, 45, 0, False),   # odd: scalar loads, guards
                                              (70, 68, 36, 2, False),   # float4 + cp.async, batched
-                                             (130, 131, 20, 0, True)])  # 128x128 tiles, ragged
+                                             (130, 131, 20, 0, True),  # 128x128 tiles, ragged
+                                             (70, 40, 2100, 0, False)])  # split K (4 x 528)
 def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: int, batch: int,
                                               big: bool) -> None:
     spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=bool(batch))
     p = cg.plan(spec, big=big)
     assert p is not None and p.tm == p.bm // 16 and (p.bm == 128) == big
+    assert (p.splits, p.kchunk) == ((4, 528) if k > 2000 else (1, 0))
     # vector loads where the contiguous run allows; cp.async where it runs along the [k][outer] tile
     a_run_k, b_run_k = layout[0] == "n", layout[1] == "t"
     for st, run, along_k in ((p.a, k if a_run_k else m, a_run_k), (p.b, k if b_run_k else n, b_run_k)):
@@ -120,6 +122,16 @@ def test_linear_backward_gemms_read_transposes_in_place() -> None:
     assert sorted(set(kernels)) == ["sgemm"], kernels
 
 
+def test_small_output_long_k_splits_k_after_a_fill_kernel() -> None:
+    # a weight gradient dy^T @ x over 4096 tokens: 16 64x64 tiles -> 8 K chunks, atomically added
+    # into C, which a fill kernel zeroes first (the fill is not folded in then)
+    part = _compile_cuda(_FNS["tn"], torch.randn(4096, 256), torch.randn(4096, 256))
+    launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
+    assert len(launches) == 2 and "_loops" in launches[0], launches
+    assert "_sgemm blocks in (%c4, %c4, %c8)" in launches[1], launches
+    assert "atom.global.add.f32" in part.ir("ptx") or "red.global.add.f32" in part.ir("ptx")
+
+
 def test_dynamic_and_integer_matmuls_stay_on_simt_matmul() -> None:
     part = _compile_cuda(lambda a, b: a @ b, torch.randint(-5, 5, (33, 20)), torch.randint(-5, 5, (20, 17)))
     assert set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))) == {"matmul"}
@@ -158,7 +170,7 @@ def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("m,n,k", [(1, 77, 300), (37, 29, 45), (257, 200, 1001), (520, 1040, 264)])
+@pytest.mark.parametrize("m,n,k", [(1, 77, 300), (37, 29, 45), (257, 200, 1001), (136, 264, 4100)])
 def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)

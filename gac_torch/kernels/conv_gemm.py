@@ -47,6 +47,7 @@ the barriers; `emulate`, the tests).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -160,6 +161,8 @@ class Plan(mma.WarpTiling):
     tn: int = 0
     stages: int = 2  # shared-memory buffers per operand (cp.async: up to stages - 1 slices in flight)
     dynamic: bool = False  # the buffers are dynamic shared memory (over the static 48 KB)
+    splits: int = 1  # simt split-K: grid z = batch x splits; each block adds its `kchunk`'s sum
+    kchunk: int = 0  # to C atomically (C holds the init: no fused fill or epilogue then)
 
 
 def smem_elem(kind: str) -> str:
@@ -215,6 +218,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
 # bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
 LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
 CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
+SPLIT_K = os.environ.get("GAC_SGEMM_SPLIT_K") != "0"  # simt: split long K over small grids
 
 
 def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: int, threads: int,
@@ -237,12 +241,12 @@ DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
          smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
-         simt_cp: bool = True) -> Plan | None:
+         simt_cp: bool = True, split_k: bool = True) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
     cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
     memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes.
-    `simt_cp`: f32 operands may stage by cp.async too (sm_80+)."""
+    `simt_cp`: f32 operands may stage by cp.async too (sm_80+); `split_k`: f32 may split K."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -278,9 +282,16 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
             p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages)
             if smem_bytes(p, spec) <= roof:
                 p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, smem_bytes(p, spec) > smem_limit)
-                return p
-    if smem_bytes(p, spec) > smem_limit:
+                break
+    if smem_bytes(p, spec) > (roof if sa.cp or sb.cp else smem_limit):
         return None
+    # simt, under half a wave of blocks and a long K (a weight gradient: K = tokens): split K
+    # into chunks of >= 512 until about two blocks per SM; fp32 atomics add the partial sums
+    splits = min(8, spec.K // 512, 2 * mma.SM_COUNT_HINT // math.prod(grid)) if simt and split_k and SPLIT_K else 1
+    if splits > 1 and spec.c.elem == "f32" and grid[2] * splits <= max_grid[2]:
+        kchunk = -(-spec.K // (splits * bk)) * bk
+        p = dataclasses.replace(p, grid=(grid[0], grid[1], batch * -(-spec.K // kchunk)),
+                                splits=-(-spec.K // kchunk), kchunk=kchunk)
     return p
 
 
@@ -328,7 +339,12 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     tid = b.tid()
     bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
     m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(BN))
-    bat = _split(b, bz, spec.batch, R) if spec.batch else {}
+    split = p.splits > 1
+    kbeg = b.mul(b.rem(bz, c(p.splits)), c(p.kchunk)) if split else None  # this block's K range
+    bat = _split(b, b.div(bz, c(p.splits)) if split else bz, spec.batch, R) if spec.batch else {}
+
+    def kb(s: Any) -> Any:  # the first k of slice s (an index value)
+        return b.mul(s, c(BK)) if kbeg is None else b.add(kbeg, b.mul(s, c(BK)))
 
     def base(op: Operand) -> Any:  # the batch part of an operand's address
         return _addr(b, op, bat, spec.batch, c(op.const))
@@ -473,8 +489,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                                 _addr(b, op, col_iv[j], spec.ns))
 
     # 2. init
-    if spec.fill:
-        accs = [b.init_f32()] * len(places)
+    if spec.fill or split:  # (split: C already holds the init; partial sums start at 0)
+        accs = [b.init_f32() if spec.fill else c(0.0, "f32")] * len(places)
     else:
         accs = [b.load_cflat(addr, ok) for addr, ok in out_points()]
 
@@ -485,10 +501,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     held = [w for w, st in (("A", p.a), ("B", p.b)) if not st.cp]  # staged through registers
     for s in range(S - 1 if copied else 0):  # 3c: slices 0 .. S-2 in flight
         for w in copied:
-            issue(w, c(s), c(s * BK))
+            issue(w, c(s), kb(c(s)))
         b.cp_commit()
     for w in held:
-        stage(w, zero, load_slice(w, zero))
+        stage(w, zero, load_slice(w, kb(zero)))
     if not copied:
         b.barrier()
 
@@ -579,7 +595,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
-        kn = b.mul(b.add(kt, c(1)), c(BK))
+        kn = kb(b.add(kt, c(1)))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
         accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
@@ -592,16 +608,16 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
         ahead = b.add(kt, c(S - 1))
         for w in copied:  # 4a
-            issue(w, b.rem(ahead, c(S)), b.mul(ahead, c(BK)))
+            issue(w, b.rem(ahead, c(S)), kb(ahead))
         b.cp_commit()
         kn = b.add(kt, c(1))
-        nxt = [load_slice(w, b.mul(kn, c(BK))) for w in held]
+        nxt = [load_slice(w, kb(kn)) for w in held]
         accs = compute(b.rem(kt, c(S)), accs)
         for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
             stage(w, b.rem(kn, c(S)), vals)
         return accs
 
-    accs = b.loop(-(-spec.K // BK), accs, body_async if copied else body)
+    accs = b.loop(-(-(p.kchunk or spec.K) // BK), accs, body_async if copied else body)
     if copied:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
@@ -609,4 +625,4 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         if spec.epilogue is not None:
             gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
         else:
-            b.store_cflat(addr, val, ok)
+            b.store_cflat(addr, val, ok, add=split)

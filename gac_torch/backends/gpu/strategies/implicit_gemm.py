@@ -182,9 +182,11 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
                           fill is not None)
     dynamic = 0 if os.environ.get("GAC_IGEMM_DYNAMIC_SMEM") == "0" else limits.max_dynamic_shared_bytes  # (bisects)
     plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic,
-                          simt_cp=params.mma)  # (cp.async: sm_80+, as mma.sync)
+                          simt_cp=params.mma, split_k=not conv)  # (cp.async: sm_80+, as mma.sync)
     if plan is None:
         return None
+    if plan.splits > 1:  # split-K adds into C: the fill runs first as its own kernel
+        spec, fill = conv_gemm.Spec(**{**spec.__dict__, "fill": False}), None
     return _Match(g, spec, plan, pads, fill)
 
 
@@ -192,7 +194,8 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
     g, spec, plan, pads, fill = m.g, m.spec, m.plan, m.pads, m.fill
     ec = spec.c.elem
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
-    fused = _epilogue(g, ins, fill[0] if fill is not None else None) if params.fuse_epilogue else None  # type: ignore[arg-type]
+    fused = (_epilogue(g, ins, fill[0] if fill is not None else None)  # type: ignore[arg-type]
+             if params.fuse_epilogue and plan.splits == 1 else None)  # (split-K: partial sums)
     if fused is not None:
         ops = block_ops(g.op.block)
         for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
