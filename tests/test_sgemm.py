@@ -169,8 +169,9 @@ def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("m,n,k", [(1, 77, 300), (37, 29, 45), (257, 200, 1001), (136, 264, 4100)])
+@pytest.mark.parametrize("layout,m,n,k", [  # odd sizes, a GEMV, float4 + cp.async, split K
+    ("nn", 1, 77, 300), ("nn", 257, 200, 1001), ("nt", 37, 29, 45), ("nt", 136, 264, 4100),
+    ("tn", 257, 200, 1001), ("tn", 136, 264, 4100), ("tt", 37, 29, 45), ("tt", 1, 77, 300)])
 def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
