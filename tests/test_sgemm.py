@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from parity import Fn
+
 import gac_torch
 from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
 from gac_torch.kernels import conv_gemm as cg
@@ -77,21 +79,12 @@ def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: in
 # the cuda pipeline offline: strategy choice, no transpose kernels, ptxas
 
 
-class _Fn(torch.nn.Module):
-    def __init__(self, f):
-        super().__init__()
-        self.f = f
-
-    def forward(self, *xs):
-        return self.f(*xs)
-
-
 _FNS = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.t(), "tn": lambda a, b: a.t() @ b,
         "tt": lambda a, b: a.t() @ b.t()}
 
 
 def _compile_cuda(f, *xs):
-    c = gac_torch.compile(_Fn(f), xs, target="cuda",
+    c = gac_torch.compile(Fn(f), xs, target="cuda",
                           options={"arch": "sm_90", "allow_tf32": False, "fallback": False})
     (part,) = c.compiled.partitions.values()
     return part
@@ -142,7 +135,7 @@ def test_folded_transposes_match_eager_end_to_end_on_vortex() -> None:
     pytest.importorskip("ziglang")
     pytest.importorskip("elftools")
     a, b = torch.randn(12, 10), torch.randn(9, 12)
-    f = _Fn(lambda a, b: (a.t() @ b.t(), torch.bmm(a.reshape(2, 6, 10).transpose(1, 2), a.reshape(2, 6, 10))))
+    f = Fn(lambda a, b: (a.t() @ b.t(), torch.bmm(a.reshape(2, 6, 10).transpose(1, 2), a.reshape(2, 6, 10))))
     with torch.no_grad():
         compiled = gac_torch.compile(f, (a, b), target="vortex",
                                      options={"vortex_mode": "functional", "cache": False})
@@ -159,7 +152,7 @@ def test_folded_transposes_match_eager_end_to_end_on_vortex() -> None:
 
 def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
     xs = tuple(x.cuda() for x in xs)
-    compiled = gac_torch.compile(_Fn(f), xs, target="cuda", options={"allow_tf32": False, "fallback": False})
+    compiled = gac_torch.compile(Fn(f), xs, target="cuda", options={"allow_tf32": False, "fallback": False})
     got = compiled(*xs)
     want = f(*(x.double() for x in xs))
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
@@ -191,7 +184,7 @@ def test_mlp_step_gemms_and_batched_linear_match_float64_on_gpu() -> None:
 def test_sm75_stages_through_registers() -> None:
     # cp.async exists from sm_80 on: older archs stage every operand through registers
     for arch in ("sm_75", "sm_80"):
-        c = gac_torch.compile(_Fn(_FNS["tn"]), (torch.randn(96, 64), torch.randn(96, 80)), target="cuda",
+        c = gac_torch.compile(Fn(_FNS["tn"]), (torch.randn(96, 64), torch.randn(96, 80)), target="cuda",
                               options={"arch": arch, "allow_tf32": False, "fallback": False})
         (part,) = c.compiled.partitions.values()
         assert set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))) == {"sgemm"}
