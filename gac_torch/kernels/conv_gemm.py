@@ -285,7 +285,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
                 break
     if smem_bytes(p, spec) > (roof if sa.cp or sb.cp else smem_limit):
         return None
-    # simt, under half a wave of blocks and a long K (a weight gradient: K = tokens): split K
+    # simt, at most a wave of blocks and a long K (a weight gradient: K = tokens): split K
     # into chunks of >= 512 until about two blocks per SM; fp32 atomics add the partial sums
     splits = min(8, spec.K // 512, 2 * mma.SM_COUNT_HINT // math.prod(grid)) if simt and split_k and SPLIT_K else 1
     if splits > 1 and spec.c.elem == "f32" and grid[2] * splits <= max_grid[2]:
