@@ -340,6 +340,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
     m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(BN))
     split = p.splits > 1
+    assert not (split and (spec.fill or spec.epilogue)), "split K adds into C: no fused fill/epilogue"
     kbeg = b.mul(b.rem(bz, c(p.splits)), c(p.kchunk)) if split else None  # this block's K range
     bat = _split(b, b.div(bz, c(p.splits)) if split else bz, spec.batch, R) if spec.batch else {}
 
