@@ -145,6 +145,13 @@ def test_folded_transposes_match_eager_end_to_end_on_vortex() -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     (part,) = compiled.compiled.partitions.values()
     assert "_loops" not in part.ir("gpu")  # no transpose kernel
+    # a permutation moving the batch dim stays a transpose (batch_matmul keeps batch outermost)
+    f = Fn(lambda a, b: torch.bmm(a.permute(1, 2, 0), b))
+    a, b = torch.randn(5, 3, 4), torch.randn(3, 5, 6)
+    with torch.no_grad():
+        compiled = gac_torch.compile(f, (a, b), target="vortex",
+                                     options={"vortex_mode": "functional", "cache": False, "fallback": False})
+        torch.testing.assert_close(compiled(a, b), f(a, b), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------
