@@ -181,7 +181,7 @@ def matmul(M: int, K: int, N: int, dt: torch.dtype) -> Case:
   }} -> tensor<{M}x{N}x{e}>"""
     # f16/bf16 run on tensor cores (mma.sync, sm_80+); f32 too when TF32 is allowed
     return Case(f"matmul_{M}x{K}x{N}_{e}", [((M, K), dt), ((K, N), dt)], [((M, N), dt)], body,
-                lambda a, b: [a @ b], {"mma"} if e != "f32" else {"matmul"})
+                lambda a, b: [a @ b], {"mma"} if e != "f32" else {"sgemm"})
 
 
 def _matmul_tf32(M: int, K: int, N: int) -> Case:
@@ -203,7 +203,7 @@ def _matmul_transposed_b(dt: torch.dtype = torch.float32) -> Case:
       ins(%t0, %t1 : tensor<{M}x{K}x{e}>, tensor<{N}x{K}x{e}>) outs(%f : tensor<{M}x{N}xf32>) -> tensor<{M}x{N}xf32>"""
     name = "matmul_transposed_b" + ("" if dt == torch.float32 else f"_{e}")
     return Case(name, [((M, K), dt), ((N, K), dt)], [((M, N), torch.float32)], body,
-                lambda a, b: [a @ b.T], {"matmul"} if dt == torch.float32 else {"mma"})
+                lambda a, b: [a @ b.T], {"sgemm"} if dt == torch.float32 else {"mma"})
 
 
 def _batch_matmul(dt: torch.dtype = torch.float32) -> Case:
@@ -215,7 +215,7 @@ def _batch_matmul(dt: torch.dtype = torch.float32) -> Case:
   %f = linalg.fill ins(%zero : f32) outs(%em : tensor<{B}x{M}x{N}xf32>) -> tensor<{B}x{M}x{N}xf32>
   %r0 = linalg.batch_matmul ins(%t0, %t1 : tensor<{B}x{M}x{K}x{e}>, tensor<{B}x{K}x{N}x{e}>) outs(%f : tensor<{B}x{M}x{N}xf32>) -> tensor<{B}x{M}x{N}xf32>"""
     return Case(f"batch_matmul_{e}", [((B, M, K), dt), ((B, K, N), dt)], [((B, M, N), torch.float32)],
-                body, lambda a, b: [torch.bmm(a, b)], {"matmul"} if e == "f32" else {"mma"})
+                body, lambda a, b: [torch.bmm(a, b)], {"sgemm"} if e == "f32" else {"mma"})
 
 
 def _conv2d() -> Case:
@@ -372,7 +372,7 @@ def _mlp_softmax() -> Case:
 
     return Case("mlp_softmax_graph", [((M, K), torch.float32), ((K, H), torch.float32), ((H,), torch.float32),
                                       ((H, N), torch.float32)], [((M, N), torch.float32)], body, ref,
-                {"matmul", "row", "loops"})
+                {"sgemm", "row"})
 
 
 def _ints() -> Case:
@@ -620,7 +620,7 @@ def _output_feeds_output() -> Case:
   }} -> tensor<{M}xf32>"""
     return Case("multi_output_feeds_output", [((M, K), torch.float32), ((K, N), torch.float32)],
                 [((M, N), torch.float32), ((M,), torch.float32)], body,
-                lambda x, w: [x @ w, (x @ w).relu().sum(1)], {"matmul"})
+                lambda x, w: [x @ w, (x @ w).relu().sum(1)], {"sgemm"})
 
 
 def _same_value_and_input_returned() -> Case:
@@ -647,7 +647,7 @@ def _same_value_and_input_returned() -> Case:
     return Case("multi_same_value_twice_and_input", [((M, K), torch.float32), ((K, N), torch.float32),
                                                       ((K, N), torch.float32)],
                 [((M, N), torch.float32)] * 3 + [((M, K), torch.float32)], body,
-                lambda x, w, v: [(x @ w + x @ v) * 2, (x @ w + x @ v) * 2, x @ v, x], {"matmul"})
+                lambda x, w, v: [(x @ w + x @ v) * 2, (x @ w + x @ v) * 2, x @ v, x], {"sgemm"})
 
 
 def all_cases() -> list[Case]:

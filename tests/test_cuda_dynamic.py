@@ -86,13 +86,14 @@ def test_attention_compiles_once_with_sizes_as_kernel_arguments(attention):
 
 def test_attention_temps_scale_with_the_sizes(attention):
     """Each intermediate is a weight-sized constant, or scales with batch x sequence (activations)
-    or batch x sequence^2 (attention scores): bound at two shapes, the sizes say which."""
+    or batch x sequence^2 (attention scores): bound at two shapes, the sizes say which. (The
+    transposed weights are read in place by the GEMMs, so no constant-size one need occur.)"""
     _, cg = attention
     small, large = cg.executable.bind(_values(cg, 2, 9)), cg.executable.bind(_values(cg, 5, 33))
     ratios = {1, (5 * 33) / (2 * 9), (5 * 33 * 33) / (2 * 9 * 9)}
     kinds = [next(r for r in ratios if math.isclose(b.nbytes / a.nbytes, r))
              for a, b in zip(small.temps, large.temps)]
-    assert len(set(kinds)) == 3  # all three kinds occur
+    assert set(kinds) >= {(5 * 33) / (2 * 9), (5 * 33 * 33) / (2 * 9 * 9)}  # both scaling kinds occur
 
 
 def test_dynamic_launch_path_without_gpu(attention, monkeypatch: pytest.MonkeyPatch):

@@ -46,7 +46,7 @@ def test_mma_instructions_in_ptx(name: str, kind: str) -> None:
     if kind == "tf32":
         plain = Case(case.name, case.inputs, case.outputs, case.body, case.reference)
         program = compile_case(plain, "sm_90")
-        assert "mma.sync" not in program.ptx and {k.strategy for k in program.launches} == {"matmul"}
+        assert "mma.sync" not in program.ptx and {k.strategy for k in program.launches} == {"sgemm"}
 
 
 @pytest.mark.unit

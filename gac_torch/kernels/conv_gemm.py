@@ -25,7 +25,7 @@ never materialised.
                    coefficient and the offset divisible by the width), else scalars; a thread's
                    vectors after its first are the first + a constant where the layout allows;
                    outside M/N/K or the fused padding: zero, not read.
-                   cp.async (mma kinds, vectors of 4/8/16 bytes): slice kt+S-1 -> buffer
+                   cp.async (4/8/16-byte vectors; simt: runs along outer): slice kt+S-1 -> buffer
                    (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers
      4b. compute   mma: fragments from buffer kt%S -> mma.sync (f16/bf16: ldmatrix x4, .trans
                    for [k][outer] tiles; tf32: scalar loads, cp.async'd values rounded here);
@@ -47,6 +47,8 @@ the barriers; `emulate`, the tests).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -93,6 +95,8 @@ class Plan(mma.WarpTiling):
     tn: int = 0
     stages: int = 2  # shared-memory buffers per operand (cp.async: up to stages - 1 slices in flight)
     dynamic: bool = False  # the buffers are dynamic shared memory (over the static 48 KB)
+    splits: int = 1  # simt split-K: grid z = batch x splits; each block adds its `kchunk`'s sum
+    kchunk: int = 0  # to C atomically (C holds the init: no fused fill or epilogue then)
 
 
 def smem_elem(kind: str) -> str:
@@ -120,7 +124,7 @@ def _step(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> int:
 
 
 def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: int, threads: int,
-             simt: bool) -> Staging | None:
+             simt: bool, simt_cp: bool) -> Staging | None:
     r = spec.ranges
     (run_k, in_k), (run_o, in_o) = unit_run(op, spec.ks, r), unit_run(op, outer, r)
     # consecutive threads walk the longer unit-stride run (coalesced; vectors where it allows);
@@ -134,7 +138,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
     if op.guards:  # a vector could straddle the padding's edge
-        return _fit(glob_k, simt, op, tile_o, bk, threads, 1)
+        return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, 1)
     # (tf32 at 4 wide through registers: sm_90's ptxas caps the 64x64 kernel at 72 registers
     # and spills; 2 wide not. cp.async holds no registers: 4 wide)
     for v in ((8, 4, 2) if es == 2 else (4, 2) if simt or CP_ASYNC else (2,)):
@@ -142,15 +146,17 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v
             break
-    return _fit(glob_k, simt, op, tile_o, bk, threads, vec)
+    return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, vec)
 
 
 # bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
 LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
-CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # mma kinds stage >= 4-byte vectors by cp.async
+CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
+SPLIT_K = os.environ.get("GAC_SGEMM_SPLIT_K") != "0"  # simt: split long K over small grids
 
 
-def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: int, vec: int) -> Staging | None:
+def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: int, threads: int,
+         vec: int) -> Staging | None:
     es = ESIZE[op.elem]
     if (tile_o * bk // vec) % threads:
         return None
@@ -158,7 +164,7 @@ def _fit(glob_k: bool, simt: bool, op: Operand, tile_o: int, bk: int, threads: i
     rows, cols = (tile_o, bk) if smem_k else (bk, tile_o)
     # pads: conflict-free fragment loads (cuda_mma), 16-byte aligned rows; simt rows keep float4s
     pad = 4 if simt else (8 if es == 2 else 4) if smem_k else 8
-    cp = CP_ASYNC and not simt and vec * es in (4, 8, 16)
+    cp = CP_ASYNC and (not simt or simt_cp and not glob_k) and vec * es in (4, 8, 16)  # ([k][outer])
     return Staging(glob_k, smem_k, rows, cols, pad, vec, tile_o * bk // vec // threads, cp)
 
 
@@ -168,11 +174,13 @@ DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
-         smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0) -> Plan | None:
+         smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
+         simt_cp: bool = True, split_k: bool = True) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
     cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
-    memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes."""
+    memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes.
+    `simt_cp`: f32 operands may stage by cp.async too (sm_80+); `split_k`: f32 may split K."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -194,8 +202,8 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
     threads = 32 * wm * wn
-    sa = _staging(spec, spec.a, spec.ms, bm, bk, threads, simt)
-    sb = _staging(spec, spec.b, spec.ns, bn, bk, threads, simt)
+    sa = _staging(spec, spec.a, spec.ms, bm, bk, threads, simt, simt_cp)
+    sb = _staging(spec, spec.b, spec.ns, bn, bk, threads, simt, simt_cp)
     if sa is None or sb is None:
         return None
     grid = (-(-spec.N // bn), -(-spec.M // bm), batch)
@@ -208,9 +216,16 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
             p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages)
             if smem_bytes(p, spec) <= roof:
                 p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, smem_bytes(p, spec) > smem_limit)
-                return p
-    if smem_bytes(p, spec) > smem_limit:
+                break
+    if smem_bytes(p, spec) > (roof if sa.cp or sb.cp else smem_limit):
         return None
+    # simt, at most a wave of blocks and a long K (a weight gradient: K = tokens): split K
+    # into chunks of >= 512 until about two blocks per SM; fp32 atomics add the partial sums
+    splits = min(8, spec.K // 512, 2 * mma.SM_COUNT_HINT // math.prod(grid)) if simt and split_k and SPLIT_K else 1
+    if splits > 1 and spec.c.elem == "f32" and grid[2] * splits <= max_grid[2]:
+        kchunk = -(-spec.K // (splits * bk)) * bk
+        p = dataclasses.replace(p, grid=(grid[0], grid[1], batch * -(-spec.K // kchunk)),
+                                splits=-(-spec.K // kchunk), kchunk=kchunk)
     return p
 
 
@@ -258,7 +273,13 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     tid = b.tid()
     bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
     m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(BN))
-    bat = _split(b, bz, spec.batch, R) if spec.batch else {}
+    split = p.splits > 1
+    assert not (split and (spec.fill or spec.epilogue)), "split K adds into C: no fused fill/epilogue"
+    kbeg = b.mul(b.rem(bz, c(p.splits)), c(p.kchunk)) if split else None  # this block's K range
+    bat = _split(b, b.div(bz, c(p.splits)) if split else bz, spec.batch, R) if spec.batch else {}
+
+    def kb(s: Any) -> Any:  # the first k of slice s (an index value)
+        return b.mul(s, c(BK)) if kbeg is None else b.add(kbeg, b.mul(s, c(BK)))
 
     def base(op: Operand) -> Any:  # the batch part of an operand's address
         return _addr(b, op, bat, spec.batch, c(op.const))
@@ -405,8 +426,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                                 _addr(b, op, col_iv[j], spec.ns))
 
     # 2. init
-    if spec.fill:
-        accs = [b.init_f32()] * len(places)
+    if spec.fill or split:  # (split: C already holds the init; partial sums start at 0)
+        accs = [b.init_f32() if spec.fill else c(0.0, "f32")] * len(places)
     else:
         accs = [b.load_cflat(addr, ok) for addr, ok in out_points()]
 
@@ -417,10 +438,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     held = [w for w, st in (("A", p.a), ("B", p.b)) if not st.cp]  # staged through registers
     for s in range(S - 1 if copied else 0):  # 3c: slices 0 .. S-2 in flight
         for w in copied:
-            issue(w, c(s), c(s * BK))
+            issue(w, c(s), kb(c(s)))
         b.cp_commit()
     for w in held:
-        stage(w, zero, load_slice(w, zero))
+        stage(w, zero, load_slice(w, kb(zero)))
     if not copied:
         b.barrier()
 
@@ -511,7 +532,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
-        kn = b.mul(b.add(kt, c(1)), c(BK))
+        kn = kb(b.add(kt, c(1)))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
         accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
@@ -524,16 +545,16 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
         ahead = b.add(kt, c(S - 1))
         for w in copied:  # 4a
-            issue(w, b.rem(ahead, c(S)), b.mul(ahead, c(BK)))
+            issue(w, b.rem(ahead, c(S)), kb(ahead))
         b.cp_commit()
         kn = b.add(kt, c(1))
-        nxt = [load_slice(w, b.mul(kn, c(BK))) for w in held]
+        nxt = [load_slice(w, kb(kn)) for w in held]
         accs = compute(b.rem(kt, c(S)), accs)
         for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
             stage(w, b.rem(kn, c(S)), vals)
         return accs
 
-    accs = b.loop(-(-spec.K // BK), accs, body_async if copied else body)
+    accs = b.loop(-(-(p.kchunk or spec.K) // BK), accs, body_async if copied else body)
     if copied:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store
@@ -547,4 +568,4 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         if spec.epilogue is not None:
             gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
         else:
-            b.store_cflat(addr, val, ok)
+            b.store_cflat(addr, val, ok, add=split)

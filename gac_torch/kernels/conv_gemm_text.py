@@ -91,8 +91,11 @@ class _Text(gemm_epilogue.TextMixin, mma.MmaText):
     def load_cflat(self, addr: str, ok: str) -> str:
         return self.load_c_at("%Cf", addr, self.spec.c.flat, ok)
 
-    def store_cflat(self, addr: str, val: str, ok: str) -> None:
-        self.store_c_at("%Cf", addr, self.spec.c.flat, val, ok)
+    def store_cflat(self, addr: str, val: str, ok: str, add: bool = False) -> None:
+        if not add:
+            return self.store_c_at("%Cf", addr, self.spec.c.flat, val, ok)
+        self.w(f"scf.if {ok} {{")  # split-K: an f32 C, red.global.add
+        self.w(f"  {self.fresh()} = memref.atomic_rmw addf {val}, %Cf[{addr}] : (f32, {self.spec.c.flat}) -> f32\n}}")
 
 
 def template(spec: Spec, p: Plan) -> str:

@@ -87,11 +87,11 @@ class _Numpy(gemm_epilogue.NumpyMixin, MmaNumpy):
     def load_cflat(self, addr: np.ndarray, ok: np.ndarray) -> np.ndarray:
         return np.where(ok, self.C[np.where(ok, addr, 0)], 0.0).astype(np.float32)
 
-    def store_cflat(self, addr: np.ndarray, val: np.ndarray, ok: np.ndarray) -> None:
+    def store_cflat(self, addr: np.ndarray, val: np.ndarray, ok: np.ndarray, add: bool = False) -> None:
         at = addr[ok]
         assert ((at >= 0) & (at < self.C.size)).all(), "C store out of bounds"
         assert len(np.unique(at)) == len(at), "two threads store one C element"
-        self.C[at] = round_to(val[ok], self.spec.c.elem)
+        self.C[at] = round_to(val[ok] + (self.C[at] if add else 0), self.spec.c.elem)  # (add: atomic)
 
 
 def _flat(arr: np.ndarray, op: Operand, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:

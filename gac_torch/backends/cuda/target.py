@@ -74,7 +74,8 @@ def compile_options(options: Any) -> Any:
                        max_dynamic_shared_bytes=ARCHS[arch].smem_per_block_optin)
     # Tried in order on each linalg op (flash: on each gac.attention call); what none takes
     # becomes a `loops` kernel (a gac.attention call: inlined first). igemm / sgemm take convs
-    # and multi-dim contractions (not plain matmuls: those go on to mma / matmul).
+    # and multi-dim contractions; plain matmuls go on to wgmma / mma, except static exact-f32
+    # ones, which sgemm takes too (matmul keeps dynamic shapes, ints and casts).
     mma_ok = int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH
     igemm = implicit_gemm.Params(mma=mma_ok, allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))
     strategies = (

@@ -91,10 +91,14 @@ class _Match:
 
 def strategy(params: Params, simt: bool) -> Strategy:
     """`igemm` (simt=False: tensor-core kinds) or `sgemm` (simt=True: exact f32). Plain matmuls
-    (`match_contraction`) are left to the strategies after these. GAC_IMPLICIT_GEMM=0 bisects."""
+    (`match_contraction`) are left by igemm to mma / wgmma; sgemm takes them too (static f32:
+    its 128x128 register tiles beat simt_matmul's, which keeps dynamic shapes, casts and ints).
+    GAC_IMPLICIT_GEMM=0 bisects both; GAC_SGEMM_PLAIN=0 only plain matmuls on sgemm."""
+    plain_ok = simt and os.environ.get("GAC_SGEMM_PLAIN") != "0"
 
     def match(g: Generic, limits: GpuLimits) -> _Match | None:
-        if os.environ.get("GAC_IMPLICIT_GEMM") == "0" or match_contraction(g) is not None:
+        if os.environ.get("GAC_IMPLICIT_GEMM") == "0" or (
+                not plain_ok and match_contraction(g) is not None):
             return None
         m = _match(g, limits, params)
         return m if m is not None and (m.spec.kind == "f32") == simt else None
@@ -181,9 +185,12 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     spec = conv_gemm.Spec(kind, tuple(ms), tuple(ns), tuple(ks), batch, r, a, b, c,  # type: ignore[arg-type]
                           fill is not None)
     dynamic = 0 if os.environ.get("GAC_IGEMM_DYNAMIC_SMEM") == "0" else limits.max_dynamic_shared_bytes  # (bisects)
-    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic)
+    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic,
+                          simt_cp=params.mma, split_k=not conv)  # (cp.async: sm_80+, as mma.sync)
     if plan is None:
         return None
+    if plan.splits > 1:  # split-K adds into C: the fill runs first as its own kernel
+        spec, fill = conv_gemm.Spec(**{**spec.__dict__, "fill": False}), None
     return _Match(g, spec, plan, pads, fill, relayout)
 
 
@@ -193,7 +200,8 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
     if m.relayout is not None:
         ins[1] = weight_layout.copy_before(m.relayout, ins[1], g.op)
-    fused = _epilogue(g, ins, fill[0] if fill is not None else None) if params.fuse_epilogue else None  # type: ignore[arg-type]
+    fused = (_epilogue(g, ins, fill[0] if fill is not None else None)  # type: ignore[arg-type]
+             if params.fuse_epilogue and plan.splits == 1 else None)  # (split-K: partial sums)
     if fused is not None:
         ops = block_ops(g.op.block)
         for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:

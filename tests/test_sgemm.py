@@ -1,0 +1,201 @@
+"""Exact-fp32 GEMMs on the register-tiled SIMT kernel (`sgemm`, kernels/conv_gemm.py with
+kind f32): every transpose combination of A and B read in place (transposes fold into the
+matmul's maps: backends/gpu/transposes.py), odd shapes through guarded loads, the numpy
+lockstep twin against float64, the strategy choice and ptxas (registers, spills) offline, and
+float64 parity on the GPU (cuda-marked)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from parity import Fn
+
+import gac_torch
+from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
+from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_twin as twin
+
+M_, N_, K_, B_ = range(4)
+LAYOUTS = ["nn", "nt", "tn", "tt"]  # A as [m][k] (n) or [k][m] (t); B as [k][n] (n) or [n][k] (t)
+
+
+def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+
+def _operand(dims: tuple[int, ...], ranges: tuple[int, ...]) -> tuple[cg.Operand, tuple, tuple]:
+    shape = tuple(ranges[d] for d in dims)
+    t = "memref<" + "x".join(map(str, shape)) + "xf32>"
+    st = _dense(shape)
+    return cg.operand(t, "f32", shape, st, 0, [({d: 1}, 0) for d in dims], len(ranges)), shape, st
+
+
+def gemm_spec(layout: str, m: int, n: int, k: int, batch: int = 0, fill: bool = True):
+    """C[(b,) m, n] = sum_k A * B with A, B in `layout`: (spec, shapes, strides)."""
+    ranges = (m, n, k) + ((batch,) if batch else ())
+    bd = (B_,) if batch else ()
+    a_dims = bd + ((M_, K_) if layout[0] == "n" else (K_, M_))
+    b_dims = bd + ((K_, N_) if layout[1] == "n" else (N_, K_))
+    ops = [_operand(d, ranges) for d in (a_dims, b_dims, bd + (M_, N_))]
+    spec = cg.Spec("f32", (M_,), (N_,), (K_,), bd, ranges, ops[0][0], ops[1][0], ops[2][0], fill)
+    return spec, [o[1] for o in ops], [o[2] for o in ops]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("m,n,k,batch,big", [(37, 29, 45, 0, False),   # odd: scalar loads, guards
+                                             (70, 68, 36, 2, False),   # float4 + cp.async, batched
+                                             (130, 131, 20, 0, True),  # 128x128 tiles, ragged
+                                             (70, 40, 2100, 0, False),  # split K (4 x 528)
+                                             (40, 70, 1100, 3, False)])  # batched, split (2 x 560)
+def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: int, batch: int,
+                                              big: bool) -> None:
+    spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=bool(batch) and k < 1024)
+    p = cg.plan(spec, big=big)  # (split K accumulates into C: the strategy unfolds the fill)
+    assert p is not None and p.tm == p.bm // 16 and (p.bm == 128) == big
+    assert (p.splits, p.kchunk) == {2100: (4, 528), 1100: (2, 560)}.get(k, (1, 0))
+    # vector loads where the contiguous run allows; cp.async where it runs along the [k][outer] tile
+    a_run_k, b_run_k = layout[0] == "n", layout[1] == "t"
+    for st, run, along_k in ((p.a, k if a_run_k else m, a_run_k), (p.b, k if b_run_k else n, b_run_k)):
+        assert st.vec == next((v for v in (4, 2) if run % v == 0), 1) and st.glob_k == along_k
+        assert st.cp == (not along_k)
+    rng = np.random.default_rng(m + n + k)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    C0 = rng.standard_normal(shapes[2]).astype(np.float32)
+    out = twin.emulate(spec, p, A, Bm, C0, tuple(strides), init=0.25).reshape(shapes[2])
+    a64, b64 = A.astype(np.float64), Bm.astype(np.float64)
+    if layout[0] == "t":
+        a64 = a64.swapaxes(-1, -2)
+    if layout[1] == "t":
+        b64 = b64.swapaxes(-1, -2)
+    ref = a64 @ b64 + (0.25 if spec.fill else C0.astype(np.float64))
+    assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+# --------------------------------------------------------------------------------------------
+# the cuda pipeline offline: strategy choice, no transpose kernels, ptxas
+
+
+_FNS = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.t(), "tn": lambda a, b: a.t() @ b,
+        "tt": lambda a, b: a.t() @ b.t()}
+
+
+def _compile_cuda(f, *xs):
+    c = gac_torch.compile(Fn(f), xs, target="cuda",
+                          options={"arch": "sm_90", "allow_tf32": False, "fallback": False})
+    (part,) = c.compiled.partitions.values()
+    return part
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp32_gemm_is_one_sgemm_kernel_without_spills(layout: str) -> None:
+    # 2048^3 takes 128x128 tiles (a 16x16 grid); transposed operands are read in place
+    n = 2048
+    part = _compile_cuda(_FNS[layout], torch.randn(n, n), torch.randn(n, n))
+    launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
+    assert len(launches) == 1 and "_sgemm blocks in (%c16, %c16, %c1)" in launches[0], launches
+    if find_ptxas() is None:
+        pytest.fail("ptxas missing: the dev extra installs nvidia-cuda-nvcc-cu12")
+    log = assemble(part.ir("ptx"), "sm_90").log
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    assert regs and max(regs) <= 128, log  # two blocks per SM (.minnctapersm 2)
+    assert all(int(s) == 0 for s in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_linear_backward_gemms_read_transposes_in_place() -> None:
+    # an MLP step's three GEMM layouts (x @ W^T, dy^T @ x, dy @ W) and a 3-D linear: no
+    # transpose kernel is left, every GEMM is an sgemm
+    x, w, dy = torch.randn(96, 80), torch.randn(72, 80), torch.randn(96, 72)
+    part = _compile_cuda(lambda x, w, dy: (x @ w.t(), dy.t() @ x, dy @ w,
+                                           torch.nn.functional.linear(x.reshape(4, 24, 80), w)), x, w, dy)
+    kernels = re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))
+    assert sorted(set(kernels)) == ["sgemm"], kernels
+
+
+def test_small_output_long_k_splits_k_after_a_fill_kernel() -> None:
+    # a weight gradient dy^T @ x over 4096 tokens: 16 64x64 tiles -> 8 K chunks, atomically added
+    # into C, which a fill kernel zeroes first (the fill is not folded in then)
+    part = _compile_cuda(_FNS["tn"], torch.randn(4096, 256), torch.randn(4096, 256))
+    launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
+    assert len(launches) == 2 and "_loops" in launches[0], launches
+    assert "_sgemm blocks in (%c4, %c4, %c8)" in launches[1], launches
+    assert "atom.global.add.f32" in part.ir("ptx") or "red.global.add.f32" in part.ir("ptx")
+
+
+def test_dynamic_and_integer_matmuls_stay_on_simt_matmul() -> None:
+    part = _compile_cuda(lambda a, b: a @ b, torch.randint(-5, 5, (33, 20)), torch.randint(-5, 5, (20, 17)))
+    assert set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))) == {"matmul"}
+
+
+def test_folded_transposes_match_eager_end_to_end_on_vortex() -> None:
+    # the gpu layer's fold, run: the vortex functional simulator executes the same schedule
+    pytest.importorskip("ziglang")
+    pytest.importorskip("elftools")
+    a, b = torch.randn(12, 10), torch.randn(9, 12)
+    f = Fn(lambda a, b: (a.t() @ b.t(), torch.bmm(a.reshape(2, 6, 10).transpose(1, 2), a.reshape(2, 6, 10))))
+    with torch.no_grad():
+        compiled = gac_torch.compile(f, (a, b), target="vortex",
+                                     options={"vortex_mode": "functional", "cache": False})
+        got, want = compiled(a, b), f(a, b)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    (part,) = compiled.compiled.partitions.values()
+    assert "_loops" not in part.ir("gpu")  # no transpose kernel
+    # a permutation moving the batch dim stays a transpose (batch_matmul keeps batch outermost)
+    f = Fn(lambda a, b: torch.bmm(a.permute(1, 2, 0), b))
+    a, b = torch.randn(5, 3, 4), torch.randn(3, 5, 6)
+    with torch.no_grad():
+        compiled = gac_torch.compile(f, (a, b), target="vortex",
+                                     options={"vortex_mode": "functional", "cache": False, "fallback": False})
+        torch.testing.assert_close(compiled(a, b), f(a, b), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# on the GPU: float64 parity (exact fp32: TF32 off)
+
+
+def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
+    xs = tuple(x.cuda() for x in xs)
+    compiled = gac_torch.compile(Fn(f), xs, target="cuda", options={"allow_tf32": False, "fallback": False})
+    got = compiled(*xs)
+    want = f(*(x.double() for x in xs))
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.isfinite(g).all()
+        err = ((g.double() - w).norm() / w.norm()).item()
+        assert err < tol, err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout,m,n,k", [  # odd sizes, a GEMV, float4 + cp.async, split K
+    ("nn", 1, 77, 300), ("nn", 257, 200, 1001), ("nt", 37, 29, 45), ("nt", 136, 264, 4100),
+    ("tn", 257, 200, 1001), ("tn", 136, 264, 4100), ("tt", 37, 29, 45), ("tt", 1, 77, 300)])
+def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
+    b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)
+    _check_gpu(_FNS[layout], a, b)
+
+
+@pytest.mark.cuda
+def test_mlp_step_gemms_and_batched_linear_match_float64_on_gpu() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, bias, dy = (torch.randn(s, generator=g) for s in ((300, 264), (136, 264), (136,), (300, 136)))
+    _check_gpu(lambda x, w, bias, dy: (torch.nn.functional.gelu(x @ w.t() + bias), dy.t() @ x, dy @ w,
+                                       torch.nn.functional.linear(x.reshape(3, 100, 264), w, bias)),
+               x, w, bias, dy)
+
+
+def test_sm75_stages_through_registers() -> None:
+    # cp.async exists from sm_80 on: older archs stage every operand through registers
+    for arch in ("sm_75", "sm_80"):
+        c = gac_torch.compile(Fn(_FNS["tn"]), (torch.randn(96, 64), torch.randn(96, 80)), target="cuda",
+                              options={"arch": arch, "allow_tf32": False, "fallback": False})
+        (part,) = c.compiled.partitions.values()
+        assert set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))) == {"sgemm"}
+        assert ("cp.async" in part.ir("ptx")) == (arch == "sm_80")
+        if find_ptxas() is not None:
+            assert assemble(part.ir("ptx"), arch).ok
