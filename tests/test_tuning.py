@@ -139,3 +139,23 @@ def test_wgmma_tile_width_is_a_choice_and_a_table_entry_builds_it(cache_dir):
     assert first != second and "smem=" in second[0]
     tuning.save_table("sm_90", {choice.key: "bn256"})
     assert _launches(gac_torch.compile(_Mm(), (a, b), target="cuda", options=opts)) == first
+
+
+def test_conv_tile_size_is_a_choice(cache_dir):
+    """Offline (sm_90): a TF32 3x3 conv offers 128- and 64-wide tiles; forcing the one the
+    heuristic did not pick changes the launch (grid), the heuristic compile does not."""
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1).eval()
+    x = torch.randn(2, 64, 40, 56)
+    opts = {"arch": "sm_90", "cache": False, "allow_tf32": True, "allow_tf32_conv": True}
+
+    def compile_with(force=None):
+        with tuning.session(force=force) as s, torch.no_grad():
+            prog = gac_torch.compile(conv, (x,), target="cuda", options=opts)
+        return _launches(prog), s
+
+    first, s = compile_with()
+    choices = [c for cs in s.kernels.values() for c in cs if c.key.startswith("igemm:")]
+    assert len(choices) == 1 and set(choices[0].candidates) == {"tile128", "tile64"}, s.kernels
+    other = next(c for c in choices[0].candidates if c != choices[0].heuristic)
+    forced, _ = compile_with({choices[0].key: other})
+    assert forced != first and compile_with()[0] == first

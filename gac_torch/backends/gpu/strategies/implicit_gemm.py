@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from mlir import ir
 
+from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import (
     Generic, analyze, contraction_body, fill_before, map_dims, match_contraction,
 )
@@ -185,13 +186,29 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     spec = conv_gemm.Spec(kind, tuple(ms), tuple(ns), tuple(ks), batch, r, a, b, c,  # type: ignore[arg-type]
                           fill is not None)
     dynamic = 0 if os.environ.get("GAC_IGEMM_DYNAMIC_SMEM") == "0" else limits.max_dynamic_shared_bytes  # (bisects)
-    plan = conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, dynamic_limit=dynamic,
-                          simt_cp=params.mma, split_k=not conv)  # (cp.async: sm_80+, as mma.sync)
+    plan = _tuned_plan(spec, limits, dynamic, params.mma, not conv)
     if plan is None:
         return None
     if plan.splits > 1:  # split-K adds into C: the fill runs first as its own kernel
         spec, fill = conv_gemm.Spec(**{**spec.__dict__, "fill": False}), None
     return _Match(g, spec, plan, pads, fill, relayout)
+
+
+def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool, split_k: bool):
+    """The heuristic tiling (128-wide tiles once they fill about a wave), or the other tile size
+    where the GPU measured it faster for this problem (gpu/tuning.py). cp.async needs sm_80+ (as
+    mma.sync); split-K is for plain GEMMs, never convolutions."""
+    def make(big: bool | None) -> conv_gemm.Plan | None:
+        return conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, big=big,
+                              dynamic_limit=dynamic, simt_cp=cp, split_k=split_k)
+
+    plan = make(None)
+    alts = {k: p for k, p in (("tile128", make(True)), ("tile64", make(False))) if p is not None}
+    heuristic = next((k for k, p in alts.items() if p == plan), None)
+    if plan is None or heuristic is None or len(alts) < 2 or alts["tile128"] == alts["tile64"]:
+        return plan
+    key = f"igemm:{spec.kind}:{tuning.problem_key(spec)}"
+    return alts[tuning.choose(key, tuple(alts), heuristic)]
 
 
 def _emit(m: _Match, name: str, params: Params) -> bool:
