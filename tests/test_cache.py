@@ -295,6 +295,35 @@ def test_torch_compile_uses_the_cache_and_reports(cache_on, monkeypatch):
     assert len(gac_torch.reports()) == 1
 
 
+def test_torch_compiler_cache_artifacts_carry_gac_entries(cache_on, monkeypatch, caplog):
+    """torch.compiler.save_cache_artifacts() carries the entries a torch.compile(backend="gac")
+    compile used; load_cache_artifacts() into an empty cache makes the next compile a hit that
+    runs no MLIR stage; a damaged artifact is not installed (a warning, then a plain miss)."""
+    model, x = _model()
+    torch.compiler.reset()
+    with torch.no_grad():
+        cold = torch.compile(model, backend="gac")(x)
+    saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None
+    data, info = saved
+    files = _entries(cache_on)
+    assert len(files) == 1 and info.gac_artifacts == [files[0].stem]
+    entry_bytes = files[0].read_bytes()
+    assert cache.clear() == 1 and not _entries(cache_on)
+    torch.compiler.reset()
+    torch.compiler.load_cache_artifacts(data)
+    assert [p.read_bytes() for p in _entries(cache_on)] == [entry_bytes]
+    with monkeypatch.context() as m:
+        _no_stages(m)
+        with torch.no_grad():
+            assert torch.equal(torch.compile(model, backend="gac")(x), cold)
+    cache.clear()
+    damaged = entry_bytes[:-1] + bytes([entry_bytes[-1] ^ 1])
+    with caplog.at_level(logging.WARNING, logger="gac_torch"):
+        assert not cache.install(files[0].stem, damaged)
+    assert "not installing" in caplog.text and not _entries(cache_on)
+
+
 def test_slow_compile_says_so_once(monkeypatch, capsys):
     from gac_torch.runtime import progress
 
