@@ -7,7 +7,7 @@
 
 `--config` is a BEVFormer preset or `resnet50_body` (the tiny config's ResNet-50 on 6x3x480x800,
 bench_h200's workload). Without a GPU, `--target cuda` compiles for sm_90 up to PTX and runs
-nothing (no outputs compared, no Inductor rows: Inductor needs the device). `--workers N` sets
+nothing (no outputs compared, no load or Inductor rows: they need the device). `--workers N` sets
 GAC_COMPILE_WORKERS (the processes that compile cuda kernels; default: the CPUs).
 
 Rows (each a fresh interpreter, so nothing is shared in memory):
@@ -120,6 +120,8 @@ def main() -> None:
     runs = [r for r in args.rows.split(",") if r]
     if args.skip_inductor or not device:
         runs = [r for r in runs if not r.startswith("inductor")]
+    if not device:  # gac_torch.load needs the target's device
+        runs = [r for r in runs if r != "load"]
     if "load" in runs and "save" not in runs:
         runs.insert(runs.index("load"), "save")
     rows, notes = {}, []

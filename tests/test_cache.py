@@ -337,6 +337,26 @@ def test_slow_compile_says_so_once(monkeypatch, capsys):
     assert err.count("is taking over") == 1 and "partition 1 of 2 (fused_0): stage llvm" in err
 
 
+def test_cuda_offline_hit_is_quiet(cache_on, monkeypatch, caplog):
+    """Compiling for cuda without a GPU twice: the whole-program entry cannot load here (no
+    device), which is no damage: no warning, and every partition is a hit (no MLIR stage)."""
+    from gac_torch.backends import get_target
+    from gac_torch.errors import TargetUnavailable
+
+    def no_gpu():
+        raise TargetUnavailable("no GPU in this test")
+
+    monkeypatch.setattr(get_target("cuda"), "check_available", no_gpu)  # (also on a GPU machine)
+    model, x = _model()
+    opts = {"arch": "sm_90"}
+    with torch.no_grad():
+        cold = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options=opts)
+        _no_stages(monkeypatch)
+        with caplog.at_level(logging.WARNING, logger="gac_torch"):
+            warm = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options=opts)
+    assert caplog.text == "" and warm.ir("ptx") == cold.ir("ptx")
+
+
 @pytest.mark.cuda
 def test_cuda_hit_identical(cache_on, monkeypatch):
     """On the GPU: the warm compile (no MLIR stage) replays the cached PTX + host program."""

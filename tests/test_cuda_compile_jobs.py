@@ -135,3 +135,19 @@ def test_a_failing_kernel_is_a_compile_error_from_the_pool(monkeypatch):
     with pytest.raises(CompileError, match="cuda kernel lowering failed"):
         kernel_jobs.run_jobs([good, good.replace("memref.load", "memref.lod")], LOWER, BINARY)
     assert len(kernel_jobs.run_jobs([good, good], LOWER, BINARY)) == 2  # (the pool itself works)
+
+
+@pytest.mark.cuda
+def test_pooled_kernels_run_like_eager(monkeypatch):
+    """On a GPU: the joined PTX of a pooled compile loads and computes eager's results."""
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
+    torch.manual_seed(0)
+    model = Blocks().eval().double()
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref = model(x).float()
+    model, x = model.float().cuda(), x.float().cuda()
+    with torch.no_grad():
+        compiled = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options={"cache": False})
+        got = compiled(x)
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-4)
