@@ -4,6 +4,7 @@ whole-module compile's kernel for kernel, and ptxas accepts it."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -62,12 +63,14 @@ def _entries(ptx: str) -> dict[str, str]:
     return {kernel_jobs._symbol(c) or c: re.sub(r"\$L__BB\d+_", "$L__BB_", c) for c in code}
 
 
-def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch):
+def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch, caplog):
     jobs: list[int] = []
-    pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
+    with caplog.at_level(logging.DEBUG, logger="gac_torch"):
+        pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
     kernels = re.findall(r"\.entry (\w+)\(", pooled)
     assert len(kernels) == len(set(kernels)) >= 8
     assert len(jobs) == 1 and jobs[0] < len(kernels)  # the repeated blocks compiled once
+    assert f"stage llvm: {jobs[0]} of {jobs[0]} distinct kernels compiled" in caplog.text  # progress
     assert _ptx(monkeypatch, workers=1) == pooled  # in-process: the same text
     whole = _ptx(monkeypatch, workers=1, whole=True)
     assert _entries(whole) == _entries(pooled)
@@ -151,3 +154,17 @@ def test_pooled_kernels_run_like_eager(monkeypatch):
         compiled = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options={"cache": False})
         got = compiled(x)
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_partitions_push_nvtx_ranges(monkeypatch):
+    """On a GPU: each call of a cuda partition is an NVTX range named after it (issue 16)."""
+    pushed: list[str] = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: None)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1)).cuda()
+    model = Blocks().eval().cuda()
+    with torch.no_grad():
+        compiled = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options={"cache": False})
+        compiled(x)
+    assert pushed and all(p.startswith("gac:fused_") for p in pushed)
