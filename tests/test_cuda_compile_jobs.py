@@ -168,3 +168,19 @@ def test_partitions_push_nvtx_ranges(monkeypatch):
         compiled = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options={"cache": False})
         compiled(x)
     assert pushed and all(p.startswith("gac:fused_") for p in pushed)
+
+
+def test_no_worker_process_falls_back_in_process(monkeypatch, caplog):
+    """A worker that cannot start (no python executable) means in-process, with one warning;
+    a GAC_COMPILE_WORKERS that is no number is a clear error."""
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
+    monkeypatch.setattr(kernel_jobs, "_no_pool", [])
+    monkeypatch.setattr(kernel_jobs.sys, "executable", "/nonexistent/python")
+    good = _kernel_text(1.0)
+    with caplog.at_level(logging.WARNING, logger="gac_torch"):
+        out = kernel_jobs.run_jobs([good, _kernel_text(2.0)], LOWER, BINARY)
+    assert len(out) == 2 and ".entry" in out[0][1] and "in-process" in caplog.text
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="GAC_COMPILE_WORKERS"):
+        kernel_jobs.worker_count()

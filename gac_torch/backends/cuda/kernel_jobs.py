@@ -128,8 +128,10 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
 # -- 3. the pool ------------------------------------------------------------------------------
 
 def worker_count() -> int:
-    given = os.environ.get("GAC_COMPILE_WORKERS")
+    given = os.environ.get("GAC_COMPILE_WORKERS", "").strip()
     if given:
+        if not given.isdigit():
+            raise ValueError(f"GAC_COMPILE_WORKERS={given!r}: expected a number of processes (1: in-process)")
         return max(1, int(given))
     try:
         return len(os.sched_getaffinity(0))
@@ -137,9 +139,12 @@ def worker_count() -> int:
         return os.cpu_count() or 1
 
 
+_no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
+
+
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> list[tuple[str, str]]:
     """(llvm, ptx) per text: in-process for a few, else in min(workers, len) worker processes."""
-    n = min(worker_count(), len(texts))
+    n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
         for i, text in enumerate(texts):
@@ -157,8 +162,12 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> lis
     done = [0]
 
     def serve() -> None:
-        proc = subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            proc = subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as e:  # no worker (e.g. an embedded interpreter): in-process, said once
+            errors.append(e)
+            return
         try:
             while not errors:
                 try:
@@ -192,6 +201,10 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> lis
         if on_progress and done[0] != shown:
             shown = done[0]
             on_progress(shown, len(texts))
+    if errors and isinstance(errors[0], OSError):
+        log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
+        _no_pool.append(True)
+        return run_jobs(texts, lower, binary, on_progress)
     if errors:
         raise errors[0]
     return results
