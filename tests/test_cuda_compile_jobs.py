@@ -95,6 +95,9 @@ def test_kernel_cache_skips_compiled_kernels(tmp_path, monkeypatch):
     assert re.findall(r"\.entry (\w+)\(", ptx) == ["k_a", "k_b", "k_c"]
     assert "// kernel k_a (also: k_b)" in kernel_jobs.llvm_text(again)
     assert cache.clear() == 2
+    monkeypatch.setenv("GAC_CACHE_SIZE_MB", "0.000001")  # the bound holds after the batch
+    kernel_jobs.compile_kernels(texts, lower, binary, use_cache=True)
+    assert cache.clear() == 0
 
 
 LOWER = "nvvm-attach-target{chip=sm_90}, gpu.module(convert-gpu-to-nvvm), reconcile-unrealized-casts"

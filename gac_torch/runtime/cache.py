@@ -280,14 +280,16 @@ def load(key: str, quiet: bool = False) -> Entry | None:
 
 
 def store(key: str, entry: Entry, quiet: bool = False) -> None:
-    """Writes atomically (temporary file in the same folder, then rename); never raises."""
+    """Writes atomically (temporary file in the same folder, then rename); never raises.
+    `quiet` (one of many, e.g. a cuda kernel): logged at DEBUG, and the caller evicts once
+    after the batch (each eviction lists the whole cache)."""
     data = pack_entry(key, entry)
-    _write(key, data, logging.DEBUG if quiet else logging.INFO)
+    _write(key, data, logging.DEBUG if quiet else logging.INFO, evict_after=not quiet)
     if not quiet:
         _record(key, data)
 
 
-def _write(key: str, data: bytes, level: int) -> None:
+def _write(key: str, data: bytes, level: int, evict_after: bool = True) -> None:
     path = _path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,7 +302,8 @@ def _write(key: str, data: bytes, level: int) -> None:
             _remove(Path(tmp))
             raise
         log.log(level, "gac cache store %s (%d bytes)", key[:16], len(data))
-        evict(size_limit())
+        if evict_after:
+            evict(size_limit())
     except OSError as e:
         log.warning("gac cache: cannot write %s: %s", path, e)
 

@@ -122,6 +122,8 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
         by_key[key].llvm, by_key[key].ptx = llvm, ptx
         if use_cache:
             cache.store(key, cache.Entry({"ptx": ptx}, {}, {"llvm": llvm}), quiet=True)
+    if use_cache and todo:
+        cache.evict(cache.size_limit())  # once for the batch
     return list(by_key.values())
 
 
