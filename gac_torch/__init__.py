@@ -23,6 +23,7 @@ from gac_torch.runtime import cache  # gac_torch.cache.clear(); GAC_CACHE=0 disa
 from gac_torch.runtime.progress import last_report, register_with_torch, reports
 
 register_with_torch()  # torch._logging.set_logs(gac=logging.INFO); TORCH_LOGS=gac_torch
+cache.register_with_torch_artifacts()  # torch.compiler.save_cache_artifacts() carries gac's entries
 
 __version__ = "0.1.0"
 

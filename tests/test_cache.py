@@ -295,6 +295,35 @@ def test_torch_compile_uses_the_cache_and_reports(cache_on, monkeypatch):
     assert len(gac_torch.reports()) == 1
 
 
+def test_torch_compiler_cache_artifacts_carry_gac_entries(cache_on, monkeypatch, caplog):
+    """torch.compiler.save_cache_artifacts() carries the entries a torch.compile(backend="gac")
+    compile used; load_cache_artifacts() into an empty cache makes the next compile a hit that
+    runs no MLIR stage; a damaged artifact is not installed (a warning, then a plain miss)."""
+    model, x = _model()
+    torch.compiler.reset()
+    with torch.no_grad():
+        cold = torch.compile(model, backend="gac")(x)
+    saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None
+    data, info = saved
+    files = _entries(cache_on)
+    assert len(files) == 1 and info.gac_artifacts == [files[0].stem]
+    entry_bytes = files[0].read_bytes()
+    assert cache.clear() == 1 and not _entries(cache_on)
+    torch.compiler.reset()
+    torch.compiler.load_cache_artifacts(data)
+    assert [p.read_bytes() for p in _entries(cache_on)] == [entry_bytes]
+    with monkeypatch.context() as m:
+        _no_stages(m)
+        with torch.no_grad():
+            assert torch.equal(torch.compile(model, backend="gac")(x), cold)
+    cache.clear()
+    damaged = entry_bytes[:-1] + bytes([entry_bytes[-1] ^ 1])
+    with caplog.at_level(logging.WARNING, logger="gac_torch"):
+        assert not cache.install(files[0].stem, damaged)
+    assert "not installing" in caplog.text and not _entries(cache_on)
+
+
 def test_slow_compile_says_so_once(monkeypatch, capsys):
     from gac_torch.runtime import progress
 
@@ -306,6 +335,26 @@ def test_slow_compile_says_so_once(monkeypatch, capsys):
         time.sleep(0.3)
     err = capsys.readouterr().err
     assert err.count("is taking over") == 1 and "partition 1 of 2 (fused_0): stage llvm" in err
+
+
+def test_cuda_offline_hit_is_quiet(cache_on, monkeypatch, caplog):
+    """Compiling for cuda without a GPU twice: the whole-program entry cannot load here (no
+    device), which is no damage: no warning, and every partition is a hit (no MLIR stage)."""
+    from gac_torch.backends import get_target
+    from gac_torch.errors import TargetUnavailable
+
+    def no_gpu():
+        raise TargetUnavailable("no GPU in this test")
+
+    monkeypatch.setattr(get_target("cuda"), "check_available", no_gpu)  # (also on a GPU machine)
+    model, x = _model()
+    opts = {"arch": "sm_90"}
+    with torch.no_grad():
+        cold = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options=opts)
+        _no_stages(monkeypatch)
+        with caplog.at_level(logging.WARNING, logger="gac_torch"):
+            warm = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options=opts)
+    assert caplog.text == "" and warm.ir("ptx") == cold.ir("ptx")
 
 
 @pytest.mark.cuda

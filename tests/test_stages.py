@@ -114,7 +114,7 @@ def test_gpu_stages_rewrite_the_module_in_place(target) -> None:
                              target=dataclasses.replace(base, stages=stages))
     (linalg, gpu), (_, llvm) = seen[:2]
     assert isinstance(linalg, ir.Module) and gpu.module is linalg
-    if target == "cuda":
-        assert llvm.module is linalg and "gpu.launch_func" not in str(llvm.module)
+    if target == "cuda":  # the kernels are lowered one by one from it (backends/cuda/kernel_jobs.py)
+        assert llvm.kernels and "llvm.func" in llvm.text and "gpu.launch_func" not in llvm.text
     (part,) = compiled.partitions.values()
     assert "gpu.launch_func" in part.stages["gpu"] and "linalg.generic" in part.stages["linalg"]

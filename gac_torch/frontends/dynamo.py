@@ -22,7 +22,7 @@ from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import OptionError, precision_flags, resolve
-from gac_torch.runtime import progress
+from gac_torch.runtime import cache, progress
 
 log = logging.getLogger("gac_torch")
 
@@ -133,7 +133,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     resolve(options, **kw)  # unknown or ill-typed options fail here, before tracing
 
     def compile_now(graph: torch.fx.GraphModule):
-        compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
+        with cache.recording():  # for torch.compiler.save_cache_artifacts()
+            compiled = compile_graph(graph, resolve(options, **kw))  # torch's TF32 flags: now
         compiled_graphs.append(compiled)
         progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
         return _forward_of(compiled.gm)
@@ -173,7 +174,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
         pristine = copy_graph(graph)
-        compiled, reason = compile_once_or_reason(graph, resolve(options, **kw))
+        with cache.recording():  # for torch.compiler.save_cache_artifacts()
+            compiled, reason = compile_once_or_reason(graph, resolve(options, **kw))
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)

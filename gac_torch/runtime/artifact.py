@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gac_torch.backends import get_target
-from gac_torch.errors import GacError
+from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
 from gac_torch.options import Options, resolve
 from gac_torch.runtime import cache
@@ -388,6 +388,9 @@ def cached_program(key: str, options: dict | None = None):
         return None
     try:
         manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]), options=options)
+    except TargetUnavailable as e:  # e.g. cuda compiled to PTX on a machine without a GPU: the
+        log.debug("gac cache: cached program not loaded here: %s", e)  # partitions still hit
+        return None
     except Exception as e:  # noqa: BLE001  (then compiled as if missed)
         log.warning("gac cache: a cached program does not load (%s); recompiling", e)
         return None

@@ -13,10 +13,19 @@ and the platform. An entry is one file, MAGIC | sha256(body) | body, written to 
 and renamed into place (readers see a whole entry or none; several processes may write at once).
 A corrupt, truncated or foreign entry fails its checksum or key check: it is removed and the
 partition recompiled, with a warning.
+
+torch's own persistence: entries used by a torch.compile(backend="gac") compile (hits and
+stores) are recorded with torch.compiler's cache-artifact manager under the type "gac", so
+`torch.compiler.save_cache_artifacts()` carries them and `load_cache_artifacts()` writes them into
+this cache (checked as a read is); gac_torch must be imported before load_cache_artifacts, for
+torch to know the type. Dynamo still traces and AOTAutograd still runs in the new process (torch
+caches those only for Inductor); the MLIR compile is what is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -185,13 +194,74 @@ def _path(key: str) -> Path:
     return cache_dir() / key[:2] / f"{key}{SUFFIX}"
 
 
-def load(key: str) -> Entry | None:
-    """The entry for `key`, or None (a miss). A damaged entry is removed: a miss, with a warning."""
+# -- torch.compiler.save_cache_artifacts / load_cache_artifacts ------------------------------------
+
+ARTIFACT_TYPE = "gac"
+_recording: contextvars.ContextVar[bool] = contextvars.ContextVar("gac_cache_recording", default=False)
+
+
+@contextlib.contextmanager
+def recording():
+    """Entries read or written inside are recorded for torch.compiler.save_cache_artifacts()."""
+    token = _recording.set(True)
+    try:
+        yield
+    finally:
+        _recording.reset(token)
+
+
+def _record(key: str, data: bytes) -> None:
+    if not _recording.get():
+        return
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+
+        CacheArtifactManager.record_artifact(ARTIFACT_TYPE, key, data)
+    except Exception as e:  # noqa: BLE001  (a torch without the manager: nothing to join)
+        log.debug("gac cache: not recorded for torch.compiler: %s", e)
+
+
+def install(key: str, data: bytes) -> bool:
+    """Writes an entry from torch.compiler.load_cache_artifacts() after checking it as `load`
+    would; a damaged one is skipped with a warning."""
+    try:
+        unpack_entry(data, key)
+    except CacheError as e:
+        log.warning("gac cache: not installing artifact %s from torch.compiler (%s)", key[:16], e)
+        return False
+    _write(key, data, logging.INFO)
+    return True
+
+
+def register_with_torch_artifacts() -> None:
+    """Makes "gac" a torch.compiler cache-artifact type (torch.compiler._cache, torch >= 2.7)."""
+    try:
+        from torch.compiler._cache import CacheArtifact, CacheArtifactFactory
+    except ImportError:
+        return
+    if ARTIFACT_TYPE in getattr(CacheArtifactFactory, "_artifact_types", {}):
+        return
+
+    class GacCacheArtifact(CacheArtifact):
+        def populate_cache(self) -> None:
+            install(self.key, self.content)
+
+        @staticmethod
+        def type() -> str:
+            return ARTIFACT_TYPE
+
+    CacheArtifactFactory.register(GacCacheArtifact)
+
+
+def load(key: str, quiet: bool = False) -> Entry | None:
+    """The entry for `key`, or None (a miss). A damaged entry is removed: a miss, with a warning.
+    `quiet`: hits and misses at DEBUG (one per cuda kernel would flood INFO)."""
     path = _path(key)
+    level = logging.DEBUG if quiet else logging.INFO
     try:
         data = path.read_bytes()
     except OSError:
-        log.info("gac cache miss %s", key[:16])
+        log.log(level, "gac cache miss %s", key[:16])
         return None
     try:
         entry = unpack_entry(data, key)
@@ -203,25 +273,37 @@ def load(key: str) -> Entry | None:
         os.utime(path)  # least recently *used* goes first
     except OSError:
         pass
-    log.info("gac cache hit %s", key[:16])
+    log.log(level, "gac cache hit %s", key[:16])
+    if not quiet:
+        _record(key, data)
     return entry
 
 
-def store(key: str, entry: Entry) -> None:
-    """Writes atomically (temporary file in the same folder, then rename); never raises."""
+def store(key: str, entry: Entry, quiet: bool = False) -> None:
+    """Writes atomically (temporary file in the same folder, then rename); never raises.
+    `quiet` (one of many, e.g. a cuda kernel): logged at DEBUG, and the caller evicts once
+    after the batch (each eviction lists the whole cache)."""
+    data = pack_entry(key, entry)
+    _write(key, data, logging.DEBUG if quiet else logging.INFO, evict_after=not quiet)
+    if not quiet:
+        _record(key, data)
+
+
+def _write(key: str, data: bytes, level: int, evict_after: bool = True) -> None:
     path = _path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(pack_entry(key, entry))
+                f.write(data)
             os.replace(tmp, path)
         except BaseException:
             _remove(Path(tmp))
             raise
-        log.info("gac cache store %s (%d bytes)", key[:16], path.stat().st_size)
-        evict(size_limit())
+        log.log(level, "gac cache store %s (%d bytes)", key[:16], len(data))
+        if evict_after:
+            evict(size_limit())
     except OSError as e:
         log.warning("gac cache: cannot write %s: %s", path, e)
 

@@ -4,8 +4,10 @@
           `gpu.module @gac_kernels`); the host function that is left is read into data (launch
           list + buffer plan).
 - "llvm": the gpu.module lowered to the NVVM/LLVM dialect (bare-pointer memref arguments, so a
-          kernel takes one pointer per buffer and bakes static shapes/strides/offsets in).
-- "ptx":  `gpu-module-to-binary{format=isa}` in-process; libdevice is linked for math functions.
+          kernel takes one pointer per buffer and bakes static shapes/strides/offsets in), kernel
+          by kernel, each distinct kernel once, in parallel, through `gpu-module-to-binary` to
+          PTX too (kernel_jobs.py: that is most of a cold compile).
+- "ptx":  the kernels' PTX joined into one module; libdevice is linked for math functions.
 
 Everything here runs without a GPU.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,12 +25,16 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import gpu
 
+from gac_torch.backends.cuda import kernel_jobs
 from gac_torch.backends.gpu import host, tuning
 from gac_torch.errors import CompileError
 from gac_torch.backends.gpu.irutil import run_passes
 from gac_torch.backends.gpu.program import GpuProgram
 from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.runtime import progress
+
+log = logging.getLogger("gac_torch")
 
 
 @dataclass
@@ -42,6 +49,7 @@ class CudaCodegen:
     allow_tf32: bool = False  # f32 matmuls may run on tensor cores in TF32 (the mma strategy's)
     accel_arch: str | None = None  # arch-specific target (sm_90a: wgmma) for kernels needing it
     accel_ptx: str = ""  # its PTX ISA feature
+    cache: bool = False  # keep each kernel's PTX in the on-disk cache (runtime/cache.py)
 
 
 @dataclass
@@ -56,6 +64,24 @@ class GpuStage:
     def text(self) -> str:  # what the driver records for this stage
         described = "\n".join("// " + line for line in self.program.describe().splitlines())
         return f"{described}\n{self.module}"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class KernelsStage:
+    """Artifact of the "llvm" stage when compiled kernel by kernel: each distinct kernel's
+    lowered module and PTX (kernel_jobs.py), and the PTX of all of them joined."""
+
+    program: GpuProgram  # ptx still empty
+    kernels: list[kernel_jobs.KernelResult]
+    ptx: str
+
+    @property
+    def text(self) -> str:
+        described = "\n".join("// " + line for line in self.program.describe().splitlines())
+        return f"{described}\n{kernel_jobs.llvm_text(self.kernels)}"
 
     def __str__(self) -> str:
         return self.text
@@ -89,8 +115,10 @@ def parse_gpu_stage(text: str, options: CudaCodegen) -> GpuStage:
 # stage "llvm"
 
 
-def lower_stage(stage: GpuStage) -> GpuStage:
-    """Lower the kernels to NVVM. The host function is dropped: it is data in `program` now."""
+def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
+    """Lower the kernels to NVVM (and on to PTX, kernel by kernel: KernelsStage; a module
+    kernel_jobs cannot split is lowered whole). The host function is dropped: it is data in
+    `program` now."""
     opts = stage.options
     module = stage.module  # in place: the "gpu" stage's text is recorded already
     with module.context, ir.Location.unknown():
@@ -123,8 +151,7 @@ def lower_stage(stage: GpuStage) -> GpuStage:
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
             if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
                 f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
-        run_passes(
-            module,
+        lower = (
             f"nvvm-attach-target{{chip={chip} features={features} O={opts.opt_level}}}, "
             "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
             # nvgpu: cp.async (implicit-GEMM and flash-attention staging) -> nvvm
@@ -132,6 +159,16 @@ def lower_stage(stage: GpuStage) -> GpuStage:
             # math ops libdevice does not cover (trunc, ...) map to LLVM intrinsics NVPTX selects
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
+        names = list(host.kernel_funcs(module))
+        try:
+            texts = kernel_jobs.split(module, names)
+            kernels = kernel_jobs.compile_kernels(
+                texts, lower, _binary_pipeline(), opts.cache,
+                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"))
+            return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names))
+        except kernel_jobs.NotSplittable as e:
+            log.debug("gac cuda: kernels compiled as one module (%s)", e)
+        run_passes(module, lower)
     return GpuStage(module, stage.program, opts)
 
 
@@ -204,18 +241,24 @@ def find_cuda_toolkit() -> str | None:
     return None
 
 
-def ptx_stage(stage: GpuStage) -> GpuProgram:
+def _binary_pipeline() -> str:
+    toolkit = find_cuda_toolkit()
+    return f"gpu-module-to-binary{{format=isa{f' toolkit={toolkit}' if toolkit else ''}}}"
+
+
+def ptx_stage(stage: GpuStage | KernelsStage) -> GpuProgram:
     program = replace(stage.program)
     if not program.launches:
         program.ptx = ""
         return program
-    module = stage.module  # in place, as in lower_stage
-    toolkit = find_cuda_toolkit()
-    opt = f"format=isa toolkit={toolkit}" if toolkit else "format=isa"
-    with module.context:
-        run_passes(module, f"gpu-module-to-binary{{{opt}}}")
-        binaries = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
-        ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
+    if isinstance(stage, KernelsStage):
+        ptx = stage.ptx
+    else:
+        module = stage.module  # in place, as in lower_stage
+        with module.context:
+            run_passes(module, _binary_pipeline())
+            binaries = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
+            ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
     if ".extern .func __nv_" in ptx:
         raise CompileError("kernels call libdevice math functions but no CUDA toolkit with "
                            "nvvm/libdevice was found: pip install nvidia-cuda-nvcc-cu12 or set "

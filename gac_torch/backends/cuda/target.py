@@ -62,6 +62,7 @@ def compile_options(options: Any) -> Any:
     )
     from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.options import CudaOptions, resolve
+    from gac_torch.runtime import cache
 
     opts = options
     if not isinstance(options, CudaOptions):  # a plain dict (tests, benchmarks): TF32 as given
@@ -92,7 +93,7 @@ def compile_options(options: Any) -> Any:
     )
     accel = ACCEL_ARCH.get(arch)
     return pipeline.CudaCodegen(arch, ARCHS[arch].ptx_isa, OPT_LEVEL, limits, strategies, bool(allow_tf32),
-                                accel, ARCHS[accel].ptx_isa if accel else "")
+                                accel, ARCHS[accel].ptx_isa if accel else "", cache.enabled(opts))
 
 
 def _stages(options: dict) -> list[Stage]:

@@ -1,0 +1,284 @@
+"""The "llvm" and "ptx" stages kernel by kernel: each distinct kernel compiled once, in parallel.
+
+Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial MLIR/LLVM job
+(BEVFormer-tiny: ~80 s of a 2-core machine's 160 s cold compile). Kernels are independent, so:
+  1. split: one module text per kernel, its name replaced by a placeholder, so that kernels
+     that differ only in name (ResNet's repeated blocks) have the same text;
+  2. dedupe: compile each distinct text once (its sha256 is its address); the on-disk cache
+     (runtime/cache.py, `GAC_CACHE`) keeps each kernel's result, so a later compile that shares
+     kernels (another model, an edited graph) skips them too;
+  3. compile the rest in a pool of worker processes (ptx_worker.py; MLIR holds the GIL, so
+     threads would not run in parallel), `GAC_COMPILE_WORKERS` of them (default: the CPUs this
+     process may use), largest first;
+  4. join: one PTX module with every kernel (renamed back), module-level declarations once.
+A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
+whole, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlir import ir
+
+from gac_torch.backends.cuda import ptx_worker
+from gac_torch.errors import CompileError
+
+log = logging.getLogger("gac_torch")
+
+PLACEHOLDER = "__gac_kernel__"  # a kernel's name while compiled: no PTX token contains it
+KEY_FORMAT = 1
+# a worker takes ~0.3 s of CPU to start: a program with less than this much kernel text (a few
+# large kernels) compiles in-process
+MIN_POOL_BYTES = 1_000_000
+
+
+@dataclass
+class KernelResult:
+    names: list[str]  # the kernels sharing this text (first: the one shown in the llvm stage)
+    llvm: str  # the lowered module, placeholder name
+    ptx: str  # placeholder name
+
+    def renamed(self, field: str, name: str) -> str:
+        return getattr(self, field).replace(PLACEHOLDER, name)
+
+
+class NotSplittable(Exception):
+    """The module is compiled whole instead (the reason is logged at DEBUG)."""
+
+
+# -- 1. split ---------------------------------------------------------------------------------
+
+def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
+    """Per kernel name, the text of a module holding just that kernel (as PLACEHOLDER) and the
+    gpu.module's other ops (globals), which the join dedupes."""
+    if set(module.operation.attributes) - {"gpu.container_module"}:
+        raise NotSplittable("module attributes")
+    gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
+    if len(gpu_modules) != 1 or set(gpu_modules[0].attributes) != {"sym_name"}:
+        raise NotSplittable("not one plain gpu.module")
+    gm = gpu_modules[0]
+    name = ir.StringAttr(gm.attributes["sym_name"]).value
+    wanted, kernels, shared = set(kernel_names), {}, []
+    for op in gm.regions[0].blocks[0].operations:
+        op = op.operation
+        sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
+        if sym in wanted:
+            text = op.get_asm(use_local_scope=True)  # (else each print names the whole module)
+            head = f"gpu.func @{sym}("
+            if not text.startswith(head):
+                raise NotSplittable(f"kernel {sym} prints as {text[:40]!r}")
+            kernels[sym] = f"gpu.func @{PLACEHOLDER}(" + text[len(head):]
+        elif op.name != "gpu.module_end":
+            shared.append(op.get_asm(use_local_scope=True))
+    if set(kernels) != wanted:
+        raise NotSplittable("kernels missing from the gpu.module")
+    head = "module attributes {gpu.container_module} {\n  gpu.module @%s {\n" % name
+    prefix = head + "".join(s + "\n" for s in shared)
+    return {k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()}
+
+
+# -- 2. dedupe + cache ------------------------------------------------------------------------
+
+def job_key(text: str, lower: str, binary: str) -> str:
+    from gac_torch.runtime.cache import versions
+
+    data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(text.encode()).hexdigest(),
+            "lower": lower, "binary": binary, "versions": versions()}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
+                    on_progress=None) -> list[KernelResult]:
+    """Every kernel of `texts` compiled (each distinct text once); in the kernels' order."""
+    from gac_torch.runtime import cache
+
+    by_key: dict[str, KernelResult] = {}
+    todo: dict[str, str] = {}  # key -> text
+    for name, text in texts.items():
+        key = job_key(text, lower, binary)
+        if key in by_key:
+            by_key[key].names.append(name)
+            continue
+        entry = cache.load(key, quiet=True) if use_cache else None
+        if entry is not None and "ptx" in entry.meta and "llvm" in entry.stages:
+            by_key[key] = KernelResult([name], entry.stages["llvm"], entry.meta["ptx"])
+        else:
+            by_key[key] = KernelResult([name], "", "")
+            todo[key] = text
+    log.debug("gac cuda: %d kernels, %d distinct, %d to compile", len(texts), len(by_key), len(todo))
+    order = sorted(todo, key=lambda k: -len(todo[k]))  # largest first: the pool ends together
+    for key, (llvm, ptx) in zip(order, run_jobs([todo[k] for k in order], lower, binary, on_progress)):
+        by_key[key].llvm, by_key[key].ptx = llvm, ptx
+        if use_cache:
+            cache.store(key, cache.Entry({"ptx": ptx}, {}, {"llvm": llvm}), quiet=True)
+    if use_cache and todo:
+        cache.evict(cache.size_limit())  # once for the batch
+    return list(by_key.values())
+
+
+# -- 3. the pool ------------------------------------------------------------------------------
+
+def worker_count() -> int:
+    given = os.environ.get("GAC_COMPILE_WORKERS", "").strip()
+    if given:
+        if not given.isdigit():
+            raise ValueError(f"GAC_COMPILE_WORKERS={given!r}: expected a number of processes (1: in-process)")
+        return max(1, int(given))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        return os.cpu_count() or 1
+
+
+_no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
+
+
+def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> list[tuple[str, str]]:
+    """(llvm, ptx) per text: in-process for a few, else in min(workers, len) worker processes."""
+    n = 1 if _no_pool else min(worker_count(), len(texts))
+    results: list = [None] * len(texts)
+    if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
+        for i, text in enumerate(texts):
+            try:
+                results[i] = ptx_worker.compile_kernel(text, lower, binary)
+            except Exception as e:
+                raise CompileError(f"cuda kernel lowering failed: {e}") from e
+            if on_progress:
+                on_progress(i + 1, len(texts))
+        return results
+    jobs: queue.Queue = queue.Queue()
+    for i, text in enumerate(texts):
+        jobs.put(i)
+    errors: list[BaseException] = []
+    done = [0]
+
+    def serve() -> None:
+        try:
+            proc = subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as e:  # no worker (e.g. an embedded interpreter): in-process, said once
+            errors.append(e)
+            return
+        try:
+            while not errors:
+                try:
+                    i = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary})
+                reply = ptx_worker.read_message(proc.stdout)
+                if reply is None:
+                    raise CompileError(f"a cuda compile worker exited (code {proc.poll()})")
+                if "error" in reply:
+                    log.debug("gac cuda worker: %s", reply.get("trace"))
+                    raise CompileError(f"cuda kernel lowering failed: {reply['error']}")
+                results[i] = (reply["llvm"], reply["ptx"])
+                done[0] += 1
+        except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
+            errors.append(e)
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    threads = [threading.Thread(target=serve, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    shown = -1
+    while alive := [t for t in threads if t.is_alive()]:
+        alive[0].join(0.25)
+        if on_progress and done[0] != shown:
+            shown = done[0]
+            on_progress(shown, len(texts))
+    if errors and isinstance(errors[0], OSError):
+        log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
+        _no_pool.append(True)
+        return run_jobs(texts, lower, binary, on_progress)
+    if errors:
+        raise errors[0]
+    return results
+
+
+# -- 4. join ----------------------------------------------------------------------------------
+
+_LABEL = re.compile(r"\$L__BB\d+_")
+_SYMBOL = re.compile(r"^(?:\.\w+(?:\s+\d+)?\s+)*(?:\([^)]*\)\s*)?([A-Za-z_$%][\w$]*)")
+
+
+def _items(ptx: str) -> tuple[str, list[str]]:
+    """(header up to .address_size, the module-level items: declarations and functions, each
+    with the comment lines before it)."""
+    lines = ptx.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith(".address_size")), None)
+    if at is None:
+        raise NotSplittable("PTX without .address_size")
+    items, cur, depth = [], [], 0
+    for line in lines[at + 1:]:
+        if not cur and not line.strip():
+            continue
+        cur.append(line)
+        code = line.split("//", 1)[0]
+        depth += code.count("{") + code.count("(") - code.count("}") - code.count(")")
+        if depth == 0 and code.rstrip().endswith((";", "}")):
+            items.append("\n".join(cur))
+            cur = []
+    if cur and any(line.split("//", 1)[0].strip() for line in cur):
+        raise NotSplittable("PTX item without an end")
+    return "\n".join(lines[:at + 1]), items
+
+
+def _symbol(item: str) -> str | None:
+    for line in item.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            m = _SYMBOL.match(code)
+            return m.group(1) if m else None
+    return None
+
+
+def join_ptx(results: list[KernelResult], order: list[str]) -> str:
+    """One PTX module: the header, then every item of every kernel's PTX (in `order`) once.
+    A definition (a body or an initializer) seen again is dropped when it differs only in its
+    block labels (numbered per function in a module: `$L__BB<function>_<block>`, local to the
+    function); two different definitions of one symbol raise NotSplittable."""
+    of = {name: r for r in results for name in r.names}
+    header, seen, out, owner = None, set(), [], {}
+    for name in order:
+        head, items = _items(of[name].renamed("ptx", name))
+        if header is None:
+            header = head
+        elif head != header:
+            raise NotSplittable("kernels compiled for different PTX targets")
+        for item in items:
+            code = _LABEL.sub("$L__BB_", "\n".join(line.split("//", 1)[0].rstrip() for line in item.splitlines()
+                                                 if line.split("//", 1)[0].strip()))
+            if code in seen:
+                continue
+            sym = _symbol(item)
+            if sym is not None and "{" in code and owner.setdefault(sym, code) != code:
+                raise NotSplittable(f"PTX symbol {sym} defined differently by two kernels")
+            seen.add(code)
+            out.append(item)
+    return (header or "") + "\n\n" + "\n\n".join(out) + "\n"
+
+
+def llvm_text(results: list[KernelResult]) -> str:
+    """The "llvm" stage: each distinct kernel's lowered module once, named by its first kernel."""
+    parts = []
+    for r in results:
+        also = f" (also: {', '.join(r.names[1:])})" if len(r.names) > 1 else ""
+        parts.append(f"// kernel {r.names[0]}{also}\n{r.renamed('llvm', r.names[0])}")
+    return "\n".join(parts)
