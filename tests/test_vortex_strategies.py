@@ -83,6 +83,42 @@ def test_cost_table_choice(mode):
     assert kernels == ["gac_k0_loops"], kernels
 
 
+class ConvBnBlock(torch.nn.Module):
+    """relu(bn1(conv3x3(x)) + bn2(conv1x1(x))): a ResNet block's tail with its downsample branch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.b1 = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        self.c2, self.b2 = torch.nn.Conv2d(4, 8, 1, bias=False), torch.nn.BatchNorm2d(8)
+        for bn in (self.b1, self.b2):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.data.uniform_(0.5, 2)
+            bn.bias.data.uniform_(-1, 1)
+        self.eval()
+
+    def forward(self, x):
+        return torch.relu(self.b1(self.c1(x)) + self.b2(self.c2(x)))
+
+
+def test_gemm_epilogue_fuses_batchnorm_and_residual(mode):
+    """BatchNorm-eval (both branches), the add and the ReLU run in the 1x1 conv's store step:
+    one launch and its intermediate fewer, fewer warp instructions."""
+    x = g(2, 4, 9, 11)
+    fused, cf = run(ConvBnBlock(), [x], mode, gemm_padding=False)
+    plain, cp = run(ConvBnBlock(), [x], mode, gemm_padding=False, gemm_epilogue=False)
+    assert plain[-1].endswith("_loops") and fused[-1].endswith("_gemm"), (fused, plain)
+    assert len(fused) == len(plain) - 1
+    assert cf["instructions"] < cp["instructions"], (cf["instructions"], cp["instructions"])
+
+
+def test_gemm_fused_padding(mode):
+    """The 3x3 conv reads x through guarded loads: no fill and copy kernels before it."""
+    kernels, _ = run(ConvBnBlock(), [g(2, 4, 9, 11)], mode, gemm_padding=True)
+    assert all(k.endswith("_gemm") for k in kernels), kernels
+
+
 def test_batched_matmul_tiled_gemm_gain(mode):
     """q @ k^T over (batch, heads): batch dims in the grid, B transposed in memory."""
     q, k = g(2, 3, 16, 8, seed=1), g(2, 3, 16, 8, seed=2)

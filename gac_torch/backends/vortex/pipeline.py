@@ -40,6 +40,8 @@ class CompileFlags:
 
     divergence: bool = True       # False: no SPLIT/JOIN (wrong on SimX; the tests prove it)
     tiled_gemm: bool = True       # False: matmuls use the scalar `loops` kernel
+    gemm_epilogue: bool = True    # False: a GEMM's elementwise consumers stay their own kernels
+    gemm_padding: bool = True     # False: a GEMM reads a zero-padded input from a padded copy
     warp_reduce: bool = True      # False: reductions use one thread per output (`loops`)
 
 
