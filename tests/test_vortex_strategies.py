@@ -119,6 +119,30 @@ def test_gemm_fused_padding(mode):
     assert all(k.endswith("_gemm") for k in kernels), kernels
 
 
+class BasicBlock(torch.nn.Module):
+    """conv-bn-relu, then a ResNet basic block on its output (padded 3x3 convs whose epilogues
+    add the block's input)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.c0, self.c1, self.c2 = (torch.nn.Conv2d(4, 4, k, padding=k // 2, bias=False) for k in (1, 3, 3))
+        self.b0, self.b1, self.b2 = (torch.nn.BatchNorm2d(4) for _ in range(3))
+        self.eval()
+
+    def forward(self, x):
+        y = torch.relu(self.b0(self.c0(x)))
+        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(y))))) + y)
+
+
+def test_gemm_fused_padding_in_residual_block(mode):
+    """Fused padding and epilogues together (off by default: tiled_gemm.strategy says why).
+    BEVFormer's backbone (benchmarks/vortex_bevformer_parts.py) once failed here when the
+    epilogue's output was checked against the padded copy instead of its source."""
+    kernels, _ = run(BasicBlock(), [g(1, 4, 12, 10)], mode, gemm_padding=True)
+    assert all(k.endswith("_gemm") for k in kernels), kernels
+
+
 def test_batched_matmul_tiled_gemm_gain(mode):
     """q @ k^T over (batch, heads): batch dims in the grid, B transposed in memory."""
     q, k = g(2, 3, 16, 8, seed=1), g(2, 3, 16, 8, seed=2)

@@ -280,7 +280,7 @@ def _load(b: Any, which: str, subs: list[Any], guard: tuple[tuple[int, int], ...
         ok = inside if ok is None else b.and_(ok, inside)
         subs[pos] = b.min_(p, b.const(extent - 1))
     v = b.get(which, subs)
-    return v if ok is None else b.select(ok, v, zero, "f32")
+    return v if ok is None else b.zero_unless(ok, v)
 
 
 def _sub_dims(subs: list[Sub]) -> set[int]:
@@ -332,6 +332,12 @@ class _Text(gemm_epilogue.TextMixin, Text):
 
     def addf(self, x: str, y: str) -> str:
         return self.binop("arith.addf", x, y, "f32")
+
+    def zero_unless(self, ok: str, v: str) -> str:
+        """ok ? v : 0.0 on the bits (an integer load and one czero; a float select would
+        round-trip through the integer registers)."""
+        bits = self.cast("arith.bitcast", v, "f32", "i32")
+        return self.cast("arith.bitcast", self.select(ok, bits, self.const(0, "i32"), "i32"), "i32", "f32")
 
     def true(self) -> str:
         if ("true", "i1") not in self.consts:
@@ -394,6 +400,9 @@ class _Numpy(gemm_epilogue.NumpyMixin, Numpy):
 
     def true(self) -> np.ndarray:
         return np.ones(self.T, dtype=bool)
+
+    def zero_unless(self, ok: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return np.where(ok, v, np.float32(0)).astype(np.float32)
 
     # index compares and minimums are unsigned, as the text's (a padding's negative subscripts)
     def lt(self, x: Any, y: Any) -> np.ndarray:

@@ -41,7 +41,7 @@ class CompileFlags:
     divergence: bool = True       # False: no SPLIT/JOIN (wrong on SimX; the tests prove it)
     tiled_gemm: bool = True       # False: matmuls use the scalar `loops` kernel
     gemm_epilogue: bool = True    # False: a GEMM's elementwise consumers stay their own kernels
-    gemm_padding: bool = True     # False: a GEMM reads a zero-padded input from a padded copy
+    gemm_padding: bool = False    # True: a GEMM reads a zero padding's source through guards
     warp_reduce: bool = True      # False: reductions use one thread per output (`loops`)
 
 
