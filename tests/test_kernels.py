@@ -263,3 +263,14 @@ def test_vortex_gemm_epilogue_emulated_on_cpu(space: bool) -> None:
     ref = np.maximum(A @ B + b, 0)
     assert np.abs(got - ref).max() < 1e-4
     ir.Module.parse(vg.gemm_template(s, t, True, ep), ir.Context())
+
+
+@pytest.mark.parametrize("n,per", [(1000, 1), (4100, 16), (512, 2)])
+def test_vortex_fill_emulated_on_cpu(n: int, per: int) -> None:
+    """Every element set once, nothing past n touched (the last CTA overhangs or not)."""
+    from gac_torch.kernels import vortex_fill as vf
+
+    buf = np.full(n, np.nan, np.float32)
+    out = vf.emulate(n, per, 16, -np.inf, buf)
+    assert (out == -np.inf).all()
+    ir.Module.parse(vf.fill_template(n, per, 16, f"memref<{n}xf32>", "f32"), ir.Context())

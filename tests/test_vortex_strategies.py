@@ -143,6 +143,17 @@ def test_gemm_fused_padding_in_residual_block(mode):
     assert all(k.endswith("_gemm") for k in kernels), kernels
 
 
+def test_flat_fill_gain(mode):
+    """max_pool2d's -inf padding: a flat fill kernel instead of a `loops` one (no index
+    decomposition per element)."""
+    fn = Fn(lambda a: torch.nn.functional.max_pool2d(a, 3, 2, 1))
+    x = g(2, 4, 30, 34)
+    flat, cf = run(fn, [x], mode)
+    plain, cp = run(fn, [x], mode, flat_fill=False)
+    assert flat[0].endswith("_fill") and plain[0].endswith("_loops"), (flat, plain)
+    assert cf["kernels"][0]["instructions"] * 2 < cp["kernels"][0]["instructions"], (cf["kernels"][0], cp["kernels"][0])
+
+
 def test_batched_matmul_tiled_gemm_gain(mode):
     """q @ k^T over (batch, heads): batch dims in the grid, B transposed in memory."""
     q, k = g(2, 3, 16, 8, seed=1), g(2, 3, 16, 8, seed=2)

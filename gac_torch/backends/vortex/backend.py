@@ -76,7 +76,7 @@ def compile_flags(**changes: bool) -> Iterator[None]:
 
 
 def _stages(options: dict) -> list[Stage]:
-    from gac_torch.backends.gpu.strategies import implicit_gemm, tiled_gemm, warp_reduce
+    from gac_torch.backends.gpu.strategies import flat_fill, implicit_gemm, tiled_gemm, warp_reduce
     from gac_torch.backends.vortex import pipeline, runtime
 
     flags = _flags or pipeline.CompileFlags()
@@ -89,6 +89,8 @@ def _stages(options: dict) -> list[Stage]:
                    tiled_gemm.strategy(threads=gemm_threads, costs=costs, epilogue=flags.gemm_epilogue,
                                        padding=flags.gemm_padding))
                   if flags.tiled_gemm else ())
+    if flags.flat_fill:
+        strategies += (flat_fill.strategy(),)
     if flags.warp_reduce:
         strategies += (warp_reduce.strategy(device_threads, limits.max_threads_per_block),)
     return [

@@ -43,6 +43,7 @@ class CompileFlags:
     gemm_epilogue: bool = True    # False: a GEMM's elementwise consumers stay their own kernels
     gemm_padding: bool = False    # True: a GEMM reads a zero padding's source through guards
     warp_reduce: bool = True      # False: reductions use one thread per output (`loops`)
+    flat_fill: bool = True        # False: fills of dense buffers are `loops` kernels
 
 
 @dataclass

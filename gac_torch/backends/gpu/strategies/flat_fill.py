@@ -1,0 +1,68 @@
+"""`fill` (vortex): a generic that sets every element of a dense buffer to one scalar (a zero
+padding's fill, a max-pool's -inf) -> gac_torch.kernels.vortex_fill, a flat store loop. A fill
+right before an op writing the same buffer is left alone (that op folds it in: a GEMM's
+`fill_before`, the `loops` kernel's absorbed fill)."""
+
+from __future__ import annotations
+
+from mlir import ir
+
+from gac_torch.backends.gpu.analysis import Generic, map_dims
+from gac_torch.backends.gpu.irutil import block_ops, defining_op, static_memref
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.kernels import vortex_fill
+
+
+def _dense(t: ir.MemRefType) -> bool:
+    strides, offset = t.get_strides_and_offset()
+    step = 1
+    for n, s in zip(reversed(t.shape), reversed(strides)):
+        if n != 1 and s != step:
+            return False
+        step *= n
+    return offset == 0
+
+
+def _fill_value(g: Generic) -> ir.Value | None:
+    """The scalar a fill generic yields (a constant or a value from outside), else None."""
+    if len(g.outputs) != 1 or g.inputs or "reduction" in g.iters or g.dynamic:
+        return None
+    ops = block_ops(g.body)
+    if len(ops) != 1 or map_dims(g.maps[-1]) != list(range(len(g.iters))):
+        return None
+    v = ops[0].operands[0]
+    if isinstance(v.owner, ir.Block) and v.owner == g.body:
+        return None
+    d = defining_op(v)
+    return v if d is None or d.block != g.body else None
+
+
+def strategy() -> Strategy:
+    def match(g: Generic, limits: GpuLimits):
+        out = g.outputs[0] if len(g.outputs) == 1 else None
+        if out is None or not static_memref(out.type) or not _dense(ir.MemRefType(out.type)):
+            return None
+        value = _fill_value(g)
+        if value is None:
+            return None
+        ops = block_ops(g.op.block)
+        nxt = ops[ops.index(g.op) + 1] if ops.index(g.op) + 1 < len(ops) else None
+        if nxt is not None and nxt.name == "linalg.generic" and out in list(nxt.operands):
+            return None   # the next op folds the fill in
+        return g, value
+
+    def emit(m, name: str, limits: GpuLimits) -> bool:
+        g, value = m
+        t = ir.MemRefType(g.outputs[0].type)
+        n = 1
+        for s in t.shape:
+            n *= s
+        threads = limits.threads_per_block
+        per = limits.coarsen if n >= limits.coarsen_min_points else 1
+        elem = str(t.element_type)
+        splice_template(vortex_fill.fill_template(n, per, threads, str(t), elem), g.op, [g.outputs[0]],
+                        value, elem, name)
+        g.op.erase()
+        return True
+
+    return Strategy("fill", match, emit)
