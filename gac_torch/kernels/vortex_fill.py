@@ -1,9 +1,18 @@
-"""Flat fill for Vortex: P[i] = value over a dense buffer of n elements (a padding's zeros, a
-max-pool's -inf), instead of a `loops` kernel that rebuilds every multi-dim index with
-divisions. One CTA of T threads writes `per` rounds of T consecutive elements:
+"""Flat fill and row copy for Vortex: the two data-movement kernels of a zero padding (fill the
+padded buffer, copy the source into its interior), instead of `loops` kernels that rebuild
+every multi-dim index with divisions per element.
+
+Fill, P[i] = value over a dense buffer of n elements; one CTA of T threads writes `per` rounds
+of T consecutive elements:
 
   1. locate  i0 = block * per * T + thread
   2. store   for r < per: i = i0 + r * T; P[i] = value where i < n (the last CTA overhangs)
+
+Row copy, Y[o, w] = X[o, w] (o: the outer dims, w: the innermost; any strides); a CTA copies
+`rows` rows, its threads walking each row's w:
+
+  1. locate  for q < rows: r = block * rows + q (r < R), o = r delinearised (once per row)
+  2. copy    for w = thread, thread + T, ... < W: Y[o, w] = X[o, w]
 
 Written against gac_torch.kernels.builder: `fill_template` is MLIR text, a `func.func
 @tmpl(%P, %init)` holding one gpu.launch (backends/gpu/strategy.splice_template's form);
@@ -72,3 +81,43 @@ def emulate(n: int, per: int, threads: int, value: float, buf: np.ndarray) -> np
     for block in range(grid(n, per, threads)):
         _kernel(_Numpy(threads, block, out, value), n, per, threads)
     return out
+
+
+def copy_template(outer: tuple[int, ...], width: int, rows: int, threads: int, x_type: str, y_type: str,
+                  elem: str) -> str:
+    """MLIR text of the row copy `@tmpl(%X, %Y, %init)` (%init unused) over memrefs of shape
+    outer + (width,)."""
+    from gac_torch.kernels.builder import delinearize
+
+    R = 1
+    for n in outer:
+        R *= n
+    grid_x = -(-R // rows)
+    b = _Text("")
+    b.types = {"X": x_type, "Y": y_type}
+    q = b.val("%q")
+    r = b.bid(0) * rows + q                                                       # 1
+    row_ok = b.lt(r, b.const(R)) if R % rows else None
+    pre = list(b.lines)
+    del b.lines[:]
+    mark = 0
+    idx = delinearize(b, r, [n if n == 1 else b.const(n) for n in outer]) if outer else []
+    for j in range(-(-width // threads)):                                         # 2
+        w = b.tid() + j * threads if j else b.tid()
+
+        def move(w=w) -> None:
+            b.put("Y", [*idx, w], b.get("X", [*idx, w]))
+        if (j + 1) * threads > width:
+            b.when(b.lt(w, b.const(width)), move)
+        else:
+            move()
+    body = b.lines[mark:]
+    del b.lines[mark:]
+    lines = [f"scf.for %q = {b.const(0)} to {b.const(rows)} step {b.const(1)} {{", *pre]
+    lines += ([f"scf.if {row_ok} {{", *body, "}"] if row_ok is not None else body) + ["}"]
+    head = [f"func.func @tmpl(%X: {x_type}, %Y: {y_type}, %init: {elem}) {{",
+            "%one = arith.constant 1 : index", f"%gx = arith.constant {grid_x} : index",
+            f"%nt = arith.constant {threads} : index",
+            "gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %one, %sgz = %one) "
+            "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) {"]
+    return "\n".join(head + b.const_lines + lines + ["gpu.terminator", "}", "return", "}"])

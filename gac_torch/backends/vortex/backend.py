@@ -89,8 +89,8 @@ def _stages(options: dict) -> list[Stage]:
                    tiled_gemm.strategy(threads=gemm_threads, costs=costs, epilogue=flags.gemm_epilogue,
                                        padding=flags.gemm_padding))
                   if flags.tiled_gemm else ())
-    if flags.flat_fill:
-        strategies += (flat_fill.strategy(),)
+    if flags.flat_fill and not flags.gemm_padding:   # (they would take the padding's fill and copy
+        strategies += (flat_fill.strategy(), flat_fill.copy_strategy())   # before the GEMM sees them)
     if flags.warp_reduce:
         strategies += (warp_reduce.strategy(device_threads, limits.max_threads_per_block),)
     return [

@@ -1,7 +1,9 @@
-"""`fill` (vortex): a generic that sets every element of a dense buffer to one scalar (a zero
-padding's fill, a max-pool's -inf) -> gac_torch.kernels.vortex_fill, a flat store loop. A fill
-right before an op writing the same buffer is left alone (that op folds it in: a GEMM's
-`fill_before`, the `loops` kernel's absorbed fill)."""
+"""`fill` and `copy` (vortex), the data movement of a zero padding, on gac_torch.kernels.vortex_fill:
+- `fill`: a generic that sets every element of a dense buffer to one scalar (a padding's zeros,
+  a max-pool's -inf) -> a flat store loop. A fill right before an op writing the same buffer is
+  left alone (that op folds it in: a GEMM's `fill_before`, the `loops` kernel's absorbed fill).
+- `copy`: an identity copy between two static buffers of any strides (a source into a padded
+  buffer's interior) -> a row copy: the outer index decomposed once per row, not per element."""
 
 from __future__ import annotations
 
@@ -66,3 +68,40 @@ def strategy() -> Strategy:
         return True
 
     return Strategy("fill", match, emit)
+
+
+def copy_strategy() -> Strategy:
+    def match(g: Generic, limits: GpuLimits):
+        if len(g.inputs) != 1 or len(g.outputs) != 1 or g.dynamic or "reduction" in g.iters:
+            return None
+        x, y = g.inputs[0], g.outputs[0]
+        if not all(isinstance(v.type, ir.MemRefType) and static_memref(v.type) for v in (x, y)):
+            return None
+        ident = list(range(len(g.iters)))
+        ops = block_ops(g.body)
+        if (any(map_dims(m) != ident for m in g.maps) or len(ops) != 1
+                or ops[0].operands[0] != g.body.arguments[0] or not g.iters):
+            return None
+        if x.type.element_type != y.type.element_type:  # type: ignore[attr-defined]
+            return None
+        return g
+
+    def emit(g: Generic, name: str, limits: GpuLimits) -> bool:
+        x, y = g.inputs[0], g.outputs[0]
+        shape = list(ir.MemRefType(y.type).shape)
+        outer, width = tuple(shape[:-1]), shape[-1]
+        rows_total = 1
+        for n in outer:
+            rows_total *= n
+        threads = limits.threads_per_block
+        # about `coarsen` elements per thread once the copy is large (CTA start-up amortised)
+        per_row = -(-width // threads)
+        big = rows_total * width >= limits.coarsen_min_points
+        rows = max(1, min(rows_total, limits.coarsen // per_row)) if big else 1
+        elem = str(ir.MemRefType(y.type).element_type)
+        text = vortex_fill.copy_template(outer, width, rows, threads, str(x.type), str(y.type), elem)
+        splice_template(text, g.op, [x, y], None, elem, name)
+        g.op.erase()
+        return True
+
+    return Strategy("copy", match, emit)
