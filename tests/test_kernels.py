@@ -193,43 +193,27 @@ def test_vortex_gemm_emulated_on_cpu(M, N, K, b_t, batch, fill) -> None:
     ir.Module.parse(vg.gemm_template(s, t, fill), ir.Context())
 
 
-def test_vortex_gemm_conv_subscripts_emulated_on_cpu() -> None:
-    """Implicit GEMM: out[n, f, oh, ow] += x[n, c, 2 oh + kh, 2 ow + kw] * w[f, c, kh, kw], A = w
-    (rows f), B = x (columns n, oh, ow: linear subscripts), K over (c, kh, kw) = 27 (overhangs)."""
+@pytest.mark.parametrize("pad,direct", [(0, False), (1, False), (1, True)])
+def test_vortex_gemm_conv_subscripts_emulated_on_cpu(pad: int, direct: bool) -> None:
+    """Implicit GEMM: out[n, f, oh, ow] += x[n, c, 2 oh + kh - pad, 2 ow + kw - pad] * w[f, c, kh, kw],
+    A = w (rows f), B = x (columns n, oh, ow: linear subscripts), K over (c, kh, kw) = 27
+    (overhangs). A padding is read through guarded loads: 0 outside x (negative subscripts
+    too: unsigned compares), staged and direct tiles."""
     n, f, oh, ow, c, kh, kw = range(7)
     N, F, OH, OW, C, KH, KW = 2, 5, 4, 3, 3, 3, 3
-    H, W = 2 * OH + KH - 2, 2 * OW + KW - 2
+    H, W = 2 * OH + KH - 2 - 2 * pad, 2 * OW + KW - 2 - 2 * pad
     a_dims, c_dims = (f, c, kh, kw), (n, f, oh, ow)
-    b_dims = (n, c, ((oh, 2), (kh, 1)), ((ow, 2), (kw, 1)))
+    shift = ((None, -pad),) if pad else ()
+    b_dims = (n, c, ((oh, 2), (kh, 1), *shift), ((ow, 2), (kw, 1), *shift))
     s = vg.GemmShape((f,), (F,), (n, oh, ow), (N, OH, OW), (c, kh, kw), (C, KH, KW), (), (),
                      a_dims, b_dims, c_dims, f"memref<{F}x{C}x{KH}x{KW}xf32>",
-                     f"memref<{N}x{C}x{H}x{W}xf32>", f"memref<{N}x{F}x{OH}x{OW}xf32>")
-    t = vg.choose_tiling(s.M, s.N, s.K)
+                     f"memref<{N}x{C}x{H}x{W}xf32>", f"memref<{N}x{F}x{OH}x{OW}xf32>",
+                     b_guard=((2, H), (3, W)) if pad else ())
+    t = vg.choose_tiling(s.M, s.N, s.K, direct=direct)
     rng = np.random.default_rng(7)
     w, x = rng.standard_normal((F, C, KH, KW)).astype(np.float32), rng.standard_normal((N, C, H, W)).astype(np.float32)
     got = vg.emulate(s, t, w, x, np.zeros((N, F, OH, OW), np.float32), init=0.0)
-    patches = np.stack([[x[:, :, i:i + 2 * OH - 1:2, j:j + 2 * OW - 1:2] for j in range(KW)] for i in range(KH)])
-    ref = np.einsum("fcij,ijncyx->nfyx", w.astype(np.float64), patches.astype(np.float64))
-    assert np.abs(got - ref).max() < 1e-4
-    ir.Module.parse(vg.gemm_template(s, t, True), ir.Context())
-
-
-@pytest.mark.parametrize("direct", [False, True])
-def test_vortex_gemm_fused_padding_emulated_on_cpu(direct: bool) -> None:
-    """A zero padding read through guarded loads: x[n, c, 2 oh + kh - 1, 2 ow + kw - 1] is 0
-    outside x (negative subscripts too: unsigned compares), staged and direct tiles."""
-    n, f, oh, ow, c, kh, kw = range(7)
-    N, F, OH, OW, C, KH, KW, H, W = 2, 5, 4, 5, 3, 3, 3, 7, 9
-    a_dims, c_dims = (f, c, kh, kw), (n, f, oh, ow)
-    b_dims = (n, c, ((oh, 2), (kh, 1), (None, -1)), ((ow, 2), (kw, 1), (None, -1)))
-    s = vg.GemmShape((f,), (F,), (n, oh, ow), (N, OH, OW), (c, kh, kw), (C, KH, KW), (), (),
-                     a_dims, b_dims, c_dims, f"memref<{F}x{C}x{KH}x{KW}xf32>",
-                     f"memref<{N}x{C}x{H}x{W}xf32>", f"memref<{N}x{F}x{OH}x{OW}xf32>", b_guard=((2, H), (3, W)))
-    t = vg.choose_tiling(s.M, s.N, s.K, direct=direct)
-    rng = np.random.default_rng(8)
-    w, x = rng.standard_normal((F, C, KH, KW)).astype(np.float32), rng.standard_normal((N, C, H, W)).astype(np.float32)
-    got = vg.emulate(s, t, w, x, np.zeros((N, F, OH, OW), np.float32), init=0.0)
-    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
     patches = np.stack([[xp[:, :, i:i + 2 * OH - 1:2, j:j + 2 * OW - 1:2] for j in range(KW)] for i in range(KH)])
     ref = np.einsum("fcij,ijncyx->nfyx", w.astype(np.float64), patches.astype(np.float64))
     assert np.abs(got - ref).max() < 1e-4
