@@ -153,6 +153,8 @@ def test_padding_fill_and_copy_gain(mode):
     assert flat[:2] == ["gac_k0_fill", "gac_k1_copy"] and plain[0].endswith("_loops"), (flat, plain)
     for k in (0, 1):
         assert cf["kernels"][k]["instructions"] * 2 < cp["kernels"][k]["instructions"], (k, cf["kernels"][k], cp["kernels"][k])
+    short, _ = run(fn, [g(2, 4, 6, 10)], mode)   # rows of 10 < a CTA's 16 threads: `loops` copy
+    assert short[:2] == ["gac_k0_fill", "gac_k1_loops"], short
 
 
 def test_batched_matmul_tiled_gemm_gain(mode):
