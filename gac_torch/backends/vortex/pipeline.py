@@ -1,7 +1,8 @@
 """The vortex target's stages: linalg -> "gpu" -> "llvm" -> "vxbin".
 
 - "gpu":   backends/gpu with Vortex's strategies (one kernel per linalg op; the tiled GEMM for
-           matmuls and convolutions where the cost table says it pays, a warp per output for
+           matmuls and convolutions where the cost table says it pays, with the elementwise
+           consumers in its store step; flat fills and row copies; a warp per output for
            reductions with fewer outputs than hardware threads (shuffles, never gpu.all_reduce),
            else `loops`); the host function left over is read into data (launch list + static
            buffer plan).
