@@ -1,11 +1,13 @@
 """BEVFormer test_tiny frame 0 on the vortex target, counters per model part.
 
     VORTEX_HOME=/path/to/vortex/install python benchmarks/vortex_bevformer_parts.py [--mode simx]
+        [--config device] [--parts backbone,whole]
 
 Each part (backbone, neck, encoder, decoder, heads) is exported on the inputs it receives in an
 eager frame and compiled on its own; "whole model" is the full graph (its remainder over the sum
 of the parts: can-bus MLP, BEV positions, shift, prev_bev rotation and the glue between parts).
 Every output is compared with eager (rtol = atol = 2e-4, as tests/test_vortex_target.py).
+`--config` is option `vortex_config` ("device": what the SimX build reports, e.g. 4 cores).
 Prints one markdown table (rows: part; launches, warp instructions, SimX cycles or -).
 """
 
@@ -44,11 +46,11 @@ class Part(torch.nn.Module):
         return self.mod(*args, **kwargs)
 
 
-def measure(module: torch.nn.Module, inputs: tuple, mode: str) -> dict:
+def measure(module: torch.nn.Module, inputs: tuple, mode: str, config: str | None = None) -> dict:
     with torch.no_grad():
         start = time.perf_counter()
         compiled = gac_torch.compile(torch.export.export(module, inputs), target="vortex",
-                                     options={"vortex_mode": mode})
+                                     options={"vortex_mode": mode, "vortex_config": config})
         got, want = compiled(*inputs), module(*inputs)
     for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
@@ -61,6 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="functional", choices=("functional", "simx"))
     p.add_argument("--parts", default=",".join(PARTS + ("whole",)))
+    p.add_argument("--config", default=None, help="option vortex_config: CxWxT or device")
     args = p.parse_args()
     model = build_bevformer("test_tiny", seed=0)
     frame = tuple(make_test_inputs(model.cfg, frame=0))
@@ -74,10 +77,10 @@ def main() -> None:
     rows = {}
     for name in args.parts.split(","):
         if name == "whole":
-            rows[name] = measure(model, frame, args.mode)
+            rows[name] = measure(model, frame, args.mode, args.config)
         else:
             part = Part(getattr(model, name), *seen[name])
-            rows[name] = measure(part, part.inputs, args.mode)
+            rows[name] = measure(part, part.inputs, args.mode, args.config)
         print(name, rows[name], flush=True)
     print("\n| part | launches | warp instructions | SimX cycles |\n|---|---|---|---|")
     for name, r in rows.items():

@@ -193,22 +193,68 @@ def test_vortex_gemm_emulated_on_cpu(M, N, K, b_t, batch, fill) -> None:
     ir.Module.parse(vg.gemm_template(s, t, fill), ir.Context())
 
 
-def test_vortex_gemm_conv_subscripts_emulated_on_cpu() -> None:
-    """Implicit GEMM: out[n, f, oh, ow] += x[n, c, 2 oh + kh, 2 ow + kw] * w[f, c, kh, kw], A = w
-    (rows f), B = x (columns n, oh, ow: linear subscripts), K over (c, kh, kw) = 27 (overhangs)."""
+@pytest.mark.parametrize("pad,direct", [(0, False), (1, False), (1, True)])
+def test_vortex_gemm_conv_subscripts_emulated_on_cpu(pad: int, direct: bool) -> None:
+    """Implicit GEMM: out[n, f, oh, ow] += x[n, c, 2 oh + kh - pad, 2 ow + kw - pad] * w[f, c, kh, kw],
+    A = w (rows f), B = x (columns n, oh, ow: linear subscripts), K over (c, kh, kw) = 27
+    (overhangs). A padding is read through guarded loads: 0 outside x (negative subscripts
+    too: unsigned compares), staged and direct tiles."""
     n, f, oh, ow, c, kh, kw = range(7)
     N, F, OH, OW, C, KH, KW = 2, 5, 4, 3, 3, 3, 3
-    H, W = 2 * OH + KH - 2, 2 * OW + KW - 2
+    H, W = 2 * OH + KH - 2 - 2 * pad, 2 * OW + KW - 2 - 2 * pad
     a_dims, c_dims = (f, c, kh, kw), (n, f, oh, ow)
-    b_dims = (n, c, ((oh, 2), (kh, 1)), ((ow, 2), (kw, 1)))
+    shift = ((None, -pad),) if pad else ()
+    b_dims = (n, c, ((oh, 2), (kh, 1), *shift), ((ow, 2), (kw, 1), *shift))
     s = vg.GemmShape((f,), (F,), (n, oh, ow), (N, OH, OW), (c, kh, kw), (C, KH, KW), (), (),
                      a_dims, b_dims, c_dims, f"memref<{F}x{C}x{KH}x{KW}xf32>",
-                     f"memref<{N}x{C}x{H}x{W}xf32>", f"memref<{N}x{F}x{OH}x{OW}xf32>")
-    t = vg.choose_tiling(s.M, s.N, s.K)
+                     f"memref<{N}x{C}x{H}x{W}xf32>", f"memref<{N}x{F}x{OH}x{OW}xf32>",
+                     b_guard=((2, H), (3, W)) if pad else ())
+    t = vg.choose_tiling(s.M, s.N, s.K, direct=direct)
     rng = np.random.default_rng(7)
     w, x = rng.standard_normal((F, C, KH, KW)).astype(np.float32), rng.standard_normal((N, C, H, W)).astype(np.float32)
     got = vg.emulate(s, t, w, x, np.zeros((N, F, OH, OW), np.float32), init=0.0)
-    patches = np.stack([[x[:, :, i:i + 2 * OH - 1:2, j:j + 2 * OW - 1:2] for j in range(KW)] for i in range(KH)])
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    patches = np.stack([[xp[:, :, i:i + 2 * OH - 1:2, j:j + 2 * OW - 1:2] for j in range(KW)] for i in range(KH)])
     ref = np.einsum("fcij,ijncyx->nfyx", w.astype(np.float64), patches.astype(np.float64))
     assert np.abs(got - ref).max() < 1e-4
     ir.Module.parse(vg.gemm_template(s, t, True), ir.Context())
+
+
+@pytest.mark.parametrize("space", [False, True])
+def test_vortex_gemm_epilogue_emulated_on_cpu(space: bool) -> None:
+    """Z = relu(A @ B + bias[n]) in the store step, its operands over the GEMM's own dims or
+    over Z's shape (the flat index delinearised); tiles overhang M and N (guarded stores)."""
+    from gac_torch.kernels.conv_gemm import operand
+    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+
+    M, N, K = 13, 10, 7
+    f = "f32"
+    s = vg.GemmShape((0,), (M,), (1,), (N,), (2,), (K,), (), (), (0, 2), (2, 1), (0, 1),
+                     f"memref<{M}x{K}xf32>", f"memref<{K}x{N}xf32>", f"memref<{M}x{N}xf32>")
+    dims = 2 if space else 3
+    bias = operand(f"memref<{N}xf32>", f, (N,), (1,), 0, [({1: 1}, 0)], dims)
+    z = operand(f"memref<{M}x{N}xf32>", f, (M, N), (N, 1), 0, [({0: 1}, 0), ({1: 1}, 0)], dims)
+    at = (M, N) if space else None
+    ops = (EOp("arith.addf", (("arg", 0), ("arg", 1)), "", (f, f), f),
+           EOp("arith.maximumf", (("op", 0), ("const", "0.000000e+00", f)), "", (f, f), f))
+    ep = vg.Fused(Epilogue((None, (bias, at)), (z, at), ops, ("op", 1)),
+                  operand(f"memref<{M}x{N}xf32>", f, (M, N), (N, 1), 0, [({0: 1}, 0), ({1: 1}, 0)], 3))
+    rng = np.random.default_rng(9)
+    A, B, b = rng.standard_normal((M, K)), rng.standard_normal((K, N)), rng.standard_normal(N)
+    t = vg.choose_tiling(M, N, K)
+    got = vg.emulate(s, t, A, B, np.zeros((M, N)), init=0.0, ep=ep,
+                     extra={"E1": b, "Z": np.full((M, N), np.nan)})
+    ref = np.maximum(A @ B + b, 0)
+    assert np.abs(got - ref).max() < 1e-4
+    ir.Module.parse(vg.gemm_template(s, t, True, ep), ir.Context())
+
+
+@pytest.mark.parametrize("n,per", [(1000, 1), (4100, 16), (512, 2)])
+def test_vortex_fill_emulated_on_cpu(n: int, per: int) -> None:
+    """Every element set once, nothing past n touched (the last CTA overhangs or not)."""
+    from gac_torch.kernels import vortex_fill as vf
+
+    buf = np.full(n, np.nan, np.float32)
+    out = vf.emulate(n, per, 16, -np.inf, buf)
+    assert (out == -np.inf).all()
+    ir.Module.parse(vf.fill_template(n, per, 16, f"memref<{n}xf32>", "f32"), ir.Context())

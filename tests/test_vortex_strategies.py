@@ -83,6 +83,80 @@ def test_cost_table_choice(mode):
     assert kernels == ["gac_k0_loops"], kernels
 
 
+class ConvBnBlock(torch.nn.Module):
+    """relu(bn1(conv3x3(x)) + bn2(conv1x1(x))): a ResNet block's tail with its downsample branch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.b1 = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8)
+        self.c2, self.b2 = torch.nn.Conv2d(4, 8, 1, bias=False), torch.nn.BatchNorm2d(8)
+        for bn in (self.b1, self.b2):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.data.uniform_(0.5, 2)
+            bn.bias.data.uniform_(-1, 1)
+        self.eval()
+
+    def forward(self, x):
+        return torch.relu(self.b1(self.c1(x)) + self.b2(self.c2(x)))
+
+
+def test_gemm_epilogue_fuses_batchnorm_and_residual(mode):
+    """BatchNorm-eval (both branches), the add and the ReLU run in the 1x1 conv's store step:
+    one launch and its intermediate fewer, fewer warp instructions."""
+    x = g(2, 4, 9, 11)
+    fused, cf = run(ConvBnBlock(), [x], mode, gemm_padding=False)
+    plain, cp = run(ConvBnBlock(), [x], mode, gemm_padding=False, gemm_epilogue=False)
+    assert plain[-1].endswith("_loops") and fused[-1].endswith("_gemm"), (fused, plain)
+    assert len(fused) == len(plain) - 1
+    assert cf["instructions"] < cp["instructions"], (cf["instructions"], cp["instructions"])
+
+
+def test_gemm_fused_padding(mode):
+    """The 3x3 conv reads x through guarded loads: no fill and copy kernels before it."""
+    kernels, _ = run(ConvBnBlock(), [g(2, 4, 9, 11)], mode, gemm_padding=True)
+    assert all(k.endswith("_gemm") for k in kernels), kernels
+
+
+class BasicBlock(torch.nn.Module):
+    """conv-bn-relu, then a ResNet basic block on its output (padded 3x3 convs whose epilogues
+    add the block's input)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.c0, self.c1, self.c2 = (torch.nn.Conv2d(4, 4, k, padding=k // 2, bias=False) for k in (1, 3, 3))
+        self.b0, self.b1, self.b2 = (torch.nn.BatchNorm2d(4) for _ in range(3))
+        self.eval()
+
+    def forward(self, x):
+        y = torch.relu(self.b0(self.c0(x)))
+        return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(y))))) + y)
+
+
+def test_gemm_fused_padding_in_residual_block(mode):
+    """Fused padding and epilogues together (off by default: tiled_gemm.strategy says why).
+    BEVFormer's backbone (benchmarks/vortex_bevformer_parts.py) once failed here when the
+    epilogue's output was checked against the padded copy instead of its source."""
+    kernels, _ = run(BasicBlock(), [g(1, 4, 12, 10)], mode, gemm_padding=True)
+    assert all(k.endswith("_gemm") for k in kernels), kernels
+
+
+def test_padding_fill_and_copy_gain(mode):
+    """max_pool2d's -inf padding: a flat fill and a row copy instead of two `loops` kernels
+    (no index decomposition per element)."""
+    fn = Fn(lambda a: torch.nn.functional.max_pool2d(a, 3, 2, 1))
+    x = g(2, 4, 30, 34)
+    flat, cf = run(fn, [x], mode)
+    plain, cp = run(fn, [x], mode, flat_fill=False)
+    assert flat[:2] == ["gac_k0_fill", "gac_k1_copy"] and plain[0].endswith("_loops"), (flat, plain)
+    for k in (0, 1):
+        assert cf["kernels"][k]["instructions"] * 2 < cp["kernels"][k]["instructions"], (k, cf["kernels"][k], cp["kernels"][k])
+    short, _ = run(fn, [g(2, 4, 6, 10)], mode)   # rows of 10 < a CTA's 16 threads: `loops` copy
+    assert short[:2] == ["gac_k0_fill", "gac_k1_loops"], short
+
+
 def test_batched_matmul_tiled_gemm_gain(mode):
     """q @ k^T over (batch, heads): batch dims in the grid, B transposed in memory."""
     q, k = g(2, 3, 16, 8, seed=1), g(2, 3, 16, 8, seed=2)

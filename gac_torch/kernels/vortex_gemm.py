@@ -13,7 +13,9 @@ BM x BN tile of C, BM = TY * RM and BN = TX * RN:
      3c. multiply for k < BK: a[i] = As[k][ty + TY*i], b[j] = Bs[k][tx + TX*j],
                   acc[i][j] += a[i] * b[j]   (register blocking: RM + RN local loads per RM*RN FMAs)
      3d. barrier  everyone is done reading before the next stage overwrites the tiles
-  4. store      C[m0 + ty + TY*i, n0 + tx + TX*j] = acc[i][j] inside the matrix
+  4. store      C[m0 + ty + TY*i, n0 + tx + TX*j] = acc[i][j] inside the matrix; or, with an
+                epilogue (gemm_epilogue.py: BatchNorm-eval, ReLU, residual add, ...), the
+                elementwise consumers of C run on acc[i][j] and store their output instead
 
 `direct` tilings skip 3a-3d: K runs as nested loops over its dims (a convolution's c, kh, kw)
 and each thread reads its RM values of A and RN values of B from global memory per k (the
@@ -39,7 +41,11 @@ from typing import Any
 
 import numpy as np
 
+from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import WORKGROUP, Numpy, Smem, Text, as_type
+from gac_torch.kernels.conv_gemm import Operand, _addr
+from gac_torch.kernels.conv_gemm import _split as _split_flat
+from gac_torch.kernels.gemm_epilogue import Epilogue
 
 
 # A subscript of an operand: an iteration dim, None (a unit dim: constant 0), or a sum of
@@ -67,6 +73,10 @@ class GemmShape:
     a_type: str                      # memref types, e.g. "memref<16x32xf32>"
     b_type: str
     c_type: str
+    # a fused zero padding: (subscript position, extent) of A's / B's subscripts that may fall
+    # outside [0, extent) -- such elements read as 0 (clamped index + select, no branch)
+    a_guard: tuple[tuple[int, int], ...] = ()
+    b_guard: tuple[tuple[int, int], ...] = ()
 
     @property
     def M(self) -> int:
@@ -117,7 +127,16 @@ def grid(shape: GemmShape, t: GemmTiling) -> tuple[int, int, int]:
     return (-(-shape.N // t.bn), -(-shape.M // t.bm), math.prod(shape.batch))
 
 
-def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool) -> None:
+@dataclass(frozen=True)
+class Fused:
+    """An epilogue (gemm_epilogue.Epilogue) and C's operand (dense: its address is the flat
+    index of the element, linear in the iteration dims), as gemm_epilogue.store reads them."""
+
+    epilogue: Epilogue
+    c: Operand
+
+
+def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool, ep: Fused | None = None) -> None:
     c = b.const
     zero = b.zero()
     rows, cols = range(t.rm), range(t.rn)
@@ -174,13 +193,21 @@ def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool) -> None:
         b.barrier()                                                             # 3d
         return part
 
+    # K dims a padding guard reads go outermost: the guards and clamped addresses are then
+    # loop-invariant in the inner loops (a conv: (kh, kw) outside, c inside)
+    guarded = _sub_dims([s.a_dims[p] for p, _ in s.a_guard] + [s.b_dims[p] for p, _ in s.b_guard])
+    k_order = sorted(range(len(s.k_dims)), key=lambda l: s.k_dims[l] not in guarded)
+
     def nest(level: int, k_names: dict[int, Any], accs: list[Any]) -> list[Any]:    # 3' direct
         if level == len(s.k_dims):
-            a = [b.get("A", _subscripts(b, s.a_dims, {**batch, **a_rows[i], **k_names})) for i in rows]
-            w = [b.get("B", _subscripts(b, s.b_dims, {**batch, **b_cols[j], **k_names})) for j in cols]
+            a = [_load(b, "A", _subscripts(b, s.a_dims, {**batch, **a_rows[i], **k_names}), s.a_guard, zero)
+                 for i in rows]
+            w = [_load(b, "B", _subscripts(b, s.b_dims, {**batch, **b_cols[j], **k_names}), s.b_guard, zero)
+                 for j in cols]
             return [b.fma(a[i], w[j], accs[n], "f32") for n, (i, j) in enumerate(acc)]
-        return b.for_(c(0), c(s.k_ext[level]), c(1), accs, f32s,
-                      lambda kv, part: nest(level + 1, {**k_names, s.k_dims[level]: kv}, part))
+        at = k_order[level]
+        return b.for_(c(0), c(s.k_ext[at]), c(1), accs, f32s,
+                      lambda kv, part: nest(level + 1, {**k_names, s.k_dims[at]: kv}, part))
 
     if t.direct:   # clamped rows/columns: loads stay inside the operands where the tile overhangs
         a_rows, b_cols = row_names, col_names
@@ -192,6 +219,13 @@ def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool) -> None:
         guards = ([rok[i]] if m_over else []) + ([cok[j]] if n_over else [])
         if len(guards) == 2:
             guards = [guards[0] & guards[1]]
+        if ep is not None:   # through the elementwise consumers (gemm_epilogue's steps 1-5)
+            names = {**batch, **row_names[i], **col_names[j]}
+            dims = tuple(names)
+            addr = _addr(b, ep.c, names, dims, c(ep.c.const))
+            gemm_epilogue.store(b, ep, addr, res[n], guards[0] if guards else b.true(), _split_flat, _addr,
+                                lambda op, names=names, dims=dims: _addr(b, op, names, dims, c(op.const)))
+            continue
         store = (lambda i=i, j=j, n=n: b.put("C", c_at(i, j), res[n]))
         if guards:
             b.when(guards[0], store)
@@ -229,10 +263,30 @@ def _stage(b: Any, s: GemmShape, t: GemmTiling, which: str, k0: Any, base: Any,
             gk = b.min_(gk, c(s.K - 1))
         r_names = _split(b, s.m_dims, s.m_ext, gr) if which == "A" else _split(b, s.n_dims, s.n_ext, gr)
         k_names = _split(b, s.k_dims, s.k_ext, gk)
-        v = b.get(which, _subscripts(b, dims, {**batch, **r_names, **k_names}))
+        v = _load(b, which, _subscripts(b, dims, {**batch, **r_names, **k_names}),
+                  s.a_guard if which == "A" else s.b_guard, zero)
         if oks:
             v = b.select(oks[0] & oks[1] if len(oks) == 2 else oks[0], v, zero, "f32")
         b.put(which + "s", [k, r], v)
+
+
+def _load(b: Any, which: str, subs: list[Any], guard: tuple[tuple[int, int], ...], zero: Any) -> Any:
+    """which[subs]; a guarded subscript outside [0, extent) (unsigned compare: a negative one
+    too) reads 0 from a clamped, safe address."""
+    ok = None
+    for pos, extent in guard:
+        p = subs[pos]
+        inside = b.lt(p, b.const(extent))
+        ok = inside if ok is None else b.and_(ok, inside)
+        subs[pos] = b.min_(p, b.const(extent - 1))
+    v = b.get(which, subs)
+    return v if ok is None else b.zero_unless(ok, v)
+
+
+def _sub_dims(subs: list[Sub]) -> set[int]:
+    """The iteration dims some subscript reads."""
+    return {d for x in subs if x is not None
+            for d in ((x,) if isinstance(x, int) else (dd for dd, _ in x if dd is not None))}
 
 
 def _split(b: Any, dims: tuple[int, ...], ext: tuple[int, ...], flat: Any) -> dict[int, Any]:
@@ -262,9 +316,10 @@ def _subscripts(b: Any, dims: tuple[Sub, ...], names: dict[int, Any]) -> list[An
 # builder 1: MLIR text (constants hoisted to the top of the kernel)
 
 
-class _Text(Text):
-    def __init__(self, s: GemmShape, t: GemmTiling):
+class _Text(gemm_epilogue.TextMixin, Text):
+    def __init__(self, s: GemmShape, t: GemmTiling, ep: Fused | None = None):
         super().__init__(hoist=True)
+        self.spec = ep
         self.types = {"A": s.a_type, "B": s.b_type, "C": s.c_type,
                       "As": f"memref<{t.bk}x{t.bm}xf32, {WORKGROUP}>",
                       "Bs": f"memref<{t.bk}x{t.bn}xf32, {WORKGROUP}>"}
@@ -278,21 +333,46 @@ class _Text(Text):
     def addf(self, x: str, y: str) -> str:
         return self.binop("arith.addf", x, y, "f32")
 
+    def zero_unless(self, ok: str, v: str) -> str:
+        """ok ? v : 0.0 on the bits (an integer load and one czero; a float select would
+        round-trip through the integer registers)."""
+        bits = self.cast("arith.bitcast", v, "f32", "i32")
+        return self.cast("arith.bitcast", self.select(ok, bits, self.const(0, "i32"), "i32"), "i32", "f32")
 
-def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
+    def true(self) -> str:
+        if ("true", "i1") not in self.consts:
+            self.const_lines.append("%true = arith.constant true")
+            self.consts[("true", "i1")] = self.val("%true")
+        return self.consts[("true", "i1")]
+
+
+def _extra(ep: Fused | None) -> list[tuple[str, Operand]]:
+    """The epilogue's buffers as template arguments: its other inputs E<k>, its output Z."""
+    if ep is None:
+        return []
+    e = ep.epilogue
+    return [(f"E{k}", x[0]) for k, x in enumerate(e.inputs) if x is not None] + [("Z", e.out[0])]
+
+
+def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool, ep: Fused | None = None) -> str:
     """MLIR text of the kernel (numbered steps: module docstring). `fused_fill`: the
-    accumulators start at %init instead of C's contents."""
+    accumulators start at %init instead of C's contents. `ep`: C's consumers run in the store
+    step; the template then takes their buffers (E<k>..., Z) after %C."""
     gx, gy, gz = grid(s, t)
-    b = _Text(s, t)
-    _kernel(b, s, t, fused_fill)
-    head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, %init: f32) {{",
+    b = _Text(s, t, ep)
+    _kernel(b, s, t, fused_fill, ep)
+    extra = _extra(ep)
+    flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], "
+            f"strides: [1] : {op.type} to {op.flat}" for n, op in extra]
+    head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, "
+            + "".join(f"%{n}: {op.type}, " for n, op in extra) + "%init: f32) {",
             "%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
             f"%gy = arith.constant {gy} : index", f"%gz = arith.constant {gz} : index",
             f"%nt = arith.constant {t.threads} : index",
             ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
              "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
              + ("{" if t.direct else f"workgroup(%As : {b.types['As']}, %Bs : {b.types['Bs']}) {{")),
-            "%zero = arith.constant 0.0 : f32"]
+            "%zero = arith.constant 0.0 : f32", *flat]
     return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
 
 
@@ -300,11 +380,13 @@ def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool) -> str:
 # builder 2: numpy, one CTA at a time, threads in lockstep
 
 
-class _Numpy(Numpy):
+class _Numpy(gemm_epilogue.NumpyMixin, Numpy):
     def __init__(self, t: GemmTiling, bufs: dict[str, np.ndarray], init: float,
-                 block: tuple[int, int, int]):
+                 block: tuple[int, int, int], ep: Fused | None = None):
         super().__init__(t.threads, block)
-        self.bufs, self.initv = bufs, init
+        self.bufs, self.initv, self.spec = bufs, init, ep
+        self.E = {k: bufs[f"E{k}"].reshape(-1) for k in range(len(ep.epilogue.inputs)) if f"E{k}" in bufs} if ep else {}
+        self.Z = bufs["Z"].reshape(-1) if ep else None
         self.S = {"As": Smem("As", (t.bk, t.bm)), "Bs": Smem("Bs", (t.bk, t.bn))}
 
     def zero(self) -> np.ndarray:
@@ -315,6 +397,19 @@ class _Numpy(Numpy):
 
     def addf(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return as_type(x + y, "f32")
+
+    def true(self) -> np.ndarray:
+        return np.ones(self.T, dtype=bool)
+
+    def zero_unless(self, ok: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return np.where(ok, v, np.float32(0)).astype(np.float32)
+
+    # index compares and minimums are unsigned, as the text's (a padding's negative subscripts)
+    def lt(self, x: Any, y: Any) -> np.ndarray:
+        return np.asarray(x).astype(np.uint64) < np.asarray(y).astype(np.uint64)
+
+    def min_(self, x: Any, y: Any) -> np.ndarray:
+        return np.minimum(np.asarray(x).astype(np.uint64), np.asarray(y).astype(np.uint64)).astype(np.int64)
 
     def smem_store(self, s: Smem, idx: list[np.ndarray], val: np.ndarray, vec: int = 1) -> None:
         # The last staging round's extra threads redo the last element with the same value:
@@ -327,17 +422,20 @@ class _Numpy(Numpy):
 
 
 def emulate(s: GemmShape, t: GemmTiling, A: np.ndarray, B: np.ndarray, C: np.ndarray,
-            init: float | None = None) -> np.ndarray:
+            init: float | None = None, ep: Fused | None = None,
+            extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """Run the kernel on the CPU (A, B, C shaped like the memrefs, f32); `init`: a fused fill's
-    value (else C is accumulated onto). Returns the new C. Raises RaceError on a local-memory
-    race."""
+    value (else C is accumulated onto). Returns the new C, or with an epilogue `ep` the new Z
+    (`extra`: its buffers by template name, E<k> and Z, flat from the operands' offsets).
+    Raises RaceError on a local-memory race."""
     bufs = {"A": np.asarray(A, np.float32), "B": np.asarray(B, np.float32), "C": np.array(C, np.float32)}
+    bufs.update({k: np.array(v, np.float32) for k, v in (extra or {}).items()})
     gx, gy, gz = grid(s, t)
     for bz in range(gz):
         for by in range(gy):
             for bx in range(gx):
-                _kernel(_Numpy(t, bufs, 0.0 if init is None else init, (bx, by, bz)), s, t, init is not None)
-    return bufs["C"]
+                _kernel(_Numpy(t, bufs, 0.0 if init is None else init, (bx, by, bz), ep), s, t, init is not None, ep)
+    return bufs["Z"] if ep is not None else bufs["C"]
 
 
 def reference(a: np.ndarray, b: np.ndarray, init: np.ndarray | float = 0.0) -> np.ndarray:

@@ -76,7 +76,7 @@ def compile_flags(**changes: bool) -> Iterator[None]:
 
 
 def _stages(options: dict) -> list[Stage]:
-    from gac_torch.backends.gpu.strategies import tiled_gemm, warp_reduce
+    from gac_torch.backends.gpu.strategies import flat_fill, implicit_gemm, tiled_gemm, warp_reduce
     from gac_torch.backends.vortex import pipeline, runtime
 
     flags = _flags or pipeline.CompileFlags()
@@ -84,7 +84,13 @@ def _stages(options: dict) -> list[Stage]:
     limits, gemm_threads, device_threads = limits_for(cfg)
     # Tried in order on each linalg op; what none takes becomes `loops`.
     costs = tiled_gemm.GemmCosts(**GEMM_COSTS, lanes=cfg.threads)
-    strategies = (tiled_gemm.strategy(threads=gemm_threads, costs=costs),) if flags.tiled_gemm else ()
+    # (`fused` first: it erases the elementwise consumers a GEMM took into its store step)
+    strategies = ((implicit_gemm.fused_strategy(),
+                   tiled_gemm.strategy(threads=gemm_threads, costs=costs, epilogue=flags.gemm_epilogue,
+                                       padding=flags.gemm_padding))
+                  if flags.tiled_gemm else ())
+    if flags.flat_fill and not flags.gemm_padding:   # (they would take the padding's fill and copy
+        strategies += (flat_fill.strategy(), flat_fill.copy_strategy())   # before the GEMM sees them)
     if flags.warp_reduce:
         strategies += (warp_reduce.strategy(device_threads, limits.max_threads_per_block),)
     return [

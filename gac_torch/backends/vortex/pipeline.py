@@ -1,7 +1,8 @@
 """The vortex target's stages: linalg -> "gpu" -> "llvm" -> "vxbin".
 
 - "gpu":   backends/gpu with Vortex's strategies (one kernel per linalg op; the tiled GEMM for
-           matmuls and convolutions where the cost table says it pays, a warp per output for
+           matmuls and convolutions where the cost table says it pays, with the elementwise
+           consumers in its store step; flat fills and row copies; a warp per output for
            reductions with fewer outputs than hardware threads (shuffles, never gpu.all_reduce),
            else `loops`); the host function left over is read into data (launch list + static
            buffer plan).
@@ -40,7 +41,10 @@ class CompileFlags:
 
     divergence: bool = True       # False: no SPLIT/JOIN (wrong on SimX; the tests prove it)
     tiled_gemm: bool = True       # False: matmuls use the scalar `loops` kernel
+    gemm_epilogue: bool = True    # False: a GEMM's elementwise consumers stay their own kernels
+    gemm_padding: bool = False    # True: a GEMM reads a zero padding's source through guards
     warp_reduce: bool = True      # False: reductions use one thread per output (`loops`)
+    flat_fill: bool = True        # False: fills of dense buffers are `loops` kernels
 
 
 @dataclass

@@ -3,7 +3,10 @@ GEMM: K over (c, kh, kw), columns over (n, oh, ow)) -> the tiled local-memory te
 gac_torch.kernels.vortex_gemm, a `threads` (rows x cols) CTA with a register tile per thread.
 A Vortex CTA must fit one core (its barrier waits for all of its warps) and warps are narrow.
 With a cost table (`GemmCosts`, SimX cycles the target measured) the op stays a `loops` kernel
-where the tiles would cost more than the scalar loop (tiny or badly overhanging shapes)."""
+where the tiles would cost more than the scalar loop (tiny or badly overhanging shapes).
+Epilogue: the elementwise consumers right after (BatchNorm-eval, ReLU, a residual add: the
+chain implicit_gemm finds for cuda) run in the store step and their intermediates go away
+(`implicit_gemm.fused_strategy` erases them when the scheduler reaches them)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from mlir import ir
 
 from gac_torch.backends.gpu.analysis import Generic, fill_before
+from gac_torch.backends.gpu.irutil import block_ops, buffer_root
+from gac_torch.backends.gpu.strategies import implicit_gemm
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import vortex_gemm
 
@@ -65,8 +70,14 @@ class GemmCosts:
         return s.M * s.N * math.prod(s.batch) * (self.loops_out + self.loops_mac * s.K) * self.loops_cpi
 
 
-def strategy(threads: tuple[int, int], costs: GemmCosts | None = None) -> Strategy:
-    """`threads`: (rows, cols) of the GEMM CTA; rows * cols <= one core's threads."""
+def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue: bool = True,
+             padding: bool = False) -> Strategy:
+    """`threads`: (rows, cols) of the GEMM CTA; rows * cols <= one core's threads. `epilogue`:
+    fuse C's elementwise consumers into the store step; `padding`: read a zero-padded input
+    (fill + copy into a scratch buffer right before) through guarded loads instead -- off on
+    SimX: the guards cost more than the fill and copy kernels (BEVFormer's stem 7x7/2 conv,
+    3 channels: +51% warp instructions in the GEMM against 43% for fill + copy; a 3x3 16 -> 32
+    conv: +40% against 19%), as the guards repeat per (kh, kw) and column."""
 
     def match(g: Generic, limits: GpuLimits) -> tuple[Generic, vortex_gemm.GemmShape, bool] | None:
         m = match_gemm(g) if len(g.inputs) == 2 and len(g.outputs) == 1 else None
@@ -76,6 +87,13 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None) -> Strate
 
     def emit(m: tuple[Generic, vortex_gemm.GemmShape, bool], name: str, limits: GpuLimits) -> bool:
         g, shape, swap = m
+        pads = [_padding(g, i) if padding else None for i in range(2)]
+        if swap:
+            pads = pads[::-1]   # (A, B) order
+        for which, pad in zip("ab", pads):
+            if pad is not None:
+                shape = dataclasses.replace(shape, **{f"{which}_dims": pad[1], f"{which}_guard": pad[2],
+                                                      f"{which}_type": str(pad[0].type)})
         tiling = vortex_gemm.choose_tiling(shape.M, shape.N, shape.K, *threads)
         if tiling.lmem_bytes() > limits.max_static_shared_bytes or any(
                 x > lim for x, lim in zip(vortex_gemm.grid(shape, tiling), limits.max_grid)):
@@ -88,15 +106,70 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None) -> Strate
                 return False
             tiling = est[best]
         fill = fill_before(g.op, g.outputs[0])
-        text = vortex_gemm.gemm_template(shape, tiling, fused_fill=fill is not None)
+        ins = [p[0] if p is not None else v for p, v in zip(pads[::-1] if swap else pads, g.inputs)]
+        fused = _epilogue(g, fill, ins) if epilogue else None
+        ep = None if fused is None else vortex_gemm.Fused(fused[1], implicit_gemm._operand(g.outputs[0], g.maps[2]))
+        text = vortex_gemm.gemm_template(shape, tiling, fill is not None, ep)
         a, b = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
-        splice_template(text, g.op, [a, b, g.outputs[0]], fill[1] if fill is not None else None, "f32", name)
+        a, b = (pads[0][0] if pads[0] else a), (pads[1][0] if pads[1] else b)
+        splice_template(text, g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
+                        fill[1] if fill is not None else None, "f32", name)
         if fill is not None:
             fill[0].erase()
         g.op.erase()
+        for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
+            op.attributes[implicit_gemm.FUSED] = ir.UnitAttr.get()
+        for pad, v in zip(pads, (g.inputs[1], g.inputs[0]) if swap else g.inputs):
+            if pad is not None:   # the fill and copy (passed already by the scheduler's loop)
+                for op in pad[3]:
+                    op.erase()
+                implicit_gemm._erase_if_unused(buffer_root(v))
         return True
 
     return Strategy("gemm", match, emit)
+
+
+def _padding(g: Generic, i: int):
+    """(x, subscripts on x, guards, ops to erase) when input i is a zero padding of x
+    (implicit_gemm._padding's pattern): each subscript shifted by the pad's offset, guarded
+    where the padded buffer is larger."""
+    found = implicit_gemm._padding(g, i)
+    subs = linear_subscripts(g.maps[i])
+    if found is None or subs is None:
+        return None
+    x, _, ops = found
+    sub = ops[1]
+    offsets = list(ir.DenseI64ArrayAttr(sub.attributes["static_offsets"]))
+    xs, ps = ir.MemRefType(x.type).shape, ir.MemRefType(g.inputs[i].type).shape
+    shifted = tuple(_shift(d, -o) for d, o in zip(subs, offsets))
+    guard = tuple((j, xs[j]) for j in range(len(xs)) if offsets[j] or xs[j] != ps[j])
+    return x, shifted, guard, ops
+
+
+def _shift(d: vortex_gemm.Sub, by: int) -> vortex_gemm.Sub:
+    """Subscript d + by."""
+    if not by:
+        return d
+    terms = {} if d is None else {d: 1} if isinstance(d, int) else dict(d)
+    terms[None] = terms.get(None, 0) + by
+    return tuple(sorted(((k, v) for k, v in terms.items() if v), key=lambda dc: (dc[0] is None, dc[0] or 0))) or None
+
+
+def _epilogue(g: Generic, fill: tuple[ir.Operation, ir.Value] | None, ins: list[ir.Value]):
+    """implicit_gemm's consumer chain after g (ops, Epilogue, extra template arguments), made
+    ready to splice: ops between g and the chain's end that it reads moved before g, and an
+    output aliasing what the kernel reads (`ins`: a fused padding's source, not the padded
+    copy) renamed (as implicit_gemm._emit does), or None."""
+    fused = implicit_gemm._epilogue(g, ins, fill[0] if fill is not None else None)
+    if fused is None:
+        return None
+    ops = block_ops(g.op.block)
+    for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
+        if op not in fused[0]:
+            op.move_before(g.op)  # views / constants the epilogue reads, defined in between
+    if buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
+        fused[2][-1] = implicit_gemm._rename_from(fused[2][-1], fused[0][-1], g.op)
+    return fused
 
 
 def linear_subscripts(m: ir.AffineMap) -> list[vortex_gemm.Sub] | None:
@@ -134,11 +207,6 @@ def linear_subscripts(m: ir.AffineMap) -> list[vortex_gemm.Sub] | None:
     return out
 
 
-def _sub_dims(subs: list[vortex_gemm.Sub]) -> set[int]:
-    return {d for s in subs if s is not None
-            for d in ((s,) if isinstance(s, int) else (dd for dd, _ in s if dd is not None))}
-
-
 def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
     """A plain f32 contraction out += x * y (a matmul, a batched matmul, a convolution): the
     shape with A = the input without the output's innermost dim (so C's stores walk columns),
@@ -156,9 +224,9 @@ def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
     c_named = [d for d in c_subs if d is not None]
     if len(set(c_named)) != len(c_named) or not c_named:
         return None
-    swap = c_named[-1] not in _sub_dims(subs[1])   # the innermost output dim belongs to B
+    swap = c_named[-1] not in vortex_gemm._sub_dims(subs[1])   # the innermost output dim belongs to B
     a_subs, b_subs = (subs[1], subs[0]) if swap else (subs[0], subs[1])
-    a, b, out = _sub_dims(a_subs), _sub_dims(b_subs), set(c_named)
+    a, b, out = vortex_gemm._sub_dims(a_subs), vortex_gemm._sub_dims(b_subs), set(c_named)
     red = [d for d, t in enumerate(g.iters) if t == "reduction"]
     par = [d for d, t in enumerate(g.iters) if t == "parallel"]
     if not red or any(d in out for d in red) or not all(d in a or d in b for d in red):
