@@ -195,7 +195,7 @@ def _kernel(b: Any, s: GemmShape, t: GemmTiling, fused_fill: bool, ep: Fused | N
 
     # K dims a padding guard reads go outermost: the guards and clamped addresses are then
     # loop-invariant in the inner loops (a conv: (kh, kw) outside, c inside)
-    guarded = _sub_dims([s.a_dims[p] for p, _ in s.a_guard] + [s.b_dims[p] for p, _ in s.b_guard])
+    guarded = sub_dims([s.a_dims[p] for p, _ in s.a_guard] + [s.b_dims[p] for p, _ in s.b_guard])
     k_order = sorted(range(len(s.k_dims)), key=lambda l: s.k_dims[l] not in guarded)
 
     def nest(level: int, k_names: dict[int, Any], accs: list[Any]) -> list[Any]:    # 3' direct
@@ -283,7 +283,7 @@ def _load(b: Any, which: str, subs: list[Any], guard: tuple[tuple[int, int], ...
     return v if ok is None else b.zero_unless(ok, v)
 
 
-def _sub_dims(subs: list[Sub]) -> set[int]:
+def sub_dims(subs: list[Sub]) -> set[int]:
     """The iteration dims some subscript reads."""
     return {d for x in subs if x is not None
             for d in ((x,) if isinstance(x, int) else (dd for dd, _ in x if dd is not None))}

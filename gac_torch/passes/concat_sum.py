@@ -35,6 +35,8 @@ def _match(red: ir.Operation):
         return None
     x = red.operands[0]
     rank = len(shape_of(x))
+    if rank == 0:  # a 0-d sum (dims [0] or [-1]) has no concatenated dim
+        return None
     k = attrs["dims"][0] % rank
     src, w, w_first = _op(x), None, False
     if src is not None and src.name == "gac.binary" and op_attrs(src)["kind"] == "mul" and _one_use(x):

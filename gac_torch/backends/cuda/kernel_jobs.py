@@ -32,7 +32,7 @@ from pathlib import Path
 from mlir import ir
 
 from gac_torch.backends.cuda import ptx_worker
-from gac_torch.errors import CompileError
+from gac_torch.errors import CompileError, GacError
 
 log = logging.getLogger("gac_torch")
 
@@ -53,7 +53,7 @@ class KernelResult:
         return getattr(self, field).replace(PLACEHOLDER, name)
 
 
-class NotSplittable(Exception):
+class NotSplittable(GacError):
     """The module is compiled whole instead (the reason is logged at DEBUG)."""
 
 

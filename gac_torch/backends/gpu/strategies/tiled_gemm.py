@@ -224,9 +224,9 @@ def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
     c_named = [d for d in c_subs if d is not None]
     if len(set(c_named)) != len(c_named) or not c_named:
         return None
-    swap = c_named[-1] not in vortex_gemm._sub_dims(subs[1])   # the innermost output dim belongs to B
+    swap = c_named[-1] not in vortex_gemm.sub_dims(subs[1])   # the innermost output dim belongs to B
     a_subs, b_subs = (subs[1], subs[0]) if swap else (subs[0], subs[1])
-    a, b, out = vortex_gemm._sub_dims(a_subs), vortex_gemm._sub_dims(b_subs), set(c_named)
+    a, b, out = vortex_gemm.sub_dims(a_subs), vortex_gemm.sub_dims(b_subs), set(c_named)
     red = [d for d, t in enumerate(g.iters) if t == "reduction"]
     par = [d for d, t in enumerate(g.iters) if t == "parallel"]
     if not red or any(d in out for d in red) or not all(d in a or d in b for d in red):
