@@ -59,7 +59,7 @@ def _linear(e: ir.AffineExpr) -> tuple[dict[int, int], int] | None:
     return None
 
 
-def _operand(v: ir.Value, m: ir.AffineMap) -> conv_gemm.Operand | None:
+def operand_at(v: ir.Value, m: ir.AffineMap) -> conv_gemm.Operand | None:
     t = ir.MemRefType(v.type)
     if not static_memref(v.type):
         return None
@@ -136,11 +136,11 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     if body is None or not body[2]:
         return None
     a_casts, b_casts, _ = body
-    ops = [_operand(v, m) for v, m in zip((*g.inputs, *g.outputs), g.maps)]
+    ops = [operand_at(v, m) for v, m in zip((*g.inputs, *g.outputs), g.maps)]
     if any(o is None for o in ops):
         return None
     # a zero padding written by a fill + copy right before is read through guards instead
-    pads = [_padding(g, i) if params.fuse_padding else None for i in range(2)]
+    pads = [padding_of(g, i) if params.fuse_padding else None for i in range(2)]
     for i, pad in enumerate(pads):
         if pad is not None:
             ops[i] = pad[1]
@@ -217,7 +217,7 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
     if m.relayout is not None:
         ins[1] = weight_layout.copy_before(m.relayout, ins[1], g.op)
-    fused = (_epilogue(g, ins, fill[0] if fill is not None else None)  # type: ignore[arg-type]
+    fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None)  # type: ignore[arg-type]
              if params.fuse_epilogue and plan.splits == 1 else None)  # (split-K: partial sums)
     if fused is not None:
         ops = block_ops(g.op.block)
@@ -226,7 +226,7 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
                 op.move_before(g.op)  # views / constants the epilogue reads, defined in between
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     if fused is not None and buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
-        fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
+        fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
     splice_template(conv_gemm_text.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                     fill[1] if fill is not None else None, ec, name)
     if fill is not None:
@@ -236,7 +236,7 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
         if pad is not None:  # (already passed by schedule.map_to_gpu's loop)
             for op in pad[2]:
                 op.erase()
-            _erase_if_unused(buffer_root(v))
+            erase_if_unused(buffer_root(v))
     if fused is not None:  # erased by `fused_strategy` when the scheduler reaches them
         for op in fused[0]:
             op.attributes[FUSED] = ir.UnitAttr.get()
@@ -251,10 +251,10 @@ def erase_fused(op: ir.Operation) -> None:
     roots = [buffer_root(v) for v in op.operands if isinstance(v.type, ir.MemRefType)]
     op.erase()
     for root in roots:
-        _erase_if_unused(root)
+        erase_if_unused(root)
 
 
-def _padding(g: Generic, i: int):
+def padding_of(g: Generic, i: int):
     """(source, guarded operand, ops to erase) when input i is a scratch buffer P written only
     by `fill P with 0` and `copy x -> subview(P)` (a zero padding of x) before g."""
     v = g.inputs[i]
@@ -362,7 +362,7 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
             return None
         if buffer_root(v) == buffer_root(z) and (v.type != z.type or map_dims(m) != ident):
             return None  # reads Z's buffer elsewhere than at the point it writes
-        op = _operand(v, m)
+        op = operand_at(v, m)
         if op is None:
             return None
         inputs.append((op, tuple(e.ranges)))
@@ -417,7 +417,7 @@ def _view_chain(z: ir.Value) -> list[ir.Operation]:
 
 def _renamable(z: ir.Value, at: ir.Operation) -> bool:
     """z is (a view of) a whole scratch allocation: from `at` on, another allocation can stand
-    in for it (see _rename_from). Views of it made before `at` and used after are rebuilt on
+    in for it (see rename_from). Views of it made before `at` and used after are rebuilt on
     the stand-in, when they have no operand but the buffer (static views)."""
     root = buffer_root(z)
     d = defining_op(root)
@@ -435,7 +435,7 @@ def _renamable(z: ir.Value, at: ir.Operation) -> bool:
     return fixed(root) and all(len(o.operands) == 1 for o in own)
 
 
-def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
+def rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
     """A fresh allocation (made before `before`) takes over z's buffer from op `first` on: the
     fused kernel must not write a buffer its own inputs are read from. Returns z's view of it."""
     root = buffer_root(z)
@@ -467,7 +467,7 @@ def _rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.V
     return v
 
 
-def _epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3):
+def fused_epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3):
     """(consumer ops, Epilogue, its extra template arguments) for the longest chain (up to
     `stages`) of elementwise generics after g, each reading the previous one's result (e.g. the
     f32 -> bf16 -> f32 rounding in place, then BatchNorm + ReLU across a reshape), whose
@@ -477,7 +477,7 @@ def _epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages
     prev, y = g.op, g.outputs[0]
     while len(found) < stages:
         st = _consumer(prev, y, conv_roots)
-        if st is None or _body_ops(st[0]) is None or _operand(st[4], st[0].maps[-1]) is None:
+        if st is None or _body_ops(st[0]) is None or operand_at(st[4], st[0].maps[-1]) is None:
             break
         found.append(st)
         prev, y = st[0].op, st[4]
@@ -549,7 +549,7 @@ def chain_epilogue(chain: list, g: Generic):
         inputs += more
         values += vals
     e, z = chain[-1][0], chain[-1][4]
-    out = _over_conv_dims((_operand(z, e.maps[-1]), tuple(e.ranges)), g)
+    out = _over_conv_dims((operand_at(z, e.maps[-1]), tuple(e.ranges)), g)
     inputs = [x if x is None else _over_conv_dims(x, g) for x in inputs]
     return [st[0].op for st in chain], Epilogue(tuple(inputs), out, tuple(ops), result), [*values, z]  # type: ignore[arg-type]
 
@@ -590,7 +590,7 @@ def _body_ops(e: Generic) -> tuple[tuple[EOp, ...], tuple] | None:
     return (tuple(out), result) if result is not None else None
 
 
-def _erase_if_unused(root: ir.Value) -> None:
+def erase_if_unused(root: ir.Value) -> None:
     """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
     alloc = defining_op(root)
     if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in users(root)):

@@ -87,7 +87,7 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
 
     def emit(m: tuple[Generic, vortex_gemm.GemmShape, bool], name: str, limits: GpuLimits) -> bool:
         g, shape, swap = m
-        pads = [_padding(g, i) if padding else None for i in range(2)]
+        pads = [padding_of(g, i) if padding else None for i in range(2)]
         if swap:
             pads = pads[::-1]   # (A, B) order
         for which, pad in zip("ab", pads):
@@ -107,8 +107,8 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
             tiling = est[best]
         fill = fill_before(g.op, g.outputs[0])
         ins = [p[0] if p is not None else v for p, v in zip(pads[::-1] if swap else pads, g.inputs)]
-        fused = _epilogue(g, fill, ins) if epilogue else None
-        ep = None if fused is None else vortex_gemm.Fused(fused[1], implicit_gemm._operand(g.outputs[0], g.maps[2]))
+        fused = fused_epilogue(g, fill, ins) if epilogue else None
+        ep = None if fused is None else vortex_gemm.Fused(fused[1], implicit_gemm.operand_at(g.outputs[0], g.maps[2]))
         text = vortex_gemm.gemm_template(shape, tiling, fill is not None, ep)
         a, b = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
         a, b = (pads[0][0] if pads[0] else a), (pads[1][0] if pads[1] else b)
@@ -123,17 +123,17 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
             if pad is not None:   # the fill and copy (passed already by the scheduler's loop)
                 for op in pad[3]:
                     op.erase()
-                implicit_gemm._erase_if_unused(buffer_root(v))
+                implicit_gemm.erase_if_unused(buffer_root(v))
         return True
 
     return Strategy("gemm", match, emit)
 
 
-def _padding(g: Generic, i: int):
+def padding_of(g: Generic, i: int):
     """(x, subscripts on x, guards, ops to erase) when input i is a zero padding of x
-    (implicit_gemm._padding's pattern): each subscript shifted by the pad's offset, guarded
+    (implicit_gemm.padding_of's pattern): each subscript shifted by the pad's offset, guarded
     where the padded buffer is larger."""
-    found = implicit_gemm._padding(g, i)
+    found = implicit_gemm.padding_of(g, i)
     subs = linear_subscripts(g.maps[i])
     if found is None or subs is None:
         return None
@@ -155,12 +155,12 @@ def _shift(d: vortex_gemm.Sub, by: int) -> vortex_gemm.Sub:
     return tuple(sorted(((k, v) for k, v in terms.items() if v), key=lambda dc: (dc[0] is None, dc[0] or 0))) or None
 
 
-def _epilogue(g: Generic, fill: tuple[ir.Operation, ir.Value] | None, ins: list[ir.Value]):
+def fused_epilogue(g: Generic, fill: tuple[ir.Operation, ir.Value] | None, ins: list[ir.Value]):
     """implicit_gemm's consumer chain after g (ops, Epilogue, extra template arguments), made
     ready to splice: ops between g and the chain's end that it reads moved before g, and an
     output aliasing what the kernel reads (`ins`: a fused padding's source, not the padded
     copy) renamed (as implicit_gemm._emit does), or None."""
-    fused = implicit_gemm._epilogue(g, ins, fill[0] if fill is not None else None)
+    fused = implicit_gemm.fused_epilogue(g, ins, fill[0] if fill is not None else None)
     if fused is None:
         return None
     ops = block_ops(g.op.block)
@@ -168,7 +168,7 @@ def _epilogue(g: Generic, fill: tuple[ir.Operation, ir.Value] | None, ins: list[
         if op not in fused[0]:
             op.move_before(g.op)  # views / constants the epilogue reads, defined in between
     if buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
-        fused[2][-1] = implicit_gemm._rename_from(fused[2][-1], fused[0][-1], g.op)
+        fused[2][-1] = implicit_gemm.rename_from(fused[2][-1], fused[0][-1], g.op)
     return fused
 
 

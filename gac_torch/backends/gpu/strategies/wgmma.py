@@ -7,7 +7,7 @@ The shared lowering accumulates an f16/bf16 matmul in an f32 buffer and rounds i
 elementwise op; when that op does nothing else, the kernel stores the rounded values into its
 output directly (the staged / paired stores). Any other elementwise consumer chain the
 implicit-GEMM epilogue takes (bias, activation, residual add, output cast: implicit_gemm's
-`_epilogue`) runs in the kernel's store instead (GAC_WGMMA_EPILOGUE_FUSION=0: never). Either
+`fused_epilogue`) runs in the kernel's store instead (GAC_WGMMA_EPILOGUE_FUSION=0: never). Either
 way the consumer is erased by `fused`, first in the strategy list.
 GAC_WGMMA=0 bisects (everything goes on to mma)."""
 
@@ -23,7 +23,7 @@ from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import Generic, analyze
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
-from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED, _epilogue, _rename_from
+from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED, fused_epilogue, rename_from
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import wgmma_gemm
 from gac_torch.kernels.cuda_mma import Spec
@@ -120,7 +120,7 @@ def strategy(allow_tf32: bool) -> Strategy:
         acc = str(ir.MemRefType(g.outputs[0].type).element_type)  # the fill's type
         fused = None
         if rounding is None and os.environ.get("GAC_WGMMA_EPILOGUE_FUSION") != "0":
-            fused = _epilogue(g, list(g.inputs), fill[0] if fill is not None else None)
+            fused = fused_epilogue(g, list(g.inputs), fill[0] if fill is not None else None)
         if fused is not None and rows is not None:
             fused = _merged_epilogue(fused, rows)
         extra: list[ir.Value] = []
@@ -130,7 +130,7 @@ def strategy(allow_tf32: bool) -> Strategy:
                 if op not in fused[0]:
                     op.move_before(g.op)
             if buffer_root(fused[2][-1]) in {buffer_root(v) for v in g.inputs}:
-                fused[2][-1] = _rename_from(fused[2][-1], fused[0][-1], g.op)
+                fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)
             spec = wgmma_gemm.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
             plan = replace(plan, pair_store=False, staged_store=False)
             extra = fused[2]
