@@ -440,3 +440,31 @@ def test_3d_input_times_weight_t_rounds_in_the_store(N, staged) -> None:
     compiled = gac_torch.compile(WeightT(), args, target="cuda", options={"arch": "sm_90"})
     assert launches(compiled) == ["wgmma"]
     assert ("st.global.v4.b32" in compiled.ir("ptx")) == staged  # 16-byte rows: staged (5b)
+
+
+def test_register_a_slices_wait_for_their_whole_group_offline():
+    """tf32 `a @ b` (B row-major: C^T = B^T A^T, B's tile from registers): before ddaa6b7 the
+    kernel waited with depth 1, and the next slice's A fragments reused registers an unfinished
+    wgmma still read (2-4 % error on the H200). The register-A kernel waits with depth 0; a
+    shared-memory-A kernel (bf16) keeps depth 1."""
+    import torch
+
+    import gac_torch
+
+    class Mm(torch.nn.Module):
+        def forward(self, a, b):
+            return a @ b
+
+    def ptx(dtype):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return gac_torch.compile(Mm(), (a, b), target="cuda", options={"arch": "sm_90", "cache": False}).ir("ptx")
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+
+    tf32, bf16 = ptx(torch.float32), ptx(torch.bfloat16)
+    assert "_wgmma" in tf32 and "wgmma.wait_group.sync.aligned 0;" in tf32
+    assert "wgmma.wait_group.sync.aligned 1;" not in tf32
+    assert "wgmma.wait_group.sync.aligned 1;" in bf16

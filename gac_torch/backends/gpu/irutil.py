@@ -226,3 +226,20 @@ def clone_body(ops: list[ir.Operation], skip: ir.Operation, mapping: dict[ir.Val
             mapping[op.results[0]] = ivs[ir.IntegerAttr(op.attributes["dim"]).value]
             continue
         clone_into([op], mapping)
+
+
+def erase_if_unused(root: ir.Value) -> None:
+    """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
+    alloc = defining_op(root)
+    if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in users(root)):
+        return
+
+    def drop(v: ir.Value) -> None:
+        for use in list(v.uses):
+            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+            if o.name in VIEW_OPS:
+                drop(o.results[0])
+            o.erase()
+
+    drop(root)
+    alloc.erase()

@@ -25,7 +25,7 @@ from gac_torch.backends.gpu.analysis import (
     Generic, analyze, contraction_body, fill_before, map_dims, match_contraction,
 )
 from gac_torch.backends.gpu.irutil import (
-    VIEW_OPS, block_ops, buffer_root, defining_op, static_memref, top_level, users,
+    VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, static_memref, top_level, users,
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
@@ -588,20 +588,3 @@ def _body_ops(e: Generic) -> tuple[tuple[EOp, ...], tuple] | None:
         refs[op.results[0]] = ("op", len(out) - 1)
     result = ref(ops[-1].operands[0])
     return (tuple(out), result) if result is not None else None
-
-
-def erase_if_unused(root: ir.Value) -> None:
-    """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
-    alloc = defining_op(root)
-    if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in users(root)):
-        return
-
-    def drop(v: ir.Value) -> None:
-        for use in list(v.uses):
-            o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-            if o.name in VIEW_OPS:
-                drop(o.results[0])
-            o.erase()
-
-    drop(root)
-    alloc.erase()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mlir import ir
 
 from gac_torch.backends.gpu.analysis import Generic, fill_before
-from gac_torch.backends.gpu.irutil import block_ops, buffer_root
+from gac_torch.backends.gpu.irutil import block_ops, buffer_root, erase_if_unused
 from gac_torch.backends.gpu.strategies import implicit_gemm
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import vortex_gemm
@@ -123,7 +123,7 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
             if pad is not None:   # the fill and copy (passed already by the scheduler's loop)
                 for op in pad[3]:
                     op.erase()
-                implicit_gemm.erase_if_unused(buffer_root(v))
+                erase_if_unused(buffer_root(v))
         return True
 
     return Strategy("gemm", match, emit)
