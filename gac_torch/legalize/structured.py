@@ -85,7 +85,7 @@ def lower_convolution(cx: Cx, x, w, bias, stride, padding, dilation, transposed,
     dt = cx.out_dtype
     ct = cx.compute_dtype(dt) if bias is not None else dt
     y = cx.b.conv(x, w, stride=rep(stride), padding=rep(padding), dilation=rep(dilation), groups=groups,
-                  result_type=tensor_type(cx.out_shape, ct))
+                  channels_last=0, result_type=tensor_type(cx.out_shape, ct))
     if bias is not None:
         y = cx.b.binary(y, cx.b.reshape(cx.to(bias, ct), [cx.out_shape[1]] + [1] * nsp), kind="add")
     return cx.to(y, dt)

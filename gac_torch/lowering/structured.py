@@ -7,7 +7,7 @@ from mlir.dialects import arith, linalg
 
 from gac_torch.ir.builder import op_attrs
 from gac_torch.lowering.core import (
-    PARALLEL, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
+    PARALLEL, REDUCTION, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
     identity_map, index, lowest, pad_constant, prod, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
@@ -53,6 +53,9 @@ def lower_conv(op, operands):
     g = attrs["groups"]
     e = elem(x)
     acc = accumulator_type(e)
+    if attrs["channels_last"]:
+        return [_narrow(_conv_nhwc(x, w, g, stride, padding, dilation, shape(op.results[0]), acc),
+                        elem(op.results[0].type))]
     x = pad_constant(x, [0, 0] + padding, [0, 0] + padding, 0)
     n, c, h, wd = shape(x)
     f = ws[0]
@@ -66,6 +69,27 @@ def lower_conv(op, operands):
         strides=_i64_elements(stride),
         dilations=_i64_elements(dilation))
     return [_narrow(reshape(y, out_shape), elem(op.results[0].type))]
+
+
+def _conv_nhwc(x, w, g: int, stride, padding, dilation, out_shape, acc) -> ir.Value:
+    """2-D conv on N H W C activations (torch's F C KH KW weights) as one generic over
+    (n, oh, ow, g, f, c, kh, kw): the channels are the input's unit-stride dim, which the GPU's
+    implicit GEMM reads in 16-byte vectors (K ordered kh, kw, c)."""
+    x = pad_constant(x, [0] + padding + [0], [0] + padding + [0], 0)
+    n, h, wd, c = shape(x)
+    f = shape(w)[0]
+    x5 = reshape(x, [n, h, wd, g, c // g])
+    w5 = reshape(w, [g, f // g] + shape(w)[1:])
+    ho, wo = out_shape[1], out_shape[2]
+    d = [ir.AffineDimExpr.get(i) for i in range(8)]  # n, oh, ow, g, f, c, kh, kw
+    maps = [ir.AffineMap.get(8, 0, [d[0], d[1] * stride[0] + d[6] * dilation[0],
+                                    d[2] * stride[1] + d[7] * dilation[1], d[3], d[5]]),
+            ir.AffineMap.get(8, 0, [d[3], d[4], d[5], d[6], d[7]]),
+            ir.AffineMap.get(8, 0, [d[0], d[1], d[2], d[3], d[4]])]
+    init = full([n, ho, wo, g, f // g], 0, acc)
+    y = generic([x5, w5], maps[:2], [init], maps[2:], [PARALLEL] * 5 + [REDUCTION] * 3,
+                lambda a, b, o: [arith.addf(o, arith.mulf(convert(a, acc), convert(b, acc)))])[0]
+    return reshape(y, out_shape)
 
 
 def _i64_elements(values) -> list[int]:

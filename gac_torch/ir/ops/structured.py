@@ -49,6 +49,9 @@ def _infer_conv(types, attrs):
     x, w = map(shape_of, types)
     elem = same_elem(types, "gac.conv")
     nsp = len(x) - 2
+    last = bool(attrs["channels_last"])
+    if last:  # N<spatial>C: checked as NC<spatial>
+        x = (x[0], x[-1], *x[1:-1])
     g = attrs["groups"]
     if len(w) != len(x) or nsp < 1 or x[1] != w[1] * g or w[0] % g:
         raise GacTypeError(f"gac.conv: input {list(x)} and weight {list(w)} do not match (groups={g})")
@@ -59,7 +62,7 @@ def _infer_conv(types, attrs):
                           attrs["padding"][i], attrs["dilation"][i]) for i in range(nsp)]
     if min(spatial) < 1:
         raise GacTypeError(f"gac.conv: empty output {spatial}")
-    return [tensor((x[0], w[0], *spatial), elem)]
+    return [tensor((x[0], *spatial, w[0]) if last else (x[0], w[0], *spatial), elem)]
 
 
 def _infer_pool(types, attrs):
@@ -78,10 +81,12 @@ define("matmul", ["lhs", "rhs"], check=_check_matmul,
        doc="(..., M, K) @ (..., K, N); floats accumulate in f32 or wider; the result is in the "
            "operand type, or the f32 accumulator itself for f16/bf16")
 define("conv", ["x", "weight"],
-       attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int"},
+       attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int",
+              "channels_last": "int"},
        check=_check_conv,
-       doc="N-d cross-correlation, NC<spatial> x FC<spatial>, symmetric padding; the result is in "
-           "the operand type, or the f32 accumulator itself for f16/bf16")
+       doc="N-d cross-correlation, NC<spatial> x FC<spatial> (channels_last: N<spatial>C x "
+           "FC<spatial> -> N<spatial>F), symmetric padding; the result is in the operand type, or "
+           "the f32 accumulator itself for f16/bf16")
 define("pool", ["x"],
        attrs={"kind": ("max", "avg"), "kernel": "ints", "stride": "ints", "padding": "ints",
               "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int"},
