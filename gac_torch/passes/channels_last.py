@@ -50,6 +50,15 @@ def _tensor(shape, elem: ir.Type) -> ir.RankedTensorType:
     return ir.RankedTensorType.get(list(shape), elem)
 
 
+def _reshape(b: GacBuilder, v: ir.Value, shape: list[int]) -> ir.Value:
+    """reshape(v), of the source of a reshape that made v: one reshape, which the shared
+    lowering folds into the elementwise op reading it (a chain of them stays a kernel)."""
+    d = _op(v)
+    if d is not None and d.name == "gac.reshape" and len(d.operands) == 1:
+        v = d.operands[0]
+    return b.reshape(v, shape)
+
+
 def _permute(b: GacBuilder, v: ir.Value, perm: tuple[int, ...]) -> ir.Value:
     """transpose(v, perm), composed with a transpose that made v (identity: its source), or a
     reshape when only unit dims move."""
@@ -61,7 +70,7 @@ def _permute(b: GacBuilder, v: ir.Value, perm: tuple[int, ...]) -> ir.Value:
     shape = shape_of(v.type)
     out = [shape[p] for p in perm]
     if [s for s in shape if s != 1] == [s for s in out if s != 1] and DYN not in shape:
-        return b.reshape(v, out)
+        return _reshape(b, v, out)
     return b.transpose(v, perm=list(perm))
 
 
@@ -72,6 +81,36 @@ def _eligible_conv(op: ir.Operation) -> bool:
     elem = str(ir.RankedTensorType(x.type).element_type)
     return (len(xs) == 4 and not a["channels_last"] and DYN not in xs and elem in _FLOATS
             and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS)
+
+
+def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
+    """The convs whose input or result is joined to another conv's result or input by
+    elementwise ops alone (a union of each elementwise op's 4-d operands and result): only
+    there does NHWC pay for the transposes left at the chain's edges (a lone conv, or one next
+    to a pooling op, keeps NCHW)."""
+    parent: dict = {}
+
+    def find(v):
+        while v in parent:
+            v = parent[v]
+        return v
+
+    def union(a, b):
+        a, b = find(a), find(b)
+        if a != b:
+            parent[a] = b
+
+    for op in ops:
+        if op.name in ELEMENTWISE and len(shape_of(op.results[0].type)) == 4:
+            for v in op.operands:
+                if len(shape_of(v.type)) == 4:
+                    union(v, op.results[0])
+    convs = [o for o in ops if o.name == "gac.conv" and _eligible_conv(o)]
+    ends: dict = {}  # group -> the convs reading / writing it
+    for c in convs:
+        for v in (c.operands[0], c.results[0]):
+            ends.setdefault(find(v), []).append(c)
+    return {c for c in convs if any(len(ends[find(v)]) > 1 for v in (c.operands[0], c.results[0]))}
 
 
 def _to_channels_last(b: GacBuilder, op: ir.Operation) -> None:
@@ -104,7 +143,7 @@ def _sink(b: GacBuilder, op: ir.Operation) -> bool:
         for v in op.operands:
             s = shape_of(v.type)
             if 0 < len(s) < 4:  # numpy broadcasting: align to the right first
-                v = b.reshape(v, [1] * (4 - len(s)) + list(s))
+                v = _reshape(b, v, [1] * (4 - len(s)) + list(s))
             ins.append(_permute(b, v, TO_LAST) if len(s) else v)
         elem = ir.RankedTensorType(op.results[0].type).element_type
         new = ir.Operation.create(op.name, results=[_tensor([ys[p] for p in TO_LAST], elem)], operands=ins,
@@ -120,7 +159,8 @@ def channels_last(module: ir.Module) -> ir.Module:
     with module.context, ir.Location.unknown():
         for fn in module.body.operations:
             ops = [o.operation for o in fn.regions[0].blocks[0].operations]
-            convs = [o for o in ops if o.name == "gac.conv" and _eligible_conv(o)]
+            chained = _chained(ops)
+            convs = [o for o in ops if o in chained]
             if not convs:
                 continue
             for op in convs:

@@ -22,7 +22,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import (
-    Generic, analyze, contraction_body, fill_before, map_dims, match_contraction,
+    Generic, analyze, contraction_body, fill_before, map_dims, match_contraction, read_at_own_point,
 )
 from gac_torch.backends.gpu.irutil import (
     VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, static_memref, top_level, users,
@@ -345,13 +345,17 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
     ky = readers[0]
     vy = ir.MemRefType(e.inputs[ky].type)
     ident = list(range(len(e.iters)))
-    if map_dims(e.maps[ky]) != ident or map_dims(e.maps[-1]) != ident or not _dense(vy) or _numel(vy) != _numel(yt):
+    if map_dims(e.maps[ky]) != ident:  # (e.g. the NCHW output of an NHWC conv chain)
+        e = read_at_own_point(e, ky) or e
+    out = map_dims(e.maps[-1])
+    if map_dims(e.maps[ky]) != ident or out is None or sorted(out) != ident or not _dense(vy) \
+            or _numel(vy) != _numel(yt):
         return None
     z = e.outputs[0]
     zt = ir.MemRefType(z.type)
     if (buffer_root(z) in avoid and not _renamable(z, e.op)) or not static_memref(z.type):
         return None
-    if buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt)):
+    if buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt) or out != ident):
         return None  # in place on y: only element for element
     inputs: list = []
     values: list[ir.Value] = []
@@ -360,7 +364,7 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
             continue
         if not isinstance(v.type, ir.MemRefType) or not static_memref(v.type):
             return None
-        if buffer_root(v) == buffer_root(z) and (v.type != z.type or map_dims(m) != ident):
+        if buffer_root(v) == buffer_root(z) and (v.type != z.type or map_dims(m) != out):
             return None  # reads Z's buffer elsewhere than at the point it writes
         op = operand_at(v, m)
         if op is None:
