@@ -113,13 +113,18 @@ def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
     return {c for c in convs if any(len(ends[find(v)]) > 1 for v in (c.operands[0], c.results[0]))}
 
 
-def _to_channels_last(b: GacBuilder, op: ir.Operation) -> None:
+def _to_channels_last(b: GacBuilder, op: ir.Operation, inputs: dict) -> None:
+    """The conv on NHWC; `inputs`: the NHWC transposes made so far, shared by the convs that
+    read one value (a block input read by its first conv and its downsample)."""
     a = op_attrs(op)
     x, w = op.operands
     y = op.results[0]
     ys = shape_of(y.type)
+    if x not in inputs:
+        with ir.InsertionPoint(op), op.location:
+            inputs[x] = _permute(b, x, TO_LAST)
     with ir.InsertionPoint(op), op.location:
-        xt = _permute(b, x, TO_LAST)
+        xt = inputs[x]
         yt = b.conv(xt, w, stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
                     groups=a["groups"], channels_last=1,
                     result_type=_tensor([ys[p] for p in TO_LAST], ir.RankedTensorType(y.type).element_type))
@@ -163,8 +168,9 @@ def channels_last(module: ir.Module) -> ir.Module:
             convs = [o for o in ops if o in chained]
             if not convs:
                 continue
+            inputs: dict = {}
             for op in convs:
-                _to_channels_last(b, op)
+                _to_channels_last(b, op, inputs)
             # in program order: a sunk op's NCHW transpose moves on through the ops after it
             for op in [o.operation for o in fn.regions[0].blocks[0].operations]:
                 if op.name in ELEMENTWISE:

@@ -1,0 +1,111 @@
+"""passes/channels_last.py on the cpu target (the pass is target-neutral; cuda turns it on by
+default, here the option does): convolution chains of odd shapes compute what eager does, and
+the gac IR keeps NHWC between the chained convs with transposes only at the chain's edges."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import gac_torch
+from models import randomize_bn
+
+
+def _conv(cin: int, cout: int, k: int = 3, s: int = 1, p: int = 1, d: int = 1, g: int = 1) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, s, p, d, g, bias=False), nn.BatchNorm2d(cout))
+
+
+class Bottleneck(nn.Module):
+    """1x1 -> 3x3 (stride 2, grouped) -> 1x1 + a strided 1x1 downsample, residual add, ReLU;
+    channel counts no tile divides."""
+
+    def __init__(self, c: int = 12, mid: int = 20, out: int = 36, stride: int = 2, groups: int = 2) -> None:
+        super().__init__()
+        self.a, self.b = _conv(c, mid, 1, p=0), _conv(mid, mid, 3, stride, 1, g=groups)
+        self.c, self.down = _conv(mid, out, 1, p=0), _conv(c, out, 1, stride, 0)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        y = torch.relu(self.b(y))
+        return torch.relu(self.c(y) + self.down(x))
+
+
+class InputResidual(nn.Module):
+    """The graph's NCHW input added to the chain (transposed once), a dilated conv, and a result
+    also read by a non-elementwise op (a spatial mean): that use keeps NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _conv(10, 10, 3, p=2, d=2), _conv(10, 9, 3)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x) + x)
+        z = self.b(y).sigmoid()
+        return z, y.mean(dim=(2, 3))
+
+
+class Mixed(nn.Module):
+    """A transposed conv feeding a conv, a depthwise conv (kept NCHW) in between, bias + SiLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1)
+        self.a = nn.Conv2d(16, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.b = nn.Conv2d(16, 24, 1)
+
+    def forward(self, x):
+        y = nn.functional.silu(self.a(self.up(x)))
+        return self.b(torch.relu(self.dw(y)) * 0.5 + y)
+
+
+CASES = {  # name -> (model, input shape, convs the pass puts on NHWC)
+    "bottleneck": (Bottleneck, (2, 12, 11, 13), 4),
+    "input_residual": (InputResidual, (2, 10, 9, 7), 2),
+    "mixed": (Mixed, (1, 8, 5, 6), 3),
+}
+
+
+def _compile(model: nn.Module, x: torch.Tensor, on: bool):
+    compiled = gac_torch.compile(model, (x,), target="cpu", options={"channels_last": on, "fallback": False})
+    (part,) = compiled.compiled.partitions.values()
+    return compiled, part.ir("gac")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_chains_on_nhwc_match_eager(name: str, dtype: torch.dtype) -> None:
+    cls, shape, nhwc = CASES[name]
+    torch.manual_seed(len(name))
+    model = randomize_bn(cls()).eval()
+    x = torch.randn(shape)
+    ref = model.double()(x.double())
+    model, x = model.to(dtype), x.to(dtype)
+    compiled, gac = _compile(model, x, True)
+    assert len(re.findall(r"channels_last = 1", gac)) == nhwc, gac
+    got = compiled(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        assert g.dtype == dtype and g.shape == r.shape and g.is_contiguous()
+        err = ((g.double() - r).norm() / r.norm()).item()
+        assert err < tol, (name, err)
+
+
+def test_transposes_only_at_the_chain_edges() -> None:
+    # bottleneck: the input once to NHWC (read by two convs), the sum once back; nothing between
+    model, x = randomize_bn(Bottleneck()).eval(), torch.randn(2, 12, 11, 13)
+    _, gac = _compile(model, x, True)
+    perms = re.findall(r'"gac.transpose".*perm = array<i64: ([\d, ]+)>', gac)
+    assert perms == ["0, 2, 3, 1", "0, 3, 1, 2"], perms
+    _, off = _compile(model, x, False)
+    assert "gac.transpose" not in off and "channels_last = 1" not in off
+
+
+def test_a_lone_conv_keeps_nchw() -> None:
+    # nothing to share the transposes with: conv + bias + ReLU stays as the graph has it
+    model, x = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()).eval(), torch.randn(1, 8, 7, 9)
+    _, gac = _compile(model, x, True)
+    assert "channels_last = 0" in gac and "gac.transpose" not in gac
