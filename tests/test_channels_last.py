@@ -104,8 +104,42 @@ def test_transposes_only_at_the_chain_edges() -> None:
     assert "gac.transpose" not in off and "channels_last = 1" not in off
 
 
-def test_a_lone_conv_keeps_nchw() -> None:
-    # nothing to share the transposes with: conv + bias + ReLU stays as the graph has it
-    model, x = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()).eval(), torch.randn(1, 8, 7, 9)
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = _conv(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) + x)
+
+
+@pytest.mark.parametrize("name", ["lone", "own_residual"])
+def test_a_conv_with_no_conv_to_share_the_transposes_keeps_nchw(name: str) -> None:
+    # conv + bias + ReLU, or conv + BN + its own input: the transposes would cost, not save
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()) if name == "lone" else _Residual()
+    model, x = randomize_bn(model).eval(), torch.randn(1, 8, 7, 9)
     _, gac = _compile(model, x, True)
     assert "channels_last = 0" in gac and "gac.transpose" not in gac
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["f32", "tf32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_chains_on_nhwc_match_float64_on_gpu(name: str, precision: str) -> None:
+    # the cuda target's default (channels_last on): the implicit GEMM on NHWC inputs, 16-byte
+    # vectors through the padding guards, the NCHW outputs written by the last epilogue
+    from test_cuda_conv import PRECISIONS, _cudnn_tf32
+
+    dtype, tf32, tol = PRECISIONS[precision]
+    cls, shape, _ = CASES[name]
+    torch.manual_seed(3)
+    model = randomize_bn(cls()).eval()
+    x = torch.randn(shape)
+    ref = model.double()(x.double())
+    model, x = model.to("cuda", dtype), x.to("cuda", dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda")
+        got = compiled(x)
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        err = ((g.double().cpu() - r).norm() / r.norm()).item()
+        assert torch.isfinite(g).all() and err < 4 * tol, (name, precision, err)

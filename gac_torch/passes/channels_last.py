@@ -85,9 +85,9 @@ def _eligible_conv(op: ir.Operation) -> bool:
 
 def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
     """The convs whose input or result is joined to another conv's result or input by
-    elementwise ops alone (a union of each elementwise op's 4-d operands and result): only
-    there does NHWC pay for the transposes left at the chain's edges (a lone conv, or one next
-    to a pooling op, keeps NCHW)."""
+    elementwise ops alone (a union of each elementwise op's 4-d operands and result): only there
+    does NHWC pay for the transposes left at the chain's edges (a lone conv, one whose result
+    only meets its own input in a residual add, or one next to a pooling op keeps NCHW)."""
     parent: dict = {}
 
     def find(v):
@@ -110,7 +110,7 @@ def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
     for c in convs:
         for v in (c.operands[0], c.results[0]):
             ends.setdefault(find(v), []).append(c)
-    return {c for c in convs if any(len(ends[find(v)]) > 1 for v in (c.operands[0], c.results[0]))}
+    return {c for c in convs if any(o != c for v in (c.operands[0], c.results[0]) for o in ends[find(v)])}
 
 
 def _to_channels_last(b: GacBuilder, op: ir.Operation, inputs: dict) -> None:
