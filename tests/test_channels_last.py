@@ -143,3 +143,31 @@ def test_chains_on_nhwc_match_float64_on_gpu(name: str, precision: str) -> None:
     for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
         err = ((g.double().cpu() - r).norm() / r.norm()).item()
         assert torch.isfinite(g).all() and err < 4 * tol, (name, precision, err)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_nhwc_convs_stage_16_byte_vectors_without_spills(precision: str) -> None:
+    # offline (sm_90): a 1x1 -> 3x3 (padded) -> 1x1 chain on NHWC: every operand of every conv,
+    # the 3x3's input through its padding guards too, is staged by 16-byte cp.async (NCHW: the
+    # 3x3's input was gathered one 4-byte element at a time); ptxas spills nothing
+    from test_cuda_conv import PRECISIONS, _cudnn_tf32
+
+    from gac_torch.backends.cuda.ptxas import assemble
+
+    dtype, tf32, _ = PRECISIONS[precision]
+    model = nn.Sequential(_conv(64, 64, 1, p=0), nn.ReLU(), _conv(64, 64, 3), nn.ReLU(), _conv(64, 128, 1, p=0))
+    model, x = randomize_bn(model).eval().to(dtype), torch.randn(2, 64, 20, 24).to(dtype)
+    with _cudnn_tf32(tf32):
+        compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "fallback": False})
+    (part,) = compiled.compiled.partitions.values()
+    assert len(re.findall(r"channels_last = 1", part.ir("gac"))) == 3
+    kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
+    # the 3x3 weights' [f, kh, kw, c] copy and three convs: the first reads the NCHW input
+    # (its transpose folded into the conv's indexing), the last one's epilogue writes NCHW
+    assert sorted(kernels) == ["igemm"] * 3 + ["loops"], kernels
+    convs = [k for k in part.ir("ptx").split(".entry")[1:] if "mma.sync" in k]
+    copies = [re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\d+)", k) for k in convs]
+    assert len(convs) == 3 and all(c and set(c) == {"16"} for c in copies), copies
+    result = assemble(part.ir("ptx"), "sm_90")
+    spills = re.findall(r"(\d+) bytes spill stores", result.log)
+    assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
