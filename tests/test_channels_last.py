@@ -171,3 +171,35 @@ def test_nhwc_convs_stage_16_byte_vectors_without_spills(precision: str) -> None
     result = assemble(part.ir("ptx"), "sm_90")
     spills = re.findall(r"(\d+) bytes spill stores", result.log)
     assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
+
+
+def test_epilogue_reading_through_a_permutation_is_interchanged() -> None:
+    # the chain's last BatchNorm + ReLU reads the NHWC conv result and writes the NCHW output
+    # (the transpose folded in by elementwise fusion): its loops are permuted so that it reads
+    # the conv result at its own point, which the implicit GEMM's epilogue fusion needs
+    from mlir import ir
+
+    from gac_torch.backends.gpu.analysis import analyze, map_dims, read_at_own_point
+    from gac_torch.ir.dialect import make_context
+
+    text = """
+    func.func @f(%y: memref<2x5x7x3xf32>, %s: memref<3xf32>, %z: memref<2x3x5x7xf32>) {
+      linalg.generic {indexing_maps = [affine_map<(a, b, c, d) -> (a, c, d, b)>,
+                                       affine_map<(a, b, c, d) -> (b)>,
+                                       affine_map<(a, b, c, d) -> (a, b, c, d)>],
+                      iterator_types = ["parallel", "parallel", "parallel", "parallel"]}
+          ins(%y, %s : memref<2x5x7x3xf32>, memref<3xf32>) outs(%z : memref<2x3x5x7xf32>) {
+      ^bb0(%v: f32, %w: f32, %o: f32):
+        %m = arith.mulf %v, %w : f32
+        linalg.yield %m : f32
+      }
+      return
+    }"""
+    with make_context() as ctx, ir.Location.unknown():
+        module = ir.Module.parse(text, ctx)
+        op = module.body.operations[0].regions[0].blocks[0].operations[0].operation
+        g = read_at_own_point(analyze(op), 0)
+        assert g is not None and g.ranges == [2, 5, 7, 3]
+        assert [map_dims(m) for m in (g.maps[0], g.maps[2])] == [[0, 1, 2, 3], [0, 3, 1, 2]]
+        assert [str(e) for e in g.maps[1].results] == ["d3"]
+        op.verify()
