@@ -12,8 +12,10 @@ conv's NCHW result transpose is moved down through the elementwise ops after it 
 BatchNorm, ReLU, residual add, casts; their small broadcast operands are just reshaped, a big
 one transposed) until it meets the next conv's NHWC transpose and both vanish. What is left
 sits where the graph's own layout is needed: the graph's inputs and outputs and the non-
-elementwise ops (pooling, reductions); the shared lowering folds those transposes into the
-indexing of the op next to them. Numerics are unchanged: every element is computed by the same
+elementwise ops (pooling, reductions); the shared lowering folds such a transpose into the
+indexing of its one reader (a graph input into the first conv, the output into the last
+epilogue), else it is one copy kernel (ResNet-50: the max-pool's result). Only convs joined
+to another conv are converted (`_chained`). Numerics are unchanged: every element is computed by the same
 operations in the same order. Targets opt in (`Target.channels_last`; option `channels_last`).
 """
 
