@@ -355,14 +355,17 @@ def nhwc_spec(kind: str, n: int, c: int, h: int, w: int, f: int, k: int, stride:
     return spec, ((n, h, w, 1, c), (1, f, k, k, c), (n, oh, ow, 1, f)), (sa, sb, sc)
 
 
-@pytest.mark.parametrize("kind,c,f,stride,dil,pad", [
-    ("f32", 12, 10, 1, 1, 1), ("tf32", 32, 20, 2, 1, 1), ("tf32", 16, 9, 1, 2, 2),
-    ("bf16", 32, 12, 2, 1, 1), ("f16", 24, 40, 1, 1, 1), ("bf16", 64, 8, 1, 1, 0)])
-def test_channels_last_input_is_staged_in_vectors_through_the_padding(kind, c, f, stride, dil, pad) -> None:
+@pytest.mark.parametrize("kind,c,f,stride,dil,pad,big", [
+    ("f32", 12, 10, 1, 1, 1, False), ("tf32", 32, 20, 2, 1, 1, False), ("tf32", 16, 9, 1, 2, 2, False),
+    ("bf16", 32, 12, 2, 1, 1, False), ("f16", 24, 40, 1, 1, 1, False), ("bf16", 64, 8, 1, 1, 0, False),
+    ("tf32", 32, 70, 1, 1, 1, True), ("bf16", 64, 130, 2, 1, 1, True)])
+def test_channels_last_input_is_staged_in_vectors_through_the_padding(kind, c, f, stride, dil, pad, big) -> None:
     # N H W C: the channels are K's innermost run and no padding guard reads them, so a whole
-    # 16-byte vector is inside or outside the padding together (NCHW's padded input: scalars)
+    # 16-byte vector is inside or outside the padding together (NCHW's padded input: scalars);
+    # big: 128-wide tiles, 4 cp.async stages (the twin checks every read waits for its copy)
     spec, shapes, strides = nhwc_spec(kind, 2, c, 7, 9, f, 3, stride, dil, pad)
-    p = cg.plan(spec)
+    p = cg.plan(spec, big=big or None, dynamic_limit=cg.DYNAMIC_SMEM_PER_BLOCK if big else 0)
+    assert p.bm == (128 if big else 64) and (p.stages == 4 or not big)
     es = cg.ESIZE[spec.a.elem]
     assert p.a.glob_k and p.a.vec == 16 // es, p.a
     assert p.a.cp == (kind != "f32") and p.b.vec == 16 // es
