@@ -62,10 +62,28 @@ class Mixed(nn.Module):
         return self.b(torch.relu(self.dw(y)) * 0.5 + y)
 
 
+class Pooled(nn.Module):
+    """conv -> ReLU -> max-pool (ceil mode, padded) -> conv -> avg-pool (padding not counted)
+    -> conv: the pools run on NHWC too, the chain converts once at each end; an RGB input conv
+    (3 channels: no vectors either way) stays NCHW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rgb = nn.Conv2d(3, 8, 3, padding=1)
+        self.a, self.b, self.c = _conv(8, 12, 3), _conv(12, 16, 1, p=0), _conv(16, 9, 3)
+
+    def forward(self, x):
+        y = torch.relu(self.a(self.rgb(x)))
+        y = nn.functional.max_pool2d(y, 3, 2, 1, ceil_mode=True)
+        y = nn.functional.avg_pool2d(torch.relu(self.b(y)), 3, 2, 1, count_include_pad=False)
+        return self.c(y)
+
+
 CASES = {  # name -> (model, input shape, convs the pass puts on NHWC)
     "bottleneck": (Bottleneck, (2, 12, 11, 13), 4),
     "input_residual": (InputResidual, (2, 10, 9, 7), 2),
     "mixed": (Mixed, (1, 8, 5, 6), 3),
+    "pooled": (Pooled, (2, 3, 13, 11), 3),
 }
 
 
@@ -85,7 +103,7 @@ def test_chains_on_nhwc_match_eager(name: str, dtype: torch.dtype) -> None:
     ref = model.double()(x.double())
     model, x = model.to(dtype), x.to(dtype)
     compiled, gac = _compile(model, x, True)
-    assert len(re.findall(r"channels_last = 1", gac)) == nhwc, gac
+    assert len(re.findall(r"\"gac.conv\".*channels_last = 1", gac)) == nhwc, gac
     got = compiled(x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
@@ -160,7 +178,7 @@ def test_nhwc_convs_stage_16_byte_vectors_without_spills(precision: str) -> None
     with _cudnn_tf32(tf32):
         compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "fallback": False})
     (part,) = compiled.compiled.partitions.values()
-    assert len(re.findall(r"channels_last = 1", part.ir("gac"))) == 3
+    assert len(re.findall(r"\"gac.conv\".*channels_last = 1", part.ir("gac"))) == 3
     kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
     # the 3x3 weights' [f, kh, kw, c] copy and three convs: the first reads the NCHW input
     # (its transpose folded into the conv's indexing), the last one's epilogue writes NCHW
@@ -203,3 +221,11 @@ def test_epilogue_reading_through_a_permutation_is_interchanged() -> None:
         assert [map_dims(m) for m in (g.maps[0], g.maps[2])] == [[0, 1, 2, 3], [0, 3, 1, 2]]
         assert [str(e) for e in g.maps[1].results] == ["d3"]
         op.verify()
+
+
+def test_pools_between_convs_stay_nhwc() -> None:
+    model, x = randomize_bn(Pooled()).eval(), torch.randn(2, 3, 13, 11)
+    _, gac = _compile(model, x, True)
+    assert len(re.findall(r'"gac.pool".*channels_last = 1', gac)) == 2, gac
+    perms = re.findall(r'"gac.transpose".*perm = array<i64: ([\d, ]+)>', gac)
+    assert perms == ["0, 2, 3, 1", "0, 3, 1, 2"], perms

@@ -32,8 +32,10 @@ TO_FIRST = (0, 3, 1, 2)  # NHWC -> NCHW
 ELEMENTWISE = ("gac.unary", "gac.binary", "gac.select", "gac.cast")
 _FLOATS = ("f16", "bf16", "f32", "f64")
 # a conv whose per-group output channels fill under one mma tile (depthwise) is left to the
-# reduction kernels, which walk NCHW's spatial runs
+# reduction kernels, which walk NCHW's spatial runs; one with under a 16-byte f32 vector of input
+# channels per group (an RGB stem) reads no vectors on NHWC either
 MIN_GROUP_CHANNELS = 8
+MIN_GROUP_INPUTS = 4
 
 
 def _op(v: ir.Value) -> ir.Operation | None:
@@ -82,7 +84,7 @@ def _eligible_conv(op: ir.Operation) -> bool:
     xs, ws = shape_of(x.type), shape_of(w.type)
     elem = str(ir.RankedTensorType(x.type).element_type)
     return (len(xs) == 4 and not a["channels_last"] and DYN not in xs and elem in _FLOATS
-            and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS)
+            and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS and ws[1] >= MIN_GROUP_INPUTS)
 
 
 def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
@@ -103,6 +105,8 @@ def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
             parent[a] = b
 
     for op in ops:
+        if _nhwc_pool(op):
+            union(op.operands[0], op.results[0])
         if op.name in ELEMENTWISE and len(shape_of(op.results[0].type)) == 4:
             for v in op.operands:
                 if len(shape_of(v.type)) == 4:
@@ -161,6 +165,27 @@ def _sink(b: GacBuilder, op: ir.Operation) -> bool:
     return True
 
 
+def _nhwc_pool(op: ir.Operation) -> bool:
+    """A 2-D pooling of a static 4-d NCHW tensor (it runs on NHWC as well)."""
+    if op.name != "gac.pool":
+        return False
+    xs = shape_of(op.operands[0].type)
+    return len(xs) == 4 and DYN not in xs and len(op_attrs(op)["kernel"]) == 2 and not op_attrs(op)["channels_last"]
+
+
+def _sink_pool(b: GacBuilder, op: ir.Operation) -> None:
+    """pool(transpose(t, NCHW)) -> transpose(pool[channels_last](t), NCHW) (the max-pool after
+    ResNet's stem: its conv writes NHWC, the first bottleneck reads NHWC)."""
+    src = _perm_of(op.operands[0])
+    if not _nhwc_pool(op) or src is None or src[1] != TO_FIRST:
+        return
+    a = {k: v for k, v in op_attrs(op).items() if not k.startswith("gac.")}
+    with ir.InsertionPoint(op), op.location:
+        y = _permute(b, b.pool(src[0], **{**a, "channels_last": 1}), TO_FIRST)
+    op.results[0].replace_all_uses_with(y)
+    op.erase()
+
+
 def channels_last(module: ir.Module) -> ir.Module:
     b = GacBuilder()
     with module.context, ir.Location.unknown():
@@ -177,6 +202,8 @@ def channels_last(module: ir.Module) -> ir.Module:
             for op in [o.operation for o in fn.regions[0].blocks[0].operations]:
                 if op.name in ELEMENTWISE:
                     _sink(b, op)
+                elif op.name == "gac.pool":
+                    _sink_pool(b, op)
             for op in [o.operation for o in fn.regions[0].blocks[0].operations]:
                 if op.name == "gac.transpose" and _perm_of(op.operands[0]) is not None:
                     with ir.InsertionPoint(op), op.location:  # a conv's NHWC input after a sunk one

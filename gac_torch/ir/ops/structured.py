@@ -69,12 +69,14 @@ def _infer_pool(types, attrs):
     (x,) = types
     shape = shape_of(x)
     nsp = len(attrs["kernel"])
-    if len(shape) < nsp + 1:
+    last = int(bool(attrs["channels_last"]))  # the window dims end one before the last
+    if len(shape) < nsp + 1 + last:
         raise GacTypeError(f"gac.pool: rank {len(shape)} too small for a {nsp}-d window")
-    spatial = [window_out(shape[len(shape) - nsp + i], attrs["kernel"][i], attrs["stride"][i],
+    at = len(shape) - nsp - last
+    spatial = [window_out(shape[at + i], attrs["kernel"][i], attrs["stride"][i],
                           attrs["padding"][i], attrs["padding"][i], attrs["dilation"][i],
                           bool(attrs["ceil_mode"])) for i in range(nsp)]
-    return [tensor(shape[: len(shape) - nsp] + tuple(spatial), types[0].element_type)]
+    return [tensor(shape[:at] + tuple(spatial) + shape[at + nsp:], types[0].element_type)]
 
 
 define("matmul", ["lhs", "rhs"], check=_check_matmul,
@@ -89,6 +91,8 @@ define("conv", ["x", "weight"],
            "the f32 accumulator itself for f16/bf16")
 define("pool", ["x"],
        attrs={"kind": ("max", "avg"), "kernel": "ints", "stride": "ints", "padding": "ints",
-              "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int"},
+              "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int",
+              "channels_last": "int"},
        infer=_infer_pool,
-       doc="window max/avg over the trailing len(kernel) dims; divisor 0 = by window count")
+       doc="window max/avg over the trailing len(kernel) dims (channels_last: the len(kernel) "
+           "dims before the last); divisor 0 = by window count")
