@@ -18,6 +18,7 @@ from gac_torch.legalize import build_module
 from gac_torch.legalize.context import is_empty_output
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.attention import fuse_attention
+from gac_torch.passes.channels_last import channels_last
 from gac_torch.passes.concat_sum import split_concat_sum
 from gac_torch.passes.dce import gac_dce
 from gac_torch.passes.fusion import annotate_kernels
@@ -150,6 +151,8 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
 
     ctx = make_context()
     module = split_concat_sum(fuse_attention(gac_dce(build_module(gm, ctx))))  # before verify: it checks the result
+    if options.get("channels_last") if options.get("channels_last") is not None else target.channels_last:
+        module = channels_last(module)  # (after fuse_attention, which matches NCHW patterns)
     with ctx, ir.Location.unknown():
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):

@@ -44,6 +44,9 @@ class Options:
     dump_dir: str | None = _field(None, "write the FX graph, gac and every stage here (also GAC_DUMP_DIR)",
                                   in_key=False)
     verify: bool = _field(True, "run gac-verify (shapes and dtypes) on every module")
+    channels_last: bool | None = _field(None, "2-D convolutions on N H W C activations, converted only "
+                                              "where the graph needs NCHW (passes/channels_last.py); "
+                                              "None: the target's choice (cuda: on)")
     cache: bool | None = _field(None, "False: no on-disk compile cache; None: on unless GAC_CACHE=0",
                                 in_key=False)
     autotune: bool = _field(False, "measure the tile candidates of each kernel on the device at compile "
@@ -61,6 +64,7 @@ class Options:
                 or self.min_block_size < 1:
             raise OptionError("option 'min_block_size' must be a positive integer")
         _check_bool("cache", self.cache, none=True)
+        _check_bool("channels_last", self.channels_last, none=True)
         _check_bool("autotune", self.autotune)
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise OptionError(f"option 'dump_dir' (or GAC_DUMP_DIR) must be a path, not "

@@ -337,3 +337,46 @@ def test_weights_copied_into_the_k_order_are_staged_in_vectors(kind: str, c: int
     spec1, shapes1, strides1 = conv_spec(kind, 1, 1, c, 5, 5, f, 1, 1, channels_last_k=True)
     assert weight_layout.permuted(spec1.b.type, e, shapes1[1], strides1[1], 0, (G_, F_, C_, KH_, KW_), 8,
                                   spec1.ks, spec1.ranges) is None
+
+
+def nhwc_spec(kind: str, n: int, c: int, h: int, w: int, f: int, k: int, stride: int, dil: int, pad: int):
+    """(spec, shapes, strides) of a conv on an unpadded N H W C input read through padding
+    guards, [f, kh, kw, c] weights (weight_layout's copy), an N OH OW F result; K = (kh, kw, c),
+    the order implicit_gemm gives a channels-last conv (passes/channels_last.py)."""
+    oh, ow = (h + 2 * pad - dil * (k - 1) - 1) // stride + 1, (w + 2 * pad - dil * (k - 1) - 1) // stride + 1
+    e = "f32" if kind in ("tf32", "f32") else kind
+    a, sa = _op(e, (n, h, w, 1, c), [({N_: 1}, 0), ({OH_: stride, KH_: dil}, -pad),
+                                     ({OW_: stride, KW_: dil}, -pad), ({G_: 1}, 0), ({C_: 1}, 0)], 8,
+                guarded=(1, 2) if pad else ())
+    b, sb = _op(e, (1, f, k, k, c), [({d: 1}, 0) for d in (G_, F_, KH_, KW_, C_)], 8)
+    cc, sc = _op("f32", (n, oh, ow, 1, f), [({d: 1}, 0) for d in (N_, OH_, OW_, G_, F_)], 8)
+    ranges = (n, 1, f, oh, ow, c, k, k)
+    spec = cg.Spec(kind, (N_, OH_, OW_), (F_,), (KH_, KW_, C_), (G_,), ranges, a, b, cc, True)
+    return spec, ((n, h, w, 1, c), (1, f, k, k, c), (n, oh, ow, 1, f)), (sa, sb, sc)
+
+
+@pytest.mark.parametrize("kind,c,f,stride,dil,pad,big", [
+    ("f32", 12, 10, 1, 1, 1, False), ("tf32", 32, 20, 2, 1, 1, False), ("tf32", 16, 9, 1, 2, 2, False),
+    ("bf16", 32, 12, 2, 1, 1, False), ("f16", 24, 40, 1, 1, 1, False), ("bf16", 64, 8, 1, 1, 0, False),
+    ("tf32", 32, 70, 1, 1, 1, True), ("bf16", 64, 130, 2, 1, 1, True)])
+def test_channels_last_input_is_staged_in_vectors_through_the_padding(kind, c, f, stride, dil, pad, big) -> None:
+    # N H W C: the channels are K's innermost run and no padding guard reads them, so a whole
+    # 16-byte vector is inside or outside the padding together (NCHW's padded input: scalars);
+    # big: 128-wide tiles, 4 cp.async stages (the twin checks every read waits for its copy)
+    spec, shapes, strides = nhwc_spec(kind, 2, c, 7, 9, f, 3, stride, dil, pad)
+    p = cg.plan(spec, big=big or None, dynamic_limit=cg.DYNAMIC_SMEM_PER_BLOCK if big else 0)
+    assert p.bm == (128 if big else 64) and (p.stages == 4 or not big)
+    es = cg.ESIZE[spec.a.elem]
+    assert p.a.glob_k and p.a.vec == 16 // es, p.a
+    assert p.a.cp == (kind != "f32") and p.b.vec == 16 // es
+    rng = np.random.default_rng(c + f + stride)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides, init=0.25)
+    rnd = {"tf32": "tf32", "f32": "f32"}.get(kind, kind)
+    x64 = torch.from_numpy(round_to(X, rnd).astype(np.float64)).reshape(2, 7, 9, c).permute(0, 3, 1, 2)
+    w64 = torch.from_numpy(round_to(W, rnd).astype(np.float64)).reshape(f, 3, 3, c).permute(0, 3, 1, 2)
+    ref = torch.nn.functional.conv2d(x64, w64, stride=stride, dilation=dil, padding=pad).permute(0, 2, 3, 1)
+    ref = ref.numpy() + 0.25
+    err = np.linalg.norm(out.reshape(ref.shape) - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err

@@ -246,19 +246,22 @@ class _Bottleneck(torch.nn.Module):
         return torch.relu(self.body(x) + self.down(x))
 
 
-def test_batchnorm_into_a_reused_input_buffer_is_fused_through_a_fresh_one() -> None:
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batchnorm_into_a_reused_input_buffer_is_fused_through_a_fresh_one(channels_last: bool) -> None:
     # the first BatchNorm + ReLU writes the block input's buffer, which the conv producing its
     # input reads: the fused kernel writes a fresh allocation instead, and the buffer's views
     # made before (the next convs' reshaped input) are rebuilt on it. Before: a `loops` kernel
-    # per such BatchNorm
+    # per such BatchNorm. On NHWC (cuda's default) too; the last conv's epilogue writes NCHW
     from models import randomize_bn
 
     model, x = randomize_bn(_Bottleneck()).eval(), torch.randn(2, 16, 13, 17)
-    compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90"})
+    compiled = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "channels_last": channels_last})
     (part,) = compiled.compiled.partitions.values()
     kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
     convs = [k for k in kernels if k in ("sgemm", "igemm")]  # (exact or TF32: torch's flag)
-    assert len(convs) == 4 and kernels.count("loops") == 3, kernels  # (the pool: pad fill, copy, max)
+    # the pool: pad fill, copy, max; on NHWC its result's transpose (read by two convs)
+    assert len(convs) == 4 and kernels.count("loops") == 3 + channels_last, kernels
+    assert ("channels_last = 1" in part.ir("gac")) == channels_last
 
 
 @pytest.mark.cuda

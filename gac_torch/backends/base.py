@@ -102,6 +102,7 @@ class Target:
     load: Callable[[Any, Signature, dict], Executable]  # last artifact -> executable
     check_available: Callable[[], None] = lambda: None  # raises TargetUnavailable with a fix
     dynamic_shapes: bool = False  # compiles graphs with run-time sizes (else: one per shape)
+    channels_last: bool = False  # 2-D convs on NHWC activations (passes/channels_last.py) by default
     # The on-disk cache and saved artifacts (runtime/cache.py): `pack(artifact, options,
     # required)` turns the last artifact into plain data (JSON-able meta, named blobs), or None
     # when not worth caching (never when `required`); `unpack` that data into an executable

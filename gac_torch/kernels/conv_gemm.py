@@ -135,10 +135,13 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
         glob_k = _step(op, spec.ks, r) <= _step(op, outer, r)
     run, inside, cols_g = (run_k, in_k, bk) if glob_k else (run_o, in_o, tile_o)
     es = ESIZE[op.elem]
+    if op.guards:  # a vector could straddle the padding's edge: only along K's innermost dim
+        last = next((d for d in reversed(spec.ks) if r[d] > 1), None)  # when no guard reads it
+        if not glob_k or last is None or op.coef[last] != 1 or any(gc[last] for gc, _, _ in op.guards):
+            return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, 1)
+        run, inside = r[last], {d for d in spec.ks if r[d] == 1} | {last}  # (an NHWC input's c)
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
     vec = 1
-    if op.guards:  # a vector could straddle the padding's edge
-        return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, 1)
     # (tf32 at 4 wide through registers: sm_90's ptxas caps the 64x64 kernel at 72 registers
     # and spills; 2 wide not. cp.async holds no registers: 4 wide)
     for v in ((8, 4, 2) if es == 2 else (4, 2) if simt or CP_ASYNC else (2,)):

@@ -85,7 +85,7 @@ def lower_convolution(cx: Cx, x, w, bias, stride, padding, dilation, transposed,
     dt = cx.out_dtype
     ct = cx.compute_dtype(dt) if bias is not None else dt
     y = cx.b.conv(x, w, stride=rep(stride), padding=rep(padding), dilation=rep(dilation), groups=groups,
-                  result_type=tensor_type(cx.out_shape, ct))
+                  channels_last=0, result_type=tensor_type(cx.out_shape, ct))
     if bias is not None:
         y = cx.b.binary(y, cx.b.reshape(cx.to(bias, ct), [cx.out_shape[1]] + [1] * nsp), kind="add")
     return cx.to(y, dt)
@@ -142,7 +142,7 @@ def lower_max_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), dilation=(1,), 
     k, s, p, d = _pool_args(kernel, stride, padding, dilation)
     if _indices_unused(cx.node) is None:
         y = cx.b.pool(x, kind="max", kernel=k, stride=s, padding=p, dilation=d,
-                      ceil_mode=int(ceil_mode), count_include_pad=1, divisor=0)
+                      ceil_mode=int(ceil_mode), count_include_pad=1, divisor=0, channels_last=0)
         return y, None
     return _max_pool_with_indices(cx, x, k, s, p, d)
 
@@ -194,7 +194,7 @@ def lower_avg_pool2d(cx: Cx, x, kernel, stride=(), padding=(0,), ceil_mode=False
                      count_include_pad=True, divisor_override=None):
     k, s, p, d = _pool_args(kernel, stride, padding)
     return cx.b.pool(x, kind="avg", kernel=k, stride=s, padding=p, dilation=d, ceil_mode=int(ceil_mode),
-                     count_include_pad=int(count_include_pad), divisor=int(divisor_override or 0))
+                     count_include_pad=int(count_include_pad), divisor=int(divisor_override or 0), channels_last=0)
 
 
 def _windows(size: int, out: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -234,7 +234,7 @@ def lower_adaptive_avg_pool2d(cx: Cx, x, output_size):
     if h % output_size[0] == 0 and w % output_size[1] == 0:  # even windows: a plain average pool
         k = [h // output_size[0], w // output_size[1]]
         return cx.b.pool(x, kind="avg", kernel=k, stride=k, padding=[0, 0], dilation=[1, 1],
-                         ceil_mode=0, count_include_pad=1, divisor=0)
+                         ceil_mode=0, count_include_pad=1, divisor=0, channels_last=0)
     acc = torch.float64 if cx.out_dtype == torch.float64 else torch.float32
     return cx.to(_adaptive(cx, cx.to(x, acc), output_size, "avg"), cx.out_dtype)
 

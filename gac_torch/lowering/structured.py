@@ -7,7 +7,7 @@ from mlir.dialects import arith, linalg
 
 from gac_torch.ir.builder import op_attrs
 from gac_torch.lowering.core import (
-    PARALLEL, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
+    PARALLEL, REDUCTION, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
     identity_map, index, lowest, pad_constant, prod, reshape, shape,
 )
 from gac_torch.lowering.registry import lowers
@@ -53,6 +53,9 @@ def lower_conv(op, operands):
     g = attrs["groups"]
     e = elem(x)
     acc = accumulator_type(e)
+    if attrs["channels_last"]:
+        return [_narrow(_conv_nhwc(x, w, g, stride, padding, dilation, shape(op.results[0]), acc),
+                        elem(op.results[0].type))]
     x = pad_constant(x, [0, 0] + padding, [0, 0] + padding, 0)
     n, c, h, wd = shape(x)
     f = ws[0]
@@ -66,6 +69,27 @@ def lower_conv(op, operands):
         strides=_i64_elements(stride),
         dilations=_i64_elements(dilation))
     return [_narrow(reshape(y, out_shape), elem(op.results[0].type))]
+
+
+def _conv_nhwc(x, w, g: int, stride, padding, dilation, out_shape, acc) -> ir.Value:
+    """2-D conv on N H W C activations (torch's F C KH KW weights) as one generic over
+    (n, oh, ow, g, f, c, kh, kw): the channels are the input's unit-stride dim, which the GPU's
+    implicit GEMM reads in 16-byte vectors (K ordered kh, kw, c)."""
+    x = pad_constant(x, [0] + padding + [0], [0] + padding + [0], 0)
+    n, h, wd, c = shape(x)
+    f = shape(w)[0]
+    x5 = reshape(x, [n, h, wd, g, c // g])
+    w5 = reshape(w, [g, f // g] + shape(w)[1:])
+    ho, wo = out_shape[1], out_shape[2]
+    d = [ir.AffineDimExpr.get(i) for i in range(8)]  # n, oh, ow, g, f, c, kh, kw
+    maps = [ir.AffineMap.get(8, 0, [d[0], d[1] * stride[0] + d[6] * dilation[0],
+                                    d[2] * stride[1] + d[7] * dilation[1], d[3], d[5]]),
+            ir.AffineMap.get(8, 0, [d[3], d[4], d[5], d[6], d[7]]),
+            ir.AffineMap.get(8, 0, [d[0], d[1], d[2], d[3], d[4]])]
+    init = full([n, ho, wo, g, f // g], 0, acc)
+    y = generic([x5, w5], maps[:2], [init], maps[2:], [PARALLEL] * 5 + [REDUCTION] * 3,
+                lambda a, b, o: [arith.addf(o, arith.mulf(convert(a, acc), convert(b, acc)))])[0]
+    return reshape(y, out_shape)
 
 
 def _i64_elements(values) -> list[int]:
@@ -83,6 +107,8 @@ def lower_pool(op, operands):
     out_shape = shape(op.results[0])
     lead = xs[: len(xs) - nsp]
     e = elem(x)
+    if a["channels_last"]:
+        return [_pool_nhwc(x, a, kernel, stride, padding, dilation, out_shape)]
     # Normalise to (N, C, H, W).
     if nsp == 1:
         kernel, stride, padding, dilation = [1] + kernel, [1] + stride, [0] + padding, [1] + dilation
@@ -103,27 +129,46 @@ def lower_pool(op, operands):
     xa = _widen(x4, acc)
     xp = pad_constant(xa, [0, 0] + padding, [0, 0] + [p + q for p, q in zip(padding, hi)], 0)
     s = linalg.pooling_nchw_sum(xp, empty(kernel, acc), outs=[full(nc + [ho, wo], 0, acc)], **kw)
-    divisor = a["divisor"]
-    count_pad = bool(a["count_include_pad"])
-
-    def body(v, _out):
-        if divisor:
-            return [convert(arith.divf(v, const(divisor, acc)), e)]
-        counts = []
-        for d, (size, k, st, p) in enumerate(zip((h, w), kernel, stride, padding)):
-            i64 = ir.IntegerType.get_signless(64)
-            start = arith.subi(arith.muli(index(2 + d), const(st, i64)), const(p, i64))
-            end = arith.minsi(arith.addi(start, const(k, i64)), const(size + p, i64))
-            if not count_pad:
-                start = arith.maxsi(start, const(0, i64))
-                end = arith.minsi(end, const(size, i64))
-            counts.append(arith.subi(end, start))
-        cnt = arith.sitofp(acc, arith.muli(counts[0], counts[1]))
-        return [convert(arith.divf(v, cnt), e)]
-
-    y = generic([s], [identity_map(4)], [empty(nc + [ho, wo], e)], [identity_map(4)],
-                [PARALLEL] * 4, body)[0]
+    y = generic([s], [identity_map(4)], [empty(nc + [ho, wo], e)], [identity_map(4)], [PARALLEL] * 4,
+                lambda v, _out: [_average(v, a, kernel, stride, padding, (h, w), 2, acc, e)])[0]
     return [reshape(y, out_shape)]
+
+
+def _pool_nhwc(x, a, kernel, stride, padding, dilation, out_shape) -> ir.Value:
+    """2-D max/avg pooling of N H W C (passes/channels_last.py): as the NCHW path, over dims 1, 2."""
+    e = elem(x)
+    n, h, w, c = shape(x)
+    ho, wo = out_shape[1], out_shape[2]
+    hi = [max(0, (o - 1) * s + d * (k - 1) + 1 - (size + p))  # ceil_mode windows past the end
+          for o, s, d, k, size, p in zip((ho, wo), stride, dilation, kernel, (h, w), padding)]
+    low, high = [0] + padding + [0], [0] + [p + q for p, q in zip(padding, hi)] + [0]
+    kw = dict(strides=_i64_elements(stride), dilations=_i64_elements(dilation))
+    if a["kind"] == "max":
+        xp = pad_constant(x, low, high, lowest(e))
+        return linalg.pooling_nhwc_max(xp, empty(kernel, e), outs=[full(out_shape, lowest(e), e)], **kw)
+    acc = accumulator_type(e)
+    xp = pad_constant(_widen(x, acc), low, high, 0)
+    s = linalg.pooling_nhwc_sum(xp, empty(kernel, acc), outs=[full(out_shape, 0, acc)], **kw)
+    return generic([s], [identity_map(4)], [empty(out_shape, e)], [identity_map(4)], [PARALLEL] * 4,
+                   lambda v, _out: [_average(v, a, kernel, stride, padding, (h, w), 1, acc, e)])[0]
+
+
+def _average(v, a, kernel, stride, padding, size_hw, first: int, acc, e):
+    """One pooled sum divided as torch does: by the divisor, else by the window's element count
+    (padding counted or not); the window dims are `first`, `first` + 1 of the iteration."""
+    if a["divisor"]:
+        return convert(arith.divf(v, const(a["divisor"], acc)), e)
+    counts = []
+    for d, (size, k, st, p) in enumerate(zip(size_hw, kernel, stride, padding)):
+        i64 = ir.IntegerType.get_signless(64)
+        start = arith.subi(arith.muli(index(first + d), const(st, i64)), const(p, i64))
+        end = arith.minsi(arith.addi(start, const(k, i64)), const(size + p, i64))
+        if not a["count_include_pad"]:
+            start = arith.maxsi(start, const(0, i64))
+            end = arith.minsi(end, const(size, i64))
+        counts.append(arith.subi(end, start))
+    cnt = arith.sitofp(acc, arith.muli(counts[0], counts[1]))
+    return convert(arith.divf(v, cnt), e)
 
 
 def _widen(v, acc):

@@ -149,6 +149,7 @@ TARGET = Target(
     load=_load,
     check_available=runtime.check_available,
     dynamic_shapes=True,
+    channels_last=True,  # the implicit GEMM reads NHWC channels in 16-byte vectors
     pack=_pack,
     unpack=_unpack,
     cache_key=lambda options: {"arch": (arch := options.get("arch") or default_arch()),

@@ -173,3 +173,20 @@ def subscript_dims(m: ir.AffineMap) -> list[int | None] | None:
             return None
     named = [d for d in out if d is not None]
     return out if len(set(named)) == len(named) else None
+
+
+def read_at_own_point(g: Generic, k: int) -> Generic | None:
+    """`g` (all parallel, no linalg.index) with its loops permuted so that input k, read through
+    a permutation, is read at the loop point; every map composed with that permutation's
+    inverse (same elements, same body; e.g. a BatchNorm + ReLU reading an NHWC conv's result
+    and writing NCHW). The op is rewritten in place; None (unchanged) when not possible."""
+    p = map_dims(g.maps[k])
+    n = len(g.iters)
+    if p is None or sorted(p) != list(range(n)) or "reduction" in g.iters or any(
+            o.name == "linalg.index" for o in g.body.operations):
+        return None
+    inv = [p.index(d) for d in range(n)]
+    q = ir.AffineMap.get(n, 0, [ir.AffineDimExpr.get(inv[d]) for d in range(n)])
+    maps = [ir.AffineMap.get(n, 0, [e.compose(q) for e in m.results]) for m in g.maps]
+    g.op.attributes["indexing_maps"] = ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in maps])
+    return analyze(g.op)

@@ -49,6 +49,9 @@ def _infer_conv(types, attrs):
     x, w = map(shape_of, types)
     elem = same_elem(types, "gac.conv")
     nsp = len(x) - 2
+    last = bool(attrs["channels_last"])
+    if last:  # N<spatial>C: checked as NC<spatial>
+        x = (x[0], x[-1], *x[1:-1])
     g = attrs["groups"]
     if len(w) != len(x) or nsp < 1 or x[1] != w[1] * g or w[0] % g:
         raise GacTypeError(f"gac.conv: input {list(x)} and weight {list(w)} do not match (groups={g})")
@@ -59,31 +62,37 @@ def _infer_conv(types, attrs):
                           attrs["padding"][i], attrs["dilation"][i]) for i in range(nsp)]
     if min(spatial) < 1:
         raise GacTypeError(f"gac.conv: empty output {spatial}")
-    return [tensor((x[0], w[0], *spatial), elem)]
+    return [tensor((x[0], *spatial, w[0]) if last else (x[0], w[0], *spatial), elem)]
 
 
 def _infer_pool(types, attrs):
     (x,) = types
     shape = shape_of(x)
     nsp = len(attrs["kernel"])
-    if len(shape) < nsp + 1:
+    last = int(bool(attrs["channels_last"]))  # the window dims end one before the last
+    if len(shape) < nsp + 1 + last:
         raise GacTypeError(f"gac.pool: rank {len(shape)} too small for a {nsp}-d window")
-    spatial = [window_out(shape[len(shape) - nsp + i], attrs["kernel"][i], attrs["stride"][i],
+    at = len(shape) - nsp - last
+    spatial = [window_out(shape[at + i], attrs["kernel"][i], attrs["stride"][i],
                           attrs["padding"][i], attrs["padding"][i], attrs["dilation"][i],
                           bool(attrs["ceil_mode"])) for i in range(nsp)]
-    return [tensor(shape[: len(shape) - nsp] + tuple(spatial), types[0].element_type)]
+    return [tensor(shape[:at] + tuple(spatial) + shape[at + nsp:], types[0].element_type)]
 
 
 define("matmul", ["lhs", "rhs"], check=_check_matmul,
        doc="(..., M, K) @ (..., K, N); floats accumulate in f32 or wider; the result is in the "
            "operand type, or the f32 accumulator itself for f16/bf16")
 define("conv", ["x", "weight"],
-       attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int"},
+       attrs={"stride": "ints", "padding": "ints", "dilation": "ints", "groups": "int",
+              "channels_last": "int"},
        check=_check_conv,
-       doc="N-d cross-correlation, NC<spatial> x FC<spatial>, symmetric padding; the result is in "
-           "the operand type, or the f32 accumulator itself for f16/bf16")
+       doc="N-d cross-correlation, NC<spatial> x FC<spatial> (channels_last: N<spatial>C x "
+           "FC<spatial> -> N<spatial>F), symmetric padding; the result is in the operand type, or "
+           "the f32 accumulator itself for f16/bf16")
 define("pool", ["x"],
        attrs={"kind": ("max", "avg"), "kernel": "ints", "stride": "ints", "padding": "ints",
-              "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int"},
+              "dilation": "ints", "ceil_mode": "int", "count_include_pad": "int", "divisor": "int",
+              "channels_last": "int"},
        infer=_infer_pool,
-       doc="window max/avg over the trailing len(kernel) dims; divisor 0 = by window count")
+       doc="window max/avg over the trailing len(kernel) dims (channels_last: the len(kernel) "
+           "dims before the last); divisor 0 = by window count")

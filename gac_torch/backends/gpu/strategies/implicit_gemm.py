@@ -22,7 +22,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import (
-    Generic, analyze, contraction_body, fill_before, map_dims, match_contraction,
+    Generic, analyze, contraction_body, fill_before, map_dims, match_contraction, read_at_own_point,
 )
 from gac_torch.backends.gpu.irutil import (
     VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, static_memref, top_level, users,
@@ -217,7 +217,7 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
     if m.relayout is not None:
         ins[1] = weight_layout.copy_before(m.relayout, ins[1], g.op)
-    fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None)  # type: ignore[arg-type]
+    fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None, interchange=True)  # type: ignore[arg-type]
              if params.fuse_epilogue and plan.splits == 1 else None)  # (split-K: partial sums)
     if fused is not None:
         ops = block_ops(g.op.block)
@@ -322,9 +322,10 @@ def _numel(t: ir.MemRefType) -> int:
     return n
 
 
-def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
+def _consumer(prev: ir.Operation, y: ir.Value, avoid: set, interchange: bool = False):
     """The elementwise generic right after `prev` (views and constants aside) that reads the
-    dense scratch buffer y once, at its own point, or None. Returns (generic, index of its y
+    dense scratch buffer y once, at its own point (`interchange`: or through a permutation, its
+    loops then permuted), or None. Returns (generic, index of its y
     input, (Operand, iteration space) per other input, those inputs, its output, y's root)."""
     ops = block_ops(prev.block)
     at = ops.index(prev) + 1
@@ -345,13 +346,17 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
     ky = readers[0]
     vy = ir.MemRefType(e.inputs[ky].type)
     ident = list(range(len(e.iters)))
-    if map_dims(e.maps[ky]) != ident or map_dims(e.maps[-1]) != ident or not _dense(vy) or _numel(vy) != _numel(yt):
+    if interchange and map_dims(e.maps[ky]) != ident:  # (the NCHW output of an NHWC conv chain)
+        e = read_at_own_point(e, ky) or e
+    out = map_dims(e.maps[-1])
+    if map_dims(e.maps[ky]) != ident or out is None or sorted(out) != ident or not _dense(vy) \
+            or _numel(vy) != _numel(yt):
         return None
     z = e.outputs[0]
     zt = ir.MemRefType(z.type)
     if (buffer_root(z) in avoid and not _renamable(z, e.op)) or not static_memref(z.type):
         return None
-    if buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt)):
+    if buffer_root(z) == root and (not _dense(zt) or _numel(zt) != _numel(yt) or out != ident):
         return None  # in place on y: only element for element
     inputs: list = []
     values: list[ir.Value] = []
@@ -360,7 +365,7 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set):
             continue
         if not isinstance(v.type, ir.MemRefType) or not static_memref(v.type):
             return None
-        if buffer_root(v) == buffer_root(z) and (v.type != z.type or map_dims(m) != ident):
+        if buffer_root(v) == buffer_root(z) and (v.type != z.type or map_dims(m) != out):
             return None  # reads Z's buffer elsewhere than at the point it writes
         op = operand_at(v, m)
         if op is None:
@@ -467,16 +472,18 @@ def rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Va
     return v
 
 
-def fused_epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3):
+def fused_epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3,
+                   interchange: bool = False):
     """(consumer ops, Epilogue, its extra template arguments) for the longest chain (up to
     `stages`) of elementwise generics after g, each reading the previous one's result (e.g. the
     f32 -> bf16 -> f32 rounding in place, then BatchNorm + ReLU across a reshape), whose
-    intermediate buffers nothing else touches."""
+    intermediate buffers nothing else touches. `interchange`: the first may read g's result
+    through a permutation (igemm; the other GEMM strategies' stores assume C's own order)."""
     conv_roots = {buffer_root(v) for v in ins}  # the kernel reads these until it ends
     found: list = []
     prev, y = g.op, g.outputs[0]
     while len(found) < stages:
-        st = _consumer(prev, y, conv_roots)
+        st = _consumer(prev, y, conv_roots, interchange)
         if st is None or _body_ops(st[0]) is None or operand_at(st[4], st[0].maps[-1]) is None:
             break
         found.append(st)
