@@ -181,8 +181,12 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     es = ESIZE[e]
     bk = SWIZZLE // es  # one swizzle span of K per slice: 64 (16-bit), 32 (tf32)
     bn = bn or int(os.environ.get("GAC_WGMMA_BN", 0))  # (tuning: force a tile width)
-    if not bn:  # the wide tile once it still fills the GPU
-        bn = 256 if -(-spec.M // BM) * -(-spec.N // 256) * batch >= SM_COUNT_HINT else 128
+    if not bn:  # the wide tile once it still fills the GPU. tf32: already once it fills half of
+        # it (128 x 128 tiles would then take two rounds on some SMs: the same time as one wide
+        # tile, which reads 80 instead of 96 bytes of shared memory per tensor-core cycle; 2048^3:
+        # 128 wide tiles, 256 narrow ones on 132 SMs)
+        wide = -(-spec.M // BM) * -(-spec.N // 256) * batch
+        bn = 256 if wide >= SM_COUNT_HINT or (spec.kind == "tf32" and 2 * wide > SM_COUNT_HINT) else 128
     sa = _side(spec.a, spec, spec.m, BM, bk, es)
     sb = _side(spec.b, spec, spec.n, bn, bk, es)
     if sa is None or sb is None:
