@@ -157,6 +157,28 @@ def test_exact_f32_gemm_offers_deeper_k_slices_as_a_choice() -> None:
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_SGEMM_BN=256 (being measured): 128x256 tiles, 8x16 accumulators per thread, one
+    # block per SM (GAC_SGEMM_CTAS=1: up to 255 registers)
+    monkeypatch.setenv("GAC_SGEMM_BN", "256")
+    monkeypatch.setenv("GAC_SGEMM_CTAS", "1")
+    for layout, m, n, k in (("nn", 130, 300, 40), ("tn", 128, 512, 64)):  # ragged; whole tiles (lean)
+        spec, shapes, strides = gemm_spec(layout, m, n, k)
+        p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)  # (over the static 48 KB)
+        assert p is not None and (p.bn, p.tn) == (256, 16)
+        rng = np.random.default_rng(m + n + k)
+        A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+        out = twin.emulate(spec, p, A, Bm, np.zeros(shapes[2], np.float32), tuple(strides), init=0.5)
+        a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).T
+        ref = a64 @ Bm.astype(np.float64) + 0.5
+        assert np.abs(out.reshape(shapes[2]) - ref).max() < 1e-5 * np.abs(ref).max()
+    part = _compile_cuda(_FNS["nn"], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    assert re.search(r"_sgemm blocks in \(%c8, %c16, %c\d\)", part.ir("gpu"))  # (z: K split in 2)
+    if find_ptxas() is not None:
+        log = assemble(part.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
 def test_linear_backward_gemms_read_transposes_in_place() -> None:
     # an MLP step's three GEMM layouts (x @ W^T, dy^T @ x, dy @ W) and a 3-D linear: no
     # transpose kernel is left, every GEMM is an sgemm

@@ -201,6 +201,8 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         bm, bn, wm, wn = 128, 128, 2, 4
     if simt:
         wm, wn = 2, 4  # 256 threads as 16 x 16
+        if big and os.environ.get("GAC_SGEMM_BN") == "256" and spec.N > 128:  # (being measured: 8 x 16
+            bn = 256  # per thread, 128 accumulators: one block per SM, GAC_SGEMM_CTAS=1)
         bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn // 16
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
