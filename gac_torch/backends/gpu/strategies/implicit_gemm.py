@@ -196,7 +196,7 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
 
 def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool, split_k: bool):
     """The heuristic tiling (128-wide tiles once they fill about a wave), or the other tile size
-    (exact f32: or 128-wide tiles with 32-deep K slices) where the GPU measured it faster for
+    (exact-f32 GEMMs: or 128-wide tiles with 32-deep K slices) where the GPU measured it faster for
     this problem (gpu/tuning.py). cp.async needs sm_80+ (as mma.sync); split-K is for plain
     GEMMs, never convolutions."""
     def make(big: bool | None, bk: int | None = None) -> conv_gemm.Plan | None:
@@ -205,7 +205,7 @@ def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool,
 
     plan = make(None)
     cands = [("tile128", make(True)), ("tile64", make(False))]
-    if spec.kind == "f32":
+    if spec.kind == "f32" and split_k:  # (plain GEMMs)
         cands.append(("tile128bk32", make(True, 32)))
     alts: dict[str, conv_gemm.Plan] = {}
     for k, p in cands:
