@@ -78,17 +78,18 @@ def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: in
 
 @pytest.mark.unit
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("m,n,k,big", [(128, 256, 48, True),  # 3 slices, 4 buffers: prefetches past K
-                                       (64, 64, 32, False),   # 2 slices: the prologue's too
-                                       (64, 128, 2048, False)])  # split K, 4 whole chunks of 512
-def test_lean_kernel_on_whole_tiles_matches_float64(layout: str, m: int, n: int, k: int, big: bool,
+@pytest.mark.parametrize("m,n,k,batch,big", [(128, 256, 48, 0, True),  # 3 slices, 4 buffers: prefetches past K
+                                             (64, 64, 32, 0, False),   # 2 slices: the prologue's too
+                                             (64, 128, 64, 3, False),  # batched
+                                             (64, 128, 2048, 0, False)])  # split K, 4 whole chunks of 512
+def test_lean_kernel_on_whole_tiles_matches_float64(layout: str, m: int, n: int, k: int, batch: int, big: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # M, N multiples of the tile, K of the slice: no bound checks (the lean kernel, default);
     # slices past K re-read the last one into buffers nobody computes with; the twin checks
     # the values and the shared-memory races, GAC_SGEMM_LEAN=0 keeps every check
     from gac_torch.kernels import conv_gemm_text
 
-    spec, shapes, strides = gemm_spec(layout, m, n, k, fill=k < 1024)  # (split K: C holds the init)
+    spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=k < 1024)  # (split K: C holds the init)
     p = cg.plan(spec, big=big)
     monkeypatch.setenv("GAC_SGEMM_LEAN", "0")
     full = cg.plan(spec, big=big)
@@ -100,8 +101,8 @@ def test_lean_kernel_on_whole_tiles_matches_float64(layout: str, m: int, n: int,
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     C0 = np.zeros(shapes[2], np.float32) if p.splits > 1 else rng.standard_normal(shapes[2]).astype(np.float32)
     out = twin.emulate(spec, p, A, Bm, C0, tuple(strides), init=0.25).reshape(shapes[2])
-    a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).T
-    b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).T
+    a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).swapaxes(-1, -2)
+    b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).swapaxes(-1, -2)
     ref = a64 @ b64 + (0.25 if spec.fill else C0.astype(np.float64))
     assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
 

@@ -202,17 +202,21 @@ def test_register_fragments_read_back_what_tma_wrote() -> None:
     smem = np.zeros(base + side.stage_bytes + 1024, dtype=np.uint8)
     for off, shift in W.box_origins(side, es):
         _tma_write(smem, base + off, np.ascontiguousarray(tile[shift:shift + 32, :].T), es)
+    # rows are permuted (a_pair_row): fragment row g is tile row pr, g + 8 is pr + 1, each k's
+    # two values one 8-byte load; the store puts FRAG_C's row rq at pr + rq // 8: so the
+    # fragment register of (row dr, k dk) must hold tile[pr + dr // 8, k]
     for cw in range(2):
         for warp in range(4):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
-                row0 = cw * 64 + warp * 16 + g
-                for dr, dk in FRAG_A8:
-                    off0 = W.a_frag_offset(_Ints, side, es, row0 + dr, t + dk)
-                    for kstep in range(32 // ks):
-                        at = base + off0 + kstep * ks * W.SWIZZLE
-                        got = smem[at:at + es].view(np.float32)[0]
-                        assert got == tile[row0 + dr, kstep * ks + t + dk], (cw, warp, lane, dr, dk, kstep)
+                row0 = cw * 64 + W.a_pair_row(_Ints, warp, g)
+                for kstep in range(32 // ks):
+                    regs = []
+                    for dk in (0, 4):
+                        at = base + W.a_frag_offset(_Ints, side, es, row0, t + dk) + kstep * ks * W.SWIZZLE
+                        regs += list(smem[at:at + 2 * es].view(np.float32))
+                    for (dr, dk), got in zip(FRAG_A8, regs):
+                        assert got == tile[row0 + dr // 8, kstep * ks + t + dk], (cw, warp, lane, dr, dk, kstep)
 
 
 @pytest.mark.parametrize("M,K,N,a_t,b_t,want,form", [
