@@ -39,6 +39,24 @@ class Gemm(torch.nn.Module):
         return FNS[self.layout](a, b)
 
 
+def _device_ms(fn, sets, iters: int = 20) -> float | None:
+    """Device time per call from the profiler (kernels only: free of host time, which can
+    exceed a 2048^3 TF32 GEMM's); None where the profiler is not available."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(iters):
+                fn(*sets[i % len(sets)])
+            torch.cuda.synchronize()
+        us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                 for e in prof.key_averages())
+        return us / iters / 1e3
+    except Exception as e:  # noqa: BLE001 - a missing CUPTI only loses this column
+        print(f"  (profiler: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        return None
+
+
 def _env(variant: str) -> dict[str, str]:
     return {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split("+"))
 
@@ -79,10 +97,13 @@ def main() -> None:
                     else:
                         os.environ[k] = old
         times = _race(fns, sets, rounds=args.rounds)
-        eager = times["eager"][0]
+        device = {k: _device_ms(fn, sets) for k, fn in fns.items()}
+        eager, eager_dev = times["eager"][0], device["eager"]
         for k, (med, best) in times.items():
+            dev = device[k]
+            kern = "" if dev is None or eager_dev is None else f"; kernels {dev:.4f} ms, vs eager's {eager_dev / dev:.3f}"
             print(f"  {gemm} {k}: median {med:.4f} ms (min {best:.4f}), {2 * n**3 / med / 1e9:.1f} TFLOP/s, "
-                  f"throughput vs eager {eager / med:.3f}", flush=True)
+                  f"throughput vs eager {eager / med:.3f}{kern}", flush=True)
 
 
 if __name__ == "__main__":
