@@ -542,14 +542,14 @@ def test_hazard_check_flags_fragments_reloaded_under_an_unfinished_wgmma() -> No
     assert async_register_hazards(kernel(1, 2).replace("sync.aligned 0;\nst", "sync.aligned 1;\nst"))
 
 
-@pytest.mark.parametrize("m,k,n", [(2048, 2048, 2048), (1000, 520, 1032)])  # (520: 17 slices, padded to 18)
+@pytest.mark.parametrize("m,k,n", [(2048, 2048, 2048), (1000, 520, 1032)])  # (520: 17 slices, one alone)
 def test_register_a_kernel_overlaps_loads_and_mmas_without_hazards(m: int, k: int, n: int) -> None:
     """tf32 `a @ b` (B row-major: C^T = B^T A^T, B's tile from registers): two slices per loop
     iteration in two sets of fragment registers, so one group stays in flight (wait depth 1)
     while the next slice's fragments load, and no register of an unfinished wgmma is touched
     (ddaa6b7 had waited with depth 0 to stay correct). 8-byte fragment loads (a_pair_row),
     C's row pairs stored 8 bytes at a time; ptxas: no spills, nothing serialized (with an odd
-    slice after the loop, ptxas serialized every wgmma: K's slices are padded to pairs)."""
+    slice after the loop, ptxas serialized every wgmma: it goes first)."""
     import gac_torch
 
     class Mm(torch.nn.Module):

@@ -28,8 +28,8 @@ ahead into the next tile while the consumers store the last one.
                4b'. (A from registers) first every K step's A fragment, loaded from the
                    swizzled tile (`a_frag_offset`; rows permuted, `a_pair_row`: one conflict-free
                    8-byte load per k) and rounded to tf32 (cvt.rna); two slices per loop
-                   iteration in two sets of registers (K's slices padded to an even number),
-                   so a set is reloaded only after the group that read it completed (4c)
+                   iteration in two sets of registers (an odd count's first slice alone), so
+                   a set is reloaded only after the group that read it completed (4c)
                4c. wait until one group at most is in flight: the previous slice's stage is
                    free, one thread per warpgroup arrives on its empty barrier (the tile's last
                    slice: after waiting for all)
@@ -305,7 +305,6 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     bar_base = S * (p.a.stage_bytes + p.b.stage_bytes)
     tn, tm = -(-spec.N // p.bn), -(-spec.M // BM)
     nk = -(-spec.K // p.bk)
-    nk += nk % 2 if p.a_regs else 0  # 4b': slices in pairs; one past K is TMA's zero fill
     # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
     # (tile number tl, K slice kt: it = tl*nk + kt) uses stage it % S at phase (it / S) % 2
     # (cluster 2: work unit u = a pair of M-adjacent tiles; CTA rank r of the pair takes the
@@ -458,9 +457,14 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 # completes (PTX: rewriting them earlier is undefined; 4 % off on the H200): two
                 # slices per iteration, so each loads its fragments into its own set of registers
                 # while the other's wgmmas run, and a set is rewritten only two slices later,
-                # after 4c waited for the group that read it
+                # after 4c waited for the group that read it. An odd count's first slice runs
+                # alone, before the loop (after it, ptxas serialized every wgmma)
+                odd = nk % 2
+                if odd:
+                    accs = body(c(0), accs)
+
                 def two(j: Any, accs: list) -> list:
-                    kt = b.mul(j, c(2))
+                    kt = b.add(b.mul(j, c(2)), c(odd))
                     return body(b.add(kt, c(1)), body(kt, accs))
 
                 accs = b.for_(c(0), c(nk // 2), c(1), accs, types, two)
