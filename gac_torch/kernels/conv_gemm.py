@@ -26,7 +26,9 @@ never materialised.
                    vectors after its first are the first + a constant where the layout allows;
                    outside M/N/K or the fused padding: zero, not read.
                    cp.async (4/8/16-byte vectors; simt: runs along outer): slice kt+S-1 -> buffer
-                   (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers
+                   (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers.
+                   simt (`Plan.lean`): no bound check the tile sizes prove; past K, the last
+                   slice again (its buffer is never computed with)
      4b. compute   mma: fragments from buffer kt%S -> mma.sync (f16/bf16: ldmatrix x4, .trans
                    for [k][outer] tiles; tf32: scalar loads, cp.async'd values rounded here);
                    simt: per k, TM values of A and TN of B (float4 reads) -> TM*TN FMAs
