@@ -76,6 +76,37 @@ def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: in
     assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("m,n,k,batch,big", [(128, 256, 48, 0, True),  # 3 slices, 4 buffers: prefetches past K
+                                             (64, 64, 32, 0, False),   # 2 slices: the prologue's too
+                                             (64, 128, 64, 3, False),  # batched
+                                             (64, 128, 2048, 0, False)])  # split K, 4 whole chunks of 512
+def test_lean_kernel_on_whole_tiles_matches_float64(layout: str, m: int, n: int, k: int, batch: int, big: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # M, N multiples of the tile, K of the slice: no bound checks (the lean kernel, default);
+    # slices past K re-read the last one into buffers nobody computes with; the twin checks
+    # the values and the shared-memory races, GAC_SGEMM_LEAN=0 keeps every check
+    from gac_torch.kernels import conv_gemm_text
+
+    spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=k < 1024)  # (split K: C holds the init)
+    p = cg.plan(spec, big=big)
+    monkeypatch.setenv("GAC_SGEMM_LEAN", "0")
+    full = cg.plan(spec, big=big)
+    assert p is not None and p.lean and full is not None and not full.lean
+    assert (p.splits > 1) == (k == 2048)
+    checks = [conv_gemm_text.template(spec, q).count("arith.cmpi ult") for q in (p, full)]
+    assert checks[0] < checks[1], checks
+    rng = np.random.default_rng(m + n + k)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    C0 = np.zeros(shapes[2], np.float32) if p.splits > 1 else rng.standard_normal(shapes[2]).astype(np.float32)
+    out = twin.emulate(spec, p, A, Bm, C0, tuple(strides), init=0.25).reshape(shapes[2])
+    a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).swapaxes(-1, -2)
+    b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).swapaxes(-1, -2)
+    ref = a64 @ b64 + (0.25 if spec.fill else C0.astype(np.float64))
+    assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+
+
 # --------------------------------------------------------------------------------------------
 # the cuda pipeline offline: strategy choice, no transpose kernels, ptxas
 
@@ -104,6 +135,49 @@ def test_fp32_gemm_is_one_sgemm_kernel_without_spills(layout: str) -> None:
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     assert regs and max(regs) <= 128, log  # two blocks per SM (.minnctapersm 2)
     assert all(int(s) == 0 for s in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_exact_f32_gemm_offers_deeper_k_slices_as_a_choice() -> None:
+    # 4096^3 (an MLP step's GEMM): 128-wide tiles with 16-deep slices by default, 32-deep
+    # ones a candidate the autotuner measures (forcing it changes the kernel, no spills)
+    from gac_torch.backends.gpu import tuning
+
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+
+    def compile_with(force=None):
+        with tuning.session(force=force) as s:
+            return _compile_cuda(_FNS["nn"], a, b), s
+
+    first, s = compile_with()
+    (choice,) = [c for cs in s.kernels.values() for c in cs if c.key.startswith("igemm:f32")]
+    assert set(choice.candidates) == {"tile128", "tile64", "tile128bk32"} and choice.heuristic == "tile128"
+    deep, _ = compile_with({choice.key: "tile128bk32"})
+    assert deep.ir("ptx") != first.ir("ptx")
+    if find_ptxas() is not None:
+        log = assemble(deep.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_SGEMM_BN=256 (being measured): 128x256 tiles, 8x16 accumulators per thread, one
+    # block per SM (GAC_SGEMM_CTAS=1: up to 255 registers)
+    monkeypatch.setenv("GAC_SGEMM_BN", "256")
+    monkeypatch.setenv("GAC_SGEMM_CTAS", "1")
+    for layout, m, n, k in (("nn", 130, 300, 40), ("tn", 128, 512, 64)):  # ragged; whole tiles (lean)
+        spec, shapes, strides = gemm_spec(layout, m, n, k)
+        p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)  # (over the static 48 KB)
+        assert p is not None and (p.bn, p.tn) == (256, 16)
+        rng = np.random.default_rng(m + n + k)
+        A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+        out = twin.emulate(spec, p, A, Bm, np.zeros(shapes[2], np.float32), tuple(strides), init=0.5)
+        a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).T
+        ref = a64 @ Bm.astype(np.float64) + 0.5
+        assert np.abs(out.reshape(shapes[2]) - ref).max() < 1e-5 * np.abs(ref).max()
+    part = _compile_cuda(_FNS["nn"], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    assert re.search(r"_sgemm blocks in \(%c8, %c16, %c\d\)", part.ir("gpu"))  # (z: K split in 2)
+    if find_ptxas() is not None:
+        log = assemble(part.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 def test_linear_backward_gemms_read_transposes_in_place() -> None:
@@ -172,7 +246,8 @@ def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout,m,n,k", [  # odd sizes, a GEMV, float4 + cp.async, split K
     ("nn", 1, 77, 300), ("nn", 257, 200, 1001), ("nt", 37, 29, 45), ("nt", 136, 264, 4100),
-    ("tn", 257, 200, 1001), ("tn", 136, 264, 4100), ("tt", 37, 29, 45), ("tt", 1, 77, 300)])
+    ("tn", 257, 200, 1001), ("tn", 136, 264, 4100), ("tt", 37, 29, 45), ("tt", 1, 77, 300),
+    ("nn", 256, 384, 2048), ("nt", 256, 384, 2048), ("tn", 128, 256, 4096)])  # whole tiles: lean
 def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)

@@ -5,6 +5,7 @@ descriptor reads; the strategy's choice and the PTX (sm_90a, ptxas, no spills)."
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -201,17 +202,21 @@ def test_register_fragments_read_back_what_tma_wrote() -> None:
     smem = np.zeros(base + side.stage_bytes + 1024, dtype=np.uint8)
     for off, shift in W.box_origins(side, es):
         _tma_write(smem, base + off, np.ascontiguousarray(tile[shift:shift + 32, :].T), es)
+    # rows are permuted (a_pair_row): fragment row g is tile row pr, g + 8 is pr + 1, each k's
+    # two values one 8-byte load; the store puts FRAG_C's row rq at pr + rq // 8: so the
+    # fragment register of (row dr, k dk) must hold tile[pr + dr // 8, k]
     for cw in range(2):
         for warp in range(4):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
-                row0 = cw * 64 + warp * 16 + g
-                for dr, dk in FRAG_A8:
-                    off0 = W.a_frag_offset(_Ints, side, es, row0 + dr, t + dk)
-                    for kstep in range(32 // ks):
-                        at = base + off0 + kstep * ks * W.SWIZZLE
-                        got = smem[at:at + es].view(np.float32)[0]
-                        assert got == tile[row0 + dr, kstep * ks + t + dk], (cw, warp, lane, dr, dk, kstep)
+                row0 = cw * 64 + W.a_pair_row(_Ints, warp, g)
+                for kstep in range(32 // ks):
+                    regs = []
+                    for dk in (0, 4):
+                        at = base + W.a_frag_offset(_Ints, side, es, row0, t + dk) + kstep * ks * W.SWIZZLE
+                        regs += list(smem[at:at + 2 * es].view(np.float32))
+                    for (dr, dk), got in zip(FRAG_A8, regs):
+                        assert got == tile[row0 + dr // 8, kstep * ks + t + dk], (cw, warp, lane, dr, dk, kstep)
 
 
 @pytest.mark.parametrize("M,K,N,a_t,b_t,want,form", [
@@ -442,29 +447,141 @@ def test_3d_input_times_weight_t_rounds_in_the_store(N, staged) -> None:
     assert ("st.global.v4.b32" in compiled.ir("ptx")) == staged  # 16-byte rows: staged (5b)
 
 
-def test_register_a_slices_wait_for_their_whole_group_offline():
-    """tf32 `a @ b` (B row-major: C^T = B^T A^T, B's tile from registers): before ddaa6b7 the
-    kernel waited with depth 1, and the next slice's A fragments reused registers an unfinished
-    wgmma still read (2-4 % error on the H200). The register-A kernel waits with depth 0; a
-    shared-memory-A kernel (bf16) keeps depth 1."""
-    import torch
+def async_register_hazards(ptx: str) -> list[str]:
+    """PTX lines that touch a register an unfinished wgmma still reads or writes (PTX ISA:
+    undefined until a wgmma.wait_group covers its group): a write to an A-fragment register, or
+    any access to an accumulator, by another instruction. A dataflow pass over the basic blocks
+    (branches to `$L` labels; loops iterate to a fixed point): the state at a block's start is
+    the union over its predecessors of the open group and the groups in flight (newest aligned)."""
+    blocks: list[list[str]] = [[]]
+    succ: list[list[int]] = []
+    names: dict[str, int] = {}
+    targets: list[tuple[int, str, bool]] = []  # (block, label, conditional)
+    for raw in ptx.splitlines():
+        ln = raw.split("//")[0].strip()
+        if not ln or ln.startswith((".reg", "{", "}")):
+            continue
+        if re.match(r"\$L\w+:$", ln):
+            names[ln[:-1]] = len(blocks)
+            blocks.append([])
+            continue
+        cond = ln.startswith("@")
+        ln = re.sub(r"^@!?%?\w+\s+", "", ln)
+        blocks[-1].append(ln)
+        if m := re.match(r"bra(?:\.uni)?\s+(\$L\w+);", ln):
+            targets.append((len(blocks) - 1, m.group(1), cond))
+            blocks.append([])
+    succ = [[i + 1] if i + 1 < len(blocks) and not (bl and bl[-1].startswith("ret")) else [] for i, bl in enumerate(blocks)]
+    for i, label, cond in targets:
+        succ[i] = [names[label]] + (succ[i] if cond else [])
 
+    def join(x, y):
+        if x is None:
+            return y
+        n = max(len(x[2]), len(y[2]))
+        pad = lambda g: [(frozenset(), frozenset())] * (n - len(g)) + list(g)  # noqa: E731
+        return (x[0] | y[0], x[1] | y[1], tuple((p[0] | q[0], p[1] | q[1]) for p, q in zip(pad(x[2]), pad(y[2]))))
+
+    def run(state, block: list[str], bad: list[str] | None):
+        open_a, open_acc, groups = state
+        for ln in block:
+            regs = set(re.findall(r"%r\d+", ln))
+            if ln.startswith("wgmma.mma_async"):
+                lists = [set(re.findall(r"%r\d+", x)) for x in re.findall(r"\{([^}]*)\}", ln)]
+                open_acc, open_a = open_acc | lists[0], open_a | (lists[1] if len(lists) > 1 else set())
+            elif ln.startswith("wgmma.commit_group"):
+                groups, open_a, open_acc = groups + ((frozenset(open_a), frozenset(open_acc)),), frozenset(), frozenset()
+            elif ln.startswith("wgmma.wait_group"):
+                n = int(ln.split()[-1].rstrip(";"))
+                groups = groups[len(groups) - n:] if len(groups) > n else groups
+            elif regs and bad is not None:
+                a_regs = set(open_a).union(*(g[0] for g in groups))
+                accs = set(open_acc).union(*(g[1] for g in groups))
+                dest = re.match(r"\S+\s+(\{[^}]*\}|%r\d+)", ln)
+                written = set() if not dest or ln.startswith(("st.", "mbarrier")) else set(re.findall(r"%r\d+", dest.group(1)))
+                if written & a_regs or regs & accs:
+                    bad.append(ln)
+        return frozenset(open_a), frozenset(open_acc), groups
+
+    entry = (frozenset(), frozenset(), ())
+    state_in: list = [entry] + [None] * (len(blocks) - 1)
+    work = [0]
+    while work:
+        i = work.pop()
+        out = run(state_in[i], blocks[i], None)
+        for j in succ[i]:
+            new = join(state_in[j], out)
+            if new != state_in[j]:
+                state_in[j] = new
+                work.append(j)
+    bad: list[str] = []
+    for i, block in enumerate(blocks):
+        if state_in[i] is not None:
+            run(state_in[i], block, bad)
+    return bad
+
+
+def test_hazard_check_flags_fragments_reloaded_under_an_unfinished_wgmma() -> None:
+    # the register-A kernel before ddaa6b7, in miniature: one set of fragment registers per
+    # slice, reloaded while the previous slice's group may still run (wait depth 1); 4 % off
+    # on the H200. Depth 0 is safe, and so is a second set of registers (two slices per loop)
+    def kernel(depth: int, sets: int) -> str:
+        body = []
+        for s in range(sets):
+            r = 10 * s
+            body += [f"ld.shared.v2.f32 {{%r{r + 1}, %r{r + 2}}}, [%r0];", "wgmma.fence.sync.aligned;",
+                     f"wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {{%r100, %r101, %r102, %r103}}, "
+                     f"{{%r{r + 1}, %r{r + 2}, %r{r + 1}, %r{r + 2}}}, %rd1, P, 1, 1;",
+                     "wgmma.commit_group.sync.aligned;", f"wgmma.wait_group.sync.aligned {depth};"]
+        return "\n".join(["$L__BB0_1:", *body, "add.s32 %r0, %r0, 8;", "@%p1 bra $L__BB0_1;",
+                          "wgmma.wait_group.sync.aligned 0;", "st.global.f32 [%rd2], %r100;"])
+
+    assert async_register_hazards(kernel(1, 1)) == ["ld.shared.v2.f32 {%r1, %r2}, [%r0];"]
+    assert async_register_hazards(kernel(0, 1)) == []
+    assert async_register_hazards(kernel(1, 2)) == []
+    assert async_register_hazards(kernel(1, 2).replace("sync.aligned 0;\nst", "sync.aligned 1;\nst"))
+
+
+@pytest.mark.parametrize("m,k,n", [(2048, 2048, 2048), (1000, 520, 1032)])  # (520: 17 slices, one alone)
+def test_register_a_kernel_overlaps_loads_and_mmas_without_hazards(m: int, k: int, n: int) -> None:
+    """tf32 `a @ b` (B row-major: C^T = B^T A^T, B's tile from registers): two slices per loop
+    iteration in two sets of fragment registers, so one group stays in flight (wait depth 1)
+    while the next slice's fragments load, and no register of an unfinished wgmma is touched
+    (ddaa6b7 had waited with depth 0 to stay correct). 8-byte fragment loads (a_pair_row),
+    C's row pairs stored 8 bytes at a time; ptxas: no spills, nothing serialized (with an odd
+    slice after the loop, ptxas serialized every wgmma: it goes first)."""
     import gac_torch
 
     class Mm(torch.nn.Module):
         def forward(self, a, b):
             return a @ b
 
-    def ptx(dtype):
-        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-        old = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            return gac_torch.compile(Mm(), (a, b), target="cuda", options={"arch": "sm_90", "cache": False}).ir("ptx")
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = old
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    with matmul_tf32(True):
+        ptx = gac_torch.compile(Mm(), (a, b), target="cuda", options={"arch": "sm_90", "cache": False}).ir("ptx")
+    assert "_wgmma" in ptx and "wgmma.wait_group.sync.aligned 0;" in ptx
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert async_register_hazards(ptx) == []
+    assert "ld.shared.v2.f32" in ptx and "ld.shared.f32" not in ptx and "st.global.v2.b32" in ptx
+    result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+    assert result.ok and " 0 bytes spill stores" in result.log and "serialized" not in result.log, result.log
 
-    tf32, bf16 = ptx(torch.float32), ptx(torch.bfloat16)
-    assert "_wgmma" in tf32 and "wgmma.wait_group.sync.aligned 0;" in tf32
-    assert "wgmma.wait_group.sync.aligned 1;" not in tf32
-    assert "wgmma.wait_group.sync.aligned 1;" in bf16
+
+def test_pair_rows_are_a_permutation_and_conflict_free() -> None:
+    # 4b': every row of the warpgroup's 64 once; each half-warp's 8-byte loads at one k (both k
+    # halves, every K step) fall in 16 distinct 8-byte bank slots of a 128-byte wavefront
+    es = 4
+    side = W.Side(False, 128, (32, 32), 4, 128 * 32 * es)
+    rows = [W.a_pair_row(_Ints, w, g) + h for w in range(4) for g in range(8) for h in range(2)]
+    assert sorted(rows) == list(range(64))
+    for w in range(4):
+        for kstep in range(4):
+            for dk in (0, 4):  # one ld.shared.v2 per (K step, k half): lane t reads k t + dk
+                for half in range(2):
+                    slots = set()
+                    for lane in range(16 * half, 16 * half + 16):
+                        g, t = lane // 4, lane % 4
+                        off = W.a_frag_offset(_Ints, side, es, W.a_pair_row(_Ints, w, g), 8 * kstep + dk + t)
+                        assert off % 8 == 0
+                        slots.add((off % 128) // 8)
+                    assert len(slots) == 16, (w, kstep, dk, half, sorted(slots))

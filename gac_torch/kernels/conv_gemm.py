@@ -26,7 +26,9 @@ never materialised.
                    vectors after its first are the first + a constant where the layout allows;
                    outside M/N/K or the fused padding: zero, not read.
                    cp.async (4/8/16-byte vectors; simt: runs along outer): slice kt+S-1 -> buffer
-                   (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers
+                   (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers.
+                   simt (`Plan.lean`): no bound check the tile sizes prove; past K, the last
+                   slice again (its buffer is never computed with)
      4b. compute   mma: fragments from buffer kt%S -> mma.sync (f16/bf16: ldmatrix x4, .trans
                    for [k][outer] tiles; tf32: scalar loads, cp.async'd values rounded here);
                    simt: per k, TM values of A and TN of B (float4 reads) -> TM*TN FMAs
@@ -97,6 +99,7 @@ class Plan(mma.WarpTiling):
     dynamic: bool = False  # the buffers are dynamic shared memory (over the static 48 KB)
     splits: int = 1  # simt split-K: grid z = batch x splits; each block adds its `kchunk`'s sum
     kchunk: int = 0  # to C atomically (C holds the init: no fused fill or epilogue then)
+    lean: bool = False  # simt: fewer integer ops per slice (see `kernel`, 4a)
 
 
 def smem_elem(kind: str) -> str:
@@ -178,12 +181,14 @@ DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
          smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
-         simt_cp: bool = True, split_k: bool = True) -> Plan | None:
+         simt_cp: bool = True, split_k: bool = True, bk: int | None = None) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
     cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
     memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes.
-    `simt_cp`: f32 operands may stage by cp.async too (sm_80+); `split_k`: f32 may split K."""
+    `simt_cp`: f32 operands may stage by cp.async too (sm_80+); `split_k`: f32 may split K;
+    `bk`: simt's slice depth (16; 32: half the barriers and slice overheads per FMA, fewer
+    buffers; GAC_SGEMM_BK forces one)."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -201,7 +206,9 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         bm, bn, wm, wn = 128, 128, 2, 4
     if simt:
         wm, wn = 2, 4  # 256 threads as 16 x 16
-        bk, ks, tm, tn = 16, 0, bm // 16, bn // 16
+        if big and os.environ.get("GAC_SGEMM_BN") == "256" and spec.N > 128:  # (being measured: 8 x 16
+            bn = 256  # per thread, 128 accumulators: one block per SM, GAC_SGEMM_CTAS=1)
+        bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn // 16
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
     threads = 32 * wm * wn
@@ -212,13 +219,14 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     grid = (-(-spec.N // bn), -(-spec.M // bm), batch)
     if any(x > lim for x, lim in zip(grid, max_grid)):
         return None
-    p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn)
+    lean = simt and os.environ.get("GAC_SGEMM_LEAN") != "0"  # (bisects)
+    p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, lean=lean)
     if sa.cp or sb.cp:
         roof = max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK))
         for stages in (4, 3, 2):
-            p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages)
+            p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, lean=lean)
             if smem_bytes(p, spec) <= roof:
-                p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, smem_bytes(p, spec) > smem_limit)
+                p = dataclasses.replace(p, dynamic=smem_bytes(p, spec) > smem_limit)
                 break
     if smem_bytes(p, spec) > (roof if sa.cp or sb.cp else smem_limit):
         return None
@@ -290,11 +298,12 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
 
     def step(which: str) -> int:
-        """mma, T a multiple of a tile row's vectors: vector i of a thread is vector 0 moved by
-        i * step rows (along the outer dims if the loads walk k, else along k); else 0."""
+        """mma (simt: lean), T a multiple of a tile row's vectors: vector i of a thread is
+        vector 0 moved by i * step rows (along the outer dims if the loads walk k, else along
+        k); else 0."""
         st = p.a if which == "A" else p.b
         per = (BK if st.glob_k else (BM if which == "A" else BN)) // st.vec
-        return T // per if not simt and T % per == 0 else 0
+        return T // per if (not simt or p.lean) and T % per == 0 else 0
 
     def coords(which: str, i: int) -> tuple[Any, Any]:
         """(outer, k) offsets inside the tile of the i-th vector a thread loads."""
@@ -312,7 +321,18 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # 3a / 4a: a slice's global loads. When the innermost K dim's extent is a multiple of BK
     # (a conv's channels, K ordered (kh, kw, c)), only kbase is delinearised, once per slice.
-    uniform = len(spec.ks) > 1 and R[spec.ks[-1]] % BK == 0
+    # lean (simt): also for one K dim (a thread's vectors after its first: constant offsets);
+    # no bound check that the tile sizes prove (M or N a multiple of the tile; K of BK, and the
+    # slices past K that the pipeline prefetches re-read the last slice: `clamp`)
+    uniform = (len(spec.ks) > 1 or p.lean) and R[spec.ks[-1]] % BK == 0
+    nk = -(-(p.kchunk or spec.K) // BK)
+    k_exact = p.lean and spec.K % BK == 0 and (not split or spec.K % p.kchunk == 0)
+
+    def clamp(s: Any) -> Any:  # a slice to load: past the last one, the last (never computed)
+        return b.min_(s, c(nk - 1)) if k_exact else s
+
+    def both(x: Any, y: Any) -> Any:  # conjunction of bound checks, None: none needed
+        return y if x is None else x if y is None else b.and_(x, y)
 
     def points(which: str, kbase: Any) -> Iterator[tuple[Any, Any]]:
         """(linear address, inside) of each vector the thread loads of the slice at kbase
@@ -328,18 +348,21 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         fast = uniform and step(which) and (
             (not st.glob_k and all(gc[d] == 0 for gc, _, _ in op.guards))
             or (st.glob_k and not op.guards and len(wide) <= 1))
+        o_exact = p.lean and ext_o % (BM if which == "A" else BN) == 0
+        true = b.const(1, "i1")
         first = None
         for i in range(st.per_thread):
             if fast and first is not None:
                 addr0, ok0, lo0 = first
                 addr = b.add(addr0, c(op.coef[d] * i * step(which)))
-                if st.glob_k:  # (k in range as vector 0's; the outer index is not)
-                    ok0 = b.and_(ok0, b.lt(b.add(b.add(o0, lo0), c(i * step(which))), c(ext_o)))
-                yield addr, ok0
+                if st.glob_k and not o_exact:  # (k in range as vector 0's; the outer index is not)
+                    ok0 = both(ok0, b.lt(b.add(b.add(o0, lo0), c(i * step(which))), c(ext_o)))
+                yield addr, true if ok0 is None else ok0
                 continue
             lo, lk = coords(which, i)
             oi, ki = b.add(o0, lo), b.add(kbase, lk)
-            ok = b.and_(b.lt(oi, c(ext_o)), b.lt(ki, c(spec.K)))
+            ok_k = None if k_exact else b.lt(ki, c(spec.K))
+            ok = both(None if o_exact else b.lt(oi, c(ext_o)), ok_k)
             io = _split(b, oi, outer, R)
             if uniform:  # the slice shares every K dim but the last: split kbase, add lk
                 ik = dict(_split(b, kbase, spec.ks, R))
@@ -351,10 +374,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             for gc, g0, upper in op.guards:  # fused padding: outside reads as 0
                 gop = Operand("", "", gc, 0, 0, 0)
                 at = _addr(b, gop, {**bat, **io, **ik}, tuple(d for d, k in enumerate(gc) if k), c(g0))
-                ok = b.and_(ok, b.inb(at, c(upper)))
+                ok = both(ok, b.inb(at, c(upper)))
             if fast:  # (glob_k: vector 0's inside-ness without its outer bound)
-                first = (addr, b.lt(ki, c(spec.K)) if st.glob_k else ok, lo)
-            yield addr, ok
+                first = (addr, ok_k if st.glob_k else ok, lo)
+            yield addr, true if ok is None else ok
 
     def load_slice(which: str, kbase: Any) -> list[Any]:
         st = p.a if which == "A" else p.b
@@ -441,7 +464,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     held = [w for w, st in (("A", p.a), ("B", p.b)) if not st.cp]  # staged through registers
     for s in range(S - 1 if copied else 0):  # 3c: slices 0 .. S-2 in flight
         for w in copied:
-            issue(w, c(s), kb(c(s)))
+            issue(w, c(s), kb(c(min(s, nk - 1) if k_exact else s)))
         b.cp_commit()
     for w in held:
         stage(w, zero, load_slice(w, kb(zero)))
@@ -535,7 +558,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
-        kn = kb(b.add(kt, c(1)))
+        kn = kb(clamp(b.add(kt, c(1))))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
         accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
@@ -548,16 +571,16 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
         ahead = b.add(kt, c(S - 1))
         for w in copied:  # 4a
-            issue(w, b.rem(ahead, c(S)), kb(ahead))
+            issue(w, b.rem(ahead, c(S)), kb(clamp(ahead)))
         b.cp_commit()
         kn = b.add(kt, c(1))
-        nxt = [load_slice(w, kb(kn)) for w in held]
+        nxt = [load_slice(w, kb(clamp(kn))) for w in held]
         accs = compute(b.rem(kt, c(S)), accs)
         for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
             stage(w, b.rem(kn, c(S)), vals)
         return accs
 
-    accs = b.loop(-(-(p.kchunk or spec.K) // BK), accs, body_async if copied else body)
+    accs = b.loop(nk, accs, body_async if copied else body)
     if copied:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
     # 5. store

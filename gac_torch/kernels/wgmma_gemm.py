@@ -26,11 +26,15 @@ ahead into the next tile while the consumers store the last one.
                4a. wait full[kt % S]
                4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit
                4b'. (A from registers) first every K step's A fragment, loaded from the
-                   swizzled tile (`a_frag_offset`) and rounded to tf32 (cvt.rna)
+                   swizzled tile (`a_frag_offset`; rows permuted, `a_pair_row`: one conflict-free
+                   8-byte load per k) and rounded to tf32 (cvt.rna); two slices per loop
+                   iteration in two sets of registers (an odd count's first slice alone), so
+                   a set is reloaded only after the group that read it completed (4c)
                4c. wait until one group at most is in flight: the previous slice's stage is
                    free, one thread per warpgroup arrives on its empty barrier (the tile's last
                    slice: after waiting for all)
-  5. store     each accumulator (pairs when C's rows are contiguous and even) to C, rounded to
+  5. store     each accumulator (pairs when C's rows are contiguous and even; 4b': the pairs of
+               rows when its columns are) to C, rounded to
                C's type, inside the matrix only; 5b. for f16/bf16 C with 16-byte rows, through
                a padded shared-memory staging buffer per warpgroup (named barrier), then 16-byte
                stores of whole row chunks; 5c. with a fused epilogue (`GemmSpec.epilogue`: bias,
@@ -58,7 +62,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_C, Operand, Spec
+from gac_torch.kernels.cuda_mma import FRAG_C, Operand, Spec
 from gac_torch.kernels.gemm_epilogue import Epilogue
 
 if TYPE_CHECKING:
@@ -113,6 +117,7 @@ class Plan:
     tiles: int  # work units: BM x BN tiles over the batch (cluster 2: pairs of M-adjacent tiles)
     staged_store: bool = False  # C through shared memory, 16-byte coalesced stores (5b)
     a_regs: bool = False  # tf32 with an M-major A: fragments from shared memory to registers (4b')
+    row_pairs: bool = False  # (a_regs) C's rows contiguous: a thread's rows pr, pr+1 stored at once
     c_bytes: int = 2
     cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
 
@@ -176,8 +181,12 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     es = ESIZE[e]
     bk = SWIZZLE // es  # one swizzle span of K per slice: 64 (16-bit), 32 (tf32)
     bn = bn or int(os.environ.get("GAC_WGMMA_BN", 0))  # (tuning: force a tile width)
-    if not bn:  # the wide tile once it still fills the GPU
-        bn = 256 if -(-spec.M // BM) * -(-spec.N // 256) * batch >= SM_COUNT_HINT else 128
+    if not bn:  # the wide tile once it still fills the GPU. tf32: already once it fills half of
+        # it (128 x 128 tiles would then take two rounds on some SMs: the same time as one wide
+        # tile, which reads 80 instead of 96 bytes of shared memory per tensor-core cycle; 2048^3:
+        # 128 wide tiles, 256 narrow ones on 132 SMs)
+        wide = -(-spec.M // BM) * -(-spec.N // 256) * batch
+        bn = 256 if wide >= SM_COUNT_HINT or (spec.kind == "tf32" and 2 * wide > SM_COUNT_HINT) else 128
     sa = _side(spec.a, spec, spec.m, BM, bk, es)
     sb = _side(spec.b, spec, spec.n, bn, bk, es)
     if sa is None or sb is None:
@@ -201,8 +210,11 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles, cluster=cluster,
-             a_regs=spec.kind == "tf32" and not sa.k_major)
+    a_regs = spec.kind == "tf32" and not sa.k_major
+    row_pairs = (a_regs and c.dims[-1] == spec.m and c.strides[-1] == 1 and spec.M % 2 == 0
+                 and all(s % 2 == 0 for s in c.strides[:-1]) and c.offset % 2 == 0)
+    p = Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb, grid, pair, tiles,
+             cluster=cluster, a_regs=a_regs, row_pairs=row_pairs)
     # 5b: 16-bit C whose rows are 16-byte multiples goes through shared memory (H200,
     # 2026-12-01, 4096^3: 4-9 % faster than pair stores); GAC_WGMMA_EPILOGUE=direct: never
     c_es = ESIZE.get(c.elem, 4)
@@ -253,6 +265,20 @@ def a_frag_offset(b: Any, side: Side, es: int, row: Any, k: Any) -> Any:
     box = b.mul(b.div(row, c(span)), c(side.box[0] * side.box[1] * es))
     chunk = b.xor(b.mul(b.rem(row, c(span)), c(es)), b.mul(b.rem(k, c(8)), c(16)))
     return b.add(box, b.add(b.mul(k, c(SWIZZLE)), chunk))
+
+
+def a_pair_row(b: Any, warp: Any, g: Any) -> Any:
+    """4b': the physical row pr (of the warpgroup's 64) whose pair pr, pr + 1 holds the rows
+    g, g + 8 of warp `warp`'s m16 slice of the fragment (FRAG_A8). Rows are a free permutation
+    (C's rows follow them in the store), so a thread's two rows at one k are 8 adjacent bytes
+    (one ld.shared.v2) and the 16 lanes of a half-warp hit 16 distinct 8-byte bank pairs under
+    the 128-byte swizzle: bits of pr/2 = (g0, g2, warp0, g1, warp1), g1 on the row's 64-byte
+    half, g0 on its 8-byte slot, the swizzle's k XOR on the 16-byte chunk in between."""
+    c = b.const
+    g0, g1, g2 = b.rem(g, c(2)), b.rem(b.div(g, c(2)), c(2)), b.div(g, c(4))
+    w0, w1 = b.rem(warp, c(2)), b.div(warp, c(2))
+    j = b.add(b.add(g0, b.mul(g2, c(2))), b.add(b.mul(w0, c(4)), b.add(b.mul(g1, c(8)), b.mul(w1, c(16)))))
+    return b.mul(j, c(2))
 
 
 def descriptor(addr: int, lbo: int, sbo: int) -> int:
@@ -375,23 +401,28 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
         cw = b.sub(wg, c(1))  # consumer index: rows cw*64 .. +63 of the tile
         frag = [(i, q) for i in range(p.bn // 8) for q in range(4)]
-        if p.a_regs:  # 4b': this thread's A fragment (FRAG_A8: rows g, g + 8; k t, t + 4) in a stage
-            row0 = b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g))
-            a_offs = [b.to_i32(a_frag_offset(b, p.a, es, b.add(row0, c(dr)), b.add(tq, c(dk))))
-                      for dr, dk in FRAG_A8]
+        if p.a_regs:  # 4b': this thread's A fragment (FRAG_A8: rows g, g + 8; k t, t + 4) is
+            # rows pr, pr + 1 of the warpgroup's 64 (a_pair_row), 8 bytes at k t and at t + 4
+            pr = a_pair_row(b, warp, g)
+            a_offs = [b.to_i32(a_frag_offset(b, p.a, es, b.add(b.mul(cw, c(64)), pr), b.add(tq, c(dk))))
+                      for dk in (0, 4)]
+            local = b.add(b.mul(cw, c(64)), pr)  # the tile row of FRAG_C's row rq: local + rq / 8
+            row_of = (lambda rq: rq // 8)  # noqa: E731
         else:
             a_half = desc_layout(p.a, es, 64, 0)[0]  # bytes from consumer 0's rows of A to 1's
+            local = b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g))
+            row_of = (lambda rq: rq)  # noqa: E731
         leader = b.eq(t, c(0))  # one arrival per consumer warpgroup
 
         def one_tile(tl: Any) -> None:
             m0, n0, bz = tile(tl)
             b.batch = bz
-            rows = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
+            rows = b.add(m0, local)
             cols = b.add(n0, b.mul(tq, c(2)))
 
             def at(i: int, q: int) -> tuple[Any, Any]:
                 rq, cq = FRAG_C[q]
-                return b.add(rows, c(rq)), b.add(cols, c(8 * i + cq))
+                return b.add(rows, c(row_of(rq))), b.add(cols, c(8 * i + cq))
 
             if spec.fill:
                 init = b.init_f32()
@@ -406,24 +437,39 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 b.mbar_wait(full(s), phase)  # 4a
                 if p.a_regs:  # 4b'
                     a_stage = b.i32_add(smem, b.i32_add(b.i32(a_base), b.i32_mul(b.to_i32(s), b.i32(p.a.stage_bytes))))
-                    regs = [[b.lds_tf32(b.i32_add(a_stage, b.i32_add(off, b.i32(kstep * p.ks * SWIZZLE))))
-                             for off in a_offs] for kstep in range(p.bk // p.ks)]
+                    regs = [[x for off in a_offs
+                             for x in b.lds_tf32x2(b.i32_add(a_stage, b.i32_add(off, b.i32(kstep * p.ks * SWIZZLE))))]
+                            for kstep in range(p.bk // p.ks)]
                 b.asm("wgmma.fence.sync.aligned;")  # 4b
                 for kstep in range(p.bk // p.ks):
                     da = regs[kstep] if p.a_regs else b.desc(smem, a_base, p.a, s, desc_layout(p.a, es, 0, kstep), cw, a_half)
                     db = b.desc(smem, b_base, p.b, s, desc_layout(p.b, es, 0, kstep), None, 0)
                     accs = b.wgmma(accs, da, db)
                 b.asm("wgmma.commit_group.sync.aligned;")
-                # the previous slice's group is done once at most this one is in flight: 4c. With
-                # A in registers, none may stay in flight: the next slice's A fragments may reuse
-                # the registers an unfinished wgmma still reads (PTX: undefined; on the H200 the
-                # 2048^3 tf32 GEMM was 4 % off with depth 1)
-                b.asm(f"wgmma.wait_group.sync.aligned {0 if p.a_regs else 1};", accs)
+                # 4c: the previous slice's group is done once at most this one is in flight
+                b.asm("wgmma.wait_group.sync.aligned 1;", accs)
                 prev = b.rem(b.add(it, c(S - 1)), c(S))
                 b.when(b.and_(leader, b.lt(c(0), kt)), lambda: release(prev))
                 return accs
 
-            accs = b.for_(c(0), c(nk), c(1), accs, ["f32"] * len(accs), body)
+            types = ["f32"] * len(accs)
+            if p.a_regs:  # 4b': A in registers that a wgmma reads until its group
+                # completes (PTX: rewriting them earlier is undefined; 4 % off on the H200): two
+                # slices per iteration, so each loads its fragments into its own set of registers
+                # while the other's wgmmas run, and a set is rewritten only two slices later,
+                # after 4c waited for the group that read it. An odd count's first slice runs
+                # alone, before the loop (after it, ptxas serialized every wgmma)
+                odd = nk % 2
+                if odd:
+                    accs = body(c(0), accs)
+
+                def two(j: Any, accs: list) -> list:
+                    kt = b.add(b.mul(j, c(2)), c(odd))
+                    return body(b.add(kt, c(1)), body(kt, accs))
+
+                accs = b.for_(c(0), c(nk // 2), c(1), accs, types, two)
+            else:
+                accs = b.for_(c(0), c(nk), c(1), accs, types, body)
             b.asm("wgmma.wait_group.sync.aligned 0;", accs)
             last = b.rem(b.add(first, c(nk - 1)), c(S))
             b.when(leader, lambda: release(last))
@@ -438,7 +484,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 b.asm("bar.sync $0, 128;", args=[(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32")])
                 for j, (i, q) in enumerate(frag):
                     if q % 2 == 0:
-                        r_loc = b.add(b.mul(warp, c(16)), b.add(g, c(FRAG_C[q][0])))
+                        r_loc = b.add(b.sub(local, b.mul(cw, c(64))), c(row_of(FRAG_C[q][0])))
                         c_loc = b.add(b.mul(tq, c(2)), c(8 * i))
                         at_ = b.i32_add(mine_rows, b.i32_add(b.i32_mul(b.to_i32(r_loc), b.i32(p.stage_row)),
                                                              b.i32_mul(b.to_i32(c_loc), b.i32(p.c_bytes))))
@@ -454,7 +500,10 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                                   b.add(n0, b.mul(ch, c(16 // p.c_bytes))))
                 return
             for j, (i, q) in enumerate(frag):
-                if p.pair_store:
+                if p.row_pairs:  # (a_regs) rows pr, pr + 1: FRAG_C's q and q + 2
+                    if q < 2:
+                        b.store_pair(*at(i, q), accs[j], accs[j + 2])
+                elif p.pair_store:
                     if q % 2 == 0:
                         b.store_pair(*at(i, q), accs[j], accs[j + 1])
                 else:

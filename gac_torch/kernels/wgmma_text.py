@@ -38,10 +38,11 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
     def xor(self, x: str, y: str) -> str:
         return self.binop("arith.xori", x, y)
 
-    def lds_tf32(self, addr: str) -> str:
-        """An f32 from shared `addr`, rounded to tf32 (cvt.rna: as mma.sync's operands)."""
-        return self.asm("{\n.reg .f32 F;\nld.shared.f32 F, [$1];\ncvt.rna.tf32.f32 $0, F;\n}",
-                        args=[(addr, "r", "i32")], results=1)[0]
+    def lds_tf32x2(self, addr: str) -> list[str]:
+        """Two adjacent f32 from shared `addr` (8-byte aligned), each rounded to tf32 (cvt.rna: as
+        mma.sync's operands)."""
+        return self.asm("{\n.reg .f32 F, G;\nld.shared.v2.f32 {F, G}, [$2];\ncvt.rna.tf32.f32 $0, F;\n"
+                        "cvt.rna.tf32.f32 $1, G;\n}", args=[(addr, "r", "i32")], results=2)
 
     def xor1(self, x: str) -> str:
         return self.binop("arith.xori", x, self.i32(1), "i32")

@@ -196,16 +196,23 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
 
 def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool, split_k: bool):
     """The heuristic tiling (128-wide tiles once they fill about a wave), or the other tile size
-    where the GPU measured it faster for this problem (gpu/tuning.py). cp.async needs sm_80+ (as
-    mma.sync); split-K is for plain GEMMs, never convolutions."""
-    def make(big: bool | None) -> conv_gemm.Plan | None:
+    (exact-f32 GEMMs: or 128-wide tiles with 32-deep K slices) where the GPU measured it faster for
+    this problem (gpu/tuning.py). cp.async needs sm_80+ (as mma.sync); split-K is for plain
+    GEMMs, never convolutions."""
+    def make(big: bool | None, bk: int | None = None) -> conv_gemm.Plan | None:
         return conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, big=big,
-                              dynamic_limit=dynamic, simt_cp=cp, split_k=split_k)
+                              dynamic_limit=dynamic, simt_cp=cp, split_k=split_k, bk=bk)
 
     plan = make(None)
-    alts = {k: p for k, p in (("tile128", make(True)), ("tile64", make(False))) if p is not None}
+    cands = [("tile128", make(True)), ("tile64", make(False))]
+    if spec.kind == "f32" and split_k:  # (plain GEMMs)
+        cands.append(("tile128bk32", make(True, 32)))
+    alts: dict[str, conv_gemm.Plan] = {}
+    for k, p in cands:
+        if p is not None and p not in alts.values():
+            alts[k] = p
     heuristic = next((k for k, p in alts.items() if p == plan), None)
-    if plan is None or heuristic is None or len(alts) < 2 or alts["tile128"] == alts["tile64"]:
+    if plan is None or heuristic is None or len(alts) < 2:
         return plan
     key = f"igemm:{spec.kind}:{tuning.problem_key(spec)}"
     return alts[tuning.choose(key, tuple(alts), heuristic)]

@@ -1,0 +1,110 @@
+"""Env-switch variants of gac's f32 GEMM kernels on the H200, timed against torch (cuBLAS) in
+one process with CUDA events (medians of interleaved rounds, inputs rotated past L2), each
+checked against a float64 reference. A variant is `NAME=VALUE[+NAME=VALUE...]` (or `default`),
+applied while that variant compiles (with the compile cache off):
+
+    python benchmarks/gemm_variants.py --gemm sgemm:nn:4096 \
+        --variants default,GAC_SGEMM_LEAN=0,GAC_SGEMM_BK=32
+    python benchmarks/gemm_variants.py --gemm tf32:nn:2048 --variants default,GAC_WGMMA_BN=128
+
+A GEMM is kind:layout:size; kind sgemm (exact f32, TF32 off) or tf32; layout nn / nt / tn / tt
+(A as [m][k] or [k][m], B as [k][n] or [n][k]: an MLP step's forward is nt, its weight
+gradients tn, its input gradient nn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gac_torch  # noqa: E402
+from wgmma_tiles import _race  # noqa: E402
+
+FNS = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.t(), "tn": lambda a, b: a.t() @ b,
+       "tt": lambda a, b: a.t() @ b.t()}
+
+
+class Gemm(torch.nn.Module):
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, a, b):
+        return FNS[self.layout](a, b)
+
+
+def _device_ms(fn, sets, iters: int = 20) -> float | None:
+    """Device time per call from the profiler (kernels only: free of host time, which can
+    exceed a 2048^3 TF32 GEMM's); None where the profiler is not available."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(iters):
+                fn(*sets[i % len(sets)])
+            torch.cuda.synchronize()
+        us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                 for e in prof.key_averages())
+        return us / iters / 1e3
+    except Exception as e:  # noqa: BLE001 - a missing CUPTI only loses this column
+        print(f"  (profiler: {type(e).__name__}: {str(e)[:120]})", flush=True)
+        return None
+
+
+def _env(variant: str) -> dict[str, str]:
+    return {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split("+"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemm", default="sgemm:nn:4096", help="comma-separated kind:layout:size")
+    ap.add_argument("--variants", default="default,GAC_SGEMM_LEAN=0,GAC_SGEMM_BK=32")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    for gemm in args.gemm.split(","):
+        kind, layout, size = gemm.split(":")
+        n, tf32 = int(size), kind == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32  # eager (cuBLAS) and gac alike
+        gen = torch.Generator().manual_seed(0)
+        sets = [(torch.randn(n, n, generator=gen).cuda(), torch.randn(n, n, generator=gen).cuda())
+                for _ in range(max(2, -(-256 * 2**20 // (8 * n * n))))]  # past the L2
+        model = Gemm(layout)
+        ref = model(sets[0][0].double(), sets[0][1].double())
+        fns = {"eager": model}
+        for v in args.variants.split(","):
+            env = _env(v)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                compiled = gac_torch.compile(model, sets[0], target="cuda",
+                                             options={"cache": False, "allow_tf32": tf32, "fallback": False})
+                launches = [ln.split("launch ")[1].split(" (")[0] for ln in compiled.ir("ptx").splitlines()
+                            if ln.startswith("// launch")]
+                err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
+                fns[f"{v} err {err:.1e} {launches}"] = compiled
+            except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+                print(f"  {gemm} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            finally:
+                for k, old in saved.items():
+                    if old is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = old
+        times = _race(fns, sets, rounds=args.rounds)
+        device = {k: _device_ms(fn, sets) for k, fn in fns.items()}
+        eager, eager_dev = times["eager"][0], device["eager"]
+        for k, (med, best) in times.items():
+            dev = device[k]
+            kern = "" if dev is None or eager_dev is None else f"; kernels {dev:.4f} ms, vs eager's {eager_dev / dev:.3f}"
+            print(f"  {gemm} {k}: median {med:.4f} ms (min {best:.4f}), {2 * n**3 / med / 1e9:.1f} TFLOP/s, "
+                  f"throughput vs eager {eager / med:.3f}{kern}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
