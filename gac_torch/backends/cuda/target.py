@@ -58,7 +58,7 @@ def compile_options(options: Any) -> Any:
     (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
     from gac_torch.backends.gpu.strategies import (
-        flash_attention, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
+        flash_attention, flash_wgmma, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
     )
     from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.options import CudaOptions, resolve
@@ -80,6 +80,8 @@ def compile_options(options: Any) -> Any:
     mma_ok = int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH
     igemm = implicit_gemm.Params(mma=mma_ok, allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))
     strategies = (
+        # (flash_wgmma: f16/bf16 attention on sm_90a, GAC_FLASH_WGMMA=1; flash takes the rest)
+        *([flash_wgmma.strategy()] if arch in ACCEL_ARCH else []),
         *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         row.strategy(),
         implicit_gemm.fused_strategy(),

@@ -1,0 +1,348 @@
+"""Flash attention on Hopper (sm_90a) for f16 / bf16: O = softmax(Q Kᵀ · scale) V with
+warpgroup `wgmma` (FlashAttention-3's shape: S = Q Kᵀ from shared memory, P V with P as the
+register A operand), K and V fed by TMA through an mbarrier ring. What it does not take (f32,
+masks, head dims outside {16, 32, 64, 128}, strides TMA cannot read, sm_80) stays with the
+mma.sync kernel of flash_attention.py, whose Spec and Buf this kernel shares.
+
+A CTA of 1 + WGS warpgroups owns BM = 64·WGS query rows of one batch index: warpgroup 0 is
+the producer, its thread 0 issues every TMA load; consumer warpgroup c (1..WGS) owns rows
+64(c - 1).. of the tile, and in it warp w rows 16w + g and 16w + g + 8 (lane l: g = l / 4,
+t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
+
+  1. locate    block -> (query tile m0, batch index); the number of key tiles (causal: those
+               with a key <= the tile's last row)
+  2. barriers  thread 0 initializes q_full (1 arrival + Q's bytes), k_full[s] and v_full[s]
+               (1 + the tile's bytes) and empty[s] (one arrival per consumer) for each stage s
+  3. producer  registers given back (setmaxnreg.dec); thread 0: Q's boxes on q_full; then per
+               key tile kt: 3a. wait empty[kt % STAGES] (a fresh one passes); 3b. K's boxes on
+               k_full, V's on v_full (rows past S read as zeros: TMA's out-of-range fill)
+  4. consumers registers raised (setmaxnreg.inc); wait q_full; per key tile kt (the last one
+               peeled: it alone masks keys past S):
+               4a. S = Q Kᵀ   wait k_full; D/16 wgmma m64nBNk16 (both operands K-major in
+                   shared memory), commit, wait for all: this also retires P V of tile kt - 1,
+                   so stage (kt - 1) % STAGES is free: the leader arrives on its empty barrier
+               4b. mask      keys past S (last tile), causal (key > row) -> -inf; scores kept
+                   in base 2 (the scale · log2 e folded into one fma per score, as mma.sync's)
+               4c. row max   lane values, then the quad (shfl.xor 1, 2); lazy rescale: O and l
+                   are multiplied by exp2(m - m_new) only when a row max of the warp grew by
+                   more than RESCALE (flash_attention.RESCALE; a warp-uniform branch)
+               4d. P         p = exp2(s·c - m·c), rounded to the operand type in pairs: the
+                   accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk
+               4e. O += P V  wait v_full; BN/16 wgmma m64nDVk16, A from registers, B = V's tile
+                   N-major (the transpose bit); commit (retired at the next 4a)
+               4f. l         the lane's partial row sums l += Σp
+  5. finish    wait for all; l over the quad; O / l (0 where l == 0), rounded, stored
+
+Shared memory (dynamic, 1024-byte aligned base): Q, then STAGES K tiles, STAGES V tiles, then
+the barriers. A tile is one or more TMA boxes of [rows][SW bytes] (SW: the swizzle span, 128
+bytes, or the whole row where it is 32 or 64 bytes), side by side; K-major (Q, K) or N-major (V)
+canonical layouts as wgmma_gemm's descriptors, generalized to the 32/64-byte swizzles
+(`desc_layout`, tested against a numpy model of TMA's write and wgmma's read).
+
+The body (`kernel`) is written once against a builder: flash_wgmma_text.py emits MLIR;
+flash_wgmma_twin.py runs it on the CPU (warpgroups as threads, lanes in lockstep, wgmma and TMA
+modelled on a byte array of shared memory).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from gac_torch.kernels.flash_attention import LOG2E, RESCALE, Spec, _tree
+
+WG = 128
+ALIGN = 1024
+SMEM_LIMIT = 227 * 1024
+PRODUCER_REGS = 40
+HEAD_DIMS = (16, 32, 64, 128)
+SM_COUNT_HINT = 132
+
+
+@dataclass(frozen=True)
+class Plan:
+    wgs: int  # consumer warpgroups (64 query rows each)
+    bn: int  # keys per tile
+    stages: int
+    sw_qk: int  # swizzle span of Q's and K's rows (bytes)
+    sw_v: int
+    grid: tuple[int, int, int]
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return WG * (1 + self.wgs)
+
+    @property
+    def consumer_regs(self) -> int:  # setmaxnreg: producer + consumers within 64K registers
+        return min(240, (65536 - WG * PRODUCER_REGS) // (WG * self.wgs) // 8 * 8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets from the aligned dynamic shared-memory base."""
+
+    q: int
+    k: int
+    v: int
+    bars: int
+    k_stage: int
+    v_stage: int
+    total: int
+
+
+def swizzle_span(cols: int) -> int:
+    """The swizzle span for rows of `cols` 16-bit elements: the whole row up to 128 bytes."""
+    return min(128, 2 * cols)
+
+
+def layout(spec: Spec, p: Plan) -> Layout:
+    q = p.bm * 2 * spec.D
+    ks, vs = p.bn * 2 * spec.D, p.bn * 2 * spec.Dv
+    bars = q + p.stages * (ks + vs)
+    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (1 + 3 * p.stages) + ALIGN)
+
+
+def _tma_ok(b) -> bool:
+    """TMA reads the buffer: contiguous rows, other strides 16-byte multiples, <= 5 dims."""
+    return b.strides[-1] == 1 and all(s * 2 % 16 == 0 for s in b.strides[:-1]) and len(b.shape) <= 5
+
+
+def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when this kernel does not take it."""
+    if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
+        return None
+    if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
+        return None
+    if any(x.elem != spec.elem for x in (spec.q, spec.k, spec.v)) or spec.o.elem not in ("f16", "bf16", "f32"):
+        return None
+    if not all(_tma_ok(x) for x in (spec.q, spec.k, spec.v)) or spec.o.strides[-1] != 1:
+        return None
+    wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or 2
+    bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or 128
+    want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 2
+    batch = math.prod(spec.batch)
+    grid = (-(-spec.L // (64 * wgs)), 1, batch)
+    if grid[0] > 2**31 - 1 or batch > 65535:
+        return None
+    for st in range(want, 1, -1):
+        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid)
+        if layout(spec, p).total <= SMEM_LIMIT:
+            return p
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# layout math (ints only: the text builder bakes it in, the tests check it against a model)
+
+
+def desc_layout(rows: int, sw: int, k_major: bool, kstep: int, ks: int = 16, es: int = 2) -> tuple[int, int, int]:
+    """(byte offset, leading byte offset, stride byte offset) of the wgmma descriptor for k-step
+    `kstep` of a tile stored as boxes [rows][sw bytes] side by side (box j holds columns
+    j·sw/es..). K-major (rows are the M/N dim, columns K): the k-step lies in box
+    kstep·ks·es // sw, at its byte within the row; 8-row groups SBO = 8·sw apart, LBO unused.
+    N-major (rows are K, columns N): a k-step is ks rows down, 8-row K groups SBO = 8·sw apart,
+    LBO = one box between N chunks of sw bytes."""
+    if k_major:
+        byte = kstep * ks * es
+        return (byte // sw) * rows * sw + byte % sw, 16, 8 * sw
+    return kstep * ks * sw, rows * sw, 8 * sw
+
+
+def descriptor(addr: int, lbo: int, sbo: int, sw: int) -> int:
+    """The 64-bit sm_90 matrix descriptor: start, LBO, SBO in 16-byte units, the swizzle mode in
+    bits 62-63 (1: 128 bytes, 2: 64, 3: 32)."""
+    mode = {128: 1, 64: 2, 32: 3}[sw]
+    return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (mode << 62)
+
+
+def swizzle(offset: int, sw: int) -> int:
+    """Where a `sw`-byte swizzle puts byte `offset` of an aligned tile: the 16-byte chunk index
+    (sw / 16 of them) XOR the row's bits above the 128-byte line (Swizzle<log2(sw/16), 4, 3>)."""
+    return offset ^ (((offset >> 7) & (sw // 16 - 1)) << 4)
+
+
+def boxes(rows: int, cols: int, sw: int) -> list[tuple[int, int]]:
+    """Per TMA box of a [rows][cols] 16-bit tile: (byte offset in the tile, first column)."""
+    per = sw // 2
+    return [(j * rows * sw, j * per) for j in range(-(-cols // per))]
+
+
+# --------------------------------------------------------------------------------------------
+# the kernel, once, against a builder
+
+
+def kernel(b: Any, spec: Spec, p: Plan) -> None:
+    c = b.const
+    lay = layout(spec, p)
+    BM, BN, D, DV, S = p.bm, p.bn, spec.D, spec.Dv, p.stages
+    NT, NO = BN // 8, DV // 8
+    neg = -math.inf
+    # 1. locate
+    tid = b.tid()
+    m0 = b.mul(b.bid(0), c(BM))
+    bidx, rest = [], b.bid(2)
+    for j in range(len(spec.batch) - 1, -1, -1):
+        bidx.insert(0, rest if j == 0 else b.rem(rest, c(spec.batch[j])))
+        if j:
+            rest = b.div(rest, c(spec.batch[j]))
+    nkt = -(-spec.S // BN)
+    ntiles = b.min(c(nkt), b.div(b.add(m0, c(BM + BN - 1)), c(BN))) if spec.causal else c(nkt)
+    smem = b.smem_base()
+
+    def at(off: int, s: Any = None, stride: int = 0) -> Any:  # i32 shared address
+        return b.smem_addr(smem, off, s, stride)
+
+    q_full = at(lay.bars)
+    k_full = lambda s: at(lay.bars + 8, s, 8)  # noqa: E731
+    v_full = lambda s: at(lay.bars + 8 + 8 * S, s, 8)  # noqa: E731
+    empty = lambda s: at(lay.bars + 8 + 16 * S, s, 8)  # noqa: E731
+
+    # 2. barriers
+    def init() -> None:
+        b.mbar_init(q_full, 1)
+        for s in range(S):
+            b.mbar_init(k_full(c(s)), 1)
+            b.mbar_init(v_full(c(s)), 1)
+            b.mbar_init(empty(c(s)), p.wgs)
+        b.mbar_fence_init()
+
+    b.when(b.eq(tid, c(0)), init)
+    b.barrier()
+    wg = b.div(tid, c(WG))
+
+    def load(which: str, dst: int, s: Any, stride: int, rows: int, cols: int, sw: int, r0: Any, bar: Any) -> None:
+        for off, col in boxes(rows, cols, sw):
+            b.tma_load(which, at(dst + off, s, stride), [c(col), r0] + bidx[::-1], bar)
+
+    # 3. producer
+    def producer() -> None:
+        b.setmaxnreg(False, PRODUCER_REGS)
+
+        def issue() -> None:
+            b.mbar_expect(q_full, BM * 2 * D)
+            load("Q", lay.q, None, 0, BM, D, p.sw_qk, m0, q_full)
+
+            def tile(kt: Any) -> None:
+                s, ph = b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
+                b.mbar_wait(empty(s), b.sub(c(1), ph))  # 3a
+                n0 = b.mul(kt, c(BN))
+                b.mbar_expect(k_full(s), lay.k_stage)  # 3b
+                load("K", lay.k, s, lay.k_stage, BN, D, p.sw_qk, n0, k_full(s))
+                b.mbar_expect(v_full(s), lay.v_stage)
+                load("V", lay.v, s, lay.v_stage, BN, DV, p.sw_v, n0, v_full(s))
+
+            b.loop0(c(0), ntiles, tile)
+
+        b.when(b.eq(tid, c(0)), issue)
+
+    # 4. consumers
+    def consumer() -> None:
+        b.setmaxnreg(True, p.consumer_regs)
+        cw = b.sub(wg, c(1))
+        t128 = b.rem(tid, c(WG))
+        warp, lane = b.div(t128, c(32)), b.rem(t128, c(32))
+        g, t = b.div(lane, c(4)), b.rem(lane, c(4))
+        t2 = b.mul(t, c(2))
+        r0 = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
+        rows = [r0, b.add(r0, c(8))]  # the lane's query rows
+        leader = b.eq(t128, c(0))
+        # descriptors: Q's rows of this consumer (64 rows: whole 8-row groups, the swizzle
+        # phase unchanged), K's and V's stage 0; k-steps and stages add to the start address
+        qd = b.descriptor(b.add_i32(at(lay.q), b.mul_i32(cw, 64 * p.sw_qk)), 16, 8 * p.sw_qk, p.sw_qk)
+        kd0 = b.descriptor(at(lay.k), 16, 8 * p.sw_qk, p.sw_qk)
+        vd0 = b.descriptor(at(lay.v), BN * p.sw_v, 8 * p.sw_v, p.sw_v)
+        qsteps = [desc_layout(BM, p.sw_qk, True, kk)[0] for kk in range(D // 16)]
+        ksteps = [desc_layout(BN, p.sw_qk, True, kk)[0] for kk in range(D // 16)]
+        vsteps = [desc_layout(BN, p.sw_v, False, kk)[0] for kk in range(BN // 16)]
+        raw = spec.scale > 0  # the row max on raw scores, the scale inside exp2's fma
+        sc = b.fconst(spec.scale * LOG2E)
+        b.mbar_wait(q_full, c(0))
+
+        def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
+            mrow, lrow, acc = state[0:2], state[2:4], state[4:]
+            s, ph = b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
+            n0 = b.mul(kt, c(BN))
+            # 4a. S = Q Kᵀ; its wait also retires P V of tile kt - 1: that stage is free
+            b.mbar_wait(k_full(s), ph)
+            b.wgmma_fence()
+            sacc = None
+            for kk in range(D // 16):
+                da = b.desc_add(qd, qsteps[kk])
+                db = b.desc_add(kd0, ksteps[kk], s, lay.k_stage)
+                sacc = b.wgmma_ss(sacc, da, db, BN)
+            b.wgmma_commit()
+            sv = b.wgmma_wait(0, sacc + acc)
+            sv, acc = sv[:len(sacc)], sv[len(sacc):]
+            b.when(b.and_(leader, b.lt(c(0), kt)), lambda: b.mbar_arrive(empty(b.rem(b.add(kt, c(S - 1)), c(S)))))
+            # 4b. mask
+            for j in range(NT):
+                for q in range(4):
+                    key = b.add(n0, b.add(t2, c(8 * j + q % 2)))
+                    x = sv[4 * j + q] if raw else b.fmul(sv[4 * j + q], sc)
+                    hide = b.ge(key, c(spec.S)) if last and spec.S % BN else None
+                    if spec.causal:
+                        h2 = b.gt(key, rows[q // 2])
+                        hide = h2 if hide is None else b.or_(hide, h2)
+                    sv[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
+            # 4c. row max, lazy rescale
+            mx, use = [], []
+            for h in range(2):
+                m = b.fmax(mrow[h], _tree(b.fmax, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
+                m = b.fmax(m, b.shfl_xor(m, 1))
+                m = b.fmax(m, b.shfl_xor(m, 2))
+                mx.append(m)
+            grow = [b.fgt(b.fmul(b.fsub(mx[h], mrow[h]), sc) if raw else b.fsub(mx[h], mrow[h]),
+                          b.fconst(RESCALE)) for h in range(2)]
+
+            def rescale() -> list[Any]:
+                us = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mx]
+                corr = [b.fexp2(b.fmul(b.fsub(mrow[h], us[h]), sc) if raw else b.fsub(mrow[h], us[h]))
+                        for h in range(2)]
+                return (list(mx) + [b.fmul(lrow[h], corr[h]) for h in range(2)]
+                        + [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)])
+
+            out = b.cond(b.warp_any(b.or_(grow[0], grow[1])), rescale, list(mrow) + list(lrow) + list(acc))
+            mnew, lrow, acc = out[0:2], out[2:4], out[4:]
+            muse = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mnew]
+            muse = [b.fmul(u, sc) if raw else u for u in muse]
+            # 4d. P, in the A fragments of the P V k-steps
+            for i in range(len(sv)):
+                x = sv[i]
+                sv[i] = b.fexp2(b.fsub(b.fmul(x, sc) if raw else x, muse[(i % 4) // 2]))
+            frags = [[b.pack_i32(sv[8 * kk + 2 * r], sv[8 * kk + 2 * r + 1]) for r in range(4)]
+                     for kk in range(NT // 2)]
+            # 4e. O += P V
+            b.mbar_wait(v_full(s), ph)
+            b.wgmma_fence()
+            for kk in range(NT // 2):
+                acc = b.wgmma_rs(acc, frags[kk], b.desc_add(vd0, vsteps[kk], s, lay.v_stage), DV)
+            b.wgmma_commit()
+            # 4f. row sums
+            lnew = [b.fadd(lrow[h], _tree(b.fadd, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
+                    for h in range(2)]
+            return list(mnew) + lnew + list(acc)
+
+        init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO)
+        state = b.loop(b.sub(ntiles, c(1)), init, lambda kt, st: body(kt, st, False))
+        state = body(b.sub(ntiles, c(1)), state, True)
+        # 5. finish
+        acc = b.wgmma_wait(0, state[4:])
+        inv = []
+        for h in range(2):
+            x = state[2 + h]
+            x = b.fadd(x, b.shfl_xor(x, 1))
+            x = b.fadd(x, b.shfl_xor(x, 2))
+            inv.append(b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)))
+        for j in range(NO):
+            for h in range(2):
+                col = b.add(t2, c(8 * j))
+                vals = [b.fmul(acc[4 * j + 2 * h + e], inv[h]) for e in range(2)]
+                b.store_pair(bidx + [rows[h], col], vals, b.lt(rows[h], c(spec.L)))
+
+    b.role(b.eq(wg, c(0)), producer, consumer)
