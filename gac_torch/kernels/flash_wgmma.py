@@ -291,7 +291,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                         hide = h2 if hide is None else b.or_(hide, h2)
                     sv[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
             # 4c. row max, lazy rescale
-            mx, use = [], []
+            mx = []
             for h in range(2):
                 m = b.fmax(mrow[h], _tree(b.fmax, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
                 m = b.fmax(m, b.shfl_xor(m, 1))
