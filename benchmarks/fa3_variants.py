@@ -1,0 +1,104 @@
+"""The Hopper flash-attention kernel (kernels/flash_wgmma.py) timed against eager and the mma.sync
+flash kernel on the SDPA bench shapes, over its tilings (GAC_FLASH_WGMMA_{WGS,BN,STAGES}), with
+the error against float64. Used to choose flash_wgmma.plan's defaults from measurements.
+
+    python benchmarks/fa3_variants.py [--rounds 5] [--dtype bf16]
+
+Method as flash_variants.py: CUDA events after warm-up, medians of interleaved rounds, input sets
+rotated past L2; `ratio` = variant / eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+from common import time_ms  # noqa: E402
+
+import gac_torch  # noqa: E402
+from tests.parity import Fn  # noqa: E402
+
+SHAPES = [(8, 8, 2500, 32), (4, 16, 4096, 64)]
+VARIANTS = {  # name -> environment
+    "mma.sync flash": {"GAC_FLASH_WGMMA": "0"},
+    "fa3 default": {"GAC_FLASH_WGMMA": "1"},
+    "fa3 stages 3": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_STAGES": "3"},
+    "fa3 wgs 3": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3"},
+    "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},
+    "fa3 wgs 3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
+}
+DT = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _compile(inputs: tuple, env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        c = gac_torch.compile(Fn(F.scaled_dot_product_attention), inputs, target="cuda",
+                              options={"fallback": False, "cache": False})
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    ptx = c.ir("ptx")
+    launch = [line for line in ptx.splitlines() if line.startswith("// launch") and ("_fa3" in line or "flash" in line)]
+    return c, launch[0].split(" grid=")[1].split(" [")[0] if launch else "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args()
+    rows = []
+    for shape in SHAPES:
+        dt = DT[args.dtype]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        nbytes = 4 * torch.Size(shape).numel() * dt.itemsize
+        nsets = max(2, min(6, -(-2 * 60 * 2**20 // nbytes) + 1))
+        sets = [tuple(torch.randn(shape, generator=g, device="cuda", dtype=dt) for _ in range(3)) for _ in range(nsets)]
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(*(t.double() for t in sets[0]))
+            fns = {"eager": (F.scaled_dot_product_attention, "")}
+            for name, env in VARIANTS.items():
+                try:
+                    fns[name] = _compile(sets[0], env)
+                except Exception as e:  # noqa: BLE001  (report a variant that fails, go on)
+                    print(f"{shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}
+            del ref
+            est = {}
+            for k, (fn, _) in fns.items():
+                for x in sets:
+                    fn(*x)
+                torch.cuda.synchronize()
+                est[k] = time_ms(lambda fn=fn: [fn(*x) for x in sets], (), 1) / nsets
+            reps = max(1, int(10.0 / max(max(est.values()), 1e-3) / nsets))
+            samples: dict[str, list[float]] = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, (fn, _) in fns.items():
+                    samples[k].append(time_ms(lambda fn=fn: [fn(*x) for x in sets], (), reps) / nsets)
+        eager = statistics.median(samples["eager"])
+        flops = 4 * shape[0] * shape[1] * shape[2] * shape[2] * shape[3]
+        for k, (_, grid) in fns.items():
+            ms = statistics.median(samples[k])
+            rows.append(f"| {args.dtype} {'x'.join(map(str, shape))} | {k} | {grid} | {ms:.4f} | {ms / eager:.2f} | "
+                        f"{flops / ms / 1e9:.0f} | {errs[k]:.2e} |")
+        print(rows[-len(fns):] and "\n".join(rows[-len(fns):]), flush=True)
+    print("| shape | variant | grid/block | ms | / eager | TFLOP/s | err |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
