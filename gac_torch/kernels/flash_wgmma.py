@@ -12,25 +12,30 @@ t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
   1. locate    block -> (query tile m0, batch index); the number of key tiles (causal: those
                with a key <= the tile's last row)
   2. barriers  thread 0 initializes q_full (1 arrival + Q's bytes), k_full[s] and v_full[s]
-               (1 + the tile's bytes) and empty[s] (one arrival per consumer) for each stage s
+               (1 + the tile's bytes), k_empty[s] and v_empty[s] (one arrival per consumer) for
+               each stage s: K and V of a stage are freed apart (FA3's two pipelines)
   3. producer  registers given back (setmaxnreg.dec); thread 0: Q's boxes on q_full; then per
-               key tile kt: 3a. wait empty[kt % STAGES] (a fresh one passes); 3b. K's boxes on
-               k_full, V's on v_full (rows past S read as zeros: TMA's out-of-range fill)
-  4. consumers registers raised (setmaxnreg.inc); wait q_full; per key tile kt (the last one
+               key tile kt (stage s = kt % STAGES): 3a. wait k_empty[s] (a fresh one passes),
+               K's boxes on k_full[s]; 3b. wait v_empty[s], V's boxes on v_full[s] (rows past S
+               read as zeros: TMA's out-of-range fill)
+  4. consumers registers raised (setmaxnreg.inc); wait q_full; S(0) = Q K(0)ᵀ (4a), waited for,
+               K(0) freed; then per key tile kt, in FA3's intra-warpgroup order (the last tile
                peeled: it alone masks keys past S):
-               4a. S = Q Kᵀ   wait k_full; D/16 wgmma m64nBNk16 (both operands K-major in
-                   shared memory), commit, wait for all: this also retires P V of tile kt - 1,
-                   so stage (kt - 1) % STAGES is free: the leader arrives on its empty barrier
                4b. mask      keys past S (last tile), causal (key > row) -> -inf; scores kept
                    in base 2 (the scale · log2 e folded into one fma per score, as mma.sync's)
-               4c. row max   lane values, then the quad (shfl.xor 1, 2); lazy rescale: O and l
-                   are multiplied by exp2(m - m_new) only when a row max of the warp grew by
-                   more than RESCALE (flash_attention.RESCALE; a warp-uniform branch)
+               4c. row max   lane values, then the quad (shfl.xor 1, 2); lazy rescale: the max
+                   moves (and corr = exp2(m - m_new) != 1) only when a row max of the warp grew
+                   by more than RESCALE (flash_attention.RESCALE; a warp-uniform branch)
                4d. P         p = exp2(s·c - m·c), rounded to the operand type in pairs: the
-                   accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk
-               4e. O += P V  wait v_full; BN/16 wgmma m64nDVk16, A from registers, B = V's tile
-                   N-major (the transpose bit); commit (retired at the next 4a)
-               4f. l         the lane's partial row sums l += Σp
+                   accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk;
+                   4f. l = l·corr + Σp. 4b-4d run while P V of tile kt - 1 is in flight
+               4g. retire    wait for every group: P V(kt - 1) done (its P fragments held in
+                   their registers through the wait), V(kt - 1) freed; O *= corr where it moved
+               4a. S(kt + 1) wait k_full; D/16 wgmma m64nBNk16 (both operands K-major in
+                   shared memory); commit
+               4e. O += P V  wait v_full; BN/16 wgmma m64nDVk16, A = P(kt) from registers,
+                   B = V's tile N-major (the transpose bit); commit
+               then wait for S(kt + 1) only (P V(kt) stays in flight) and free K(kt + 1)
   5. finish    wait for all; l over the quad; O / l (0 where l == 0), rounded, stored
 
 Shared memory (dynamic, 1024-byte aligned base): Q, then STAGES K tiles, STAGES V tiles, then
@@ -105,7 +110,7 @@ def layout(spec: Spec, p: Plan) -> Layout:
     q = p.bm * 2 * spec.D
     ks, vs = p.bn * 2 * spec.D, p.bn * 2 * spec.Dv
     bars = q + p.stages * (ks + vs)
-    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (1 + 3 * p.stages) + ALIGN)
+    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (1 + 4 * p.stages) + ALIGN)
 
 
 def _tma_ok(b) -> bool:
@@ -201,7 +206,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     q_full = at(lay.bars)
     k_full = lambda s: at(lay.bars + 8, s, 8)  # noqa: E731
     v_full = lambda s: at(lay.bars + 8 + 8 * S, s, 8)  # noqa: E731
-    empty = lambda s: at(lay.bars + 8 + 16 * S, s, 8)  # noqa: E731
+    k_empty = lambda s: at(lay.bars + 8 + 16 * S, s, 8)  # noqa: E731
+    v_empty = lambda s: at(lay.bars + 8 + 24 * S, s, 8)  # noqa: E731
 
     # 2. barriers
     def init() -> None:
@@ -209,7 +215,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         for s in range(S):
             b.mbar_init(k_full(c(s)), 1)
             b.mbar_init(v_full(c(s)), 1)
-            b.mbar_init(empty(c(s)), p.wgs)
+            b.mbar_init(k_empty(c(s)), p.wgs)
+            b.mbar_init(v_empty(c(s)), p.wgs)
         b.mbar_fence_init()
 
     b.when(b.eq(tid, c(0)), init)
@@ -230,10 +237,11 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
             def tile(kt: Any) -> None:
                 s, ph = b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
-                b.mbar_wait(empty(s), b.sub(c(1), ph))  # 3a
                 n0 = b.mul(kt, c(BN))
+                b.mbar_wait(k_empty(s), b.sub(c(1), ph))  # 3a
                 b.mbar_expect(k_full(s), lay.k_stage)  # 3b
                 load("K", lay.k, s, lay.k_stage, BN, D, p.sw_qk, n0, k_full(s))
+                b.mbar_wait(v_empty(s), b.sub(c(1), ph))
                 b.mbar_expect(v_full(s), lay.v_stage)
                 load("V", lay.v, s, lay.v_stage, BN, DV, p.sw_v, n0, v_full(s))
 
@@ -262,26 +270,37 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         vsteps = [desc_layout(BN, p.sw_v, False, kk)[0] for kk in range(BN // 16)]
         raw = spec.scale > 0  # the row max on raw scores, the scale inside exp2's fma
         sc = b.fconst(spec.scale * LOG2E)
-        b.mbar_wait(q_full, c(0))
 
-        def body(kt: Any, state: list[Any], last: bool) -> list[Any]:
-            mrow, lrow, acc = state[0:2], state[2:4], state[4:]
-            s, ph = b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
-            n0 = b.mul(kt, c(BN))
-            # 4a. S = Q Kᵀ; its wait also retires P V of tile kt - 1: that stage is free
+        def stage(kt: Any) -> tuple[Any, Any]:
+            return b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
+
+        def release(bar: Any) -> None:
+            b.when(leader, lambda: b.mbar_arrive(bar))
+
+        def issue_s(kt: Any) -> list[Any]:  # 4a
+            s, ph = stage(kt)
             b.mbar_wait(k_full(s), ph)
             b.wgmma_fence()
             sacc = None
             for kk in range(D // 16):
-                da = b.desc_add(qd, qsteps[kk])
-                db = b.desc_add(kd0, ksteps[kk], s, lay.k_stage)
-                sacc = b.wgmma_ss(sacc, da, db, BN)
+                sacc = b.wgmma_ss(sacc, b.desc_add(qd, qsteps[kk]), b.desc_add(kd0, ksteps[kk], s, lay.k_stage), BN)
             b.wgmma_commit()
-            sv = b.wgmma_wait(0, sacc + acc)
-            sv, acc = sv[:len(sacc)], sv[len(sacc):]
-            b.when(b.and_(leader, b.lt(c(0), kt)), lambda: b.mbar_arrive(empty(b.rem(b.add(kt, c(S - 1)), c(S)))))
-            # 4b. mask
-            for j in range(NT):
+            return sacc
+
+        def issue_pv(kt: Any, acc: list[Any], frags: list[list[Any]]) -> list[Any]:  # 4e
+            s, ph = stage(kt)
+            b.mbar_wait(v_full(s), ph)
+            b.wgmma_fence()
+            for kk in range(NT // 2):
+                acc = b.wgmma_rs(acc, frags[kk], b.desc_add(vd0, vsteps[kk], s, lay.v_stage), DV)
+            b.wgmma_commit()
+            return acc
+
+        def softmax(sv: list[Any], mrow: list[Any], lrow: list[Any], kt: Any, last: bool):
+            """4b-4d, 4f on tile kt's scores: (maxima, sums, correction, rescale?, P fragments)."""
+            sv = list(sv)
+            n0 = b.mul(kt, c(BN))
+            for j in range(NT):  # 4b
                 for q in range(4):
                     key = b.add(n0, b.add(t2, c(8 * j + q % 2)))
                     x = sv[4 * j + q] if raw else b.fmul(sv[4 * j + q], sc)
@@ -290,52 +309,73 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                         h2 = b.gt(key, rows[q // 2])
                         hide = h2 if hide is None else b.or_(hide, h2)
                     sv[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
-            # 4c. row max, lazy rescale
-            mx = []
+            mx = []  # 4c
             for h in range(2):
                 m = b.fmax(mrow[h], _tree(b.fmax, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
                 m = b.fmax(m, b.shfl_xor(m, 1))
-                m = b.fmax(m, b.shfl_xor(m, 2))
-                mx.append(m)
+                mx.append(b.fmax(m, b.shfl_xor(m, 2)))
             grow = [b.fgt(b.fmul(b.fsub(mx[h], mrow[h]), sc) if raw else b.fsub(mx[h], mrow[h]),
-                          b.fconst(RESCALE)) for h in range(2)]
+                          b.fconst(RESCALE)) for h in range(2)]  # (-inf - -inf is NaN: no growth)
+            pred = b.warp_any(b.or_(grow[0], grow[1]))
 
-            def rescale() -> list[Any]:
+            def grown() -> list[Any]:
                 us = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mx]
-                corr = [b.fexp2(b.fmul(b.fsub(mrow[h], us[h]), sc) if raw else b.fsub(mrow[h], us[h]))
-                        for h in range(2)]
-                return (list(mx) + [b.fmul(lrow[h], corr[h]) for h in range(2)]
-                        + [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)])
+                return list(mx) + [b.fexp2(b.fmul(b.fsub(mrow[h], us[h]), sc) if raw else b.fsub(mrow[h], us[h]))
+                                   for h in range(2)]
 
-            out = b.cond(b.warp_any(b.or_(grow[0], grow[1])), rescale, list(mrow) + list(lrow) + list(acc))
-            mnew, lrow, acc = out[0:2], out[2:4], out[4:]
+            out = b.cond(pred, grown, list(mrow) + [b.fconst(1.0)] * 2)
+            mnew, corr = out[:2], out[2:]
             muse = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mnew]
             muse = [b.fmul(u, sc) if raw else u for u in muse]
-            # 4d. P, in the A fragments of the P V k-steps
-            for i in range(len(sv)):
+            for i in range(len(sv)):  # 4d
                 x = sv[i]
                 sv[i] = b.fexp2(b.fsub(b.fmul(x, sc) if raw else x, muse[(i % 4) // 2]))
             frags = [[b.pack_i32(sv[8 * kk + 2 * r], sv[8 * kk + 2 * r + 1]) for r in range(4)]
                      for kk in range(NT // 2)]
-            # 4e. O += P V
-            b.mbar_wait(v_full(s), ph)
-            b.wgmma_fence()
-            for kk in range(NT // 2):
-                acc = b.wgmma_rs(acc, frags[kk], b.desc_add(vd0, vsteps[kk], s, lay.v_stage), DV)
-            b.wgmma_commit()
-            # 4f. row sums
-            lnew = [b.fadd(lrow[h], _tree(b.fadd, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
-                    for h in range(2)]
-            return list(mnew) + lnew + list(acc)
+            lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, [sv[4 * j + q] for j in range(NT)
+                                                                   for q in (2 * h, 2 * h + 1)])) for h in range(2)]
+            return mnew, lnew, corr, pred, frags
 
-        init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO)
-        state = b.loop(b.sub(ntiles, c(1)), init, lambda kt, st: body(kt, st, False))
-        state = body(b.sub(ntiles, c(1)), state, True)
-        # 5. finish
-        acc = b.wgmma_wait(0, state[4:])
+        def retire_pv(kt: Any, acc: list[Any], pprev: list[Any], corr: list[Any], pred: Any) -> list[Any]:
+            """P V of tile kt - 1 retired (its P fragments held in their registers until then):
+            V's stage free; O *= corr where a row max grew (the warp-uniform branch)."""
+            out = b.wgmma_wait(0, acc, pprev)
+            acc = out[:len(acc)]
+            b.when(b.lt(c(0), kt), lambda: release(v_empty(b.rem(b.add(kt, c(S - 1)), c(S)))))
+            return b.cond(pred, lambda: [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)], acc)
+
+        b.mbar_wait(q_full, c(0))
+        sv = b.wgmma_wait(0, issue_s(c(0)))
+        release(k_empty(c(0)))
+        npf = 2 * NT  # P fragment registers
+        init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO) + sv + [b.izero()] * npf
+        types = ["f32"] * (4 + 4 * NO + 4 * NT) + ["i32"] * npf
+
+        def body(kt: Any, state: list[Any]) -> list[Any]:
+            # tile kt: its softmax while P V of tile kt - 1 runs, then S of tile kt + 1 and P V
+            # of tile kt issued; S(kt + 1) waited for, P V(kt) left in flight
+            mrow, lrow, acc = state[0:2], state[2:4], state[4:4 + 4 * NO]
+            sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
+            mnew, lnew, corr, pred, frags = softmax(sv, mrow, lrow, kt, False)
+            acc = retire_pv(kt, acc, pprev, corr, pred)
+            nxt = b.add(kt, c(1))
+            sacc = issue_s(nxt)
+            acc = issue_pv(kt, acc, frags)
+            sv = b.wgmma_wait(1, sacc)
+            release(k_empty(stage(nxt)[0]))
+            return list(mnew) + list(lnew) + list(acc) + list(sv) + [x for f in frags for x in f]
+
+        state = b.loop(b.sub(ntiles, c(1)), init, body, types)
+        # the last tile (peeled: it alone masks keys past S), then 5. finish
+        kt = b.sub(ntiles, c(1))
+        sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
+        mnew, lnew, corr, pred, frags = softmax(sv, state[0:2], state[2:4], kt, True)
+        acc = retire_pv(kt, state[4:4 + 4 * NO], pprev, corr, pred)
+        acc = issue_pv(kt, acc, frags)
+        acc = b.wgmma_wait(0, acc, [x for f in frags for x in f])[:4 * NO]
         inv = []
         for h in range(2):
-            x = state[2 + h]
+            x = lnew[h]
             x = b.fadd(x, b.shfl_xor(x, 1))
             x = b.fadd(x, b.shfl_xor(x, 2))
             inv.append(b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)))

@@ -40,21 +40,24 @@ class _WgText(_Text):
         return self._op("arith.muli", self._cast("arith.index_cast", x, "index", "i32"), self.i32(k), "i32")
 
     def asm(self, text: str, outs: int = 0, tied: list[str] | None = None,
-            args: list[tuple[str, str, str]] = ()) -> list[str]:
-        """One llvm.inline_asm with side effects: `outs` f32 results (the first len(tied) of
-        them also inputs), then `args` (value, constraint, type)."""
+            args: list[tuple[str, str, str]] = (), types: list[str] | None = None) -> list[str]:
+        """One llvm.inline_asm with side effects: `outs` results of `types` (default f32; the
+        first len(tied) of them also inputs: values held in their registers through it), then
+        `args` (value, constraint, type)."""
         tied = tied or []
-        cons = ["=f"] * outs + [str(i) for i in range(len(tied))] + [a[1] for a in args]
+        types = types or ["f32"] * outs
+        cons = ["=f" if t == "f32" else "=r" for t in types] + [str(i) for i in range(len(tied))]
+        cons += [a[1] for a in args]
         ops = list(tied) + [a[0] for a in args]
-        types = ["f32"] * len(tied) + [a[2] for a in args]
+        in_types = types[:len(tied)] + [a[2] for a in args]
         text = text.replace("\n", "\\0A")
         head = f'llvm.inline_asm has_side_effects asm_dialect = att "{text}", "{",".join(cons)}" {", ".join(ops)}'
         if outs == 0:
-            self.w(f"{head} : ({', '.join(types)}) -> ()")
+            self.w(f"{head} : ({', '.join(in_types)}) -> ()")
             return []
         r = self._v()
-        rt = "f32" if outs == 1 else "!llvm.struct<(" + ", ".join(["f32"] * outs) + ")>"
-        self.w(f"{r} = {head} : ({', '.join(types)}) -> {rt}")
+        rt = types[0] if outs == 1 else "!llvm.struct<(" + ", ".join(types) + ")>"
+        self.w(f"{r} = {head} : ({', '.join(in_types)}) -> {rt}")
         if outs == 1:
             return [r]
         res = []
@@ -129,9 +132,33 @@ class _WgText(_Text):
     def wgmma_commit(self) -> None:
         self.asm("wgmma.commit_group.sync.aligned;")
 
-    def wgmma_wait(self, n: int, vals: list[str]) -> list[str]:
-        """Wait until at most n groups are in flight; `vals` (accumulators) flow through it."""
-        return self.asm(f"wgmma.wait_group.sync.aligned {n};", len(vals), vals)
+    def wgmma_wait(self, n: int, vals: list[str], ivals: list[str] = ()) -> list[str]:
+        """Wait until at most n groups are in flight; `vals` (f32 accumulators) and `ivals` (b32
+        A fragments a wgmma may still read: their registers stay theirs until here) flow
+        through it."""
+        vs = list(vals) + list(ivals)
+        return self.asm(f"wgmma.wait_group.sync.aligned {n};", len(vs), vs,
+                        types=["f32"] * len(vals) + ["i32"] * len(ivals))
+
+    def izero(self) -> str:
+        return self.i32(0)
+
+    def loop(self, n: str, init: list[str], body: Callable[[Any, list[Any]], list[Any]],
+             types: list[str] | None = None) -> list[str]:
+        """scf.for 0..n with iter_args of `types` (default f32)."""
+        res = self._v()
+        kt = f"%kt{self.n}"
+        iters = [f"%it{self.n}_{i}" for i in range(len(init))]
+        lo, one = self.const(0), self.const(1)
+        ts = ", ".join(types or ["f32"] * len(init))
+        self.w(f"{res}:{len(init)} = scf.for {kt} = {lo} to {n} step {one} iter_args("
+               + ", ".join(f"{a} = {v}" for a, v in zip(iters, init)) + f") -> ({ts}) {{")
+        saved = self.consts
+        self.consts = dict(saved)
+        out = body(kt, iters)
+        self.consts = saved
+        self.w(f"scf.yield {', '.join(out)} : {ts}\n}}")
+        return [f"{res}#{i}" for i in range(len(init))]
 
     def _wgmma(self, acc: list[str] | None, a: str | list[str], db: str, n: int, trans_b: int) -> list[str]:
         e = self.spec.elem

@@ -261,11 +261,17 @@ class _WgTwin(_Numpy):
             for s in spans:
                 self.cta.inflight.remove(s)
 
-    def wgmma_wait(self, n: int, vals: list[np.ndarray]) -> list[np.ndarray]:
+    def wgmma_wait(self, n: int, vals: list[np.ndarray], ivals: list[np.ndarray] = ()) -> list[np.ndarray]:
         while len(self.groups) > n:
             for op in self.groups.pop(0):
                 self._run(op)
-        return [self._val(x) for x in vals]
+        return [self._val(x) for x in vals] + list(ivals)
+
+    def izero(self) -> np.ndarray:
+        return np.zeros((WG, 2), dtype=np.float32)
+
+    def loop(self, n, init, body, types=None):
+        return super().loop(n, init, body)
 
     def pack_i32(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         return self.pack_f32(lo, hi)
