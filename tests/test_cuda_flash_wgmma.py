@@ -23,6 +23,7 @@ CASES = [  # (B, H, L, S, D, Dv, causal)
     (2, 3, 7, 9, 16, 16, False),
     (1, 1, 200, 601, 64, 128, False),
     (8, 8, 250, 250, 32, 32, False),
+    (5, 30, 200, 260, 64, 64, True),  # 4 x 150 work tiles: the persistent grid takes several each
 ]
 
 
@@ -51,7 +52,7 @@ def test_sdpa_fa3_parity(kind, case, monkeypatch):
     assert _run(kind, case, {}, monkeypatch) < REL[kind]
 
 
-@pytest.mark.parametrize("env", [{"GAC_FLASH_WGMMA_STAGES": "3"}, {"GAC_FLASH_WGMMA_WGS": "3"},
+@pytest.mark.parametrize("env", [{"GAC_FLASH_WGMMA_STAGES": "3"}, {"GAC_FLASH_WGMMA_PERSISTENT": "0"},
                                  {"GAC_FLASH_WGMMA_BN": "64"}, {"GAC_FLASH_WGMMA_WGS": "1", "GAC_FLASH_WGMMA_BN": "192"}],
                          ids=lambda e: ",".join(f"{k[17:]}={v}" for k, v in e.items()))
 def test_sdpa_fa3_tilings(env, monkeypatch):

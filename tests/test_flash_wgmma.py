@@ -5,6 +5,7 @@ reference on odd shapes, head dims, causal and tilings; the twin's own checks; t
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -21,31 +22,37 @@ from gac_torch.options import resolve
 from tests.test_flash_attention import TOL, _case
 
 # (kind, batch, L, S, D, Dv, causal, plan overrides): sequence lengths off the tiles, more key
-# tiles than stages, every head dim (swizzle 32 / 64 / 128 bytes, 1 or 2 boxes a row)
+# tiles than stages, every head dim (swizzle 32 / 64 / 128 bytes, 1 or 2 boxes a row); "ctas":
+# a persistent grid smaller than the work (each CTA takes several work tiles)
 CASES = [
     ("bf16", (1,), 37, 130, 64, 64, False, {}),
     ("f16", (2,), 130, 37, 32, 32, True, {}),
     ("bf16", (1,), 65, 200, 128, 128, True, {}),
     ("f16", (1, 2), 7, 9, 16, 16, False, {}),
-    ("bf16", (1,), 130, 601, 64, 64, False, {"bn": 64}),
-    ("f16", (1,), 200, 300, 128, 64, True, {"bn": 64, "stages": 3}),
+    ("bf16", (1,), 130, 601, 64, 64, False, {"bn": 64, "persistent": False}),
+    ("bf16", (1, 2), 130, 601, 64, 64, False, {"bn": 64, "ctas": 3}),
+    ("f16", (3,), 200, 300, 128, 64, True, {"bn": 64, "stages": 3, "ctas": 2}),
     ("bf16", (1,), 37, 700, 32, 128, False, {"wgs": 3, "stages": 4}),
     ("bf16", (2,), 130, 1, 16, 32, False, {}),
-    ("f16", (1,), 250, 250, 64, 64, True, {"wgs": 1, "bn": 192}),
+    ("f16", (2,), 250, 250, 16, 16, True, {"wgs": 1, "bn": 192, "ctas": 3}),
 ]
 
 
 def _emulate(case):
     kind, batch, L, S, D, Dv, causal, kw = case
     spec, q, k, v, _ = _case(kind, batch, L, S, D, Dv, "none", None, causal)
+    kw = dict(kw)
+    ctas = kw.pop("ctas", None)
     p = fw.plan(spec, **kw)
     assert p is not None
+    if ctas:
+        p = dataclasses.replace(p, grid=(ctas, 1, 1))
     out = tw.emulate(spec, p, q, k, v)
     return out, reference(q, k, v, None, "none", spec.scale, causal)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:7])))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:7])) + "-" + "-".join(f"{k}{v}" for k, v in c[7].items()))
 def test_twin_matches_float64(case):
     out, ref = _emulate(case)
     assert not np.isnan(out).any(), "an output element was not written"

@@ -4,14 +4,16 @@ register A operand), K and V fed by TMA through an mbarrier ring. What it does n
 masks, head dims outside {16, 32, 64, 128}, strides TMA cannot read, sm_80) stays with the
 mma.sync kernel of flash_attention.py, whose Spec and Buf this kernel shares.
 
-A CTA of 1 + WGS warpgroups owns BM = 64·WGS query rows of one batch index: warpgroup 0 is
+A CTA of 1 + WGS warpgroups computes work tiles of BM = 64·WGS query rows of one batch index
+(persistent: bid, bid + grid, ..., K/V tiles numbered across them; the producer loads the next
+work tile's Q (after q_empty) and K/V while the consumers finish one): warpgroup 0 is
 the producer, its thread 0 issues every TMA load; consumer warpgroup c (1..WGS) owns rows
 64(c - 1).. of the tile, and in it warp w rows 16w + g and 16w + g + 8 (lane l: g = l / 4,
 t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
 
-  1. locate    block -> (query tile m0, batch index); the number of key tiles (causal: those
-               with a key <= the tile's last row)
-  2. barriers  thread 0 initializes q_full (1 arrival + Q's bytes), k_full[s] and v_full[s]
+  1. locate    work tile -> (query tile m0, batch index); the number of key tiles (causal:
+               those with a key <= the tile's last row)
+  2. barriers  thread 0 initializes q_full (1 arrival + Q's bytes), q_empty, k_full[s] and v_full[s]
                (1 + the tile's bytes), k_empty[s] and v_empty[s] (one arrival per consumer) for
                each stage s: K and V of a stage are freed apart (FA3's two pipelines)
   3. producer  registers given back (setmaxnreg.dec); thread 0: Q's boxes on q_full; then per
@@ -36,7 +38,7 @@ t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
                4e. O += P V  wait v_full; BN/16 wgmma m64nDVk16, A = P(kt) from registers,
                    B = V's tile N-major (the transpose bit); commit
                then wait for S(kt + 1) only (P V(kt) stays in flight) and free K(kt + 1)
-  5. finish    wait for all; l over the quad; O / l (0 where l == 0), rounded, stored
+  5. finish    (Q freed once the last S retired) wait for all, V freed; l over the quad; O / l (0 where l == 0), rounded, stored
 
 Shared memory (dynamic, 1024-byte aligned base): Q, then STAGES K tiles, STAGES V tiles, then
 the barriers. A tile is one or more TMA boxes of [rows][SW bytes] (SW: the swizzle span, 128
@@ -73,7 +75,8 @@ class Plan:
     stages: int
     sw_qk: int  # swizzle span of Q's and K's rows (bytes)
     sw_v: int
-    grid: tuple[int, int, int]
+    grid: tuple[int, int, int]  # (CTAs, 1, 1): each takes work tiles bid, bid + CTAs, ...
+    units: int  # work tiles: BM query rows of one batch index (query tiles fastest)
 
     @property
     def bm(self) -> int:
@@ -110,7 +113,7 @@ def layout(spec: Spec, p: Plan) -> Layout:
     q = p.bm * 2 * spec.D
     ks, vs = p.bn * 2 * spec.D, p.bn * 2 * spec.Dv
     bars = q + p.stages * (ks + vs)
-    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (1 + 4 * p.stages) + ALIGN)
+    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (2 + 4 * p.stages) + ALIGN)
 
 
 def _tma_ok(b) -> bool:
@@ -118,8 +121,12 @@ def _tma_ok(b) -> bool:
     return b.strides[-1] == 1 and all(s * 2 % 16 == 0 for s in b.strides[:-1]) and len(b.shape) <= 5
 
 
-def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int | None = None) -> Plan | None:
-    """Tiling for `spec`, or None when this kernel does not take it."""
+def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int | None = None,
+         persistent: bool | None = None) -> Plan | None:
+    """Tiling for `spec`, or None when this kernel does not take it. `persistent`: one CTA an
+    SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
+    finish one); else a CTA per work tile. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,
+    PERSISTENT} while unmeasured): 2 consumers, BN = 128, 2 stages, persistent."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
     if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
@@ -131,12 +138,14 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or 2
     bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or 128
     want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 2
-    batch = math.prod(spec.batch)
-    grid = (-(-spec.L // (64 * wgs)), 1, batch)
-    if grid[0] > 2**31 - 1 or batch > 65535:
+    if persistent is None:
+        persistent = os.environ.get("GAC_FLASH_WGMMA_PERSISTENT", "1") != "0"
+    units = -(-spec.L // (64 * wgs)) * math.prod(spec.batch)
+    if units > 2**31 - 1:
         return None
+    grid = (min(units, SM_COUNT_HINT) if persistent else units, 1, 1)
     for st in range(want, 1, -1):
-        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid)
+        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units)
         if layout(spec, p).total <= SMEM_LIMIT:
             return p
     return None
@@ -188,30 +197,45 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     BM, BN, D, DV, S = p.bm, p.bn, spec.D, spec.Dv, p.stages
     NT, NO = BN // 8, DV // 8
     neg = -math.inf
-    # 1. locate
+    # 1. locate: the CTA's work tiles are bid, bid + G, ... (G = the grid; one each unless
+    # persistent); K/V tiles are numbered across them (`it`: stage it % S, phase (it / S) % 2)
     tid = b.tid()
-    m0 = b.mul(b.bid(0), c(BM))
-    bidx, rest = [], b.bid(2)
-    for j in range(len(spec.batch) - 1, -1, -1):
-        bidx.insert(0, rest if j == 0 else b.rem(rest, c(spec.batch[j])))
-        if j:
-            rest = b.div(rest, c(spec.batch[j]))
+    G, units = p.grid[0], p.units
+    bid = b.bid(0)
+    mine = b.div(b.add(b.sub(c(units), bid), c(G - 1)), c(G))
+    tm = -(-spec.L // BM)
     nkt = -(-spec.S // BN)
-    ntiles = b.min(c(nkt), b.div(b.add(m0, c(BM + BN - 1)), c(BN))) if spec.causal else c(nkt)
+
+    def locate(i: Any) -> tuple[Any, list[Any], Any]:
+        """Work tile i of this CTA: (first query row, batch indices, key tiles)."""
+        w = b.add(bid, b.mul(i, c(G)))
+        m0, rest = b.mul(b.rem(w, c(tm)), c(BM)), b.div(w, c(tm))
+        bidx = []
+        for j in range(len(spec.batch) - 1, -1, -1):
+            bidx.insert(0, rest if j == 0 else b.rem(rest, c(spec.batch[j])))
+            if j:
+                rest = b.div(rest, c(spec.batch[j]))
+        nt = b.min(c(nkt), b.div(b.add(m0, c(BM + BN - 1)), c(BN))) if spec.causal else c(nkt)
+        return m0, bidx, nt
+
     smem = b.smem_base()
 
     def at(off: int, s: Any = None, stride: int = 0) -> Any:  # i32 shared address
         return b.smem_addr(smem, off, s, stride)
 
-    q_full = at(lay.bars)
-    k_full = lambda s: at(lay.bars + 8, s, 8)  # noqa: E731
-    v_full = lambda s: at(lay.bars + 8 + 8 * S, s, 8)  # noqa: E731
-    k_empty = lambda s: at(lay.bars + 8 + 16 * S, s, 8)  # noqa: E731
-    v_empty = lambda s: at(lay.bars + 8 + 24 * S, s, 8)  # noqa: E731
+    q_full, q_empty = at(lay.bars), at(lay.bars + 8)
+    k_full = lambda s: at(lay.bars + 16, s, 8)  # noqa: E731
+    v_full = lambda s: at(lay.bars + 16 + 8 * S, s, 8)  # noqa: E731
+    k_empty = lambda s: at(lay.bars + 16 + 16 * S, s, 8)  # noqa: E731
+    v_empty = lambda s: at(lay.bars + 16 + 24 * S, s, 8)  # noqa: E731
+
+    def stage(it: Any) -> tuple[Any, Any]:
+        return b.rem(it, c(S)), b.rem(b.div(it, c(S)), c(2))
 
     # 2. barriers
     def init() -> None:
         b.mbar_init(q_full, 1)
+        b.mbar_init(q_empty, p.wgs)
         for s in range(S):
             b.mbar_init(k_full(c(s)), 1)
             b.mbar_init(v_full(c(s)), 1)
@@ -223,7 +247,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     b.barrier()
     wg = b.div(tid, c(WG))
 
-    def load(which: str, dst: int, s: Any, stride: int, rows: int, cols: int, sw: int, r0: Any, bar: Any) -> None:
+    def load(which: str, dst: int, s: Any, stride: int, rows: int, cols: int, sw: int, r0: Any,
+             bidx: list[Any], bar: Any) -> None:
         for off, col in boxes(rows, cols, sw):
             b.tma_load(which, at(dst + off, s, stride), [c(col), r0] + bidx[::-1], bar)
 
@@ -231,23 +256,27 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     def producer() -> None:
         b.setmaxnreg(False, PRODUCER_REGS)
 
-        def issue() -> None:
+        def work(i: Any, carried: list[Any]) -> list[Any]:
+            base = carried[0]
+            m0, bidx, nt = locate(i)
+            b.mbar_wait(q_empty, b.sub(c(1), b.rem(i, c(2))))  # (the consumers are done with Q)
             b.mbar_expect(q_full, BM * 2 * D)
-            load("Q", lay.q, None, 0, BM, D, p.sw_qk, m0, q_full)
+            load("Q", lay.q, None, 0, BM, D, p.sw_qk, m0, bidx, q_full)
 
             def tile(kt: Any) -> None:
-                s, ph = b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
+                s, ph = stage(b.add(base, kt))
                 n0 = b.mul(kt, c(BN))
                 b.mbar_wait(k_empty(s), b.sub(c(1), ph))  # 3a
-                b.mbar_expect(k_full(s), lay.k_stage)  # 3b
-                load("K", lay.k, s, lay.k_stage, BN, D, p.sw_qk, n0, k_full(s))
-                b.mbar_wait(v_empty(s), b.sub(c(1), ph))
+                b.mbar_expect(k_full(s), lay.k_stage)
+                load("K", lay.k, s, lay.k_stage, BN, D, p.sw_qk, n0, bidx, k_full(s))
+                b.mbar_wait(v_empty(s), b.sub(c(1), ph))  # 3b
                 b.mbar_expect(v_full(s), lay.v_stage)
-                load("V", lay.v, s, lay.v_stage, BN, DV, p.sw_v, n0, v_full(s))
+                load("V", lay.v, s, lay.v_stage, BN, DV, p.sw_v, n0, bidx, v_full(s))
 
-            b.loop0(c(0), ntiles, tile)
+            b.loop0(c(0), nt, tile)
+            return [b.add(base, nt)]
 
-        b.when(b.eq(tid, c(0)), issue)
+        b.when(b.eq(tid, c(0)), lambda: b.loop(mine, [c(0)], work, ["index"]))
 
     # 4. consumers
     def consumer() -> None:
@@ -257,8 +286,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         warp, lane = b.div(t128, c(32)), b.rem(t128, c(32))
         g, t = b.div(lane, c(4)), b.rem(lane, c(4))
         t2 = b.mul(t, c(2))
-        r0 = b.add(m0, b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g)))
-        rows = [r0, b.add(r0, c(8))]  # the lane's query rows
+        r_in = b.add(b.mul(cw, c(64)), b.add(b.mul(warp, c(16)), g))  # the lane's first row in the tile
         leader = b.eq(t128, c(0))
         # descriptors: Q's rows of this consumer (64 rows: whole 8-row groups, the swizzle
         # phase unchanged), K's and V's stage 0; k-steps and stages add to the start address
@@ -271,14 +299,11 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         raw = spec.scale > 0  # the row max on raw scores, the scale inside exp2's fma
         sc = b.fconst(spec.scale * LOG2E)
 
-        def stage(kt: Any) -> tuple[Any, Any]:
-            return b.rem(kt, c(S)), b.rem(b.div(kt, c(S)), c(2))
-
         def release(bar: Any) -> None:
             b.when(leader, lambda: b.mbar_arrive(bar))
 
-        def issue_s(kt: Any) -> list[Any]:  # 4a
-            s, ph = stage(kt)
+        def issue_s(it: Any) -> list[Any]:  # 4a
+            s, ph = stage(it)
             b.mbar_wait(k_full(s), ph)
             b.wgmma_fence()
             sacc = None
@@ -287,8 +312,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             b.wgmma_commit()
             return sacc
 
-        def issue_pv(kt: Any, acc: list[Any], frags: list[list[Any]]) -> list[Any]:  # 4e
-            s, ph = stage(kt)
+        def issue_pv(it: Any, acc: list[Any], frags: list[list[Any]]) -> list[Any]:  # 4e
+            s, ph = stage(it)
             b.mbar_wait(v_full(s), ph)
             b.wgmma_fence()
             for kk in range(NT // 2):
@@ -296,7 +321,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             b.wgmma_commit()
             return acc
 
-        def softmax(sv: list[Any], mrow: list[Any], lrow: list[Any], kt: Any, last: bool):
+        def softmax(sv: list[Any], mrow: list[Any], lrow: list[Any], kt: Any, rows: list[Any], last: bool):
             """4b-4d, 4f on tile kt's scores: (maxima, sums, correction, rescale?, P fragments)."""
             sv = list(sv)
             n0 = b.mul(kt, c(BN))
@@ -336,53 +361,67 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                                                                    for q in (2 * h, 2 * h + 1)])) for h in range(2)]
             return mnew, lnew, corr, pred, frags
 
-        def retire_pv(kt: Any, acc: list[Any], pprev: list[Any], corr: list[Any], pred: Any) -> list[Any]:
-            """P V of tile kt - 1 retired (its P fragments held in their registers until then):
-            V's stage free; O *= corr where a row max grew (the warp-uniform branch)."""
+        def retire_pv(it: Any, kt: Any, acc: list[Any], pprev: list[Any], corr: list[Any], pred: Any) -> list[Any]:
+            """4g: P V of tile kt - 1 retired (its P fragments held in their registers until
+            then): V's stage free; O *= corr where a row max grew (the warp-uniform branch)."""
             out = b.wgmma_wait(0, acc, pprev)
             acc = out[:len(acc)]
-            b.when(b.lt(c(0), kt), lambda: release(v_empty(b.rem(b.add(kt, c(S - 1)), c(S)))))
+            b.when(b.lt(c(0), kt), lambda: release(v_empty(stage(b.sub(it, c(1)))[0])))
             return b.cond(pred, lambda: [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)], acc)
 
-        b.mbar_wait(q_full, c(0))
-        sv = b.wgmma_wait(0, issue_s(c(0)))
-        release(k_empty(c(0)))
         npf = 2 * NT  # P fragment registers
-        init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO) + sv + [b.izero()] * npf
         types = ["f32"] * (4 + 4 * NO + 4 * NT) + ["i32"] * npf
 
-        def body(kt: Any, state: list[Any]) -> list[Any]:
-            # tile kt: its softmax while P V of tile kt - 1 runs, then S of tile kt + 1 and P V
-            # of tile kt issued; S(kt + 1) waited for, P V(kt) left in flight
-            mrow, lrow, acc = state[0:2], state[2:4], state[4:4 + 4 * NO]
-            sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
-            mnew, lnew, corr, pred, frags = softmax(sv, mrow, lrow, kt, False)
-            acc = retire_pv(kt, acc, pprev, corr, pred)
-            nxt = b.add(kt, c(1))
-            sacc = issue_s(nxt)
-            acc = issue_pv(kt, acc, frags)
-            sv = b.wgmma_wait(1, sacc)
-            release(k_empty(stage(nxt)[0]))
-            return list(mnew) + list(lnew) + list(acc) + list(sv) + [x for f in frags for x in f]
+        def work(i: Any, carried: list[Any]) -> list[Any]:
+            base = carried[0]
+            m0, bidx, nt = locate(i)
+            r0 = b.add(m0, r_in)
+            rows = [r0, b.add(r0, c(8))]  # the lane's query rows
+            b.mbar_wait(q_full, b.rem(i, c(2)))
+            sv = b.wgmma_wait(0, issue_s(base))
+            release(k_empty(stage(base)[0]))
+            init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO) + sv + [b.izero()] * npf
 
-        state = b.loop(b.sub(ntiles, c(1)), init, body, types)
-        # the last tile (peeled: it alone masks keys past S), then 5. finish
-        kt = b.sub(ntiles, c(1))
-        sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
-        mnew, lnew, corr, pred, frags = softmax(sv, state[0:2], state[2:4], kt, True)
-        acc = retire_pv(kt, state[4:4 + 4 * NO], pprev, corr, pred)
-        acc = issue_pv(kt, acc, frags)
-        acc = b.wgmma_wait(0, acc, [x for f in frags for x in f])[:4 * NO]
-        inv = []
-        for h in range(2):
-            x = lnew[h]
-            x = b.fadd(x, b.shfl_xor(x, 1))
-            x = b.fadd(x, b.shfl_xor(x, 2))
-            inv.append(b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)))
-        for j in range(NO):
+            def body(kt: Any, state: list[Any]) -> list[Any]:
+                # tile kt: its softmax while P V of tile kt - 1 runs, then S of tile kt + 1 and
+                # P V of tile kt issued; S(kt + 1) waited for, P V(kt) left in flight
+                mrow, lrow, acc = state[0:2], state[2:4], state[4:4 + 4 * NO]
+                sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
+                it = b.add(base, kt)
+                mnew, lnew, corr, pred, frags = softmax(sv, mrow, lrow, kt, rows, False)
+                acc = retire_pv(it, kt, acc, pprev, corr, pred)
+                nxt = b.add(it, c(1))
+                sacc = issue_s(nxt)
+                acc = issue_pv(it, acc, frags)
+                sv = b.wgmma_wait(1, sacc)
+                release(k_empty(stage(nxt)[0]))
+                return list(mnew) + list(lnew) + list(acc) + list(sv) + [x for f in frags for x in f]
+
+            state = b.loop(b.sub(nt, c(1)), init, body, types)
+            # the last tile (peeled: it alone masks keys past S); every S has retired: Q is free
+            release(q_empty)
+            kt = b.sub(nt, c(1))
+            it = b.add(base, kt)
+            sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
+            mnew, lnew, corr, pred, frags = softmax(sv, state[0:2], state[2:4], kt, rows, True)
+            acc = retire_pv(it, kt, state[4:4 + 4 * NO], pprev, corr, pred)
+            acc = issue_pv(it, acc, frags)
+            acc = b.wgmma_wait(0, acc, [x for f in frags for x in f])[:4 * NO]
+            release(v_empty(stage(it)[0]))
+            # 5. finish
+            inv = []
             for h in range(2):
-                col = b.add(t2, c(8 * j))
-                vals = [b.fmul(acc[4 * j + 2 * h + e], inv[h]) for e in range(2)]
-                b.store_pair(bidx + [rows[h], col], vals, b.lt(rows[h], c(spec.L)))
+                x = lnew[h]
+                x = b.fadd(x, b.shfl_xor(x, 1))
+                x = b.fadd(x, b.shfl_xor(x, 2))
+                inv.append(b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)))
+            for j in range(NO):
+                for h in range(2):
+                    col = b.add(t2, c(8 * j))
+                    vals = [b.fmul(acc[4 * j + 2 * h + e], inv[h]) for e in range(2)]
+                    b.store_pair(bidx + [rows[h], col], vals, b.lt(rows[h], c(spec.L)))
+            return [b.add(base, nt)]
+
+        b.loop(mine, [c(0)], work, ["index"])
 
     b.role(b.eq(wg, c(0)), producer, consumer)
