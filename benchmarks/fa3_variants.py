@@ -31,6 +31,7 @@ VARIANTS = {  # name -> environment
     "fa3 default": {"GAC_FLASH_WGMMA": "1"},
     "fa3 stages 3": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_STAGES": "3"},
     "fa3 one CTA a tile": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_PERSISTENT": "0"},
+    "fa3 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_PINGPONG": "1"},
     "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},
     "fa3 wgs 3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
 }

@@ -23,7 +23,8 @@ from tests.test_flash_attention import TOL, _case
 
 # (kind, batch, L, S, D, Dv, causal, plan overrides): sequence lengths off the tiles, more key
 # tiles than stages, every head dim (swizzle 32 / 64 / 128 bytes, 1 or 2 boxes a row); "ctas":
-# a persistent grid smaller than the work (each CTA takes several work tiles)
+# a persistent grid smaller than the work (each CTA takes several work tiles); "pingpong": the
+# consumers take turns (named barriers: the twin checks none is left with arrivals pending)
 CASES = [
     ("bf16", (1,), 37, 130, 64, 64, False, {}),
     ("f16", (2,), 130, 37, 32, 32, True, {}),
@@ -35,6 +36,8 @@ CASES = [
     ("bf16", (1,), 37, 700, 32, 128, False, {"wgs": 3, "stages": 4}),
     ("bf16", (2,), 130, 1, 16, 32, False, {}),
     ("f16", (2,), 250, 250, 16, 16, True, {"wgs": 1, "bn": 192, "ctas": 3}),
+    ("bf16", (1, 2), 130, 601, 64, 64, False, {"bn": 64, "pingpong": True, "ctas": 3}),
+    ("f16", (2,), 130, 37, 32, 32, True, {"pingpong": True}),
 ]
 
 

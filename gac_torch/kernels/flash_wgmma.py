@@ -77,6 +77,7 @@ class Plan:
     sw_v: int
     grid: tuple[int, int, int]  # (CTAs, 1, 1): each takes work tiles bid, bid + CTAs, ...
     units: int  # work tiles: BM query rows of one batch index (query tiles fastest)
+    pingpong: bool = False  # 2 consumers: their wgmma issues alternate (named barriers)
 
     @property
     def bm(self) -> int:
@@ -122,11 +123,12 @@ def _tma_ok(b) -> bool:
 
 
 def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int | None = None,
-         persistent: bool | None = None) -> Plan | None:
+         persistent: bool | None = None, pingpong: bool | None = None) -> Plan | None:
     """Tiling for `spec`, or None when this kernel does not take it. `persistent`: one CTA an
     SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
-    finish one); else a CTA per work tile. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,
-    PERSISTENT} while unmeasured): 2 consumers, BN = 128, 2 stages, persistent."""
+    finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
+    wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
+    2 consumers, BN = 128, 2 stages, persistent, no pingpong."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
     if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
@@ -140,12 +142,14 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 2
     if persistent is None:
         persistent = os.environ.get("GAC_FLASH_WGMMA_PERSISTENT", "1") != "0"
+    if pingpong is None:
+        pingpong = os.environ.get("GAC_FLASH_WGMMA_PINGPONG", "0") == "1"
     units = -(-spec.L // (64 * wgs)) * math.prod(spec.batch)
     if units > 2**31 - 1:
         return None
     grid = (min(units, SM_COUNT_HINT) if persistent else units, 1, 1)
     for st in range(want, 1, -1):
-        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units)
+        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, pingpong and wgs == 2)
         if layout(spec, p).total <= SMEM_LIMIT:
             return p
     return None
@@ -302,6 +306,22 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         def release(bar: Any) -> None:
             b.when(leader, lambda: b.mbar_arrive(bar))
 
+        # pingpong (2 consumers): their wgmma issues alternate (named barriers 1 + cw), so that
+        # one's softmax runs while the other's GEMMs hold the tensor cores (FA3's scheduling)
+        def turn() -> None:
+            if p.pingpong:
+                b.bar_sync(b.add(cw, c(1)), 2 * WG)
+
+        def pass_turn(more: Any) -> None:
+            """The other consumer's turn; consumer 1 passes none after its very last issue
+            (`more` false there), so that each barrier sees as many arrivals as syncs."""
+            if not p.pingpong:
+                return
+            if more is None:
+                b.bar_arrive(b.sub(c(2), cw), 2 * WG)
+            else:
+                b.when(b.or_(b.eq(cw, c(0)), more), lambda: b.bar_arrive(b.sub(c(2), cw), 2 * WG))
+
         def issue_s(it: Any) -> list[Any]:  # 4a
             s, ph = stage(it)
             b.mbar_wait(k_full(s), ph)
@@ -378,7 +398,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             r0 = b.add(m0, r_in)
             rows = [r0, b.add(r0, c(8))]  # the lane's query rows
             b.mbar_wait(q_full, b.rem(i, c(2)))
-            sv = b.wgmma_wait(0, issue_s(base))
+            turn()
+            sacc = issue_s(base)
+            pass_turn(None)
+            sv = b.wgmma_wait(0, sacc)
             release(k_empty(stage(base)[0]))
             init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO) + sv + [b.izero()] * npf
 
@@ -391,8 +414,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 mnew, lnew, corr, pred, frags = softmax(sv, mrow, lrow, kt, rows, False)
                 acc = retire_pv(it, kt, acc, pprev, corr, pred)
                 nxt = b.add(it, c(1))
+                turn()
                 sacc = issue_s(nxt)
                 acc = issue_pv(it, acc, frags)
+                pass_turn(None)
                 sv = b.wgmma_wait(1, sacc)
                 release(k_empty(stage(nxt)[0]))
                 return list(mnew) + list(lnew) + list(acc) + list(sv) + [x for f in frags for x in f]
@@ -405,7 +430,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
             mnew, lnew, corr, pred, frags = softmax(sv, state[0:2], state[2:4], kt, rows, True)
             acc = retire_pv(it, kt, state[4:4 + 4 * NO], pprev, corr, pred)
+            turn()
             acc = issue_pv(it, acc, frags)
+            pass_turn(b.lt(i, b.sub(mine, c(1))))
             acc = b.wgmma_wait(0, acc, [x for f in frags for x in f])[:4 * NO]
             release(v_empty(stage(it)[0]))
             # 5. finish
@@ -422,6 +449,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     b.store_pair(bidx + [rows[h], col], vals, b.lt(rows[h], c(spec.L)))
             return [b.add(base, nt)]
 
+        if p.pingpong:  # consumer 1 lets consumer 0 go first
+            b.when(b.eq(cw, c(1)), lambda: b.bar_arrive(c(1), 2 * WG))
         b.loop(mine, [c(0)], work, ["index"])
 
     b.role(b.eq(wg, c(0)), producer, consumer)

@@ -107,6 +107,13 @@ class _WgText(_Text):
                  args=[(dst, "r", "i32"), (f"%tm{which}", "l", "!llvm.ptr"),
                        *[(self._i32(x), "r", "i32") for x in coords], (bar, "r", "i32")])
 
+    def bar_sync(self, bar: str, count: int) -> None:
+        """Named barrier `bar` (index): wait until `count` threads arrived (these included)."""
+        self.asm("bar.sync $0, $1;", args=[(self._i32(bar), "r", "i32"), (self.i32(count), "r", "i32")])
+
+    def bar_arrive(self, bar: str, count: int) -> None:
+        self.asm("bar.arrive $0, $1;", args=[(self._i32(bar), "r", "i32"), (self.i32(count), "r", "i32")])
+
     def setmaxnreg(self, inc: bool, n: int) -> None:
         self.asm(f"setmaxnreg.{'inc' if inc else 'dec'}.sync.aligned.u32 {n};")
 

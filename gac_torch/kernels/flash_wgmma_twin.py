@@ -45,6 +45,7 @@ class _Cta:
         self.written = np.zeros(n, dtype=bool)
         self.bars: dict[int, _Mbar] = {}
         self.inflight: list[tuple[int, int]] = []  # byte ranges pending wgmma groups read
+        self.named: dict[int, list[int]] = {}  # named barrier -> [threads arrived, generation]
         self.cv = threading.Condition()
         self.sync = threading.Barrier(1 + p.wgs, timeout=TIMEOUT_S)
         self.failed = False
@@ -113,6 +114,25 @@ class _WgTwin(_Numpy):
 
     def barrier(self) -> None:
         self.cta.sync.wait()
+
+    def _named(self, bar, count: int, wait: bool) -> None:
+        cta = self.cta
+        with cta.cv:
+            st = cta.named.setdefault(self._one(bar), [0, 0])
+            gen = st[1]
+            st[0] += WG
+            assert st[0] <= count, "more threads at a named barrier than its count"
+            if st[0] == count:
+                st[0], st[1] = 0, gen + 1
+                cta.cv.notify_all()
+            if wait and not cta.cv.wait_for(lambda: st[1] != gen or cta.failed, TIMEOUT_S):
+                raise AssertionError(f"warpgroup {self.wg}: named barrier never completes (deadlock)")
+
+    def bar_sync(self, bar, count: int) -> None:
+        self._named(bar, count, True)
+
+    def bar_arrive(self, bar, count: int) -> None:
+        self._named(bar, count, False)
 
     def setmaxnreg(self, inc: bool, n: int) -> None:
         pass
@@ -311,6 +331,8 @@ def emulate(spec: Spec, p: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray) ->
                 th.start()
             for th in threads:
                 th.join()
+            if any(st[0] for st in cta.named.values()):
+                errors.append(AssertionError("a named barrier left with arrivals pending"))
             if errors:
                 raise next((x for x in errors if not isinstance(x, threading.BrokenBarrierError)), errors[0])
             if cta.inflight:
