@@ -2,7 +2,7 @@
 flash kernel on the SDPA bench shapes, over its tilings (GAC_FLASH_WGMMA_{WGS,BN,STAGES}), with
 the error against float64. Used to choose flash_wgmma.plan's defaults from measurements.
 
-    python benchmarks/fa3_variants.py [--rounds 5] [--dtype bf16]
+    python benchmarks/fa3_variants.py [--rounds 5] [--dtype bf16] [--quick]
 
 Method as flash_variants.py: CUDA events after warm-up, medians of interleaved rounds, input sets
 rotated past L2; `ratio` = variant / eager.
@@ -35,6 +35,7 @@ VARIANTS = {  # name -> environment
     "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},
     "fa3 wgs 3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
 }
+QUICK = ("mma.sync flash", "fa3 default", "fa3 pingpong", "fa3 one CTA a tile")  # --quick (the GPU check)
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -59,6 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     args = ap.parse_args()
     rows = []
     for shape in SHAPES:
@@ -71,6 +73,8 @@ def main() -> int:
             ref = F.scaled_dot_product_attention(*(t.double() for t in sets[0]))
             fns = {"eager": (F.scaled_dot_product_attention, "")}
             for name, env in VARIANTS.items():
+                if args.quick and name not in QUICK:
+                    continue
                 try:
                     fns[name] = _compile(sets[0], env)
                 except Exception as e:  # noqa: BLE001  (report a variant that fails, go on)
