@@ -23,7 +23,8 @@ t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
   4. consumers registers raised (setmaxnreg.inc); wait q_full; S(0) = Q K(0)ᵀ (4a), waited for,
                K(0) freed; then per key tile kt, in FA3's intra-warpgroup order (the last tile
                peeled: it alone masks keys past S):
-               4b. mask      keys past S (last tile), causal (key > row) -> -inf; scores kept
+               4b. mask      keys past S (last tile), causal (key > row; only in tiles that
+                   reach past a warp's first row: a warp-uniform branch) -> -inf; scores kept
                    in base 2 (the scale · log2 e folded into one fma per score, as mma.sync's)
                4c. row max   lane values, then the quad (shfl.xor 1, 2); lazy rescale: the max
                    moves (and corr = exp2(m - m_new) != 1) only when a row max of the warp grew
@@ -128,7 +129,7 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
     finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
     wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
-    2 consumers, BN = 128, 2 stages, persistent, no pingpong."""
+    2 consumers, BN = 128 (Dv = 128: 112, causal 80), 2 stages, persistent, no pingpong."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
     if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
@@ -138,7 +139,9 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     if not all(_tma_ok(x) for x in (spec.q, spec.k, spec.v)) or spec.o.strides[-1] != 1:
         return None
     wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or 2
-    bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or 128
+    # (where O takes 64 registers, BN = 128 spilled at 232 registers a thread (ptxas sm_90a):
+    # 112, or 80 with the causal mask's branch)
+    bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or (128 if spec.Dv <= 64 else 80 if spec.causal else 112)
     want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 2
     if persistent is None:
         persistent = os.environ.get("GAC_FLASH_WGMMA_PERSISTENT", "1") != "0"
@@ -345,15 +348,17 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             """4b-4d, 4f on tile kt's scores: (maxima, sums, correction, rescale?, P fragments)."""
             sv = list(sv)
             n0 = b.mul(kt, c(BN))
+            keys = [b.add(n0, b.add(t2, c(8 * j + e))) for j in range(NT) for e in range(2)]
             for j in range(NT):  # 4b
                 for q in range(4):
-                    key = b.add(n0, b.add(t2, c(8 * j + q % 2)))
                     x = sv[4 * j + q] if raw else b.fmul(sv[4 * j + q], sc)
-                    hide = b.ge(key, c(spec.S)) if last and spec.S % BN else None
-                    if spec.causal:
-                        h2 = b.gt(key, rows[q // 2])
-                        hide = h2 if hide is None else b.or_(hide, h2)
-                    sv[4 * j + q] = x if hide is None else b.fsel(hide, b.fconst(neg), x)
+                    past = last and spec.S % BN  # (keys past S exist in the last tile only)
+                    sv[4 * j + q] = b.fsel(b.ge(keys[2 * j + q % 2], c(spec.S)), b.fconst(neg), x) if past else x
+            if spec.causal:  # only where the tile reaches past the warp's first row (a branch)
+                def causal() -> list[Any]:
+                    return [b.fsel(b.gt(keys[2 * j + q % 2], rows[q // 2]), b.fconst(neg), sv[4 * j + q])
+                            for j in range(NT) for q in range(4)]
+                sv = b.cond(b.warp_any(b.gt(b.add(n0, c(BN - 1)), rows[0])), causal, sv)
             mx = []  # 4c
             for h in range(2):
                 m = b.fmax(mrow[h], _tree(b.fmax, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
