@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-from common import time_ms  # noqa: E402
+from flash_variants import race, table_rows  # noqa: E402
 
 import gac_torch  # noqa: E402
 from tests.parity import Fn  # noqa: E402
@@ -79,26 +78,10 @@ def main() -> int:
                     fns[name] = _compile(sets[0], env)
                 except Exception as e:  # noqa: BLE001  (report a variant that fails, go on)
                     print(f"{shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-            errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}
+            errs, med = race(fns, sets, ref, args.rounds, sample_ms=10.0)
             del ref
-            est = {}
-            for k, (fn, _) in fns.items():
-                for x in sets:
-                    fn(*x)
-                torch.cuda.synchronize()
-                est[k] = time_ms(lambda fn=fn: [fn(*x) for x in sets], (), 1) / nsets
-            reps = max(1, int(10.0 / max(max(est.values()), 1e-3) / nsets))
-            samples: dict[str, list[float]] = {k: [] for k in fns}
-            for _ in range(args.rounds):
-                for k, (fn, _) in fns.items():
-                    samples[k].append(time_ms(lambda fn=fn: [fn(*x) for x in sets], (), reps) / nsets)
-        eager = statistics.median(samples["eager"])
-        flops = 4 * shape[0] * shape[1] * shape[2] * shape[2] * shape[3]
-        for k, (_, grid) in fns.items():
-            ms = statistics.median(samples[k])
-            rows.append(f"| {args.dtype} {'x'.join(map(str, shape))} | {k} | {grid} | {ms:.4f} | {ms / eager:.2f} | "
-                        f"{flops / ms / 1e9:.0f} | {errs[k]:.2e} |")
-        print(rows[-len(fns):] and "\n".join(rows[-len(fns):]), flush=True)
+        rows += table_rows(args.dtype, shape, fns, med, errs)
+        print("\n".join(rows[-len(fns):]), flush=True)
     print("| shape | variant | grid/block | ms | / eager | TFLOP/s | err |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -1,6 +1,7 @@
-"""`fa3` (kernel gac_k<i>_fa3): a gac.attention call that the Hopper kernel takes (f16/bf16, no mask, head
-dims 16/32/64/128, TMA-readable buffers; gac_torch/kernels/flash_wgmma.py) on sm_90a, before
-`flash` (mma.sync), which takes the rest. Opt-in while unmeasured: GAC_FLASH_WGMMA=1."""
+"""`fa3` (kernels gac_k<i>_fa3): a gac.attention call that the Hopper kernel takes (f16/bf16,
+no mask, head dims 16/32/64/128, TMA-readable buffers; gac_torch/kernels/flash_wgmma.py) on
+sm_90a, before `flash` (mma.sync), which takes the rest. Opt-in while unmeasured:
+GAC_FLASH_WGMMA=1."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from dataclasses import dataclass
 
 from mlir import ir
 
-from gac_torch.backends.gpu.attention import AttentionCall, buffers, replace_call
-from gac_torch.backends.gpu.strategies.flash_attention import _buf
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.backends.gpu.attention import AttentionCall
+from gac_torch.backends.gpu.strategies.flash_attention import buf_of, emitter
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.kernels import flash_attention as fa
 from gac_torch.kernels import flash_wgmma as fw
 from gac_torch.kernels.flash_wgmma_text import template
@@ -32,7 +33,7 @@ def strategy() -> Strategy:
     def match(c: AttentionCall, limits: GpuLimits) -> _Match | None:
         if not enabled() or len(c.op.operands) != 3:
             return None
-        bufs = [_buf(v.type) for v in c.op.operands] + [_buf(c.op.results[0].type)]
+        bufs = [buf_of(v.type) for v in c.op.operands] + [buf_of(c.op.results[0].type)]
         if any(x is None for x in bufs):
             return None
         kind = fa.kind_for(bufs[0].elem, False)  # type: ignore[union-attr]
@@ -42,10 +43,4 @@ def strategy() -> Strategy:
         plan = fw.plan(spec)
         return None if plan is None else _Match(c.op, spec, plan)
 
-    def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
-        args = buffers(m.call)
-        splice_template(template(m.spec, m.plan), m.call, args, None, "f32", name)
-        replace_call(m.call, args[-1])
-        return True
-
-    return Strategy("fa3", match, emit, on="attention")
+    return Strategy("fa3", match, emitter(template), on="attention")
