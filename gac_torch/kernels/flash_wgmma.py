@@ -129,7 +129,8 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
     finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
     wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
-    2 consumers, BN = 128 (Dv = 128: 112, causal 80), 2 stages, persistent, no pingpong."""
+    2 consumers, BN = 128 (Dv = 128: 112, causal 80), 3 stages (2 where 3 do not fit),
+    persistent, no pingpong."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
     if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
@@ -142,7 +143,9 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     # (where O takes 64 registers, BN = 128 spilled at 232 registers a thread (ptxas sm_90a):
     # 112, or 80 with the causal mask's branch)
     bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or (128 if spec.Dv <= 64 else 80 if spec.causal else 112)
-    want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 2
+    # (3 stages: V(j + 1) may load from the retirement of P V(j - 1) on, ~1.5 tiles ahead of its
+    # use with 2; one CTA an SM either way, so the shared memory costs nothing)
+    want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 3
     if persistent is None:
         persistent = os.environ.get("GAC_FLASH_WGMMA_PERSISTENT", "1") != "0"
     if pingpong is None:
