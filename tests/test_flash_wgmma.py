@@ -138,3 +138,13 @@ def test_fa3_chosen_and_assembles(monkeypatch, dt, shape, D, causal):
 def test_other_cases_keep_the_mma_flash(monkeypatch, on, mask, arch):
     ptx = _ptx(monkeypatch, on, torch.bfloat16, (1, 2, 65, 65), 64, mask=mask, arch=arch)
     assert ptx.count("_flash(") == 1 and "_fa3(" not in ptx
+
+
+def test_compile_cache_key_follows_the_opt_in(monkeypatch):
+    """A kernel compiled with GAC_FLASH_WGMMA=0 is not served from the cache once it is 1."""
+    from gac_torch.backends.cuda.target import TARGET
+
+    monkeypatch.setenv("GAC_FLASH_WGMMA", "0")
+    off = TARGET.cache_key({"arch": "sm_90"})
+    monkeypatch.setenv("GAC_FLASH_WGMMA", "1")
+    assert TARGET.cache_key({"arch": "sm_90"}) != off

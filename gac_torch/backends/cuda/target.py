@@ -5,6 +5,7 @@ Everything the compiler assumes about NVIDIA GPUs is in the data block below.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,6 +155,8 @@ TARGET = Target(
     pack=_pack,
     unpack=_unpack,
     cache_key=lambda options: {"arch": (arch := options.get("arch") or default_arch()),
-                               "tuning": tuning.digest(arch)},
+                               "tuning": tuning.digest(arch),
+                               # (the Hopper flash kernel's opt-in and tilings pick other code)
+                               **{k: v for k, v in sorted(os.environ.items()) if k.startswith("GAC_FLASH_WGMMA")}},
     tune=_tune,
 )
