@@ -31,10 +31,12 @@ VARIANTS = {  # name -> environment
     "fa3 stages 2": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_STAGES": "2"},
     "fa3 one CTA a tile": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_PERSISTENT": "0"},
     "fa3 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_PINGPONG": "1"},
+    "fa3 poly 2": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_POLY": "2"},
+    "fa3 poly 2 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_POLY": "2", "GAC_FLASH_WGMMA_PINGPONG": "1"},
     "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},
     "fa3 wgs 3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
 }
-QUICK = ("mma.sync flash", "fa3 default", "fa3 pingpong", "fa3 stages 2")  # --quick (the GPU check)
+QUICK = ("fa3 default", "fa3 pingpong", "fa3 poly 2", "fa3 stages 2")  # --quick (the GPU check)
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 

@@ -24,7 +24,8 @@ from tests.test_flash_attention import TOL, _case
 # (kind, batch, L, S, D, Dv, causal, plan overrides): sequence lengths off the tiles, more key
 # tiles than stages, every head dim (swizzle 32 / 64 / 128 bytes, 1 or 2 boxes a row); "ctas":
 # a persistent grid smaller than the work (each CTA takes several work tiles); "pingpong": the
-# consumers take turns (named barriers: the twin checks none is left with arrivals pending)
+# consumers take turns (named barriers: the twin checks none is left with arrivals pending);
+# "poly": exponentials by the polynomial (EXP2_POLY)
 CASES = [
     ("bf16", (1,), 37, 130, 64, 64, False, {}),
     ("f16", (2,), 130, 37, 32, 32, True, {}),
@@ -38,6 +39,9 @@ CASES = [
     ("f16", (2,), 250, 250, 16, 16, True, {"wgs": 1, "bn": 192, "ctas": 3}),
     ("bf16", (1, 2), 130, 601, 64, 64, False, {"bn": 64, "pingpong": True, "ctas": 3}),
     ("f16", (2,), 130, 37, 32, 32, True, {"pingpong": True}),
+    ("bf16", (1,), 37, 130, 64, 64, False, {"poly": 2}),
+    ("f16", (2,), 130, 300, 32, 32, True, {"poly": 3}),
+    ("f16", (1,), 65, 200, 128, 128, False, {"poly": 8}),
 ]
 
 
@@ -45,11 +49,10 @@ def _emulate(case):
     kind, batch, L, S, D, Dv, causal, kw = case
     spec, q, k, v, _ = _case(kind, batch, L, S, D, Dv, "none", None, causal)
     kw = dict(kw)
-    ctas = kw.pop("ctas", None)
+    ctas, poly = kw.pop("ctas", None), kw.pop("poly", 0)
     p = fw.plan(spec, **kw)
     assert p is not None
-    if ctas:
-        p = dataclasses.replace(p, grid=(ctas, 1, 1))
+    p = dataclasses.replace(p, grid=(ctas, 1, 1) if ctas else p.grid, poly=poly)
     out = tw.emulate(spec, p, q, k, v)
     return out, reference(q, k, v, None, "none", spec.scale, causal)
 
@@ -84,6 +87,13 @@ def test_twin_catches_a_tma_write_under_a_pending_wgmma():
     b.wgmma_ss(None, d, d, 128)  # (in flight: not yet waited for)
     with pytest.raises(RaceError):
         b.tma_load("K", b.const(lay.k), [b.const(0), b.const(64), b.const(0)], b.const(lay.bars))
+
+
+def test_exp2_polynomial():
+    x = np.linspace(-100, 8, 100001).astype(np.float32)
+    rel = np.abs(tw._WgTwin.fexp2_poly(x) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() < 1e-4
+    assert (tw._WgTwin.fexp2_poly(np.array([-np.inf], np.float32)) < 1e-36).all()  # (masked keys)
 
 
 def test_descriptor_bits():

@@ -29,7 +29,8 @@ t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
                4c. row max   lane values, then the quad (shfl.xor 1, 2); lazy rescale: the max
                    moves (and corr = exp2(m - m_new) != 1) only when a row max of the warp grew
                    by more than RESCALE (flash_attention.RESCALE; a warp-uniform branch)
-               4d. P         p = exp2(s·c - m·c), rounded to the operand type in pairs: the
+               4d. P         p = exp2(s·c - m·c) (ex2.approx; optionally some by EXP2_POLY on the
+                   FMA pipe), rounded to the operand type in pairs: the
                    accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk;
                    4f. l = l·corr + Σp. 4b-4d run while P V of tile kt - 1 is in flight
                4g. retire    wait for every group: P V(kt - 1) done (its P fragments held in
@@ -66,6 +67,10 @@ ALIGN = 1024
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGS = 40
 HEAD_DIMS = (16, 32, 64, 128)
+# 2^f on [-1/2, 1/2] (relative error 7.5e-5, under P's rounding to f16 / bf16): `poly` of every 8
+# exponentials of a thread go to the FMA pipe (FA4's split; MUFU does 16 a clock an SM)
+EXP2_POLY = (0.9999282805831511, 0.6932609262753326, 0.24260790199986387, 0.05517025007951412)
+EXP2_MAGIC = 12582912.0  # 1.5 · 2^23: x + it rounds x to an integer in the low mantissa bits
 SM_COUNT_HINT = 132
 
 
@@ -79,6 +84,7 @@ class Plan:
     grid: tuple[int, int, int]  # (CTAs, 1, 1): each takes work tiles bid, bid + CTAs, ...
     units: int  # work tiles: BM query rows of one batch index (query tiles fastest)
     pingpong: bool = False  # 2 consumers: their wgmma issues alternate (named barriers)
+    poly: int = 0  # of every 8 exponentials, this many by a polynomial on the FMA pipe
 
     @property
     def bm(self) -> int:
@@ -130,7 +136,7 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
     wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
     2 consumers, BN = 128 (Dv = 128: 112, causal 80), 3 stages (2 where 3 do not fit),
-    persistent, no pingpong."""
+    persistent, no pingpong; GAC_FLASH_WGMMA_POLY=k: k of every 8 exponentials by EXP2_POLY."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
     if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
@@ -155,7 +161,8 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
         return None
     grid = (min(units, SM_COUNT_HINT) if persistent else units, 1, 1)
     for st in range(want, 1, -1):
-        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, pingpong and wgs == 2)
+        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, pingpong and wgs == 2,
+                 min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))))
         if layout(spec, p).total <= SMEM_LIMIT:
             return p
     return None
@@ -381,8 +388,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             muse = [b.fsel(b.feq(x, b.fconst(neg)), b.fconst(0.0), x) for x in mnew]
             muse = [b.fmul(u, sc) if raw else u for u in muse]
             for i in range(len(sv)):  # 4d
-                x = sv[i]
-                sv[i] = b.fexp2(b.fsub(b.fmul(x, sc) if raw else x, muse[(i % 4) // 2]))
+                x = b.fsub(b.fmul(sv[i], sc) if raw else sv[i], muse[(i % 4) // 2])
+                sv[i] = b.fexp2_poly(x) if i % 8 < p.poly else b.fexp2(x)
             frags = [[b.pack_i32(sv[8 * kk + 2 * r], sv[8 * kk + 2 * r + 1]) for r in range(4)]
                      for kk in range(NT // 2)]
             lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, [sv[4 * j + q] for j in range(NT)

@@ -10,7 +10,7 @@ from typing import Any
 
 from gac_torch.kernels.flash_attention import Spec
 from gac_torch.kernels.flash_attention_text import _Text
-from gac_torch.kernels.flash_wgmma import ALIGN, Plan, descriptor, kernel, layout
+from gac_torch.kernels.flash_wgmma import ALIGN, EXP2_MAGIC, EXP2_POLY, Plan, descriptor, kernel, layout
 
 
 class _WgText(_Text):
@@ -146,6 +146,21 @@ class _WgText(_Text):
         vs = list(vals) + list(ivals)
         return self.asm(f"wgmma.wait_group.sync.aligned {n};", len(vs), vs,
                         types=["f32"] * len(vals) + ["i32"] * len(ivals))
+
+    def fexp2_poly(self, x: str) -> str:
+        """2^x on the FMA and integer pipes: n = round(x) by the magic add, 2^(x - n) by
+        EXP2_POLY, n added to the exponent field (x clamped at -120: no denormals)."""
+        xc = self.fmax(x, self.fconst(-120.0))
+        t = self._op("arith.addf", xc, self.fconst(EXP2_MAGIC), "f32")
+        f = self._op("arith.subf", xc, self._op("arith.subf", t, self.fconst(EXP2_MAGIC), "f32"), "f32")
+        p = self.fconst(EXP2_POLY[3])
+        for k in (2, 1, 0):
+            r = self._v()
+            self.w(f"{r} = math.fma {f}, {p}, {self.fconst(EXP2_POLY[k])} : f32")
+            p = r
+        ti, pi = self._cast("arith.bitcast", t, "f32", "i32"), self._cast("arith.bitcast", p, "f32", "i32")
+        bits = self._op("arith.addi", pi, self._op("arith.shli", ti, self.i32(23), "i32"), "i32")
+        return self._cast("arith.bitcast", bits, "i32", "f32")
 
     def izero(self) -> str:
         return self.i32(0)

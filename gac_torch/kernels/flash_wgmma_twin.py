@@ -20,7 +20,7 @@ import numpy as np
 from gac_torch.kernels.builder import RaceError, round_to
 from gac_torch.kernels.flash_attention import Spec
 from gac_torch.kernels.flash_attention_twin import _Numpy
-from gac_torch.kernels.flash_wgmma import WG, Plan, kernel, layout, swizzle
+from gac_torch.kernels.flash_wgmma import EXP2_MAGIC, EXP2_POLY, WG, Plan, kernel, layout, swizzle
 
 TIMEOUT_S = 30.0
 
@@ -286,6 +286,19 @@ class _WgTwin(_Numpy):
             for op in self.groups.pop(0):
                 self._run(op)
         return [self._val(x) for x in vals] + list(ivals)
+
+    @staticmethod
+    def fexp2_poly(x: np.ndarray) -> np.ndarray:
+        """The text builder's steps in f32 (one rounding per fma)."""
+        f32 = np.float32
+        xc = np.maximum(x.astype(f32), f32(-120.0))
+        t = (xc + f32(EXP2_MAGIC)).astype(f32)
+        f = (xc - (t - f32(EXP2_MAGIC)).astype(f32)).astype(f32)
+        p = np.full_like(f, EXP2_POLY[3])
+        for k in (2, 1, 0):
+            p = (f.astype(np.float64) * p + EXP2_POLY[k]).astype(f32)
+        bits = p.view(np.int32) + np.left_shift(t.view(np.int32), 23)
+        return bits.astype(np.int32).view(f32)
 
     def izero(self) -> np.ndarray:
         return np.zeros((WG, 2), dtype=np.float32)
