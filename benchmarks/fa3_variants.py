@@ -24,7 +24,7 @@ from flash_variants import race, table_rows  # noqa: E402
 import gac_torch  # noqa: E402
 from tests.parity import Fn  # noqa: E402
 
-SHAPES = [(8, 8, 2500, 32), (4, 16, 4096, 64)]
+SHAPES = [(4, 16, 4096, 64), (8, 8, 2500, 32)]
 VARIANTS = {  # name -> environment
     "mma.sync flash": {"GAC_FLASH_WGMMA": "0"},
     "fa3 default": {"GAC_FLASH_WGMMA": "1"},
@@ -36,7 +36,7 @@ VARIANTS = {  # name -> environment
     "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},
     "fa3 wgs 3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
 }
-QUICK = ("fa3 default", "fa3 pingpong", "fa3 poly 2", "fa3 stages 2")  # --quick (the GPU check)
+QUICK = ("fa3 default", "fa3 pingpong", "fa3 poly 2")  # --quick (the GPU check)
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
