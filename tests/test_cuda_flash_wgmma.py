@@ -76,16 +76,3 @@ def test_sdpa_fa3_bench_shapes_at_eager_error(shape, monkeypatch):
     print(f"sdpa bf16 {shape}: gac {err:.2e} eager {eager:.2e}")
     assert err < 2 * eager + 1e-3
 
-
-def test_encoder_layer_bf16_takes_fa3(monkeypatch):
-    """nn.TransformerEncoderLayer's attention (8 heads of 32, as the bench row) through fa3."""
-    monkeypatch.setenv("GAC_FLASH_WGMMA", "1")
-    torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(256, 8, 512, dropout=0.0, batch_first=True).eval().to("cuda", torch.bfloat16)
-    x = torch.randn(1, 500, 256, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        compiled = gac_torch.compile(layer, (x,), target="cuda", options={"fallback": False, "cache": False})
-        assert compiled.ir("ptx").count("_fa3(") == 1
-        out = compiled(x)
-        ref = layer.double()(x.double())
-    assert _rel(out, ref) < 3e-2
