@@ -60,7 +60,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from gac_torch.kernels.flash_attention import LOG2E, RESCALE, Spec, _tree
+from gac_torch.kernels.flash_attention import LOG2E, RESCALE, Spec, tree
 
 WG = 128
 ALIGN = 1024
@@ -371,7 +371,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 sv = b.cond(b.warp_any(b.gt(b.add(n0, c(BN - 1)), rows[0])), causal, sv)
             mx = []  # 4c
             for h in range(2):
-                m = b.fmax(mrow[h], _tree(b.fmax, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
+                m = b.fmax(mrow[h], tree(b.fmax, [sv[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)]))
                 m = b.fmax(m, b.shfl_xor(m, 1))
                 mx.append(b.fmax(m, b.shfl_xor(m, 2)))
             grow = [b.fgt(b.fmul(b.fsub(mx[h], mrow[h]), sc) if raw else b.fsub(mx[h], mrow[h]),
@@ -392,7 +392,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 sv[i] = b.fexp2_poly(x) if i % 8 < p.poly else b.fexp2(x)
             frags = [[b.pack_i32(sv[8 * kk + 2 * r], sv[8 * kk + 2 * r + 1]) for r in range(4)]
                      for kk in range(NT // 2)]
-            lnew = [b.fadd(b.fmul(lrow[h], corr[h]), _tree(b.fadd, [sv[4 * j + q] for j in range(NT)
+            lnew = [b.fadd(b.fmul(lrow[h], corr[h]), tree(b.fadd, [sv[4 * j + q] for j in range(NT)
                                                                    for q in (2 * h, 2 * h + 1)])) for h in range(2)]
             return mnew, lnew, corr, pred, frags
 

@@ -1,5 +1,5 @@
 """Builder 1 of the Hopper flash-attention kernel (gac_torch/kernels/flash_wgmma.py): the float
-verbs of flash_attention_text's `_Text`, plus mbarrier, TMA, setmaxnreg and wgmma as PTX through
+verbs of flash_attention_text's `FlashText`, plus mbarrier, TMA, setmaxnreg and wgmma as PTX through
 llvm.inline_asm (as wgmma_text.py); `template` wraps the body into `func.func @tmpl(%Q, %K, %V,
 %O)`: three TMA descriptors made on the host, then one gpu.launch."""
 
@@ -9,11 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from gac_torch.kernels.flash_attention import Spec
-from gac_torch.kernels.flash_attention_text import _Text
+from gac_torch.kernels.flash_attention_text import FlashText
 from gac_torch.kernels.flash_wgmma import ALIGN, EXP2_MAGIC, EXP2_POLY, Plan, descriptor, kernel, layout
 
 
-class _WgText(_Text):
+class _WgText(FlashText):
     def __init__(self, spec: Spec, p: Plan):  # (no workgroup buffers: dynamic shared memory)
         self.spec, self.p = spec, p
         self.lines: list[str] = []

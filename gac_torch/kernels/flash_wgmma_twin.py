@@ -19,7 +19,7 @@ import numpy as np
 
 from gac_torch.kernels.builder import RaceError, round_to
 from gac_torch.kernels.flash_attention import Spec
-from gac_torch.kernels.flash_attention_twin import _Numpy
+from gac_torch.kernels.flash_attention_twin import FlashNumpy
 from gac_torch.kernels.flash_wgmma import EXP2_MAGIC, EXP2_POLY, WG, Plan, kernel, layout, swizzle
 
 TIMEOUT_S = 30.0
@@ -60,8 +60,8 @@ def _f32(u: np.ndarray, elem: str) -> np.ndarray:
     return u.view(np.float16).astype(np.float32) if elem == "f16" else (u.astype(np.uint32) << 16).view(np.float32)
 
 
-class _WgTwin(_Numpy):
-    def __init__(self, cta: _Cta, wg: int):  # (no _Numpy.__init__: no padded smem buffers)
+class _WgTwin(FlashNumpy):
+    def __init__(self, cta: _Cta, wg: int):  # (no FlashNumpy.__init__: no padded smem buffers)
         self.cta, self.wg = cta, wg
         self.spec, self.p, self.arr, self.block = cta.spec, cta.p, cta.arr, cta.block
         self.T = WG
