@@ -54,7 +54,7 @@ def test_sdpa_fa3_parity(kind, case, monkeypatch):
 
 @pytest.mark.parametrize("env", [{"GAC_FLASH_WGMMA_STAGES": "2"}, {"GAC_FLASH_WGMMA_PERSISTENT": "0"},
                                  {"GAC_FLASH_WGMMA_BN": "64"}, {"GAC_FLASH_WGMMA_PINGPONG": "1"},
-                                 {"GAC_FLASH_WGMMA_POLY": "2"},
+                                 {"GAC_FLASH_WGMMA_POLY": "2"}, {"GAC_FLASH_WGMMA_SERIAL": "1"},
                                  {"GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"}],
                          ids=lambda e: ",".join(f"{k[17:]}={v}" for k, v in e.items()))
 def test_sdpa_fa3_tilings(env, monkeypatch):

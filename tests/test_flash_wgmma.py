@@ -42,6 +42,7 @@ CASES = [
     ("bf16", (1,), 37, 130, 64, 64, False, {"poly": 2}),
     ("f16", (2,), 130, 300, 32, 32, True, {"poly": 3}),
     ("f16", (1,), 65, 200, 128, 128, False, {"poly": 8}),
+    ("bf16", (1,), 130, 601, 64, 64, True, {"bn": 64, "serial": True}),
 ]
 
 
@@ -49,10 +50,10 @@ def _emulate(case):
     kind, batch, L, S, D, Dv, causal, kw = case
     spec, q, k, v, _ = _case(kind, batch, L, S, D, Dv, "none", None, causal)
     kw = dict(kw)
-    ctas, poly = kw.pop("ctas", None), kw.pop("poly", 0)
+    ctas, poly, serial = kw.pop("ctas", None), kw.pop("poly", 0), kw.pop("serial", False)
     p = fw.plan(spec, **kw)
     assert p is not None
-    p = dataclasses.replace(p, grid=(ctas, 1, 1) if ctas else p.grid, poly=poly)
+    p = dataclasses.replace(p, grid=(ctas, 1, 1) if ctas else p.grid, poly=poly, serial=serial)
     out = tw.emulate(spec, p, q, k, v)
     return out, reference(q, k, v, None, "none", spec.scale, causal)
 

@@ -85,6 +85,7 @@ class Plan:
     units: int  # work tiles: BM query rows of one batch index (query tiles fastest)
     pingpong: bool = False  # 2 consumers: their wgmma issues alternate (named barriers)
     poly: int = 0  # of every 8 exponentials, this many by a polynomial on the FMA pipe
+    serial: bool = False  # P V waited for at once (bisects the in-flight overlap)
 
     @property
     def bm(self) -> int:
@@ -136,7 +137,8 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
     wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
     2 consumers, BN = 128 (Dv = 128: 112, causal 80), 3 stages (2 where 3 do not fit),
-    persistent, no pingpong; GAC_FLASH_WGMMA_POLY=k: k of every 8 exponentials by EXP2_POLY."""
+    persistent, no pingpong; GAC_FLASH_WGMMA_POLY=k: k of every 8 exponentials by EXP2_POLY;
+    GAC_FLASH_WGMMA_SERIAL=1 (bisecting): P V waited for as soon as issued."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
     if spec.D not in HEAD_DIMS or spec.Dv not in HEAD_DIMS or min(spec.L, spec.S) < 1:
@@ -162,7 +164,8 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     grid = (min(units, SM_COUNT_HINT) if persistent else units, 1, 1)
     for st in range(want, 1, -1):
         p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, pingpong and wgs == 2,
-                 min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))))
+                 min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))),
+                 os.environ.get("GAC_FLASH_WGMMA_SERIAL") == "1")
         if layout(spec, p).total <= SMEM_LIMIT:
             return p
     return None
@@ -433,7 +436,11 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 sacc = issue_s(nxt)
                 acc = issue_pv(it, acc, frags)
                 pass_turn(None)
-                sv = b.wgmma_wait(1, sacc)
+                if p.serial:  # (bisecting: nothing in flight across the softmax)
+                    out = b.wgmma_wait(0, sacc + acc, [x for f in frags for x in f])
+                    sv, acc = out[:len(sacc)], out[len(sacc):len(sacc) + len(acc)]
+                else:
+                    sv = b.wgmma_wait(1, sacc)
                 release(k_empty(stage(nxt)[0]))
                 return list(mnew) + list(lnew) + list(acc) + list(sv) + [x for f in frags for x in f]
 
