@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
-from flash_variants import race, table_rows  # noqa: E402
+from flash_variants import TABLE_HEAD, race, table_rows  # noqa: E402
 
 import gac_torch  # noqa: E402
 from tests.parity import Fn  # noqa: E402
@@ -84,9 +84,7 @@ def main() -> int:
             del ref
         rows += table_rows(args.dtype, shape, fns, med, errs)
         print("\n".join(rows[-len(fns):]), flush=True)
-    print("| shape | variant | grid/block | ms | / eager | TFLOP/s | err |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print(TABLE_HEAD + "\n".join(rows))
     return 0
 
 

@@ -75,6 +75,9 @@ def race(fns: dict, sets: list[tuple], ref: torch.Tensor, rounds: int, sample_ms
     return errs, {k: statistics.median(v) for k, v in samples.items()}
 
 
+TABLE_HEAD = "| shape | variant | grid/block | ms | / eager | TFLOP/s | err |\n|---|---|---|---|---|---|---|\n"
+
+
 def table_rows(dname: str, shape: tuple, fns: dict, med: dict[str, float], errs: dict[str, float]) -> list[str]:
     """Markdown rows: ms, ratio to eager, TFLOP/s (4·B·H·L·S·D), error."""
     flops = 4 * shape[0] * shape[1] * shape[2] * shape[2] * shape[3]
@@ -111,9 +114,7 @@ def main() -> int:
                 errs, med = race(fns, sets, ref, args.rounds)
                 del ref
             rows += table_rows(dname, shape, fns, med, errs)
-    print("| shape | variant | grid/block | ms | / eager | TFLOP/s | err |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print(TABLE_HEAD + "\n".join(rows))
     return 0
 
 
