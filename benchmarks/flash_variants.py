@@ -56,6 +56,35 @@ def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, 
     return c, launch[0].split(" grid=")[1].split(" [")[0]
 
 
+def race(fns: dict, sets: list[tuple], ref: torch.Tensor, rounds: int, sample_ms: float = 15.0
+         ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each variant's (fn, _) error on sets[0] against `ref`, and its median ms a call over
+    interleaved rounds (every input set per sample: rotated past L2)."""
+    errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}
+    nsets, est = len(sets), {}
+    for k, (fn, _) in fns.items():
+        for x in sets:
+            fn(*x)
+        torch.cuda.synchronize()
+        est[k] = time_ms(lambda fn=fn: [fn(*x) for x in sets], (), 1) / nsets
+    reps = max(1, int(sample_ms / max(max(est.values()), 1e-3) / nsets))
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, (fn, _) in fns.items():
+            samples[k].append(time_ms(lambda fn=fn: [fn(*x) for x in sets], (), reps) / nsets)
+    return errs, {k: statistics.median(v) for k, v in samples.items()}
+
+
+TABLE_HEAD = "| shape | variant | grid/block | ms | / eager | TFLOP/s | err |\n|---|---|---|---|---|---|---|\n"
+
+
+def table_rows(dname: str, shape: tuple, fns: dict, med: dict[str, float], errs: dict[str, float]) -> list[str]:
+    """Markdown rows: ms, ratio to eager, TFLOP/s (4·B·H·L·S·D), error."""
+    flops = 4 * shape[0] * shape[1] * shape[2] * shape[2] * shape[3]
+    return [f"| {dname} {'x'.join(map(str, shape))} | {k} | {grid} | {med[k]:.4f} | {med[k] / med['eager']:.2f} | "
+            f"{flops / med[k] / 1e9:.0f} | {errs[k]:.2e} |" for k, (_, grid) in fns.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
@@ -82,28 +111,10 @@ def main() -> int:
                         fns[name] = _compile(sets[0], tiles, reg, mt, stages)
                     except Exception as e:  # noqa: BLE001  (a tiling that does not apply: report it)
                         print(f"{dname} {shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                errs = {k: ((fn(*sets[0]).double() - ref).norm() / ref.norm()).item() for k, (fn, _) in fns.items()}
+                errs, med = race(fns, sets, ref, args.rounds)
                 del ref
-                est = {}
-                for k, (fn, _) in fns.items():
-                    for x in sets:
-                        fn(*x)
-                    torch.cuda.synchronize()
-                    est[k] = time_ms(lambda fn=fn: [fn(*x) for x in sets], (), 1) / nsets
-                reps = max(1, int(15.0 / max(max(est.values()), 1e-3) / nsets))
-                samples: dict[str, list[float]] = {k: [] for k in fns}
-                for _ in range(args.rounds):
-                    for k, (fn, _) in fns.items():
-                        samples[k].append(time_ms(lambda fn=fn: [fn(*x) for x in sets], (), reps) / nsets)
-            eager = statistics.median(samples["eager"])
-            flops = 4 * shape[0] * shape[1] * shape[2] * shape[2] * shape[3]
-            for k, (_, grid) in fns.items():
-                ms = statistics.median(samples[k])
-                rows.append(f"| {dname} {'x'.join(map(str, shape))} | {k} | {grid} | {ms:.4f} | {ms / eager:.2f} | "
-                            f"{flops / ms / 1e9:.0f} | {errs[k]:.2e} |")
-    print("| shape | variant | grid/block | ms | / eager | TFLOP/s | err |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+            rows += table_rows(dname, shape, fns, med, errs)
+    print(TABLE_HEAD + "\n".join(rows))
     return 0
 
 

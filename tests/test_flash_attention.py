@@ -175,7 +175,7 @@ def test_two_m_tiles_odd_rows_and_bool_mask():
 
 def test_twin_catches_a_read_before_the_copy_lands(monkeypatch):
     spec, q, k, v, _ = _case("bf16", (1,), 20, 70, 16, 16)
-    monkeypatch.setattr(twin._Numpy, "wait_async", lambda self: None)
+    monkeypatch.setattr(twin.FlashNumpy, "wait_async", lambda self: None)
     with pytest.raises(AssertionError, match="never written"):
         twin.emulate(spec, fa.plan(spec), q, k, v)
 
@@ -193,7 +193,7 @@ def test_fully_masked_rows_give_zero():
 @pytest.mark.unit
 def test_twin_catches_a_missing_barrier(monkeypatch):
     spec, q, k, v, _ = _case("f16", (1,), 20, 70, 16, 16)
-    monkeypatch.setattr(twin._Numpy, "barrier", lambda self: None)
+    monkeypatch.setattr(twin.FlashNumpy, "barrier", lambda self: None)
     with pytest.raises(RaceError):
         twin.emulate(spec, fa.plan(spec), q, k, v)
 

@@ -56,9 +56,9 @@ m-tile m (FRAG_C of cuda_mma).
   4. finish     l summed over the quad; O · (1 / l) (0 where l == 0), rounded to O's type, stored
 
 The body (`kernel`) is written once against a builder with cuda_mma's verbs plus float ones:
-`_Text` in flash_attention_text.py emits the MLIR (`template`: a `func.func @tmpl(%Q, %K, %V,
+`FlashText` in flash_attention_text.py emits the MLIR (`template`: a `func.func @tmpl(%Q, %K, %V,
 [%M,] %O)` holding one gpu.launch, which backends/gpu/strategies/flash_attention.py splices in);
-`_Numpy` in flash_attention_twin.py runs it on the CPU, threads in lockstep, checking
+`FlashNumpy` in flash_attention_twin.py runs it on the CPU, threads in lockstep, checking
 shared-memory races (`emulate`, the tests).
 """
 
@@ -209,7 +209,7 @@ def plan(spec: Spec, max_grid=(2**31 - 1, 65535, 65535), smem_limit: int = 48 * 
 # the kernel, once, against a builder
 
 
-def _tree(op: Any, xs: list[Any]) -> Any:
+def tree(op: Any, xs: list[Any]) -> Any:
     while len(xs) > 1:
         xs = [op(xs[i], xs[i + 1]) for i in range(0, len(xs) - 1, 2)] + xs[len(xs) - len(xs) % 2:]
     return xs[0]
@@ -331,7 +331,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         mnew, use = [], []
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
         for h in range(2):  # (pairwise trees: 5-6 dependent steps for 2·NT values, not 2·NT)
-            mx = b.fmax(mrow[h], _tree(b.fmax, half_rows[h]))
+            mx = b.fmax(mrow[h], tree(b.fmax, half_rows[h]))
             mx = b.fmax(mx, b.shfl_xor(mx, 1))
             mx = b.fmax(mx, b.shfl_xor(mx, 2))
             mnew.append(mx)
@@ -356,7 +356,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     def row_sums(s: list[Any], lrow: list[Any], corr: list[Any] | None) -> list[Any]:
         """The lane's partial row sums l = l·corr + Σp (summed over the quad in 4)."""
         half_rows = [[s[4 * j + q] for j in range(NT) for q in (2 * h, 2 * h + 1)] for h in range(2)]
-        return [b.fadd(lrow[h] if corr is None else b.fmul(lrow[h], corr[h]), _tree(b.fadd, half_rows[h]))
+        return [b.fadd(lrow[h] if corr is None else b.fmul(lrow[h], corr[h]), tree(b.fadd, half_rows[h]))
                 for h in range(2)]
 
     def lazy_rescale(mrow: list[Any], lrow: list[Any], acc: list[Any], mx: list[Any], use: list[Any]) -> list[Any]:

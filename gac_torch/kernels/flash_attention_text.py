@@ -1,4 +1,4 @@
-"""Builder 1 of the flash-attention kernel (gac_torch/kernels/flash_attention.py): `_Text`
+"""Builder 1 of the flash-attention kernel (gac_torch/kernels/flash_attention.py): `FlashText`
 emits the body as MLIR text, `template` wraps it into `func.func @tmpl(%Q, %K, %V, [%M,] %O)`
 holding one gpu.launch (which backends/gpu/strategies/flash_attention.py splices in)."""
 
@@ -15,7 +15,7 @@ _MMA = {"f16": (16, 8, 16, "f16"), "bf16": (16, 8, 16, "bf16"), "tf32": (16, 8, 
         "f32x3": (16, 8, 8, "tf32")}
 
 
-class _Text:
+class FlashText:
     def __init__(self, spec: Spec, p: Plan):
         self.spec, self.p = spec, p
         self.lines: list[str] = []
@@ -301,7 +301,7 @@ class _Text:
 
 def template(spec: Spec, p: Plan) -> str:
     """`func.func @tmpl(%Q, %K, %V, [%M,] %O)` holding one gpu.launch."""
-    b = _Text(spec, p)
+    b = FlashText(spec, p)
     kernel(b, spec, p)
     gx, gy, gz = p.grid
     args = [f"%Q: {spec.q.type}", f"%K: {spec.k.type}", f"%V: {spec.v.type}"]

@@ -45,7 +45,7 @@ class _Smem:
         self.r_tid = np.full(shape, -1)
 
 
-class _Numpy:
+class FlashNumpy:
     def __init__(self, spec: Spec, p: Plan, arrays: dict[str, np.ndarray], block: tuple[int, int, int]):
         self.spec, self.p, self.arr, self.block = spec, p, arrays, block
         self.T = p.threads
@@ -263,7 +263,7 @@ def emulate(spec: Spec, p: Plan, q: np.ndarray, k: np.ndarray, v: np.ndarray,
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
             for bx in range(p.grid[0]):
-                kernel(_Numpy(spec, p, arrays, (bx, by, bz)), spec, p)
+                kernel(FlashNumpy(spec, p, arrays, (bx, by, bz)), spec, p)
     return arrays["O"]
 
 

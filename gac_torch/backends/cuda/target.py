@@ -5,6 +5,7 @@ Everything the compiler assumes about NVIDIA GPUs is in the data block below.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ def compile_options(options: Any) -> Any:
     (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
     from gac_torch.backends.gpu.strategies import (
-        flash_attention, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
+        flash_attention, flash_wgmma, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
     )
     from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.options import CudaOptions, resolve
@@ -80,6 +81,8 @@ def compile_options(options: Any) -> Any:
     mma_ok = int(arch.removeprefix("sm_").rstrip("a")) >= MMA_MIN_ARCH
     igemm = implicit_gemm.Params(mma=mma_ok, allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))
     strategies = (
+        # (flash_wgmma: f16/bf16 attention on sm_90a, GAC_FLASH_WGMMA=1; flash takes the rest)
+        *([flash_wgmma.strategy()] if arch in ACCEL_ARCH else []),
         *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         row.strategy(),
         implicit_gemm.fused_strategy(),
@@ -153,6 +156,8 @@ TARGET = Target(
     pack=_pack,
     unpack=_unpack,
     cache_key=lambda options: {"arch": (arch := options.get("arch") or default_arch()),
-                               "tuning": tuning.digest(arch)},
+                               "tuning": tuning.digest(arch),
+                               # (the Hopper flash kernel's opt-in and tilings pick other code)
+                               **{k: v for k, v in sorted(os.environ.items()) if k.startswith("GAC_FLASH_WGMMA")}},
     tune=_tune,
 )

@@ -4,7 +4,9 @@ A call it does not take is inlined (backends/gpu/attention.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mlir import ir
 
@@ -21,7 +23,7 @@ class _Match:
     plan: fa.Plan
 
 
-def _buf(t: ir.Type) -> fa.Buf | None:
+def buf_of(t: ir.Type) -> fa.Buf | None:
     rt = ir.RankedTensorType(t)
     if not rt.has_static_shape:
         return None
@@ -34,7 +36,7 @@ def strategy(allow_tf32: bool) -> Strategy:
     """`allow_tf32`: f32 attention may run its matmuls in TF32 (else 3xTF32, a numerics option)."""
 
     def match(c: AttentionCall, limits: GpuLimits) -> _Match | None:
-        bufs = [_buf(v.type) for v in c.op.operands] + [_buf(c.op.results[0].type)]
+        bufs = [buf_of(v.type) for v in c.op.operands] + [buf_of(c.op.results[0].type)]
         if any(b is None for b in bufs):
             return None  # run-time sizes: the unfused maths
         q, k, v, out = bufs[0], bufs[1], bufs[2], bufs[-1]
@@ -46,10 +48,17 @@ def strategy(allow_tf32: bool) -> Strategy:
         plan = fa.plan(spec, limits.max_grid, limits.max_static_shared_bytes)
         return None if plan is None else _Match(c.op, spec, plan)
 
-    def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
+    return Strategy("flash", match, emitter(template), on="attention")
+
+
+def emitter(make: Callable[[Any, Any], str]) -> Callable[[Any, str, GpuLimits], bool]:
+    """An attention strategy's emit: the kernel template `make(spec, plan)` spliced before the
+    call, which then reads the kernel's output (for matches with .call, .spec and .plan)."""
+
+    def emit(m: Any, name: str, limits: GpuLimits) -> bool:
         args = buffers(m.call)
-        splice_template(template(m.spec, m.plan), m.call, args, None, "f32", name)
+        splice_template(make(m.spec, m.plan), m.call, args, None, "f32", name)
         replace_call(m.call, args[-1])
         return True
 
-    return Strategy("flash", match, emit, on="attention")
+    return emit
