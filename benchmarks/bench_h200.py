@@ -463,7 +463,7 @@ def main() -> int:
     table = out_dir / f"h200_{date[:10]}.md"
     table.write_text(_markdown(list(rows.values()), date))
     print(_markdown(new, date))
-    if os.environ.get("OUT"):
+    if os.environ.get("OUT") and Path(os.environ["OUT"]).resolve() != out_dir.resolve():
         for p in (latest, table):
             shutil.copy(p, os.environ["OUT"])
     return 1 if any(r["status"] != "ok" for r in new) else 0
