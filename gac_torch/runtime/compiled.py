@@ -15,8 +15,6 @@ from gac_torch.runtime.sizes import bind_all
 
 _profiler = torch.autograd.profiler  # (its _is_profiler_enabled flag is read per call)
 
-DEVICE_ATTR = {"cuda": "is_cuda", "cpu": "is_cpu"}  # the tensor property that says "on this target"
-
 
 class CompiledGraph(torch.nn.Module):
     """Drop-in replacement for an FX submodule. `stages` maps stage name -> text.
@@ -45,7 +43,7 @@ class CompiledGraph(torch.nn.Module):
         # graph into buffers it owns); None: outputs allocated here and passed to `run`.
         self._quick = None if signature.dynamic else [
             (s.dtype, torch.Size(s.shape)) for s in signature.inputs]
-        self._on_device = DEVICE_ATTR.get(device_type)
+        self._on_device = {"cuda": "is_cuda", "cpu": "is_cpu"}.get(device_type)
         self._range = f"gac:{name}"
         empty_out = any(isinstance(d, int) and d == 0 for s in signature.outputs for d in s.shape)
         fast = self._quick is not None and not empty_out and self._on_device is not None
