@@ -77,6 +77,12 @@ class CudaError(GacError, RuntimeError):
 # GAC_CUDA_SYNC=1: synchronize after every launch so a fault names its kernel (slow).
 SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
 GRAPH_AFTER = 2  # calls with one pointer set before it is captured
+# While an executable's graphs do not pay (past GRAPH_FREE captures, fewer than two graph
+# launches per capture, the capturing call's included: pointer sets that churn, e.g. inputs
+# from fresh allocations), a set is captured only from its GRAPH_AFTER_CHURN-th call (a
+# stable one still gets its graph).
+GRAPH_FREE = 8
+GRAPH_AFTER_CHURN = 8
 GRAPH_MIN_LAUNCHES = 2  # one kernel launches as fast directly as in a graph
 POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
@@ -518,7 +524,8 @@ class CudaExecutable:
         entry.hits += 1
         if self.use_graphs and len(bound.launches) >= GRAPH_MIN_LAUNCHES and not SYNC_AFTER_LAUNCH \
                 and not capturing:
-            if entry.graph is None and entry.hits == GRAPH_AFTER:
+            if entry.graph is None and entry.hits >= GRAPH_AFTER and (
+                    entry.hits >= GRAPH_AFTER_CHURN or self._graphs_pay()):
                 self._capture(state, entry, bound)
             if entry.graph is not None:
                 _check(_driver.cuGraphLaunch(entry.graph[1], lane.stream), "cuGraphLaunch")
@@ -526,6 +533,10 @@ class CudaExecutable:
                 return
         self._launch(state, entry.table, lane.stream, bound)
         self.stats["direct_calls"] += 1
+
+    def _graphs_pay(self) -> bool:
+        built = self.stats["graphs_built"]
+        return built < GRAPH_FREE or self.stats["graph_calls"] >= 2 * built
 
     def _new_entry(self, state: _Context, key: tuple, bound: _Bound, ptrs: list[int], ws_ptr: int,
                    device: torch.device) -> _Entry:
