@@ -27,16 +27,17 @@ _use_count = torch._C._storage_Use_Count  # strong references to a StorageImpl
 class OutputSet:
     """One buffer per output; `ptrs` are the addresses a graph captured over this set uses."""
 
-    __slots__ = ("bufs", "ptrs", "_cdata", "_base")
+    __slots__ = ("bufs", "ptrs", "_checks")
 
     def __init__(self, bufs: Sequence[torch.Tensor]):
         self.bufs = list(bufs)
         self.ptrs = [b.data_ptr() for b in self.bufs]
-        self._cdata = [b.untyped_storage()._cdata for b in self.bufs]
-        self._base = [_use_count(c) for c in self._cdata]  # the pool's own references
+        # per buffer: its storage, the pool's own references to it, its address
+        self._checks = [(b, b.untyped_storage()._cdata, 0, p) for b, p in zip(self.bufs, self.ptrs)]
+        self._checks = [(b, c, _use_count(c), p) for b, c, _, p in self._checks]
 
     def free(self) -> bool:
-        for b, c, n, p in zip(self.bufs, self._cdata, self._base, self.ptrs):
+        for b, c, n, p in self._checks:
             if _use_count(c) != n or b.data_ptr() != p:
                 return False
         return True
