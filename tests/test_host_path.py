@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gac_torch.backends.cuda import runtime
-from test_cuda_graphs import _Chain, _executables, _out_ptr, fake  # noqa: F401  (fake: a fixture)
+from test_cuda_graphs import _Chain, _executables, _out_ptr
+from test_cuda_graphs import fake as fake  # noqa: F401, PLC0414  (a fixture these tests use)
 
 
 def _read(records: list, program, inputs: list) -> list[list[int]]:
@@ -71,8 +72,8 @@ def test_lane_is_built_once_per_stream(fake, monkeypatch) -> None:
     driver, program, make, inputs = fake
     exe, _ = make()
     lanes = []
-    real = exe._new_lane
-    monkeypatch.setattr(exe, "_new_lane", lambda dev, handle: lanes.append(handle) or real(dev, handle))
+    real = runtime._Lane
+    monkeypatch.setattr(runtime, "_Lane", lambda *a: lanes.append(a[2]) or real(*a))
     for _ in range(5):
         exe.call(inputs)
     monkeypatch.setattr(runtime, "_raw_stream", lambda index: 9)

@@ -22,8 +22,7 @@ torch's current stream, buffers from torch's caching allocator.
   every set is held get fresh outputs (the caching allocator mostly hands back the same
   addresses, so their tables and graphs repeat too); dynamic shapes, misaligned inputs and
   inputs on another device than the current one go through `run`, which checks everything.
-- What a call on one (thread, device, stream) would look up every time (context, CUstream,
-  output pool, workspace) is kept in a `_Lane`, found with one dict lookup.
+  What a call would look up each time (context, CUstream, pool, workspace) is in a `_Lane`.
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
   CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
@@ -77,12 +76,9 @@ class CudaError(GacError, RuntimeError):
 # GAC_CUDA_SYNC=1: synchronize after every launch so a fault names its kernel (slow).
 SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
 GRAPH_AFTER = 2  # calls with one pointer set before it is captured
-# While an executable's graphs do not pay (past GRAPH_FREE captures, fewer than two graph
-# launches per capture, the capturing call's included: pointer sets that churn, e.g. inputs
-# from fresh allocations), a set is captured only from its GRAPH_AFTER_CHURN-th call (a
-# stable one still gets its graph).
-GRAPH_FREE = 8
-GRAPH_AFTER_CHURN = 8
+# past GRAPH_FREE captures with under two graph launches each (churning pointer sets, e.g. from
+# fresh allocations), a set is captured only from its GRAPH_AFTER_CHURN-th call
+GRAPH_FREE = GRAPH_AFTER_CHURN = 8
 GRAPH_MIN_LAUNCHES = 2  # one kernel launches as fast directly as in a graph
 POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
@@ -389,13 +385,7 @@ class CudaExecutable:
         if dev != _current_device() or _capturing():
             # run() launches under that device's context / plainly into the caller's capture
             return self._call_fresh(inputs)
-        handle = _raw_stream(dev)
-        lanes = getattr(self._ready, "lanes", None)
-        if lanes is None:
-            lanes = self._ready.lanes = {}
-        lane = lanes.get((dev, handle))
-        if lane is None:
-            lane = lanes[(dev, handle)] = self._new_lane(dev, handle)
+        lane = self._lane(dev, _raw_stream(dev))
         got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
             if lane.pool is not None:
@@ -415,9 +405,15 @@ class CudaExecutable:
         self.run(inputs, outs)
         return outs
 
-    def _new_lane(self, dev: int, handle: int) -> _Lane:
+    def _lane(self, dev: int, handle: int) -> _Lane:
         """What calls on (device, stream) from this thread look up once: the context, the
         CUstream, the output pool (static shapes, graphs on) and a static plan's workspace."""
+        lanes = getattr(self._ready, "lanes", None)
+        if lanes is None:
+            lanes = self._ready.lanes = {}
+        lane = lanes.get((dev, handle))
+        if lane is not None:
+            return lane
         device = self._devices.get(dev)
         if device is None:
             device = self._devices[dev] = torch.device("cuda", dev)
@@ -434,7 +430,8 @@ class CudaExecutable:
         ws_ptr = 0
         if self._static is not None and self._static.program.plan.workspace_size:
             ws_ptr = self._workspace(state, handle, device, self._static.program.plan.workspace_size)
-        return _Lane(device, state, handle, stream, pool, ws_ptr)
+        lane = lanes[(dev, handle)] = _Lane(device, state, handle, stream, pool, ws_ptr)
+        return lane
 
     def run(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         args = [x if isinstance(x, (torch.Tensor, int)) else _as_tensor(x) for x in (*inputs, *outputs)]
@@ -489,13 +486,8 @@ class CudaExecutable:
         bound = bound or self._static  # (None: a program without run-time sizes)
         if handle is None:
             handle = _raw_stream(device.index)
-        lanes = getattr(self._ready, "lanes", None)
-        if lanes is None:
-            lanes = self._ready.lanes = {}
-        lane = lanes.get((device.index, handle))
-        if lane is None:
-            self._devices.setdefault(device.index, device)
-            lane = lanes[(device.index, handle)] = self._new_lane(device.index, handle)
+        self._devices.setdefault(device.index, device)
+        lane = self._lane(device.index, handle)
         size = bound.program.plan.workspace_size
         ws_ptr = self._workspace(lane.state, handle, device, size) if size else 0
         self._issue(lane, bound, (bound.key, *ptrs, ws_ptr), ptrs, _capturing(), ws_ptr)
