@@ -14,7 +14,9 @@ import argparse
 import cProfile
 import contextlib
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,33 +24,30 @@ from gac_torch.backends.cuda import runtime
 from gac_torch.backends.cuda.target import TARGET
 from gac_torch.runtime import compiled as compiled_mod
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_cuda_runtime import _FakeDriver  # noqa: E402
 
-class StubDriver:
-    """Every driver call succeeds at once; handles are small ints."""
 
-    class CUresult:
-        CUDA_SUCCESS = 0
+class StubDriver(_FakeDriver):
+    """The tests' fake driver without its records: launches and graph replays return at once."""
 
-    class CUstream_flags:
-        CU_STREAM_NON_BLOCKING = 1
-
-    class CUstreamCaptureMode:
-        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
-
-    class CUfunction_attribute:
+    class CUfunction_attribute:  # noqa: N801
         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
-    def CUstream(self, handle):  # noqa: N802
-        return handle
+    def __init__(self):
+        super().__init__(program=None)
 
-    def cuLaunchKernel(self, *args):  # noqa: N802  (the per-call ones: no __getattr__ cost)
+    def cuLaunchKernel(self, *args):  # noqa: N802
         return (0,)
 
     def cuGraphLaunch(self, exe, stream):  # noqa: N802
         return (0,)
 
-    def __getattr__(self, name):
-        return lambda *args: (0, 1)
+    def cuModuleLoadData(self, ptx):  # noqa: N802
+        return (0, "module")
+
+    def cuFuncSetAttribute(self, *args):  # noqa: N802
+        return (0,)
 
 
 @contextlib.contextmanager
@@ -116,27 +115,6 @@ class Mlp(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.net(x), target)
 
 
-class TrainStep(torch.nn.Module):
-    """bench_h200's training step: forward + loss + backward, then an SGD update (graph breaks
-    at backward(): three compiled frames, AOTAutograd's forward and backward partitions)."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
-
-    def forward(self, x, target):
-        params = list(self.net.parameters())
-        with torch.enable_grad():
-            for p in params:
-                p.grad = None
-            torch.nn.functional.mse_loss(self.net(x), target).backward()
-        grads = [p.grad for p in params]
-        with torch.no_grad():
-            for p in params:
-                p.sub_(p.grad, alpha=1e-3)
-        return grads
-
-
 def workloads():
     """(name, model, input sets, training?, pool_bytes): launch-bound inference, one kernel into
     pooled outputs, one kernel into fresh outputs (grid_sample_msda's 82 MB output is over
@@ -149,7 +127,10 @@ def workloads():
     yield "grid_sample", GridSample(), grids, False, pooled
     yield "grid_sample_fresh", GridSample(), grids, False, 0
     yield "train_mlp", Mlp(), [(r(64, 64), r(64, 64)) for _ in range(4)], True, pooled
-    yield "train_step", TrainStep(), [(r(64, 64), r(64, 64)) for _ in range(4)], False, pooled
+    from bench_h200 import TrainStep  # (the bench's training step, on a small MLP)
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    yield "train_step", TrainStep(net), [(r(64, 64), r(64, 64)) for _ in range(4)], False, pooled
 
 
 def measure(name, model, sets, train, pool_bytes: int, calls: int, profile: bool) -> float:
