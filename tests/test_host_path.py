@@ -175,23 +175,95 @@ def test_nvtx_ranges_only_with_a_tool_attached(monkeypatch) -> None:
 
 def test_partitions_are_found_without_module_getattr(monkeypatch) -> None:
     # the partitioned graph's code looks up each compiled partition per call: an instance
-    # attribute, not nn.Module.__getattr__'s walk through _modules
+    # attribute, not nn.Module.__getattr__'s walk through _modules (rand_like runs eagerly
+    # between partitions, so the graph's own code runs)
+    import gc
+
     from gac_torch.frontends.dynamo import compiled_graphs
 
+    def f(x, y):
+        return torch.tanh(x * y) + torch.rand_like(x) * y
+
     torch._dynamo.reset()
-    fn = torch.compile(lambda x, y: torch.tanh(x * y) + 1, backend="gac", options={"target": "cpu"})
+    fn = torch.compile(f, backend="gac", options={"target": "cpu"})
     x, y = (torch.randn(8, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
     with torch.no_grad():
         fn(x, y)
+        gc.collect()  # (the compiled graph lives as long as dynamo holds its call)
         c = compiled_graphs[-1]
-        (name, cg), = c.partitions.items()
-        assert c.gm.__dict__[name] is cg and c.gm._modules[name] is cg
+        assert c.partitions and any(n.op == "call_function" for n in c.gm.graph.nodes)
+        for name, cg in c.partitions.items():
+            assert c.gm.__dict__[name] is cg and c.gm._modules[name] is cg
         looked_up = []
         real = torch.nn.Module.__getattr__
         monkeypatch.setattr(torch.nn.Module, "__getattr__",
                             lambda self, n: looked_up.append(n) or real(self, n))
-        torch.testing.assert_close(fn(x, y), torch.tanh(x * y) + 1)
-    assert name not in looked_up
+        torch.manual_seed(7)
+        got = fn(x, y)
+        torch.manual_seed(7)
+        torch.testing.assert_close(got, f(x, y))
+    assert not set(c.partitions) & set(looked_up)
+
+
+def _graph_over(cg, args_of, returns_of):
+    """A GraphModule calling partition `cg` as `p`: args_of(placeholders) -> its arguments,
+    returns_of(call, placeholders, graph) -> what the graph returns."""
+    g = torch.fx.Graph()
+    xs = [g.placeholder("x"), g.placeholder("y")]
+    call = g.call_module("p", tuple(args_of(xs)))
+    g.output(returns_of(call, xs, g))
+    root = torch.nn.Module()
+    root.p = cg
+    return torch.fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("tuple_output", [False, True])
+def test_a_graph_that_is_one_partition_is_called_directly(tuple_output) -> None:
+    # AOTAutograd calls the partition itself (no fx forward frame) only where the graph is
+    # exactly that partition over its inputs, returning its outputs in order
+    import operator
+
+    from gac_torch.backends.base import Signature, TensorSpec
+    from gac_torch.frontends.dynamo import _forward_of, _whole_partition
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    spec = TensorSpec((4,), torch.float32)
+    outs = (spec, spec) if tuple_output else (spec,)
+
+    class Exe:
+        def run(self, inputs, outputs):
+            for k, o in enumerate(outputs):
+                o.copy_(inputs[0] * (k + 2) - inputs[1])
+
+    cg = CompiledGraph("p", Exe(), Signature((spec, spec), outs), "cpu", {}, ["x", "y"], tuple_output)
+
+    def results(call, xs, g):
+        if not tuple_output:
+            return (call,)
+        return tuple(g.call_function(operator.getitem, (call, i)) for i in range(2))
+
+    x, y = (torch.randn(4, generator=torch.Generator().manual_seed(s)) for s in (4, 5))
+    whole = _graph_over(cg, lambda xs: xs, results)
+    assert _whole_partition(whole) is cg
+    call = _forward_of(whole)
+    assert call.graph_module is whole  # (the report lives as long as dynamo holds the call)
+    got = call(x, y)
+    assert isinstance(got, tuple) and len(got) == len(outs)
+    for k, t in enumerate(got):
+        torch.testing.assert_close(t, x * (k + 2) - y)
+    # anything else keeps the graph's own code: arguments in another order, an input returned,
+    # outputs reordered, another node
+    swapped = _graph_over(cg, lambda xs: xs[::-1], results)
+    plus_input = _graph_over(cg, lambda xs: xs, lambda call, xs, g: (*results(call, xs, g), xs[0]))
+    extra = _graph_over(cg, lambda xs: xs, lambda call, xs, g: tuple(
+        g.call_function(torch.neg, (r,)) for r in results(call, xs, g)))
+    others = [swapped, plus_input, extra]
+    if tuple_output:
+        others.append(_graph_over(cg, lambda xs: xs, lambda call, xs, g: results(call, xs, g)[::-1]))
+    for gm in others:
+        assert _whole_partition(gm) is None
+        assert _forward_of(gm).__func__ is type(gm).forward
+    torch.testing.assert_close(_forward_of(swapped)(x, y)[0], y * 2 - x)
 
 
 # ------------------------------------------------------------------------------------------------
