@@ -33,8 +33,8 @@ class OutputSet:
         self.bufs = list(bufs)
         self.ptrs = [b.data_ptr() for b in self.bufs]
         # per buffer: its storage, the pool's own references to it, its address
-        self._checks = [(b, b.untyped_storage()._cdata, 0, p) for b, p in zip(self.bufs, self.ptrs)]
-        self._checks = [(b, c, _use_count(c), p) for b, c, _, p in self._checks]
+        cdata = [b.untyped_storage()._cdata for b in self.bufs]
+        self._checks = [(b, c, _use_count(c), p) for b, c, p in zip(self.bufs, cdata, self.ptrs)]
 
     def free(self) -> bool:
         for b, c, n, p in self._checks:
