@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 _use_count = torch._C._storage_Use_Count  # strong references to a StorageImpl
+_detach = torch.Tensor.detach  # an alias of the buffer: same storage, no autograd link
 
 
 class OutputSet:
@@ -60,12 +61,12 @@ class OutputPool:
         with self._lock:
             for s in self.sets:
                 if s.free():
-                    return s, [b.detach() for b in s.bufs]
+                    return s, list(map(_detach, s.bufs))
             if len(self.sets) >= self.max_sets:
                 return None
             s = OutputSet([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs])
             self.sets.append(s)
-            return s, [b.detach() for b in s.bufs]
+            return s, list(map(_detach, s.bufs))
 
     @property
     def nbytes(self) -> int:
