@@ -85,6 +85,35 @@ def test_lane_is_built_once_per_stream(fake, monkeypatch) -> None:
     assert set(state.workspaces) == ({7, 9} if program.plan.workspace_size else set())
 
 
+def test_threads_get_their_own_lanes_and_never_share_an_output(fake, monkeypatch) -> None:
+    # calls from two threads on one stream: a lane per thread (the context made current there),
+    # one pool between them, and no output set handed to both while either holds it
+    import threading
+
+    driver, program, make, inputs = fake
+    exe, _ = make()
+    lanes = []
+    real = runtime._Lane
+    monkeypatch.setattr(runtime, "_Lane", lambda *a: lanes.append(threading.get_ident()) or real(*a))
+    held: dict[int, list] = {0: [], 1: []}
+    start = threading.Barrier(2)
+
+    def work(k: int) -> None:
+        start.wait()
+        for _ in range(3):
+            held[k].append(exe.call(inputs)[0])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ptrs = [t.data_ptr() for k in (0, 1) for t in held[k]]
+    assert len(ptrs) == 6 and len(set(ptrs)) == 6  # every output still held: six sets
+    assert len(lanes) == 2 and len(set(lanes)) == 2
+    assert len(exe._contexts[1].pools) == 1 and len(exe._contexts[1].pools[7].sets) == 6
+
+
 def test_churning_pointer_sets_stop_paying_for_captures(fake) -> None:
     # pointer sets that are each seen twice and never again (inputs from fresh allocations):
     # past GRAPH_FREE captures that were never replayed, a set is captured only from its
