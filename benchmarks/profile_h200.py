@@ -40,12 +40,14 @@ def profile(w, iters: int) -> str:
             fn(*x)
         torch.cuda.synchronize()
         # host time per call: the time to issue `iters` calls, measured before the queue drains
+        n = max(iters, 20)
         t = time.perf_counter()
-        for _ in range(iters):
+        for _ in range(n):
             fn(*x)
-        host = (time.perf_counter() - t) / iters * 1e3
+        host = (time.perf_counter() - t) / n * 1e3
         torch.cuda.synchronize()
         lines.append(f"host time per call (issue only): {host:.3f} ms")
+        lines += host_breakdown(fn, x)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(iters):
@@ -64,6 +66,45 @@ def profile(w, iters: int) -> str:
         ms = us / iters / 1e3
         lines.append(f"| `{name[:90]}` | {ms:.4f} | {ms / max(total, 1e-9):.1%} | {n / iters:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def host_breakdown(fn, x, n: int = 20) -> list[str]:
+    """gac's share of the host time: per compiled partition, the host time of a call to it
+    (CompiledGraph: input checks + executable) and of its executable's `call` alone, with the
+    executable's launch statistics (tables and graphs built, replays, pool misses)."""
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    seen: dict[int, tuple] = {}
+    real = CompiledGraph.__call__
+
+    def spy(self, *a):
+        seen.setdefault(id(self), (self, a))
+        return real(self, *a)
+
+    CompiledGraph.__call__ = spy
+    try:
+        fn(*x)
+    finally:
+        CompiledGraph.__call__ = real
+    torch.cuda.synchronize()
+    lines = []
+    for cg, a in seen.values():
+        inputs = cg._quick_inputs(a)
+        t = time.perf_counter()
+        for _ in range(n):
+            cg(*a)
+        part = (time.perf_counter() - t) / n * 1e3
+        exe = ""
+        if inputs is not None and hasattr(cg.executable, "call"):
+            t = time.perf_counter()
+            for _ in range(n):
+                cg.executable.call(inputs)
+            exe = f", executable.call {(time.perf_counter() - t) / n * 1e3:.4f} ms"
+        torch.cuda.synchronize()
+        launches = len(getattr(getattr(cg.executable, "program", None), "launches", ()))
+        lines.append(f"  partition {cg.name} ({launches} launches, {len(a)} inputs): call {part:.4f} ms"
+                     f"{exe}; {getattr(cg.executable, 'stats', {})}")
+    return lines
 
 
 def main() -> int:

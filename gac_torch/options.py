@@ -311,5 +311,11 @@ def torch_allows_tf32_conv() -> bool:
 
 
 def precision_flags() -> tuple[bool, bool]:
-    """torch's flags a compiled graph's numerics depend on (dynamo does not guard cuDNN's)."""
-    return torch_allows_tf32(), torch_allows_tf32_conv()
+    """torch's flags a compiled graph's numerics depend on (dynamo does not guard cuDNN's):
+    torch_allows_tf32() and torch_allows_tf32_conv(), read straight from torch's C getters
+    (what those properties return), since a compiled graph reads them on every call."""
+    import torch
+
+    c = torch._C
+    return (c._get_cublas_allow_tf32() or c._get_float32_matmul_precision() != "highest",
+            c._get_cudnn_allow_tf32())

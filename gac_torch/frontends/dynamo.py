@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import logging
+import operator
 import re
 import warnings
 import weakref
@@ -118,11 +120,48 @@ def _reads_precision_flags(gm: torch.fx.GraphModule) -> bool:
 def _forward_of(gm: torch.fx.GraphModule):
     """The partitioned graph's generated forward, compiled now: calling it directly skips
     nn.Module.__call__ and fx's lazy-recompile and error-reporting wrappers (microseconds per
-    call, which a launch-bound graph pays on every call)."""
+    call, which a launch-bound graph pays on every call). A graph that is one compiled
+    partition over all its inputs, returning its outputs in order, is that partition's call."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
+    whole = _whole_partition(gm)
+    if whole is not None:
+        if whole.tuple_output:
+            call = functools.partial(whole.forward)
+        else:
+            def call(*args, _forward=whole.forward):
+                return (_forward(*args),)
+        # what dynamo holds keeps the graph alive, as gm.forward did (compiled_graphs is weak)
+        call.graph_module = gm
+        return call
     _LazyGraphModule.force_recompile(gm)
     return gm.forward
+
+
+def _whole_partition(gm: torch.fx.GraphModule):
+    """The CompiledGraph that the whole of gm is: placeholders -> one call of it with exactly
+    those arguments -> its outputs returned in order (its getitems, or its one output)."""
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    calls = [n for n in nodes if n.op == "call_module"]
+    if len(calls) != 1 or calls[0].kwargs or list(calls[0].args) != placeholders:
+        return None
+    call, output = calls[0], nodes[-1]
+    cg = getattr(gm, call.target, None)
+    if not isinstance(cg, CompiledGraph) or not isinstance(output.args[0], (tuple, list)):
+        return None
+    returned = list(output.args[0])
+    if not cg.tuple_output:
+        expected = [call]
+    elif all(isinstance(r, torch.fx.Node) and r.target is operator.getitem for r in returned):
+        expected = [r for i, r in enumerate(returned) if r.args == (call, i)]
+        expected = expected if len(expected) == len(cg.signature.outputs) else []
+    else:
+        return None
+    rest = len(nodes) - len(placeholders) - 2 - (len(returned) if cg.tuple_output else 0)
+    return cg if returned == expected and rest == 0 else None
 
 
 def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, mode=None, **kw):

@@ -172,6 +172,9 @@ def _compile_one(fused: fx.GraphModule, name: str, target: Target, options, dump
                       f"after a {why}", GacCompilerWarning, stacklevel=3)
         return
     setattr(fused, name, cg)
+    # also an instance attribute: the generated code's `self.<name>` per call then skips
+    # nn.Module.__getattr__ (a Python-level lookup in _modules per partition and call)
+    fused.__dict__[name] = cg
     compiled[name] = cg
 
 

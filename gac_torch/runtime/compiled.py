@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Sequence
 
 import sympy
@@ -11,6 +12,8 @@ import torch
 from gac_torch.backends.base import Executable, Signature, SizeSpec
 from gac_torch.errors import GacInputError
 from gac_torch.runtime.sizes import bind_all
+
+_profiler = torch.autograd.profiler  # (its _is_profiler_enabled flag is read per call)
 
 
 class CompiledGraph(torch.nn.Module):
@@ -43,7 +46,11 @@ class CompiledGraph(torch.nn.Module):
         self._on_device = {"cuda": "is_cuda", "cpu": "is_cpu"}.get(device_type)
         self._range = f"gac:{name}"
         empty_out = any(isinstance(d, int) and d == 0 for s in signature.outputs for d in s.shape)
-        self._fast = self._quick is not None and not empty_out and self._on_device is not None
+        fast = self._quick is not None and not empty_out and self._on_device is not None
+        self._call = getattr(executable, "call", None) if fast else None
+        # NVTX ranges only where a tool listens (nsys/ncu inject a library through this
+        # variable; without one every range call is a no-op that still costs host time)
+        self._nvtx = device_type == "cuda" and bool(os.environ.get("NVTX_INJECTION64_PATH"))
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
@@ -96,22 +103,15 @@ class CompiledGraph(torch.nn.Module):
         return sizes
 
     def forward(self, *args):
-        call = getattr(self.executable, "call", None) if self._fast else None
-        inputs = self._quick_inputs(args) if call is not None else None
-        if inputs is not None:
-            nvtx = self.device_type == "cuda"
-            if torch.autograd.profiler._is_profiler_enabled:
-                with _ranges(f"gac:{self.name}", nvtx):
-                    outs = call(inputs)
-            else:  # the same NVTX range, without a context manager's cost per call
-                if nvtx:
-                    torch.cuda.nvtx.range_push(self._range)
-                try:
-                    outs = call(inputs)
-                finally:
-                    if nvtx:
-                        torch.cuda.nvtx.range_pop()
-            return tuple(outs) if self.tuple_output else outs[0]
+        if self._call is not None:
+            inputs = self._quick_inputs(args)
+            if inputs is not None:
+                if _profiler._is_profiler_enabled or self._nvtx:
+                    with _ranges(self._range, self._nvtx):
+                        outs = self._call(inputs)
+                else:
+                    outs = self._call(inputs)
+                return tuple(outs) if self.tuple_output else outs[0]
         return self._forward(args)
 
     # Called from the partitioned GraphModule's code once per call: straight to forward, without
@@ -124,10 +124,11 @@ class CompiledGraph(torch.nn.Module):
         if len(args) != len(self._quick):
             return None
         on_device = self._on_device
+        strided = torch.strided
         inputs = []
         for a, (dtype, shape) in zip(args, self._quick):
             if not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape or \
-                    not getattr(a, on_device) or a.layout is not torch.strided:
+                    not getattr(a, on_device) or a.layout is not strided:
                 return None
             inputs.append(a.contiguous())
         return inputs
@@ -146,14 +147,15 @@ class CompiledGraph(torch.nn.Module):
         live = [o for o, s in zip(outputs, self.signature.outputs)
                 if not any(isinstance(d, int) and d == 0 for d in s.shape)]
         if any(o.numel() for o in live):
-            with _ranges(f"gac:{self.name}", device.type == "cuda"):
+            with _ranges(self._range, self._nvtx):
                 self.executable.run(inputs, live)
         return tuple(outputs) if self.tuple_output else outputs[0]
 
 
 @contextlib.contextmanager
 def _ranges(name: str, nvtx: bool):
-    """A torch.profiler range per partition (only while profiling), and an NVTX range on cuda."""
+    """A torch.profiler range per partition (only while profiling), and an NVTX range where
+    an NVTX tool is attached."""
     with torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
             else contextlib.nullcontext():
         if nvtx:

@@ -22,21 +22,23 @@ from collections.abc import Sequence
 import torch
 
 _use_count = torch._C._storage_Use_Count  # strong references to a StorageImpl
+_detach = torch.Tensor.detach  # an alias of the buffer: same storage, no autograd link
 
 
 class OutputSet:
     """One buffer per output; `ptrs` are the addresses a graph captured over this set uses."""
 
-    __slots__ = ("bufs", "ptrs", "_cdata", "_base")
+    __slots__ = ("bufs", "ptrs", "_checks")
 
     def __init__(self, bufs: Sequence[torch.Tensor]):
         self.bufs = list(bufs)
         self.ptrs = [b.data_ptr() for b in self.bufs]
-        self._cdata = [b.untyped_storage()._cdata for b in self.bufs]
-        self._base = [_use_count(c) for c in self._cdata]  # the pool's own references
+        # per buffer: its storage, the pool's own references to it, its address
+        cdata = [b.untyped_storage()._cdata for b in self.bufs]
+        self._checks = [(b, c, _use_count(c), p) for b, c, p in zip(self.bufs, cdata, self.ptrs)]
 
     def free(self) -> bool:
-        for b, c, n, p in zip(self.bufs, self._cdata, self._base, self.ptrs):
+        for b, c, n, p in self._checks:
             if _use_count(c) != n or b.data_ptr() != p:
                 return False
         return True
@@ -59,12 +61,12 @@ class OutputPool:
         with self._lock:
             for s in self.sets:
                 if s.free():
-                    return s, [b.detach() for b in s.bufs]
+                    return s, list(map(_detach, s.bufs))
             if len(self.sets) >= self.max_sets:
                 return None
             s = OutputSet([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs])
             self.sets.append(s)
-            return s, [b.detach() for b in s.bufs]
+            return s, list(map(_detach, s.bufs))
 
     @property
     def nbytes(self) -> int:

@@ -18,8 +18,11 @@ torch's current stream, buffers from torch's caching allocator.
   few sets per stream, at most POOL_TOTAL bytes, kept until the executable is freed; a set is
   reused only once the caller dropped every alias of it), so
   inputs at stable addresses (parameters, a rotation of batches) replay one graph per call
-  whatever the number of kernels. Dynamic shapes, misaligned inputs, GAC_CUDA_SYNC=1 and a
-  pool whose every set is held launch directly into fresh outputs.
+  whatever the number of kernels. Larger outputs, GAC_CUDA_SYNC=1, graphs off and a pool whose
+  every set is held get fresh outputs (the caching allocator mostly hands back the same
+  addresses, so their tables and graphs repeat too); dynamic shapes, misaligned inputs and
+  inputs on another device than the current one go through `run`, which checks everything.
+  What a call would look up each time (context, CUstream, pool, workspace) is in a `_Lane`.
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
   CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
@@ -73,6 +76,9 @@ class CudaError(GacError, RuntimeError):
 # GAC_CUDA_SYNC=1: synchronize after every launch so a fault names its kernel (slow).
 SYNC_AFTER_LAUNCH = os.environ.get("GAC_CUDA_SYNC", "0") not in ("", "0")
 GRAPH_AFTER = 2  # calls with one pointer set before it is captured
+# past GRAPH_FREE captures with under two graph launches each (churning pointer sets, e.g. from
+# fresh allocations), a set is captured only from its GRAPH_AFTER_CHURN-th call
+GRAPH_FREE = GRAPH_AFTER_CHURN = 8
 GRAPH_MIN_LAUNCHES = 2  # one kernel launches as fast directly as in a graph
 POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
@@ -93,6 +99,11 @@ def graphs_enabled(option: bool | None) -> bool:
 def _raw_stream(device_index: int) -> int:
     """torch's current stream on that device as a CUstream handle (no Stream object)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _current_device() -> int:
+    """torch's current CUDA device (no lazy-init check: a call has CUDA tensors already)."""
+    return torch._C._cuda_getDevice()
 
 
 def _capturing() -> bool:
@@ -257,6 +268,18 @@ class _Bound:
         return cls(key, program, [(k.grid, k.block, k.shared_mem) for k in program.launches])
 
 
+@dataclass
+class _Lane:
+    """A thread's calls on one (device, stream): what each of them would otherwise look up."""
+
+    device: torch.device
+    state: _Context
+    handle: int  # the stream's raw handle
+    stream: Any  # CUstream
+    pool: OutputPool | None  # pooled outputs (static shapes, graphs on), else fresh ones
+    ws_ptr: int  # the static plan's workspace on this stream (0: none)
+
+
 class CudaExecutable:
     """Replays the program's launches. One instance may serve several devices/contexts."""
 
@@ -346,44 +369,69 @@ class CudaExecutable:
         return bound
 
     def call(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Runs on `inputs` (tensors with the compiled shapes and dtypes: CompiledGraph checked
-        them) and returns the outputs: pooled buffers where graphs can replay into them, else
-        fresh ones. Per call: one pass over the inputs, one table lookup, one launch (a graph)
-        or one per kernel."""
-        if self.use_graphs and self._poolable and not SYNC_AFTER_LAUNCH and not _capturing():
-            dev = inputs[0].get_device() if inputs else torch.cuda.current_device()
-            ptrs = []
-            for t in inputs:
-                p = t.data_ptr()
-                if p % BUFFER_ALIGN or t.get_device() != dev or not t.is_contiguous():
-                    break
-                ptrs.append(p)
-            else:
-                if dev == torch.cuda.current_device():
-                    outs = self._call_pooled(dev, ptrs)
-                    if outs is not None:
-                        return outs
-        device = inputs[0].device if inputs else torch.device("cuda", torch.cuda.current_device())
+        """Runs on `inputs` (dense tensors with the compiled shapes and dtypes: CompiledGraph
+        checked them) and returns the outputs: pooled buffers where graphs can replay into them,
+        else fresh ones. Per call: one pass over the inputs, one lane and one table lookup, one
+        launch (a graph) or one per kernel; nothing that scales with the number of kernels."""
+        if self._static is None:
+            return self._call_fresh(inputs)
+        dev = inputs[0].get_device() if inputs else _current_device()
+        ptrs = []
+        for t in inputs:
+            p = t.data_ptr()
+            if p % BUFFER_ALIGN or t.get_device() != dev:
+                return self._call_fresh(inputs)  # staged through aligned copies / other device
+            ptrs.append(p)
+        if dev != _current_device() or _capturing():
+            # run() launches under that device's context / plainly into the caller's capture
+            return self._call_fresh(inputs)
+        lane = self._lane(dev, _raw_stream(dev))
+        got = lane.pool.acquire() if lane.pool is not None else None
+        if got is None:
+            if lane.pool is not None:
+                self.stats["pool_misses"] += 1
+            device = lane.device
+            outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
+            ptrs += [o.data_ptr() for o in outs]
+        else:
+            out_set, outs = got
+            ptrs += out_set.ptrs
+        self._issue(lane, self._static, (None, *ptrs, lane.ws_ptr), ptrs, False)
+        return outs
+
+    def _call_fresh(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        device = inputs[0].device if inputs else torch.device("cuda", _current_device())
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
         self.run(inputs, outs)
         return outs
 
-    def _call_pooled(self, dev: int, ptrs: list[int]) -> list[torch.Tensor] | None:
+    def _lane(self, dev: int, handle: int) -> _Lane:
+        """What calls on (device, stream) from this thread look up once: the context, the
+        CUstream, the output pool (static shapes, graphs on) and a static plan's workspace."""
+        lanes = getattr(self._ready, "lanes", None)
+        if lanes is None:
+            lanes = self._ready.lanes = {}
+        lane = lanes.get((dev, handle))
+        if lane is not None:
+            return lane
         device = self._devices.get(dev)
         if device is None:
             device = self._devices[dev] = torch.device("cuda", dev)
         state = self._context(device)
-        handle = _raw_stream(dev)
-        pool = state.pools.get(handle)
-        if pool is None:
-            pool = state.pools[handle] = OutputPool(self._out_specs, device, self._pool_sets)
-        got = pool.acquire()
-        if got is None:
-            self.stats["pool_misses"] += 1
-            return None
-        out_set, outs = got
-        self._launch_all(device, ptrs + out_set.ptrs, self._static, handle)
-        return outs
+        stream = state.streams.get(handle)
+        if stream is None:
+            stream = state.streams[handle] = _driver.CUstream(handle)
+        pool = None
+        if self.use_graphs and self._poolable and not SYNC_AFTER_LAUNCH:
+            with self._lock:
+                pool = state.pools.get(handle)
+                if pool is None:
+                    pool = state.pools[handle] = OutputPool(self._out_specs, device, self._pool_sets)
+        ws_ptr = 0
+        if self._static is not None and self._static.program.plan.workspace_size:
+            ws_ptr = self._workspace(state, handle, device, self._static.program.plan.workspace_size)
+        lane = lanes[(dev, handle)] = _Lane(device, state, handle, stream, pool, ws_ptr)
+        return lane
 
     def run(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         args = [x if isinstance(x, (torch.Tensor, int)) else _as_tensor(x) for x in (*inputs, *outputs)]
@@ -398,7 +446,7 @@ class CudaExecutable:
                 device = t.device
                 break
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", _current_device())
         copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         ptrs = []
         for i, t in enumerate(args):
@@ -425,7 +473,7 @@ class CudaExecutable:
                 ptr = c.data_ptr()
             ptrs.append(ptr)
         bound = self._static or self.bind([tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
-        if device.index != torch.cuda.current_device():
+        if device.index != _current_device():
             with torch.cuda.device(device):
                 self._launch_all(device, ptrs, bound)
         else:
@@ -436,58 +484,76 @@ class CudaExecutable:
     def _launch_all(self, device: torch.device, ptrs: list[int], bound: _Bound | None = None,
                     handle: int | None = None) -> None:
         bound = bound or self._static  # (None: a program without run-time sizes)
-        state = self._context(device)
-        program = bound.program
         if handle is None:
             handle = _raw_stream(device.index)
-        stream = state.streams.get(handle)
-        if stream is None:
-            stream = state.streams[handle] = _driver.CUstream(handle)
-        ws_ptr = 0
-        size = program.plan.workspace_size
-        if size:
-            ws = state.workspaces.get(handle)
-            if ws is None or ws.numel() < size:
-                # allocated on this stream; later calls on it reuse it in order (run-time sizes:
-                # grown to the largest plan seen; a table built for an older workspace is only
-                # found again if the new one has the same address, where it is still valid)
-                ws = state.workspaces[handle] = torch.empty(size, dtype=torch.uint8, device=device)
-            ws_ptr = ws.data_ptr()
-        key = (bound.key, *ptrs, ws_ptr)
+        self._devices.setdefault(device.index, device)
+        lane = self._lane(device.index, handle)
+        size = bound.program.plan.workspace_size
+        ws_ptr = self._workspace(lane.state, handle, device, size) if size else 0
+        self._issue(lane, bound, (bound.key, *ptrs, ws_ptr), ptrs, _capturing(), ws_ptr)
+
+    def _workspace(self, state: _Context, handle: int, device: torch.device, size: int) -> int:
+        ws = state.workspaces.get(handle)
+        if ws is None or ws.numel() < size:
+            # allocated on this stream; later calls on it reuse it in order (run-time sizes:
+            # grown to the largest plan seen; a table built for an older workspace is only
+            # found again if the new one has the same address, where it is still valid)
+            ws = state.workspaces[handle] = torch.empty(size, dtype=torch.uint8, device=device)
+        return ws.data_ptr()
+
+    def _issue(self, lane: _Lane, bound: _Bound, key: tuple, ptrs: list[int], capturing: bool,
+               ws_ptr: int | None = None) -> None:
+        """Launches `bound` over the buffers `ptrs` (+ the workspace) on the lane's stream:
+        the argument table of that pointer set (built on its first call), replayed as one
+        graph from its GRAPH_AFTER-th call where graphs are on."""
+        state = lane.state
         entry = state.tables.get(key)
         if entry is None:
-            offsets = program.plan.offsets
-            temp_ptrs = [ws_ptr + offsets[t.name] for t in program.temps]
-            maps, where = upload_tensor_maps(program.launches, ptrs, temp_ptrs, device)
-            table = ArgTable(program.launches, ptrs, temp_ptrs, where)
-            entry = state.tables[key] = _Entry(table, tensor_maps=maps)
-            self.stats["tables_built"] += 1
-            if len(state.tables) > TABLE_ENTRIES:
-                _, old = state.tables.popitem(last=False)
-                self._drop_graph(old)
+            entry = self._new_entry(state, key, bound, ptrs, lane.ws_ptr if ws_ptr is None else ws_ptr,
+                                    lane.device)
         else:
             state.tables.move_to_end(key)
         entry.hits += 1
         if self.use_graphs and len(bound.launches) >= GRAPH_MIN_LAUNCHES and not SYNC_AFTER_LAUNCH \
-                and not _capturing():
-            if entry.graph is None and entry.hits == GRAPH_AFTER:
+                and not capturing:
+            if entry.graph is None and entry.hits >= GRAPH_AFTER and (
+                    entry.hits >= GRAPH_AFTER_CHURN or self._graphs_pay()):
                 self._capture(state, entry, bound)
             if entry.graph is not None:
-                _check(_driver.cuGraphLaunch(entry.graph[1], stream), "cuGraphLaunch")
+                _check(_driver.cuGraphLaunch(entry.graph[1], lane.stream), "cuGraphLaunch")
                 self.stats["graph_calls"] += 1
                 return
-        self._launch(state, entry.table, stream, bound)
+        self._launch(state, entry.table, lane.stream, bound)
         self.stats["direct_calls"] += 1
+
+    def _graphs_pay(self) -> bool:
+        built = self.stats["graphs_built"]
+        return built < GRAPH_FREE or self.stats["graph_calls"] >= 2 * built
+
+    def _new_entry(self, state: _Context, key: tuple, bound: _Bound, ptrs: list[int], ws_ptr: int,
+                   device: torch.device) -> _Entry:
+        program = bound.program
+        offsets = program.plan.offsets
+        temp_ptrs = [ws_ptr + offsets[t.name] for t in program.temps]
+        maps, where = upload_tensor_maps(program.launches, ptrs, temp_ptrs, device)
+        table = ArgTable(program.launches, ptrs, temp_ptrs, where)
+        entry = state.tables[key] = _Entry(table, tensor_maps=maps)
+        self.stats["tables_built"] += 1
+        if len(state.tables) > TABLE_ENTRIES:
+            _, old = state.tables.popitem(last=False)
+            self._drop_graph(old)
+        return entry
 
     def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
         launch = _driver.cuLaunchKernel
         ok = _driver.CUresult.CUDA_SUCCESS
         funcs = bound.funcs.get(id(state))
-        if funcs is None:
-            funcs = bound.funcs[id(state)] = [state.by_name[k.kernel] for k in bound.program.launches]
-        for i, (f, (grid, block, smem), argv) in enumerate(zip(funcs, bound.launches, table.argv)):
-            err = launch(f, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
-                         argv, 0)[0]
+        if funcs is None:  # (function, grid, block, shared memory): cuLaunchKernel's first 8
+            funcs = bound.funcs[id(state)] = [
+                (state.by_name[k.kernel], *grid, *block, smem)
+                for k, (grid, block, smem) in zip(bound.program.launches, bound.launches)]
+        for i, (head, argv) in enumerate(zip(funcs, table.argv)):
+            err = launch(*head, stream, argv, 0)[0]
             if err != ok:
                 k = bound.program.launches[i]
                 raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): "

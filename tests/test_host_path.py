@@ -1,0 +1,334 @@
+"""The per-call host path of a compiled graph (issue 15 point 4): what each call does in Python.
+
+CPU (CI): CudaExecutable.call against the fake driver (test_cuda_graphs' fixture) for outputs
+that are not pooled, inputs at new addresses on every call, the precision flags read per call,
+NVTX ranges only with a tool attached, partitions found without nn.Module.__getattr__. With
+`-m cuda`: parity of the fresh-output path over changing inputs, outputs held across calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gac_torch.backends.cuda import runtime
+from test_cuda_graphs import _Chain, _executables, _out_ptr
+from test_cuda_graphs import fake as fake  # noqa: F401, PLC0414  (a fixture these tests use)
+
+
+def _read(records: list, program, inputs: list) -> list[list[int]]:
+    """Per program input, the pointers the recorded launches pass for it."""
+    return [_out_ptr(records, program, i) for i in range(len(inputs))]
+
+
+def test_fresh_outputs_launch_without_run(fake, monkeypatch) -> None:
+    # outputs over POOL_BYTES are fresh each call; the call still takes the lane (no run():
+    # its checks are CompiledGraph's), reads the inputs it was given and writes the output it
+    # returns; outputs held by the caller are never written again
+    driver, program, make, inputs = fake
+    monkeypatch.setattr(runtime, "POOL_BYTES", 16)
+    exe, ran = make()
+    assert not exe._poolable
+    n = len(program.launches)
+    sets = [inputs, [t.clone() for t in inputs], [t.clone() for t in inputs]]
+    held = []
+    for k in range(6):
+        xs = sets[k % 3]
+        before = len(driver.launched)
+        out = exe.call(xs)[0]
+        assert len(driver.launched) == before + n  # every pointer set is new (outputs held)
+        records = driver.launched[before:]
+        for got, t in zip(_read(records, program, xs), xs):
+            assert got and set(got) == {t.data_ptr()}
+        assert set(_out_ptr(records, program, len(xs))) == {out.data_ptr()}
+        held.append(out)
+    assert len({t.data_ptr() for t in held}) == len(held) and not ran
+    assert exe.stats["tables_built"] == 6 and exe.stats["pool_misses"] == 0
+    assert not exe._contexts[1].pools  # nothing pooled
+
+
+def test_inputs_at_new_addresses_are_read_every_call(fake) -> None:
+    # different input tensors on every call (two alternating sets, then new ones): the direct
+    # launches and the replayed graphs read the addresses of this call's inputs
+    driver, program, make, inputs = fake
+    exe, _ = make()
+    a, b = inputs, [t.clone() for t in inputs]
+    for xs in (a, b, a, b, a, b, [t.clone() for t in inputs]):
+        launched, replayed = len(driver.launched), len(driver.replayed)
+        out = exe.call(xs)
+        if len(driver.replayed) > replayed:
+            records = driver.graphs[driver.replayed[-1]]
+        else:
+            records = driver.launched[launched:]
+        for got, t in zip(_read(records, program, xs), xs):
+            assert got and set(got) == {t.data_ptr()}
+        del out
+    assert exe.stats["graphs_built"] == 2 and exe.stats["graph_calls"] >= 2
+
+
+def test_lane_is_built_once_per_stream(fake, monkeypatch) -> None:
+    # the context, CUstream, pool and workspace are looked up on a stream's first call only;
+    # another stream gets its own lane (and workspace, and pool)
+    driver, program, make, inputs = fake
+    exe, _ = make()
+    lanes = []
+    real = runtime._Lane
+    monkeypatch.setattr(runtime, "_Lane", lambda *a: lanes.append(a[2]) or real(*a))
+    for _ in range(5):
+        exe.call(inputs)
+    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 9)
+    for _ in range(3):
+        exe.call(inputs)
+    assert lanes == [7, 9]
+    state = exe._contexts[1]
+    assert set(state.pools) == {7, 9}
+    assert set(state.workspaces) == ({7, 9} if program.plan.workspace_size else set())
+
+
+def test_threads_get_their_own_lanes_and_never_share_an_output(fake, monkeypatch) -> None:
+    # calls from two threads on one stream: a lane per thread (the context made current there),
+    # one pool between them, and no output set handed to both while either holds it
+    import threading
+
+    driver, program, make, inputs = fake
+    exe, _ = make()
+    lanes = []
+    real = runtime._Lane
+    monkeypatch.setattr(runtime, "_Lane", lambda *a: lanes.append(threading.get_ident()) or real(*a))
+    held: dict[int, list] = {0: [], 1: []}
+    start = threading.Barrier(2)
+
+    def work(k: int) -> None:
+        start.wait()
+        for _ in range(3):
+            held[k].append(exe.call(inputs)[0])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ptrs = [t.data_ptr() for k in (0, 1) for t in held[k]]
+    assert len(ptrs) == 6 and len(set(ptrs)) == 6  # every output still held: six sets
+    assert len(lanes) == 2 and len(set(lanes)) == 2
+    assert len(exe._contexts[1].pools) == 1 and len(exe._contexts[1].pools[7].sets) == 6
+
+
+def test_churning_pointer_sets_stop_paying_for_captures(fake) -> None:
+    # pointer sets that are each seen twice and never again (inputs from fresh allocations):
+    # past GRAPH_FREE captures that were never replayed, a set is captured only from its
+    # GRAPH_AFTER_CHURN-th call, so a stable set still gets its graph
+    driver, program, make, inputs = fake
+    exe, _ = make()
+    cpu = torch.device("cpu")
+
+    def ptrs(k: int) -> list[int]:
+        return [0x100000 * (k + 1) + 0x100 * i for i in range(len(program.args))]
+
+    for k in range(3 * runtime.GRAPH_FREE):
+        for _ in range(runtime.GRAPH_AFTER):
+            exe._launch_all(cpu, ptrs(k), handle=7)
+    # (the capturing call launches its graph: one replay per capture, none after)
+    assert exe.stats["graphs_built"] == runtime.GRAPH_FREE == exe.stats["graph_calls"]
+    stable = ptrs(1000)
+    for i in range(runtime.GRAPH_AFTER_CHURN + 2):
+        exe._launch_all(cpu, stable, handle=7)
+    assert exe.stats["graphs_built"] == runtime.GRAPH_FREE + 1
+    assert exe.stats["graph_calls"] == runtime.GRAPH_FREE + 3
+
+
+def test_precision_flags_match_torchs_properties() -> None:
+    from gac_torch.options import precision_flags, torch_allows_tf32, torch_allows_tf32_conv
+
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    seen = set()
+    try:
+        for allow in (False, True):
+            for precision in ("highest", "high", "medium"):
+                for conv in (False, True):
+                    torch.backends.cuda.matmul.allow_tf32 = allow
+                    torch.set_float32_matmul_precision(precision)
+                    torch.backends.cudnn.allow_tf32 = conv
+                    flags = precision_flags()
+                    assert flags == (torch_allows_tf32(), torch_allows_tf32_conv())
+                    seen.add(flags)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+    assert len(seen) == 4
+
+
+class _Exe:
+    def __init__(self):
+        self.calls = 0
+
+    def call(self, inputs):
+        self.calls += 1
+        return [inputs[0] * 2]
+
+    def run(self, inputs, outputs):
+        outputs[0].copy_(inputs[0] * 2)
+
+
+def _cuda_partition(monkeypatch):
+    from gac_torch.backends.base import Signature, TensorSpec
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    sig = Signature((TensorSpec((4,), torch.float32),), (TensorSpec((4,), torch.float32),))
+    cg = CompiledGraph("p", _Exe(), sig, "cuda", {}, ["x"], tuple_output=False)
+    cg._on_device = "is_cpu"  # CPU tensors stand in for CUDA ones
+    pushed = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append("pop"))
+    return cg, pushed
+
+
+def test_nvtx_ranges_only_with_a_tool_attached(monkeypatch) -> None:
+    monkeypatch.delenv("NVTX_INJECTION64_PATH", raising=False)
+    cg, pushed = _cuda_partition(monkeypatch)
+    x = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(cg(x), x * 2)
+    assert not pushed and cg.executable.calls == 1
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsys/libToolsInjection64.so")
+    cg, pushed = _cuda_partition(monkeypatch)
+    torch.testing.assert_close(cg(x), x * 2)
+    assert pushed == ["gac:p", "pop"]
+    # under torch.profiler: a record_function range named after the partition
+    monkeypatch.delenv("NVTX_INJECTION64_PATH")
+    cg, pushed = _cuda_partition(monkeypatch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        cg(x)
+    assert "gac:p" in {e.name for e in prof.events()} and not pushed
+
+
+def test_partitions_are_found_without_module_getattr(monkeypatch) -> None:
+    # the partitioned graph's code looks up each compiled partition per call: an instance
+    # attribute, not nn.Module.__getattr__'s walk through _modules (rand_like runs eagerly
+    # between partitions, so the graph's own code runs)
+    import gc
+
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    def f(x, y):
+        return torch.tanh(x * y) + torch.rand_like(x) * y
+
+    torch._dynamo.reset()
+    fn = torch.compile(f, backend="gac", options={"target": "cpu"})
+    x, y = (torch.randn(8, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    with torch.no_grad():
+        fn(x, y)
+        gc.collect()  # (the compiled graph lives as long as dynamo holds its call)
+        c = compiled_graphs[-1]
+        assert c.partitions and any(n.op == "call_function" for n in c.gm.graph.nodes)
+        for name, cg in c.partitions.items():
+            assert c.gm.__dict__[name] is cg and c.gm._modules[name] is cg
+        looked_up = []
+        real = torch.nn.Module.__getattr__
+        monkeypatch.setattr(torch.nn.Module, "__getattr__",
+                            lambda self, n: looked_up.append(n) or real(self, n))
+        torch.manual_seed(7)
+        got = fn(x, y)
+        torch.manual_seed(7)
+        torch.testing.assert_close(got, f(x, y))
+    assert not set(c.partitions) & set(looked_up)
+
+
+def _graph_over(cg, args_of, returns_of):
+    """A GraphModule calling partition `cg` as `p`: args_of(placeholders) -> its arguments,
+    returns_of(call, placeholders, graph) -> what the graph returns."""
+    g = torch.fx.Graph()
+    xs = [g.placeholder("x"), g.placeholder("y")]
+    call = g.call_module("p", tuple(args_of(xs)))
+    g.output(returns_of(call, xs, g))
+    root = torch.nn.Module()
+    root.p = cg
+    return torch.fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("tuple_output", [False, True])
+def test_a_graph_that_is_one_partition_is_called_directly(tuple_output) -> None:
+    # AOTAutograd calls the partition itself (no fx forward frame) only where the graph is
+    # exactly that partition over its inputs, returning its outputs in order
+    import operator
+
+    from gac_torch.backends.base import Signature, TensorSpec
+    from gac_torch.frontends.dynamo import _forward_of, _whole_partition
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    spec = TensorSpec((4,), torch.float32)
+    outs = (spec, spec) if tuple_output else (spec,)
+
+    class Exe:
+        def run(self, inputs, outputs):
+            for k, o in enumerate(outputs):
+                o.copy_(inputs[0] * (k + 2) - inputs[1])
+
+    cg = CompiledGraph("p", Exe(), Signature((spec, spec), outs), "cpu", {}, ["x", "y"], tuple_output)
+
+    def results(call, xs, g):
+        if not tuple_output:
+            return (call,)
+        return tuple(g.call_function(operator.getitem, (call, i)) for i in range(2))
+
+    x, y = (torch.randn(4, generator=torch.Generator().manual_seed(s)) for s in (4, 5))
+    whole = _graph_over(cg, lambda xs: xs, results)
+    assert _whole_partition(whole) is cg
+    call = _forward_of(whole)
+    assert call.graph_module is whole  # (the report lives as long as dynamo holds the call)
+    got = call(x, y)
+    assert isinstance(got, tuple) and len(got) == len(outs)
+    for k, t in enumerate(got):
+        torch.testing.assert_close(t, x * (k + 2) - y)
+    # anything else keeps the graph's own code: arguments in another order, an input returned,
+    # outputs reordered, another node
+    swapped = _graph_over(cg, lambda xs: xs[::-1], results)
+    plus_input = _graph_over(cg, lambda xs: xs, lambda call, xs, g: (*results(call, xs, g), xs[0]))
+    extra = _graph_over(cg, lambda xs: xs, lambda call, xs, g: tuple(
+        g.call_function(torch.neg, (r,)) for r in results(call, xs, g)))
+    others = [swapped, plus_input, extra]
+    if tuple_output:
+        others.append(_graph_over(cg, lambda xs: xs, lambda call, xs, g: results(call, xs, g)[::-1]))
+    for gm in others:
+        assert _whole_partition(gm) is None
+        assert _forward_of(gm).__func__ is type(gm).forward
+    torch.testing.assert_close(_forward_of(swapped)(x, y)[0], y * 2 - x)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_fresh_outputs_over_changing_inputs(monkeypatch, graphs) -> None:
+    # outputs too large for the pool (here: any): fresh each call, launched through the lane;
+    # changing inputs (new tensors, new contents at old addresses) match eager, and outputs
+    # the caller holds keep their values
+    monkeypatch.setattr(runtime, "POOL_BYTES", 16)
+    torch._dynamo.reset()
+    model = _Chain(6)
+    fn = torch.compile(model, backend="gac", options={"target": "cuda", "cuda_graphs": graphs})
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    sets = [[torch.randn(64, 64, generator=gen, device="cuda") for _ in range(3)] for _ in range(2)]
+    held = []
+    with torch.no_grad():
+        for trial in range(10):
+            xs = sets[trial % 2] if trial % 3 else [torch.randn(64, 64, generator=gen, device="cuda")
+                                                    for _ in range(3)]
+            if trial % 4 == 1:
+                xs[0].copy_(torch.randn(64, 64, generator=gen, device="cuda"))
+            ref = model(*(t.double() for t in xs))
+            got = fn(*xs)
+            held.append((got, ref))
+        torch.cuda.synchronize()
+        for got, ref in held:
+            for g, r in zip(got, ref):
+                torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+    exe = _executables(compiled_graphs)[-1]
+    assert not exe._poolable and exe.stats["pool_misses"] == 0, exe.stats
+    assert exe.stats["direct_calls"] + exe.stats["graph_calls"] == 10, exe.stats
+    if not graphs:
+        assert exe.stats["graph_calls"] == 0 and exe.stats["graphs_built"] == 0, exe.stats
