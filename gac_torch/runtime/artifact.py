@@ -10,6 +10,9 @@ The file is a zip:
                        program in the compile cache leaves parameters and buffers out, as meta
                        tensors, manifest "weights": "caller": a hit takes the caller's; such a
                        file is no artifact gac_torch.load accepts)
+  program.json         (compile-cache entries only, where the graph is partition calls only)
+                       the same graph as plain JSON, rebuilt around the caller's program
+                       without torch.export.load (runtime/program_json.py)
   partitions/<p>.gac   each partition as plain data (runtime/cache.py's entry format): native
                        code (cpu .so, cuda PTX + host program as JSON, vortex .vxbin + launches)
 
@@ -36,7 +39,7 @@ from gac_torch.backends import get_target
 from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
 from gac_torch.options import Options, resolve
-from gac_torch.runtime import cache
+from gac_torch.runtime import cache, program_json
 from gac_torch.runtime.compiled import CompiledGraph
 from gac_torch.runtime.plain import PlainDataError, decode_size, encode_size
 
@@ -209,8 +212,13 @@ def to_bytes(compiled: Any, weights: bool = True) -> bytes:
     for name, cg in parts.items():
         _PARTITIONS[names[name]] = cg
     buf = io.BytesIO()
-    torch.export.save(_saved_program(compiled, names, weights), buf)
+    saved = _saved_program(compiled, names, weights)
+    torch.export.save(saved, buf)
     files = {"program.pt2": buf.getvalue(), **{f"partitions/{n}.gac": e for n, e in entries.items()}}
+    caller = getattr(compiled, "user_program", None)
+    desc = program_json.describe(saved, caller) if not weights and caller is not None else None
+    if desc is not None:
+        files["program.json"] = json.dumps(desc).encode()
     report = compiled.compiled.report
     manifest = {
         "format": FORMAT, "version": VERSION, "target": compiled.compiled.target,
@@ -318,13 +326,13 @@ def load(path: str, target: str | None = None, options: dict | None = None) -> L
 
 
 def read(path: str | io.BytesIO, target: str | None = None, options: dict | None = None,
-         weights: dict | None = None):
+         caller: torch.export.ExportedProgram | None = None):
     """(manifest, the saved ExportedProgram, its partitions by gac::partition name), checked;
-    `options` reach the target's loader (e.g. vortex_mode); `weights` (a state_dict) fill a
-    program saved without its parameters and buffers (the compile cache's)."""
+    `options` reach the target's loader (e.g. vortex_mode); `caller` (the program a cache hit
+    was keyed on) brings the parameters and buffers of a program saved without them."""
     manifest, files = _read(path)
     external = manifest.get("weights", "included") == "caller"
-    if external and weights is None:
+    if external and caller is None:
         raise ArtifactError(f"{path}: a compile-cache entry without its weights, not a saved artifact "
                             "(gac_torch.save writes those)")
     here, there = cache.versions(), manifest.get("versions", {})
@@ -355,13 +363,19 @@ def read(path: str | io.BytesIO, target: str | None = None, options: dict | None
                            part["input_names"], part["tuple_output"])
         cg.saved = (tgt, entry, None, {}, {})  # what to_bytes needs to save it again
         loaded[key] = _PARTITIONS[key] = cg
+    if external and "program.json" in files:
+        try:
+            return manifest, program_json.rebuild(json.loads(files["program.json"]), caller), loaded
+        except Exception as e:  # noqa: BLE001  (then the torch.export way below)
+            log.debug("gac cache: program.json does not fit the caller's program (%s); reading program.pt2", e)
     ep = torch.export.load(io.BytesIO(files["program.pt2"]))
     if external:
-        missing = sorted(set(ep.state_dict) - set(weights or {}))
+        weights = caller.state_dict
+        missing = sorted(set(ep.state_dict) - set(weights))
         if missing:
             raise ArtifactError(f"{path}: the caller's program has no {missing[0]!r} ({len(missing)} missing)")
         for k in ep.state_dict:
-            ep.state_dict[k] = weights[k]  # type: ignore[index]
+            ep.state_dict[k] = weights[k]
     return manifest, ep, loaded
 
 
@@ -417,8 +431,7 @@ def cached_program(key: str, options: dict | None, user_ep: torch.export.Exporte
     if entry is None or "artifact" not in entry.blobs:
         return None
     try:
-        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]), options=options,
-                                    weights=user_ep.state_dict)
+        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]), options=options, caller=user_ep)
     except TargetUnavailable as e:  # e.g. cuda compiled to PTX on a machine without a GPU: the
         log.debug("gac cache: cached program not loaded here: %s", e)  # partitions still hit
         return None
