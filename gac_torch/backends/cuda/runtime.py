@@ -343,7 +343,8 @@ class CudaExecutable:
         from the PTX. `self.loaded_from` says which ("cubin" or "ptx")."""
         names = {k.kernel for k in self.program.launches}
         cubins = self.program.cubins
-        if cubins and all(cubin_fits(c.arch, torch.cuda.get_device_capability(device)) for c in cubins) \
+        capability = torch.cuda.get_device_capability(device)
+        if cubins and all(cubin_fits(c.arch, capability) for c in cubins) \
                 and names <= {n for c in cubins for n in c.kernels}:
             modules: list[Any] = []
             try:
