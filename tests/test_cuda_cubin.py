@@ -149,3 +149,58 @@ def test_cubins_load_as_sass_and_run_like_eager(monkeypatch, caplog):
     assert exe.loaded_from == "ptx" and "JIT-compiling its PTX" in caplog.text
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
 
+
+
+class _LoaderDriver:
+    """The module calls of cuda.bindings.driver, recorded: images (cubin or PTX), functions by
+    (module, name); `refuse` makes the n-th cubin load fail as a driver would (invalid image)."""
+
+    def __init__(self, refuse: int | None = None):
+        self.loaded: list[str] = []
+        self.unloaded: list[int] = []
+        self.refuse = refuse
+
+    def cuModuleLoadData(self, image):  # noqa: N802
+        kind = "cubin" if bytes(image[:4]) == b"\x7fELF" else "ptx"
+        if kind == "cubin" and self.refuse is not None and self.loaded.count("cubin") == self.refuse:
+            return (200, None)
+        self.loaded.append(kind)
+        return (0, len(self.loaded))
+
+    def cuModuleGetFunction(self, module, name):  # noqa: N802
+        return (0, (module, name.decode()))
+
+    def cuModuleUnload(self, module):  # noqa: N802
+        self.unloaded.append(module)
+        return (0,)
+
+    def cuGetErrorName(self, err):  # noqa: N802
+        return (0, b"CUDA_ERROR_INVALID_IMAGE")
+
+    def cuGetErrorString(self, err):  # noqa: N802
+        return (0, b"device kernel image is invalid")
+
+
+def test_loader_takes_cubins_for_their_gpu_else_the_ptx(monkeypatch, caplog):
+    """Offline, against a recording driver: one module per cubin, every launch's kernel found
+    under the cubin's entry name; another compute capability, or a cubin the driver refuses
+    (then the modules loaded so far are unloaded, with one warning), loads the PTX instead."""
+    program = _program(monkeypatch)
+    monkeypatch.setattr(runtime, "check_available", lambda: None)
+    exe = runtime.CudaExecutable(program, _signature(program))
+    dev = torch.device("cuda", 0)
+    for capability, refuse, want in (((9, 0), None, "cubin"), ((8, 0), None, "ptx"), ((9, 0), 1, "ptx")):
+        fake = _LoaderDriver(refuse)
+        monkeypatch.setattr(runtime, "_driver", fake)
+        monkeypatch.setattr(runtime, "_capability", lambda device, c=capability: c)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gac_torch"):
+            modules, by_name = exe._load_kernels(dev)
+        assert exe.loaded_from == want and set(by_name) == {k.kernel for k in program.launches}
+        if want == "cubin":
+            assert fake.loaded == ["cubin"] * len(program.cubins) and len(modules) == len(program.cubins)
+            assert {f[1] for f in by_name.values()} == {kernel_jobs.PLACEHOLDER}
+        else:
+            assert fake.loaded[-1] == "ptx" and len(modules) == 1 and all(f[1] == n for n, f in by_name.items())
+        assert ("JIT-compiling its PTX" in caplog.text) == (refuse is not None)
+        assert fake.unloaded == ([1] if refuse is not None else [])

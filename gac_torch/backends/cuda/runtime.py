@@ -102,6 +102,10 @@ def cubin_fits(arch: str, capability: tuple[int, int]) -> bool:
     return m is not None and int(m.group(1)) == capability[0] * 10 + capability[1]
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def _raw_stream(device_index: int) -> int:
     """torch's current stream on that device as a CUstream handle (no Stream object)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
@@ -343,8 +347,8 @@ class CudaExecutable:
         from the PTX. `self.loaded_from` says which ("cubin" or "ptx")."""
         names = {k.kernel for k in self.program.launches}
         cubins = self.program.cubins
-        capability = torch.cuda.get_device_capability(device)
-        if cubins and all(cubin_fits(c.arch, capability) for c in cubins) \
+        capability = _capability(device) if cubins else None
+        if capability and all(cubin_fits(c.arch, capability) for c in cubins) \
                 and names <= {n for c in cubins for n in c.kernels}:
             modules: list[Any] = []
             try:
