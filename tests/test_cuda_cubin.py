@@ -19,6 +19,11 @@ from gac_torch.backends.cuda import target as cuda_target
 from test_cuda_compile_jobs import BINARY, LOWER, Blocks, _kernel_text
 
 
+@pytest.fixture(autouse=True)
+def _cubins_without_a_gpu(monkeypatch):
+    monkeypatch.setenv("GAC_CUBIN", "1")  # (by default only where a GPU is visible)
+
+
 def _assembler() -> ptxas.Assembler:
     a = ptxas.for_cubins()
     assert a is not None, "ptxas not found (pip install nvidia-cuda-nvcc-cu12)"
@@ -103,6 +108,9 @@ def _signature(program):
 
 def test_without_ptxas_the_program_is_ptx_only(monkeypatch, tmp_path, caplog):
     assert _program(monkeypatch, GAC_CUBIN="0").cubins == []
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("GAC_CUBIN")
+        assert ptxas.for_cubins() is None  # no GPU: nothing would load a cubin
     fake = tmp_path / "ptxas"  # a ptxas that tells its version but rejects every PTX
     fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Cuda compilation tools, V1.2.3'; exit 0; fi\n"
                     "echo 'ptxas fatal: Unsupported .version' >&2; exit 1\n")

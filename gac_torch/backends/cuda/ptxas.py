@@ -1,8 +1,9 @@
 """Assemble PTX with ptxas: to validate it without a GPU (CI has none), and to ship cubins.
 
 ptxas comes from the `nvidia-cuda-nvcc-cu12` wheel (dev extra), $CUDA_HOME/bin or PATH.
-`for_cubins()` is the ptxas that compiles kernels to SASS ahead of time (kernel_jobs.py); without
-one (or with GAC_CUBIN=0) programs carry PTX only and the driver JIT-compiles it at the first call.
+`for_cubins()` is the ptxas that compiles kernels to SASS ahead of time (kernel_jobs.py), by
+default where a GPU is visible (GAC_CUBIN=1: always, GAC_CUBIN=0: never); without one programs
+carry PTX only and the driver JIT-compiles it at the first call.
 """
 
 from __future__ import annotations
@@ -53,10 +54,17 @@ def _version(exe: str) -> str | None:
 
 
 def for_cubins() -> Assembler | None:
-    """The ptxas that assembles kernels ahead of time, or None (PTX only): GAC_CUBIN=0, no
-    ptxas found, or one whose version it does not tell."""
-    if os.environ.get("GAC_CUBIN", "1").strip().lower() in ("0", "false", "off", "no"):
+    """The ptxas that assembles kernels ahead of time, or None (PTX only): GAC_CUBIN=0; no GPU
+    visible and no GAC_CUBIN=1 (nothing would load the cubins: offline compiles, CI, stay as
+    quick as before); no ptxas found, or one whose version it does not tell."""
+    setting = os.environ.get("GAC_CUBIN", "").strip().lower()
+    if setting in ("0", "false", "off", "no"):
         return None
+    if not setting:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
     exe = find_ptxas()
     version = _version(exe) if exe else None
     return Assembler(exe, version) if exe and version else None
