@@ -16,7 +16,7 @@ from gac_torch.backends import get_target
 from gac_torch.backends.cuda import kernel_jobs, ptx_worker, ptxas, runtime
 from gac_torch.backends.cuda import target as cuda_target
 
-from test_cuda_compile_jobs import BINARY, LOWER, Blocks, _kernel_text
+from test_cuda_compile_jobs import BINARY, LOWER, Blocks, _kernel_text, blocks_on_gpu
 
 
 @pytest.fixture(autouse=True)
@@ -134,16 +134,7 @@ def test_cubin_fits_only_its_own_compute_capability():
 def test_cubins_load_as_sass_and_run_like_eager(monkeypatch, caplog):
     """On a GPU: the program loads its cubins (no PTX JIT) and computes eager's result; cubins
     the driver refuses fall back to the PTX with one warning, with the same result."""
-    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
-    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
-    torch.manual_seed(0)
-    model = Blocks().eval().double()
-    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    ref = model(x).float()
-    model, x = model.float().cuda(), x.float().cuda()
-    with torch.no_grad():
-        compiled = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options={"cache": False})
-        got = compiled(x)
+    compiled, got, ref, x = blocks_on_gpu(monkeypatch)
     (cg,) = compiled.compiled.partitions.values()
     assert cg.executable.loaded_from == "cubin"
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-4)
@@ -156,7 +147,6 @@ def test_cubins_load_as_sass_and_run_like_eager(monkeypatch, caplog):
         out = compiled(x)
     assert exe.loaded_from == "ptx" and "JIT-compiling its PTX" in caplog.text
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
-
 
 
 class _LoaderDriver:
