@@ -141,7 +141,7 @@ def test_cubins_load_as_sass_and_run_like_eager(monkeypatch, caplog):
     from dataclasses import replace
 
     program = cg.executable.program
-    broken = replace(program, cubins=[replace(c, data=b"\x7fELF not a cubin") for c in program.cubins])
+    broken = replace(program, cubins=[replace(c, data=b"neither a cubin nor PTX\0") for c in program.cubins])
     exe = cg.executable = runtime.CudaExecutable(broken, cg.executable.signature)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="gac_torch"):
         out = compiled(x)
