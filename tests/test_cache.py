@@ -442,3 +442,20 @@ def test_program_entry_leaves_weights_to_the_caller(cache_on, monkeypatch, tmp_p
     (tmp_path / "entry.gac").write_bytes(blob)
     with pytest.raises(artifact.ArtifactError, match="compile-cache entry"):
         gac_torch.load(str(tmp_path / "entry.gac"))
+
+
+def test_program_key_has_the_targets_own_key(monkeypatch):
+    """The whole-program key holds what the target's partition keys hold beyond the options
+    (cuda: the measured tile table's digest, the ptxas version): after an autotune run changed
+    the table, a program hit must not hand back the program compiled with the old tiles."""
+    from gac_torch.backends.gpu import tuning
+    from gac_torch.options import resolve
+    from gac_torch.runtime import artifact
+
+    ep = torch.export.export(_ZeroDConstant(), (torch.randn(4, 5),))
+    options = resolve({"target": "cuda", "arch": "sm_90"}, target="cuda")
+    keys = set()
+    for digest in ("table-a", "table-b"):
+        monkeypatch.setattr(tuning, "digest", lambda arch, d=digest: d)
+        keys.add(artifact.program_key(ep, options))
+    assert len(keys) == 2

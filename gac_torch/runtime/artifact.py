@@ -384,7 +384,8 @@ def read(path: str | io.BytesIO, target: str | None = None, options: dict | None
 def program_key(ep: torch.export.ExportedProgram, options: Options) -> str:
     """What decides a compiled torch.export program, before torch's decompositions run (they
     are most of a warm compile): the graph's code (and its subgraphs'), the input metadata,
-    signature, output structure, size ranges, tensor constants' bytes, and cache_key's rest.
+    signature, output structure, size ranges, tensor constants' bytes, and cache_key's rest (with
+    the target's own key: cuda's arch, also when the options leave it to the visible GPU).
     Parameter and buffer values are inputs of the compiled code, not part of it."""
     gm = ep.graph_module
     code = [m.code for _, m in sorted(gm.named_modules()) if isinstance(m, torch.fx.GraphModule)]
@@ -407,7 +408,8 @@ def program_key(ep: torch.export.ExportedProgram, options: Options) -> str:
     text = "\n".join([*code, *metas, str(ep.graph_signature), str(ep.call_spec.out_spec),
                       repr(sorted((str(k), str(v)) for k, v in ep.range_constraints.items())),
                       consts.hexdigest()])
-    return cache.cache_key(text, "program", options, f"program:{options.target}")
+    target = get_target(options.target)  # (cuda: the GPU's arch when none is asked, ptxas)
+    return cache.cache_key(text, "program", options, f"program:{options.target}", target.cache_key(options))
 
 
 def remember_program(key: str, compiled: Any) -> None:
