@@ -406,3 +406,56 @@ def test_program_key_takes_0d_tensor_constants(cache_on):
     assert any(c.dim() == 0 for c in ep.constants.values() if isinstance(c, torch.Tensor))
     for _ in range(2):  # a miss, then a hit
         torch.testing.assert_close(gac_torch.compile(ep, target="cpu")(x), _ZeroDConstant()(x))
+
+
+def test_program_entry_leaves_weights_to_the_caller(cache_on, monkeypatch, tmp_path):
+    """The whole-program entry stores parameters and buffers as meta tensors (the caller's
+    program brings the values) and, for a graph of partition calls only, a JSON form that comes
+    back without torch.export.load; stage texts stay packed until read. Such an entry is no
+    artifact gac_torch.load accepts. A JSON form that does not fit falls back to program.pt2."""
+    import io
+    import zipfile
+
+    from gac_torch.runtime import artifact, program_json
+
+    model, x = _model()
+    cold = _compile(model, x)
+    (path,) = _entries(cache_on, "program")
+    blob = cache.unpack_entry(path.read_bytes(), path.stem).blobs["artifact"]
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        manifest, pt2, names = json.loads(z.read("manifest.json")), z.read("program.pt2"), z.namelist()
+    assert manifest["weights"] == "caller" and "program.json" in names
+    artifact._define_op()
+    saved = torch.export.load(io.BytesIO(pt2))
+    assert saved.state_dict and all(t.device.type == "meta" for t in saved.state_dict.values())
+    with monkeypatch.context() as m:
+        _no_stages(m)
+        m.setattr(torch.export, "load", lambda *a, **k: pytest.fail("torch.export.load on a program hit"))
+        warm = _compile(model, x)
+    (cg,) = warm.compiled.partitions.values()
+    assert isinstance(cg.stages, cache.Stages) and cg.stages._texts is None  # not unpacked
+    assert torch.equal(warm(x), cold(x)) and warm.ir("llvm") == cold.ir("llvm")
+    with monkeypatch.context() as m:
+        m.setattr(program_json, "rebuild", lambda *a: (_ for _ in ()).throw(KeyError("no fit")))
+        again = _compile(model, x)
+    assert torch.equal(again(x), cold(x))
+    (tmp_path / "entry.gac").write_bytes(blob)
+    with pytest.raises(artifact.ArtifactError, match="compile-cache entry"):
+        gac_torch.load(str(tmp_path / "entry.gac"))
+
+
+def test_program_key_has_the_targets_own_key(monkeypatch):
+    """The whole-program key holds what the target's partition keys hold beyond the options
+    (cuda: the measured tile table's digest, the ptxas version): after an autotune run changed
+    the table, a program hit must not hand back the program compiled with the old tiles."""
+    from gac_torch.backends.gpu import tuning
+    from gac_torch.options import resolve
+    from gac_torch.runtime import artifact
+
+    ep = torch.export.export(_ZeroDConstant(), (torch.randn(4, 5),))
+    options = resolve({"target": "cuda", "arch": "sm_90"}, target="cuda")
+    keys = set()
+    for digest in ("table-a", "table-b"):
+        monkeypatch.setattr(tuning, "digest", lambda arch, d=digest: d)
+        keys.add(artifact.program_key(ep, options))
+    assert len(keys) == 2

@@ -143,9 +143,9 @@ def test_a_failing_kernel_is_a_compile_error_from_the_pool(monkeypatch):
     assert len(kernel_jobs.run_jobs([good, good], LOWER, BINARY)) == 2  # (the pool itself works)
 
 
-@pytest.mark.cuda
-def test_pooled_kernels_run_like_eager(monkeypatch):
-    """On a GPU: the joined PTX of a pooled compile loads and computes eager's results."""
+def blocks_on_gpu(monkeypatch):
+    """(compiled, its output, the float64 eager reference, the cuda input) of Blocks compiled
+    through the pool of 2 workers and run once on the GPU."""
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
     torch.manual_seed(0)
@@ -155,7 +155,14 @@ def test_pooled_kernels_run_like_eager(monkeypatch):
     model, x = model.float().cuda(), x.float().cuda()
     with torch.no_grad():
         compiled = gac_torch.compile(torch.export.export(model, (x,)), target="cuda", options={"cache": False})
-        got = compiled(x)
+        return compiled, compiled(x), ref, x
+
+
+@pytest.mark.cuda
+def test_pooled_kernels_run_like_eager(monkeypatch):
+    """On a GPU: the joined PTX of a pooled compile loads and computes eager's results."""
+    monkeypatch.setenv("GAC_CUBIN", "0")  # (the PTX; tests/test_cuda_cubin.py runs the cubins)
+    _, got, ref, _ = blocks_on_gpu(monkeypatch)
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 

@@ -230,7 +230,7 @@ def compile_exported(ep: ExportedProgram, options) -> CompiledProgram:
     key = None
     if cache.enabled(options):  # the whole program, before torch's decompositions
         key = artifact.program_key(ep, options)
-        hit = artifact.cached_program(key, options)
+        hit = artifact.cached_program(key, options, ep)
         if hit is not None:
             compiled = _from_cache(ep, hit)
             compiled.user_program = ep

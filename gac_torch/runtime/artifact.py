@@ -6,7 +6,13 @@ The file is a zip:
                        per file its sha256; per partition its signature and calling convention
   program.pt2          torch.export.save of the partitioned program: eager (fallback) nodes as
                        they were, each compiled partition a call to the custom op
-                       `gac::partition(name, tensors, sizes)`, parameters and constants
+                       `gac::partition(name, tensors, sizes)`, parameters and constants (a whole
+                       program in the compile cache leaves parameters and buffers out, as meta
+                       tensors, manifest "weights": "caller": a hit takes the caller's; such a
+                       file is no artifact gac_torch.load accepts)
+  program.json         (compile-cache entries only, where the graph is partition calls only)
+                       the same graph as plain JSON, rebuilt around the caller's program
+                       without torch.export.load (runtime/program_json.py)
   partitions/<p>.gac   each partition as plain data (runtime/cache.py's entry format): native
                        code (cpu .so, cuda PTX + host program as JSON, vortex .vxbin + launches)
 
@@ -33,7 +39,7 @@ from gac_torch.backends import get_target
 from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
 from gac_torch.options import Options, resolve
-from gac_torch.runtime import cache
+from gac_torch.runtime import cache, program_json
 from gac_torch.runtime.compiled import CompiledGraph
 from gac_torch.runtime.plain import PlainDataError, decode_size, encode_size
 
@@ -115,8 +121,18 @@ def _inline(graph: torch.fx.Graph, sub: torch.fx.GraphModule, args: list) -> Any
     raise ArtifactError("an eager partition without an output")
 
 
-def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.ExportedProgram:
-    """The partitioned graph as an ExportedProgram: each CompiledGraph call -> gac::partition."""
+def _without_values(state_dict: dict) -> dict:
+    """Parameters and buffers as meta tensors: shapes and kinds kept, no bytes to save or load."""
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        m = t.detach().to("meta")
+        return torch.nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
+
+    return {k: meta(v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+
+
+def _saved_program(compiled: Any, names: dict[str, str], weights: bool = True) -> torch.export.ExportedProgram:
+    """The partitioned graph as an ExportedProgram: each CompiledGraph call -> gac::partition;
+    without `weights`, parameters and buffers are meta tensors."""
     from torch.export.exported_program import ExportedProgram
     from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
 
@@ -165,7 +181,8 @@ def _saved_program(compiled: Any, names: dict[str, str]) -> torch.export.Exporte
     out_specs = [OutputSpec(kind=s.kind, arg=TensorArgument(name=o.name) if isinstance(s.arg, TensorArgument) else s.arg,
                             target=s.target) for s, o in zip(sig.output_specs, outs)]
     signature = ExportGraphSignature(input_specs=list(sig.input_specs), output_specs=out_specs)
-    return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=ep.state_dict,
+    state_dict = ep.state_dict if weights else _without_values(ep.state_dict)
+    return ExportedProgram(root=root, graph=graph, graph_signature=signature, state_dict=state_dict,
                            range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
                            example_inputs=None, constants=ep.constants, verifiers=[ep.verifier])
 
@@ -177,7 +194,9 @@ def save(compiled: Any, path: str) -> None:
         f.write(data)
 
 
-def to_bytes(compiled: Any) -> bytes:
+def to_bytes(compiled: Any, weights: bool = True) -> bytes:
+    """The artifact's bytes; without `weights` (the compile cache), parameter and buffer values
+    are left to whoever reads it (they are inputs of the compiled code, not part of it)."""
     from gac_torch.frontends.export import CompiledProgram, SpecializedFx
 
     if not isinstance(compiled, CompiledProgram):
@@ -193,12 +212,18 @@ def to_bytes(compiled: Any) -> bytes:
     for name, cg in parts.items():
         _PARTITIONS[names[name]] = cg
     buf = io.BytesIO()
-    torch.export.save(_saved_program(compiled, names), buf)
+    saved = _saved_program(compiled, names, weights)
+    torch.export.save(saved, buf)
     files = {"program.pt2": buf.getvalue(), **{f"partitions/{n}.gac": e for n, e in entries.items()}}
+    caller = getattr(compiled, "user_program", None)
+    desc = program_json.describe(saved, caller) if not weights and caller is not None else None
+    if desc is not None:
+        files["program.json"] = json.dumps(desc).encode()
     report = compiled.compiled.report
     manifest = {
         "format": FORMAT, "version": VERSION, "target": compiled.compiled.target,
         "versions": cache.versions(), "dynamic": bool(compiled.dynamic),
+        "weights": "included" if weights else "caller",
         "files": {f: hashlib.sha256(data).hexdigest() for f, data in files.items()},
         "partitions": {names[n]: {"file": f"partitions/{n}.gac", "name": n, "device_type": cg.device_type,
                                   "inputs": [_spec_json(s) for s in cg.signature.inputs],
@@ -300,10 +325,16 @@ def load(path: str, target: str | None = None, options: dict | None = None) -> L
     return LoadedProgram(ep, loaded, manifest["target"])
 
 
-def read(path: str | io.BytesIO, target: str | None = None, options: dict | None = None):
+def read(path: str | io.BytesIO, target: str | None = None, options: dict | None = None,
+         caller: torch.export.ExportedProgram | None = None):
     """(manifest, the saved ExportedProgram, its partitions by gac::partition name), checked;
-    `options` reach the target's loader (e.g. vortex_mode)."""
+    `options` reach the target's loader (e.g. vortex_mode); `caller` (the program a cache hit
+    was keyed on) brings the parameters and buffers of a program saved without them."""
     manifest, files = _read(path)
+    external = manifest.get("weights", "included") == "caller"
+    if external and caller is None:
+        raise ArtifactError(f"{path}: a compile-cache entry without its weights, not a saved artifact "
+                            "(gac_torch.save writes those)")
     here, there = cache.versions(), manifest.get("versions", {})
     for what in ("gac", "gac_sources", "torch", "platform"):
         if there.get(what) != here[what]:
@@ -332,7 +363,19 @@ def read(path: str | io.BytesIO, target: str | None = None, options: dict | None
                            part["input_names"], part["tuple_output"])
         cg.saved = (tgt, entry, None, {}, {})  # what to_bytes needs to save it again
         loaded[key] = _PARTITIONS[key] = cg
+    if external and "program.json" in files:
+        try:
+            return manifest, program_json.rebuild(json.loads(files["program.json"]), caller), loaded
+        except Exception as e:  # noqa: BLE001  (then the torch.export way below)
+            log.debug("gac cache: program.json does not fit the caller's program (%s); reading program.pt2", e)
     ep = torch.export.load(io.BytesIO(files["program.pt2"]))
+    if external:
+        weights = caller.state_dict
+        missing = sorted(set(ep.state_dict) - set(weights))
+        if missing:
+            raise ArtifactError(f"{path}: the caller's program has no {missing[0]!r} ({len(missing)} missing)")
+        for k in ep.state_dict:
+            ep.state_dict[k] = weights[k]
     return manifest, ep, loaded
 
 
@@ -341,7 +384,8 @@ def read(path: str | io.BytesIO, target: str | None = None, options: dict | None
 def program_key(ep: torch.export.ExportedProgram, options: Options) -> str:
     """What decides a compiled torch.export program, before torch's decompositions run (they
     are most of a warm compile): the graph's code (and its subgraphs'), the input metadata,
-    signature, output structure, size ranges, tensor constants' bytes, and cache_key's rest.
+    signature, output structure, size ranges, tensor constants' bytes, and cache_key's rest (with
+    the target's own key: cuda's arch, also when the options leave it to the visible GPU).
     Parameter and buffer values are inputs of the compiled code, not part of it."""
     gm = ep.graph_module
     code = [m.code for _, m in sorted(gm.named_modules()) if isinstance(m, torch.fx.GraphModule)]
@@ -364,7 +408,8 @@ def program_key(ep: torch.export.ExportedProgram, options: Options) -> str:
     text = "\n".join([*code, *metas, str(ep.graph_signature), str(ep.call_spec.out_spec),
                       repr(sorted((str(k), str(v)) for k, v in ep.range_constraints.items())),
                       consts.hexdigest()])
-    return cache.cache_key(text, "program", options, f"program:{options.target}")
+    target = get_target(options.target)  # (cuda: the GPU's arch when none is asked, ptxas)
+    return cache.cache_key(text, "program", options, f"program:{options.target}", target.cache_key(options))
 
 
 def remember_program(key: str, compiled: Any) -> None:
@@ -374,20 +419,21 @@ def remember_program(key: str, compiled: Any) -> None:
     if any(getattr(cg, "saved", (None, None))[1] is None for cg in parts):
         return
     try:
-        data = to_bytes(compiled)
+        data = to_bytes(compiled, weights=False)  # the caller's ep brings them on a hit
     except Exception as e:  # noqa: BLE001  (an optimization: e.g. a graph torch cannot serialize)
         log.debug("gac cache: program not cached: %s", e)
         return
     cache.store(key, cache.Entry({"kind": "program"}, {"artifact": data}))
 
 
-def cached_program(key: str, options: dict | None = None):
-    """(manifest, saved ExportedProgram, partitions by name) for `key`, or None."""
+def cached_program(key: str, options: dict | None, user_ep: torch.export.ExportedProgram):
+    """(manifest, saved ExportedProgram with `user_ep`'s parameters and buffers, partitions by
+    name) for `key`, or None."""
     entry = cache.load(key)
     if entry is None or "artifact" not in entry.blobs:
         return None
     try:
-        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]), options=options)
+        manifest, ep, loaded = read(io.BytesIO(entry.blobs["artifact"]), options=options, caller=user_ep)
     except TargetUnavailable as e:  # e.g. cuda compiled to PTX on a machine without a GPU: the
         log.debug("gac cache: cached program not loaded here: %s", e)  # partitions still hit
         return None

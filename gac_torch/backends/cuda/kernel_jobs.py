@@ -11,12 +11,16 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
      threads would not run in parallel), `GAC_COMPILE_WORKERS` of them (default: the CPUs this
      process may use), largest first;
   4. join: one PTX module with every kernel (renamed back), module-level declarations once.
+Given a ptxas (ptxas.for_cubins), each worker also assembles its kernel's PTX into a cubin (the
+kernel still named PLACEHOLDER: one cubin serves every kernel of its text; the runtime loads it
+as its own module). The cubin's key adds ptxas's version (the arch is in the lowering's chip).
 A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
-whole, as before.
+whole, as before, to PTX only.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -32,6 +36,7 @@ from pathlib import Path
 from mlir import ir
 
 from gac_torch.backends.cuda import ptx_worker
+from gac_torch.backends.cuda.ptxas import Assembler
 from gac_torch.errors import CompileError, GacError
 
 log = logging.getLogger("gac_torch")
@@ -48,6 +53,7 @@ class KernelResult:
     names: list[str]  # the kernels sharing this text (first: the one shown in the llvm stage)
     llvm: str  # the lowered module, placeholder name
     ptx: str  # placeholder name
+    cubin: bytes | None = None  # its SASS (kernel named PLACEHOLDER); None: PTX only
 
     def renamed(self, field: str, name: str) -> str:
         return getattr(self, field).replace(PLACEHOLDER, name)
@@ -90,38 +96,48 @@ def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
 
 # -- 2. dedupe + cache ------------------------------------------------------------------------
 
-def job_key(text: str, lower: str, binary: str) -> str:
+def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) -> str:
     from gac_torch.runtime.cache import versions
 
     data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(text.encode()).hexdigest(),
-            "lower": lower, "binary": binary, "versions": versions()}
+            "lower": lower, "binary": binary, "ptxas": ptxas.version if ptxas else None,
+            "versions": versions()}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
-                    on_progress=None) -> list[KernelResult]:
-    """Every kernel of `texts` compiled (each distinct text once); in the kernels' order."""
+                    on_progress=None, ptxas: Assembler | None = None) -> list[KernelResult]:
+    """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
+    too); in the kernels' order."""
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
     todo: dict[str, str] = {}  # key -> text
     for name, text in texts.items():
-        key = job_key(text, lower, binary)
+        key = job_key(text, lower, binary, ptxas)
         if key in by_key:
             by_key[key].names.append(name)
             continue
         entry = cache.load(key, quiet=True) if use_cache else None
         if entry is not None and "ptx" in entry.meta and "llvm" in entry.stages:
-            by_key[key] = KernelResult([name], entry.stages["llvm"], entry.meta["ptx"])
+            by_key[key] = KernelResult([name], entry.stages["llvm"], entry.meta["ptx"], entry.blobs.get("cubin"))
         else:
             by_key[key] = KernelResult([name], "", "")
             todo[key] = text
     log.debug("gac cuda: %d kernels, %d distinct, %d to compile", len(texts), len(by_key), len(todo))
     order = sorted(todo, key=lambda k: -len(todo[k]))  # largest first: the pool ends together
-    for key, (llvm, ptx) in zip(order, run_jobs([todo[k] for k in order], lower, binary, on_progress)):
-        by_key[key].llvm, by_key[key].ptx = llvm, ptx
+    exe = ptxas.exe if ptxas else None
+    rejected = []  # (then the program loads as PTX: the driver's JIT may know a newer ISA)
+    for key, (llvm, ptx, cubin, why) in zip(order, run_jobs([todo[k] for k in order], lower, binary,
+                                                            on_progress, exe)):
+        by_key[key].llvm, by_key[key].ptx, by_key[key].cubin = llvm, ptx, cubin
+        if why:
+            rejected.append(f"{by_key[key].names[0]}: {why}")
         if use_cache:
-            cache.store(key, cache.Entry({"ptx": ptx}, {}, {"llvm": llvm}), quiet=True)
+            cache.store(key, cache.Entry({"ptx": ptx}, {"cubin": cubin} if cubin else {}, {"llvm": llvm}),
+                        quiet=True)
+    if rejected:
+        log.info("gac cuda: %d kernels without a cubin, the program loads as PTX (%s)", len(rejected), rejected[0])
     if use_cache and todo:
         cache.evict(cache.size_limit())  # once for the batch
     return list(by_key.values())
@@ -144,14 +160,16 @@ def worker_count() -> int:
 _no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
 
 
-def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> list[tuple[str, str]]:
-    """(llvm, ptx) per text: in-process for a few, else in min(workers, len) worker processes."""
+def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None
+             ) -> list[tuple[str, str, bytes | None, str]]:
+    """(llvm, ptx, cubin, ptxas's complaint) per text (ptx_worker.compile_kernel): in-process
+    for a few, else in min(workers, len) worker processes."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
         for i, text in enumerate(texts):
             try:
-                results[i] = ptx_worker.compile_kernel(text, lower, binary)
+                results[i] = ptx_worker.compile_kernel(text, lower, binary, ptxas)
             except Exception as e:
                 raise CompileError(f"cuda kernel lowering failed: {e}") from e
             if on_progress:
@@ -176,14 +194,16 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> lis
                     i = jobs.get_nowait()
                 except queue.Empty:
                     return
-                ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary})
+                ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary,
+                                                      "ptxas": ptxas})
                 reply = ptx_worker.read_message(proc.stdout)
                 if reply is None:
                     raise CompileError(f"a cuda compile worker exited (code {proc.poll()})")
                 if "error" in reply:
                     log.debug("gac cuda worker: %s", reply.get("trace"))
                     raise CompileError(f"cuda kernel lowering failed: {reply['error']}")
-                results[i] = (reply["llvm"], reply["ptx"])
+                cubin = base64.b64decode(reply["cubin"]) if reply.get("cubin") else None
+                results[i] = (reply["llvm"], reply["ptx"], cubin, reply.get("ptxas_error", ""))
                 done[0] += 1
         except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
             errors.append(e)
@@ -206,7 +226,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None) -> lis
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress)
+        return run_jobs(texts, lower, binary, on_progress, ptxas)
     if errors:
         raise errors[0]
     return results

@@ -7,7 +7,9 @@
           kernel takes one pointer per buffer and bakes static shapes/strides/offsets in), kernel
           by kernel, each distinct kernel once, in parallel, through `gpu-module-to-binary` to
           PTX too (kernel_jobs.py: that is most of a cold compile).
-- "ptx":  the kernels' PTX joined into one module; libdevice is linked for math functions.
+- "ptx":  the kernels' PTX joined into one module; libdevice is linked for math functions. With a
+          ptxas (ptxas.for_cubins) each distinct kernel's cubin rides along (program.cubins), so
+          the first call loads SASS instead of JIT-compiling the PTX.
 
 Everything here runs without a GPU.
 """
@@ -25,11 +27,11 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import gpu
 
-from gac_torch.backends.cuda import kernel_jobs
+from gac_torch.backends.cuda import kernel_jobs, ptxas
 from gac_torch.backends.gpu import host, tuning
 from gac_torch.errors import CompileError
 from gac_torch.backends.gpu.irutil import run_passes
-from gac_torch.backends.gpu.program import GpuProgram
+from gac_torch.backends.gpu.program import Cubin, GpuProgram
 from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
 from gac_torch.runtime import progress
@@ -164,7 +166,8 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
             texts = kernel_jobs.split(module, names)
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
-                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"))
+                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
+                ptxas.for_cubins())
             return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names))
         except kernel_jobs.NotSplittable as e:
             log.debug("gac cuda: kernels compiled as one module (%s)", e)
@@ -259,9 +262,22 @@ def ptx_stage(stage: GpuStage | KernelsStage) -> GpuProgram:
             run_passes(module, _binary_pipeline())
             binaries = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
             ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
+    if isinstance(stage, KernelsStage):
+        program.cubins = cubins(stage.kernels)
     if ".extern .func __nv_" in ptx:
         raise CompileError("kernels call libdevice math functions but no CUDA toolkit with "
                            "nvvm/libdevice was found: pip install nvidia-cuda-nvcc-cu12 or set "
                            "CUDA_HOME / GAC_CUDA_TOOLKIT")
     program.ptx = ptx
     return program
+
+
+def cubins(kernels: list[kernel_jobs.KernelResult]) -> list[Cubin]:
+    """One cubin per distinct kernel, or none unless every kernel has one (a program loads
+    either as SASS or as the joined PTX; a mix would JIT the whole PTX module anyway)."""
+    if not kernels or any(k.cubin is None for k in kernels):
+        return []
+    from gac_torch.backends.cuda.ptx_worker import ptx_arch
+
+    return [Cubin(ptx_arch(k.ptx) or "", k.cubin, tuple(k.names), kernel_jobs.PLACEHOLDER)
+            for k in kernels if k.cubin is not None]

@@ -1,8 +1,12 @@
-"""Run a GpuProgram: PTX loaded through the CUDA driver API (cuda-python), kernels launched on
+"""Run a GpuProgram: its kernels loaded through the CUDA driver API (cuda-python), launched on
 torch's current stream, buffers from torch's caching allocator.
 
 - Tensors arrive through DLPack (`__dlpack__`), so any producer works; torch tensors pass as is.
-- The PTX module is loaded once per CUDA context (torch uses the device's primary context).
+- The kernels are loaded once per CUDA context (torch uses the device's primary context): from
+  the program's cubins (one module each, SASS assembled ahead of time by ptxas) when they were
+  assembled for this GPU's compute capability, else from the PTX module, which the driver
+  JIT-compiles (seconds for a whole model; its own cache, ~/.nv/ComputeCache, keeps the result).
+  A cubin the driver refuses (e.g. from a ptxas newer than the driver) falls back to the PTX.
 - Intermediates live in one workspace sized by the static memory plan: one allocation per
   (device, stream), kept with the executable and reused by every call on that stream (calls on
   one stream are ordered, so reuse is safe; another stream gets its own workspace).
@@ -35,6 +39,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import struct
 import threading
 from collections import OrderedDict
@@ -94,6 +99,17 @@ def graphs_enabled(option: bool | None) -> bool:
     if option is not None:
         return bool(option)
     return os.environ.get("GAC_CUDA_GRAPHS", "1") not in ("", "0")
+
+
+def cubin_fits(arch: str, capability: tuple[int, int]) -> bool:
+    """A cubin for `arch` ("sm_90", "sm_90a") runs on a GPU of this compute capability: the
+    same one (SASS of another minor version may run too, but the PTX JIT tunes for it)."""
+    m = re.fullmatch(r"sm_(\d+)[af]?", arch)
+    return m is not None and int(m.group(1)) == capability[0] * 10 + capability[1]
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def _raw_stream(device_index: int) -> int:
@@ -247,7 +263,7 @@ class _Context:
     the argument tables by (sizes, pointer set)."""
 
     by_name: dict[str, Any]  # kernel name -> CUfunction
-    module: Any
+    modules: list[Any]  # the CUmodules they live in
     workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # stream handle -> buffer
     pools: dict[int, OutputPool] = field(default_factory=dict)  # stream handle -> outputs
     tables: OrderedDict = field(default_factory=OrderedDict)  # (sizes, pointers) -> _Entry
@@ -302,6 +318,7 @@ class CudaExecutable:
         self._ready = threading.local()  # per thread: device index -> _Context
         self._lock = threading.Lock()
         self._ptx = program.ptx.encode() + b"\0"
+        self.loaded_from = ""  # "cubin" or "ptx" once loaded (tests, benchmarks)
         self.use_graphs = graphs_enabled(graphs)
         self._devices: dict[int, torch.device] = {}
         self._out_specs = [(tuple(s.shape), s.dtype) for s in signature.outputs]
@@ -336,21 +353,46 @@ class CudaExecutable:
         with self._lock:
             ctx_state = self._contexts.get(int(ctx))
             if ctx_state is None:
-                module = _check(_driver.cuModuleLoadData(self._ptx), "cuModuleLoadData (PTX JIT)")
-                by_name: dict[str, Any] = {}
+                modules, by_name = self._load_kernels(device)
                 for k in self.program.launches:
-                    if k.kernel not in by_name:
-                        by_name[k.kernel] = _check(_driver.cuModuleGetFunction(module, k.kernel.encode()),
-                                                   f"cuModuleGetFunction({k.kernel})")
                     if k.shared_mem > STATIC_SHARED_LIMIT:  # dynamic shared memory past 48 KiB: opt in
                         _check(_driver.cuFuncSetAttribute(
                             by_name[k.kernel],
                             _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             k.shared_mem), f"cuFuncSetAttribute({k.kernel}, shared memory {k.shared_mem})")
-                ctx_state = _Context(by_name, module)
+                ctx_state = _Context(by_name, modules)
                 self._contexts[int(ctx)] = ctx_state
         ready[device.index] = ctx_state
         return ctx_state
+
+    def _load_kernels(self, device: torch.device) -> tuple[list[Any], dict[str, Any]]:
+        """(modules, kernel name -> CUfunction): from the cubins when they fit this GPU, else
+        from the PTX. `self.loaded_from` says which ("cubin" or "ptx")."""
+        names = {k.kernel for k in self.program.launches}
+        cubins = self.program.cubins
+        capability = _capability(device) if cubins else None
+        if capability and all(cubin_fits(c.arch, capability) for c in cubins) \
+                and names <= {n for c in cubins for n in c.kernels}:
+            modules: list[Any] = []
+            try:
+                by_name: dict[str, Any] = {}
+                for c in cubins:
+                    module = _check(_driver.cuModuleLoadData(c.data), f"cuModuleLoadData (cubin {c.arch})")
+                    modules.append(module)
+                    for name in c.kernels:
+                        by_name[name] = _check(_driver.cuModuleGetFunction(module, (c.entry or name).encode()),
+                                               f"cuModuleGetFunction({name})")
+                self.loaded_from = "cubin"
+                return modules, by_name
+            except CudaError as e:
+                log.warning("cuda: the program's cubins do not load (%s); JIT-compiling its PTX", e)
+                for m in modules:
+                    _driver.cuModuleUnload(m)
+        module = _check(_driver.cuModuleLoadData(self._ptx), "cuModuleLoadData (PTX JIT)")
+        by_name = {n: _check(_driver.cuModuleGetFunction(module, n.encode()), f"cuModuleGetFunction({n})")
+                   for n in sorted(names)}
+        self.loaded_from = "ptx"
+        return [module], by_name
 
     # -- per call -------------------------------------------------------------------------------
 

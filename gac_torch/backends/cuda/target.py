@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gac_torch.backends.base import Signature, Stage, Target
-from gac_torch.backends.cuda import runtime
+from gac_torch.backends.cuda import ptxas, runtime
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.program import GpuProgram
 
@@ -134,15 +134,23 @@ def _tune(build, signature: Signature, options: dict) -> None:
 
 
 def _pack(program: GpuProgram, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
+    """The host program and PTX as JSON; each cubin a binary blob (not base64 in the JSON)."""
+    from dataclasses import replace
+
     from gac_torch.backends.gpu.program import to_json
 
-    return {"program": to_json(program)}, {}
+    cubins = [{"arch": c.arch, "kernels": list(c.kernels), "entry": c.entry} for c in program.cubins]
+    return ({"program": to_json(replace(program, cubins=[])), "cubins": cubins},
+            {f"cubin:{i}": c.data for i, c in enumerate(program.cubins)})
 
 
 def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict) -> runtime.CudaExecutable:
-    from gac_torch.backends.gpu.program import from_json
+    from gac_torch.backends.gpu.program import Cubin, from_json
 
-    return runtime.CudaExecutable(from_json(meta["program"]), signature, (options or {}).get("cuda_graphs"))
+    program = from_json(meta["program"])
+    program.cubins = [Cubin(c["arch"], blobs[f"cubin:{i}"], tuple(c["kernels"]), c["entry"])
+                      for i, c in enumerate(meta.get("cubins", []))]
+    return runtime.CudaExecutable(program, signature, (options or {}).get("cuda_graphs"))
 
 
 TARGET = Target(
@@ -156,7 +164,7 @@ TARGET = Target(
     pack=_pack,
     unpack=_unpack,
     cache_key=lambda options: {"arch": (arch := options.get("arch") or default_arch()),
-                               "tuning": tuning.digest(arch),
+                               "tuning": tuning.digest(arch), "ptxas": ptxas.cubin_key(),
                                # (the Hopper flash kernel's opt-in and tilings pick other code)
                                **{k: v for k, v in sorted(os.environ.items()) if k.startswith("GAC_FLASH_WGMMA")}},
     tune=_tune,

@@ -199,6 +199,17 @@ class ArgSpec:
         return len(shape) == len(self.shape) and all(s in (-1, n) for s, n in zip(self.shape, shape))
 
 
+@dataclass(frozen=True)
+class Cubin:
+    """SASS for kernels of the program, assembled ahead of time (cuda: ptxas); the PTX stays
+    the fallback (another GPU, a driver that refuses the cubin)."""
+
+    arch: str  # what it was assembled for ("sm_90a"): it loads on that compute capability only
+    data: bytes
+    kernels: tuple[str, ...]  # the launches' kernel names it serves
+    entry: str | None = None  # the function's name inside it (None: each kernel's own name)
+
+
 @dataclass
 class GpuProgram:
     arch: str  # e.g. "sm_90"
@@ -212,6 +223,7 @@ class GpuProgram:
     dynamic: bool = False
     host_ops: list[HostOp] = field(default_factory=list)
     temp_live: list[tuple[int, int]] = field(default_factory=list)  # per temp: first, last launch
+    cubins: list[Cubin] = field(default_factory=list)  # empty: the driver JIT-compiles the PTX
 
     def bind(self, values: Sequence) -> GpuProgram:
         """This program for one call: `values` holds per function argument its shape (a
@@ -350,7 +362,7 @@ class GpuProgram:
 
 # -- plain data (the on-disk cache and saved artifacts: runtime/cache.py) --------------------------
 PLAIN_TYPES = (GpuProgram, KernelLaunch, BufferRef, ScalarArg, TensorMapArg, Dyn, TempBuffer, ArgSpec, HostOp,
-               MemoryPlan)
+               MemoryPlan, Cubin)
 
 
 def to_json(program: GpuProgram) -> dict:
