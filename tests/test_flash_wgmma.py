@@ -159,3 +159,13 @@ def test_compile_cache_key_follows_the_opt_in(monkeypatch):
     off = TARGET.cache_key({"arch": "sm_90"})
     monkeypatch.setenv("GAC_FLASH_WGMMA", "1")
     assert TARGET.cache_key({"arch": "sm_90"}) != off
+
+
+@pytest.mark.parametrize("D,fa3", [(64, True), (32, False)])
+def test_default_routes_head_dims_from_64_to_fa3(monkeypatch, D, fa3):
+    monkeypatch.delenv("GAC_FLASH_WGMMA", raising=False)
+    q = torch.randn(1, 2, 65, D, dtype=torch.bfloat16)
+    fn = lambda a, b, c: torch.ops.aten._scaled_dot_product_efficient_attention(a, b, c, None, False, 0.0, False)[0]  # noqa: E731
+    gm = make_fx(fn, tracing_mode="fake")(q, q, q)
+    ptx = compile_graph(gm, resolve({"target": "cuda", "fallback": False, "arch": "sm_90", "cache": False})).ir("ptx")
+    assert ("_fa3(" in ptx) == fa3 and ("_flash(" in ptx) == (not fa3)
