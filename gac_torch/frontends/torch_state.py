@@ -102,13 +102,14 @@ def retrace_without_export_guards() -> Iterator[None]:
 def lazy_graph_modules() -> Iterator[None]:
     """GraphModules that torch's tracing builds generate their Python code when first run or
     read, not at every recompile(): run_decompositions recompiles its intermediate graphs
-    several times and runs none of them (~0.5 s of BEVFormer-tiny's ~5.5 s re-trace)."""
+    several times and runs none of them. torch's switch is a module global: held under the
+    trace lock, so that concurrent compiles cannot leave it on."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # another torch version: eager code generation, as before
         yield
         return
-    with _use_lazy_graph_module(True):
+    with TRACE_LOCK, _use_lazy_graph_module(True):
         yield
 
 
@@ -117,11 +118,10 @@ def lazy_graph_module(root, graph):
     from torch import fx
 
     try:
-        from torch.fx._lazy_graph_module import _make_graph_module
+        from torch.fx._lazy_graph_module import _LazyGraphModule
     except ImportError:
         return fx.GraphModule(root, graph)
-    with lazy_graph_modules():
-        return _make_graph_module(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 def forget_stale_dynamo_guards() -> None:
