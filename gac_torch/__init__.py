@@ -78,7 +78,6 @@ def explain(model, *example_inputs, **example_kwargs):
     gm = ep.graph_module
     drop_metadata_asserts(gm)  # as compile does, so the partition count is compile's
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     decisions, report = analyze(gm)
     report.partitions = len(partition(gm, decisions)[1])
     return report

@@ -16,7 +16,7 @@ from gac_torch.errors import GacInputError
 from gac_torch.frontends.export_semantics import ExportSemantics
 from gac_torch.frontends.fx import CompiledFx, compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
-from gac_torch.frontends.torch_state import retrace_without_export_guards, tracing
+from gac_torch.frontends.torch_state import lazy_graph_modules, retrace_without_export_guards, tracing
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.sizes import size_expr
 from gac_torch.passes.partition import GraphReport
@@ -251,7 +251,7 @@ def _compile_exported(ep: ExportedProgram, options) -> CompiledProgram:
             # arguments so that eager fallback nodes and compiled partitions agree.
             from torch.export.passes import move_to_device_pass
             ep = move_to_device_pass(ep, device_with_index(device))
-        with retrace_without_export_guards():
+        with retrace_without_export_guards(), lazy_graph_modules():
             ep = ep.run_decompositions(decompositions())
     gm = ep.graph_module
     semantics = ExportSemantics(ep, gm)  # before compile_graph rewrites gm

@@ -124,9 +124,9 @@ def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> 
     drop_metadata_asserts(gm)
     eager_layer_norm_stat_dtypes(gm)
     gm.graph.eliminate_dead_code()  # e.g. getitems of unused statistics (keeps impure nodes)
-    gm.recompile()
     decisions, report = analyze(gm)
     if report.unsupported and not options["fallback"]:
+        gm.recompile()  # its code matches its edited graph (partition() recompiles otherwise)
         raise GacUnsupportedError(
             "gac cannot compile these ops (fallback=False):\n" + "\n".join(
                 f"  {op}: {n} node(s), {why}" for (op, why), n in sorted(report.unsupported.items())))
@@ -137,14 +137,13 @@ def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> 
         with open(os.path.join(dump_dir, "fx_graph.txt"), "w") as f:
             f.write(str(gm.graph))
 
-    fused, names = partition(gm, decisions, options["min_block_size"])
+    fused, names = partition(gm, decisions, options["min_block_size"])  # recompiles gm, once
     compiled: dict[str, CompiledGraph] = {}
     with progress.Compile(f"graph {graph_id} on {target_name}") as running:
         for k, name in enumerate(names):
             running.step("legalize", partition=f"partition {k + 1} of {len(names)} ({name})")
             _compile_one(fused, name, target, options, dump_dir, report, compiled, graph_id)
-    report.partitions = len(compiled)
-    fused.recompile()
+    report.partitions = len(compiled)  # (compiled partitions replaced submodules: code unchanged)
     log.info("gac: graph %d on %s: %s", graph_id, target_name, report.summary())
     return CompiledFx(fused, report, compiled, target_name, dynamic=has_symbolic_shapes(gm))
 

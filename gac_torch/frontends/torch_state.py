@@ -98,6 +98,32 @@ def retrace_without_export_guards() -> Iterator[None]:
         _unlift._ok_to_generate_guards_fn = ok
 
 
+@contextlib.contextmanager
+def lazy_graph_modules() -> Iterator[None]:
+    """GraphModules that torch's tracing builds generate their Python code when first run or
+    read, not at every recompile(): run_decompositions recompiles its intermediate graphs
+    several times and runs none of them. torch's switch is a module global: held under the
+    trace lock, so that concurrent compiles cannot leave it on."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # another torch version: eager code generation, as before
+        yield
+        return
+    with TRACE_LOCK, _use_lazy_graph_module(True):
+        yield
+
+
+def lazy_graph_module(root, graph):
+    """fx.GraphModule(root, graph) whose code is generated when first run or read."""
+    from torch import fx
+
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def forget_stale_dynamo_guards() -> None:
     """Every dynamo compile registers weakref.finalize callbacks on the long-lived objects its
     guards ID-match (torch.nn.functional, module classes, builtins). They keep the guard manager

@@ -1,0 +1,100 @@
+"""CPU seconds of gac's front-end: gac_torch.compile(ExportedProgram) from its entry to the first
+partition's legalization (torch's run_decompositions, export semantics, partitioning), stopped
+there, so no MLIR runs and no GPU is needed (issue 16, point 3).
+
+    PYTHONPATH=$PWD python benchmarks/compile_front.py --config tiny --target cuda
+    PYTHONPATH=$PWD python benchmarks/compile_front.py --config test_tiny --target cpu --profile out.prof
+
+Prints the main thread's CPU seconds (a loaded machine inflates them far less than wall seconds)
+in total and per step; steps nest (run_decompositions holds most of the recompiles). The script
+imports gac_torch from PYTHONPATH, so one copy measures two checkouts (before / after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import functools
+import os
+import tempfile
+import time
+import warnings
+
+os.environ["GAC_CACHE_DIR"] = tempfile.mkdtemp()  # cold: no whole-program hit skips the front-end
+import torch  # noqa: E402
+
+import gac_torch  # noqa: E402
+import gac_torch.frontends.export as export_frontend  # noqa: E402
+import gac_torch.frontends.fx as fx_frontend  # noqa: E402
+from gac_torch.errors import MissingDependency  # noqa: E402
+from gac_torch.models.bevformer import build_bevformer, make_test_inputs  # noqa: E402
+from gac_torch.runtime import artifact  # noqa: E402
+
+STEPS = collections.Counter()
+
+
+class _Stop(MissingDependency):  # compile_graph re-raises it (a partition failure would not)
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
+def _timed(owner, name: str) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            STEPS[name] += time.thread_time() - t
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="tiny", help="a BEVFormer preset")
+    ap.add_argument("--target", default="cuda")
+    ap.add_argument("--profile", help="write a cProfile of the front-end here")
+    args = ap.parse_args()
+    fx_frontend.compile_partition = _stop
+    _timed(torch.export.ExportedProgram, "run_decompositions")
+    _timed(torch.fx.GraphModule, "recompile")
+    _timed(export_frontend, "ExportSemantics")
+    _timed(artifact, "program_key")
+    for name in ("drop_metadata_asserts", "analyze", "partition"):
+        _timed(fx_frontend, name)
+    model = build_bevformer(args.config, seed=0).eval()
+    inputs = tuple(make_test_inputs(model.cfg, frame=0))
+    with torch.no_grad():
+        ep = torch.export.export(model, inputs)
+    options = {"arch": "sm_90"} if args.target == "cuda" else None  # PTX: no GPU needed
+    STEPS.clear()
+    profile = cProfile.Profile() if args.profile else None
+    t = time.thread_time()
+    try:
+        with torch.no_grad():
+            if profile:
+                profile.enable()
+            gac_torch.compile(ep, target=args.target, options=options)
+    except _Stop:
+        pass
+    finally:
+        if profile:
+            profile.disable()
+    total = time.thread_time() - t
+    print(f"{args.config} on {args.target}: front-end {total:.2f} CPU s"
+          f"{' (profiled)' if profile else ''}")
+    for name, s in STEPS.most_common():
+        print(f"  {name:24s} {s:6.2f}")
+    if profile:
+        profile.dump_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
