@@ -64,9 +64,17 @@ def map_rows(fn: ir.Operation, strategies: Sequence[Strategy], limits: GpuLimits
     if not mine:
         return
     tried: set = set()
+    others: set = set()  # generics that are no seed: taking a group does not change that (and
+    # makes no generics), so the scans after it skip them rather than ask _form again
     while True:  # the block changes with each group taken: scan it again
-        seeds = [op for op in block_ops(func_block(fn)) if op not in tried and op.name == "linalg.generic"
-                 and (_form(op) or ("",))[0] == "reduce"]
+        seeds = []
+        for op in block_ops(func_block(fn)):
+            if op.name != "linalg.generic" or op in tried or op in others:
+                continue
+            if (_form(op) or ("",))[0] == "reduce":
+                seeds.append(op)
+            else:
+                others.add(op)
         for seed in seeds:
             tried.add(seed)
             group = find_group(seed)
