@@ -21,7 +21,7 @@ from mlir import ir
 from mlir.dialects import arith
 
 from gac_torch.backends.gpu.analysis import Generic
-from gac_torch.backends.gpu.irutil import block_ops, func_block, set_kernel_name
+from gac_torch.backends.gpu.irutil import block_ops, func_block, run_passes, set_kernel_name
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,27 @@ def template_text(key: Hashable, make: Callable[[], str]) -> str:
     return texts[key]
 
 
+def _parse(text: str, context: ir.Context) -> ir.Module:
+    """A template, folded: its constants and index math fold once per distinct template here
+    rather than per copy in the host function (whose canonicalize, the costliest pass of the
+    gpu stage, then finds them done; the kernels come out the same)."""
+    m = ir.Module.parse(text, context)
+    run_passes(m, "canonicalize, cse")
+    return m
+
+
 def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
                      init: ir.Value | None, acc: str, name: str) -> None:
     """Parse a `func.func @tmpl(args..., %init)` holding one gpu.launch and move the launch
     before `before`, wiring the template's arguments to `args` (and `init`)."""
     parsed = getattr(_cache, "parsed", None)
     if parsed is None:
-        tmpl = ir.Module.parse(text, before.context)
+        tmpl = _parse(text, before.context)
         tfn = tmpl.body.operations[0].operation
     else:
         tmpl = parsed.get(text)  # (a cache lives in one compile: one context)
         if tmpl is None:
-            tmpl = parsed[text] = ir.Module.parse(text, before.context)
+            tmpl = parsed[text] = _parse(text, before.context)
         tfn = tmpl.body.operations[0].operation.clone(ir.InsertionPoint(tmpl.body))
     tblock = func_block(tfn)
     if init is None:  # unused by the kernel; any value of the type will do
