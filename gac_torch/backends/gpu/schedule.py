@@ -120,7 +120,9 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     sink_globals(fn)
     run_passes(module, "gpu-launch-sink-index-computations")
     dynamic_memrefs_as_metadata(fn)
-    run_passes(module, "gpu-kernel-outlining, canonicalize, cse")
+    # per function: the kernels fold in parallel (a module-level canonicalize is one thread)
+    run_passes(module, "gpu-kernel-outlining, func.func(canonicalize, cse), "
+                       "gpu.module(gpu.func(canonicalize, cse))")
     tuning.rename(number_kernels(module, fn))
 
 
