@@ -260,6 +260,12 @@ def _items(ptx: str) -> tuple[str, list[str]]:
     return "\n".join(lines[:at + 1]), items
 
 
+def _code(item: str) -> str:
+    """An item without comments, blank lines and its function's block label numbers."""
+    return _LABEL.sub("$L__BB_", "\n".join(line.split("//", 1)[0].rstrip() for line in item.splitlines()
+                                         if line.split("//", 1)[0].strip()))
+
+
 def _symbol(item: str) -> str | None:
     for line in item.splitlines():
         code = line.split("//", 1)[0].strip()
@@ -275,19 +281,25 @@ def join_ptx(results: list[KernelResult], order: list[str]) -> str:
     block labels (numbered per function in a module: `$L__BB<function>_<block>`, local to the
     function); two different definitions of one symbol raise NotSplittable."""
     of = {name: r for r in results for name in r.names}
+    # each distinct kernel's PTX is cut into items once (with its placeholder name), then renamed
+    # per kernel sharing it: the placeholder, an identifier, neither moves a cut nor a comment
+    parsed: dict[int, tuple[str, list[tuple[str, str, str | None]]]] = {}
     header, seen, out, owner = None, set(), [], {}
     for name in order:
-        head, items = _items(of[name].renamed("ptx", name))
+        r = of[name]
+        if id(r) not in parsed:
+            head, items = _items(r.ptx)
+            parsed[id(r)] = head, [(item, _code(item), _symbol(item)) for item in items]
+        head = parsed[id(r)][0].replace(PLACEHOLDER, name)
         if header is None:
             header = head
         elif head != header:
             raise NotSplittable("kernels compiled for different PTX targets")
-        for item in items:
-            code = _LABEL.sub("$L__BB_", "\n".join(line.split("//", 1)[0].rstrip() for line in item.splitlines()
-                                                 if line.split("//", 1)[0].strip()))
+        for item, code, sym in parsed[id(r)][1]:
+            item, code = item.replace(PLACEHOLDER, name), code.replace(PLACEHOLDER, name)
             if code in seen:
                 continue
-            sym = _symbol(item)
+            sym = sym.replace(PLACEHOLDER, name) if sym is not None else None
             if sym is not None and "{" in code and owner.setdefault(sym, code) != code:
                 raise NotSplittable(f"PTX symbol {sym} defined differently by two kernels")
             seen.add(code)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from mlir import ir
 from mlir.dialects import memref
 
-from gac_torch.backends.gpu.irutil import DYN, as_index, block_ops, defining_op
+from gac_torch.backends.gpu.irutil import DYN, as_index, block_ops, defining_op, op_at, op_index
 
 @dataclass
 class Generic:
@@ -66,9 +66,7 @@ def map_dims(m: ir.AffineMap) -> list[int] | None:
 
 def fill_before(op: ir.Operation, out: ir.Value) -> tuple[ir.Operation, ir.Value] | None:
     """(fill op, scalar) if the op right before `op` sets every element of `out` to one scalar."""
-    ops = block_ops(op.block)
-    i = ops.index(op)
-    f = ops[i - 1] if i > 0 else None
+    f = op_at(op.block, op_index(op) - 1)
     if f is None or f.name != "linalg.generic" or f.operands[len(f.operands) - 1] != out:
         return None
     body = f.regions[0].blocks[0]

@@ -89,37 +89,37 @@ _WRITES = {"memref.store": (1,), "vector.store": (1,), "vector.transfer_write": 
 
 def _kernel_access(kfunc: ir.Operation) -> list[str]:
     """Per kernel parameter: "r" if the body loads from it, "w" if it stores to it (through
-    in-kernel views too); any other op using a parameter counts as both."""
-    body = kfunc.regions[0].blocks[0]
-    params = list(body.arguments)
-    acc = [set() for _ in params]
-
-    def param_of(v: ir.Value) -> int | None:
-        root = buffer_root(v)
-        return params.index(root) if root in params else None
-
-    def visit(op: ir.Operation) -> ir.WalkResult:
-        if op.name in VIEW_OPS or op.name == "memref.dim":  # metadata, no data
-            return ir.WalkResult.ADVANCE
-        for pos, v in enumerate(op.operands):
-            if not isinstance(v.type, ir.MemRefType):
-                continue
-            p = param_of(v)
-            if p is None:
-                continue
-            r, w = pos in _READS.get(op.name, ()), pos in _WRITES.get(op.name, ())
-            if op.name == "nvgpu.device_async_copy":  # (dst, dst indices..., src, ...)
-                r, w = pos > 0, pos == 0
-            if not r and not w:
-                r = w = True  # unknown: assume both
-            if r:
-                acc[p].add("r")
-            if w:
-                acc[p].add("w")
-        return ir.WalkResult.ADVANCE
-
-    kfunc.walk(visit, ir.WalkOrder.PRE_ORDER)
+    in-kernel views too); any other op using a parameter counts as both. Follows the uses of
+    each memref parameter: a kernel body is mostly index math no buffer flows through."""
+    acc: list[set[str]] = []
+    for param in kfunc.regions[0].blocks[0].arguments:
+        acc.append(set())
+        if isinstance(param.type, ir.MemRefType):
+            _uses_of_buffer(param, acc[-1])
     return [("r" if "r" in a else "") + ("w" if "w" in a else "") for a in acc]
+
+
+def _uses_of_buffer(v: ir.Value, acc: set[str]) -> None:
+    """Add "r" / "w" to `acc` for each use of memref `v` and of the views of it (buffer_root's
+    chains: a view op's operand 0); views and memref.dim move no data."""
+    for use in v.uses:
+        op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        pos = use.operand_number
+        if op.name in VIEW_OPS or op.name == "memref.dim":  # metadata, no data
+            if op.name in VIEW_OPS and pos == 0:
+                for res in op.results:
+                    if isinstance(res.type, ir.MemRefType):
+                        _uses_of_buffer(res, acc)
+            continue
+        r, w = pos in _READS.get(op.name, ()), pos in _WRITES.get(op.name, ())
+        if op.name == "nvgpu.device_async_copy":  # (dst, dst indices..., src, ...)
+            r, w = pos > 0, pos == 0
+        if not r and not w:
+            r = w = True  # unknown: assume both
+        if r:
+            acc.add("r")
+        if w:
+            acc.add("w")
 
 
 def _whole(v: ir.Value) -> bool:

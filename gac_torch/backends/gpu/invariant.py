@@ -107,7 +107,8 @@ def loop_over(plan: Plan, v: ir.Value, thread: ir.Block) -> None:
     reduction nest (or at its end) and one at the end of the innermost reduction body, each
     holding the ops there that depend on `v`, unrolled."""
     for block in [thread] + ([plan.nest] if plan.nest is not None else []):
-        deps = [o for o in block_ops(block) if o in depends_on(block, v)]
+        dep = depends_on(block, v)  # (once: not once per op)
+        deps = [o for o in block_ops(block) if o in dep]
         if not deps:
             continue
         ops = block_ops(block)

@@ -64,12 +64,21 @@ def map_rows(fn: ir.Operation, strategies: Sequence[Strategy], limits: GpuLimits
     if not mine:
         return
     tried: set = set()
+    others: set = set()  # generics that are no seed: taking a group does not change that (and
+    # makes no generics), so the scans after it skip them rather than ask _form again
+    memo: dict = {}  # (generic, R, C, flat) -> its _form, for find_group
     while True:  # the block changes with each group taken: scan it again
-        seeds = [op for op in block_ops(func_block(fn)) if op not in tried and op.name == "linalg.generic"
-                 and (_form(op) or ("",))[0] == "reduce"]
+        seeds = []
+        for op in block_ops(func_block(fn)):
+            if op.name != "linalg.generic" or op in tried or op in others:
+                continue
+            if (_form(op) or ("",))[0] == "reduce":
+                seeds.append(op)
+            else:
+                others.add(op)
         for seed in seeds:
             tried.add(seed)
-            group = find_group(seed)
+            group = find_group(seed, memo=memo)
             if group is not None and any(_take(s, group, limits, counter) for s in mine):
                 break
         else:
@@ -224,13 +233,24 @@ def _users(v: ir.Value, rc: tuple[int, int] | None = None) -> Iterator[tuple[ir.
 # the group
 
 
-def find_group(seed: ir.Operation, flat: bool = True) -> RowGroup | None:
+def find_group(seed: ir.Operation, flat: bool = True, memo: dict | None = None) -> RowGroup | None:
     """The row group grown from reduction `seed`; `flat`: members may iterate R*C points in dims
     that straddle rows (when such a member reads a group value any other way, the group is
-    found again without them)."""
-    _, ranges, rows, cols = _form(seed)  # type: ignore[misc]
+    found again without them). `memo` keeps the generics' forms for the next seeds (map_rows:
+    a group taken erases its members and makes no generics, so the others' forms hold)."""
+    memo = {} if memo is None else memo
+
+    def form_of(op: ir.Operation, R: int | None = None, C: int | None = None, flat: bool = True):
+        key = (op, R, C, flat)
+        if op.name != "linalg.generic":  # (no form; nor a memo entry: an erased op's address
+            return None  # may be a new op's)
+        if key not in memo:
+            memo[key] = _form(op, R, C, flat)
+        return memo[key]
+
+    _, ranges, rows, cols = form_of(seed)  # type: ignore[misc]
     R, C = math.prod(ranges[:len(rows)]), math.prod(ranges[len(rows):])
-    forms = {seed: _form(seed, R, C)}
+    forms = {seed: form_of(seed, R, C)}
     work = [seed]
     while work:  # grow along matching accesses, both ways
         op = work.pop()
@@ -245,7 +265,7 @@ def find_group(seed: ir.Operation, flat: bool = True) -> RowGroup | None:
         for q in near:
             if q in forms:
                 continue
-            f = _form(q, R, C, flat)
+            f = form_of(q, R, C, flat)
             if f is None:
                 continue
             if any(_origin(v, R, C)[0] == q.results[0] for v, _ in _reads(op)):  # q produces for op
@@ -265,7 +285,7 @@ def find_group(seed: ir.Operation, flat: bool = True) -> RowGroup | None:
         return None
     g = _program(RowGroup(R, C, members), forms)
     if g is None and flat and any(forms[m][2] is None for m in members):
-        return find_group(seed, flat=False)
+        return find_group(seed, flat=False, memo=memo)
     return g
 
 

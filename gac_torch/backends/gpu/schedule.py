@@ -51,7 +51,7 @@ from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_reductions
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, template_cache
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
 from gac_torch.lowering.fusion import fuse_elementwise
 
@@ -64,6 +64,11 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels: each
     generic goes to the first of `strategies` that matches it, else to a `loops` kernel; scalar
     host code goes to `serial` kernels."""
+    with template_cache():  # a kernel template repeated (same layer shapes) is parsed once
+        _map_to_gpu(module, limits, strategies)
+
+
+def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy]) -> None:
     fn = main_func(module)
     counter = iter(range(1 << 30))
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
@@ -115,7 +120,9 @@ def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strate
     sink_globals(fn)
     run_passes(module, "gpu-launch-sink-index-computations")
     dynamic_memrefs_as_metadata(fn)
-    run_passes(module, "gpu-kernel-outlining, canonicalize, cse")
+    # per function: the kernels fold in parallel (a module-level canonicalize is one thread)
+    run_passes(module, "gpu-kernel-outlining, func.func(canonicalize, cse), "
+                       "gpu.module(gpu.func(canonicalize, cse))")
     tuning.rename(number_kernels(module, fn))
 
 

@@ -25,10 +25,11 @@ from gac_torch.backends.gpu.analysis import (
     Generic, analyze, contraction_body, fill_before, map_dims, match_contraction, read_at_own_point,
 )
 from gac_torch.backends.gpu.irutil import (
-    VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, static_memref, top_level, users,
+    VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, op_at, op_index, ops_between,
+    static_memref, top_level, users,
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
 from gac_torch.backends.gpu.strategies import weight_layout
 from gac_torch.kernels import conv_gemm, conv_gemm_text, cuda_mma
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
@@ -227,14 +228,14 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
     fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None, interchange=True)  # type: ignore[arg-type]
              if params.fuse_epilogue and plan.splits == 1 else None)  # (split-K: partial sums)
     if fused is not None:
-        ops = block_ops(g.op.block)
-        for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
+        for op in ops_between(g.op, fused[0][-1]):
             if op not in fused[0]:
                 op.move_before(g.op)  # views / constants the epilogue reads, defined in between
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     if fused is not None and buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
         fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
-    splice_template(conv_gemm_text.template(spec, plan), g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
+    text = template_text(("igemm", spec, plan), lambda: conv_gemm_text.template(spec, plan))
+    splice_template(text, g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                     fill[1] if fill is not None else None, ec, name)
     if fill is not None:
         fill[0].erase()
@@ -334,13 +335,14 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set, interchange: bool = F
     dense scratch buffer y once, at its own point (`interchange`: or through a permutation, its
     loops then permuted), or None. Returns (generic, index of its y
     input, (Operand, iteration space) per other input, those inputs, its output, y's root)."""
-    ops = block_ops(prev.block)
-    at = ops.index(prev) + 1
-    while at < len(ops) and (ops[at].name in HOISTABLE or ops[at].name == "arith.constant"):
+    at = op_index(prev) + 1
+    nxt = op_at(prev.block, at)
+    while nxt is not None and (nxt.name in HOISTABLE or nxt.name == "arith.constant"):
         at += 1  # views, allocations, constants: no memory touched in between
-    if at >= len(ops) or ops[at].name != "linalg.generic":
+        nxt = op_at(prev.block, at)
+    if nxt is None or nxt.name != "linalg.generic":
         return None
-    e = analyze(ops[at])
+    e = analyze(nxt)
     if e is None or e.dynamic or len(e.outputs) != 1 or "reduction" in e.iters:
         return None
     root, yt = buffer_root(y), ir.MemRefType(y.type)
@@ -401,7 +403,7 @@ def _dead_after(root: ir.Value, first: ir.Operation, last: ir.Operation, allowed
         tops[top] = True
     if not tops:
         return True
-    nxt = min(tops, key=lambda o: block_ops(block).index(o))
+    nxt = min(tops, key=op_index)
     if nxt.name != "linalg.generic":
         return False
     e = analyze(nxt)
