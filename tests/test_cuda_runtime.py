@@ -100,7 +100,7 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
     # captured on a private stream and replayed, driver errors name the kernel.
     import struct
 
-    from gac_torch.backends.cuda import runtime
+    from gac_torch.backends.cuda import launch_args, runtime
 
     from gac_torch.backends.gpu.program import ScalarArg
 
@@ -109,10 +109,10 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
                ScalarArg("i32", 123456), ScalarArg("f32", 0.25), ScalarArg("i64", -(1 << 40)),
                ScalarArg("f64", 3.5))
     launch = KernelLaunch("k", (1, 1, 1), (1, 1, 1), 0, (BufferRef("arg", 1), *scalars, BufferRef("temp", 0)))
-    table = runtime.ArgTable([launch, launch], [0x1000, 0x2000], [0x3000])
+    table = launch_args.ArgTable([launch, launch], [0x1000, 0x2000], [0x3000])
     assert table.param(1, 0) == struct.pack("<Q", 0x2000) and table.param(0, 8) == struct.pack("<Q", 0x3000)
     for j, a in enumerate(scalars, 1):
-        raw = runtime._pack_scalar(a.ctype, a.value)
+        raw = launch_args.pack_scalar(a.ctype, a.value)
         assert table.param(0, j)[:len(raw)] == raw
     assert struct.unpack("<e", table.param(1, 2)[:2])[0] == 1.5
     assert struct.unpack("<f", b"\0\0" + table.param(1, 3)[:2])[0] == -2.0  # bf16: top half of f32
@@ -149,7 +149,7 @@ def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
                     assert struct.unpack("<Q", raw)[0] == want
                 else:
                     size = {"i8": 1, "i16": 2, "f16": 2, "bf16": 2, "i32": 4, "f32": 4}.get(a.ctype, 8)
-                    assert raw[:size] == runtime._pack_scalar(a.ctype, a.value)
+                    assert raw[:size] == launch_args.pack_scalar(a.ctype, a.value)
         # a new pointer set: a new table; graphs: captured on the GRAPH_AFTER-th call, then replayed
         exe.use_graphs = True
         other = [p + 0x100 for p in ptrs]

@@ -267,7 +267,7 @@ def test_plan_fits_shared_memory_and_registers() -> None:
 def test_arg_table_passes_tensor_map_addresses() -> None:
     # the runtime encodes each descriptor once per pointer set (upload_tensor_maps, on the GPU)
     # and hands the kernel its device address in the argument's slot
-    from gac_torch.backends.cuda.runtime import ArgTable
+    from gac_torch.backends.cuda.launch_args import ArgTable
 
     tm = TensorMapArg(BufferRef("arg", 0), "bf16", (64, 128), (128,), 0, (64, 128), 128)
     launch = KernelLaunch("k", (1, 1, 1), (384, 1, 1), 0, (tm, BufferRef("arg", 1)))
