@@ -148,13 +148,15 @@ def test_one_by_one_tf32_follows_the_conv_flag() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("big", [True, False])
 @pytest.mark.parametrize("precision", ["tf32", "bf16autocast"])
-def test_chain_matches_float64_on_gpu(precision: str) -> None:
+def test_chain_matches_float64_on_gpu(precision: str, big: bool) -> None:
     # torch.compile under the default flags (TF32 convs) or bf16 autocast, on the H200: the 1x1s
-    # on wgmma (sm_90), checked against float64
+    # on wgmma (sm_90; `big`), else the 1x1 contractions on igemm (under wgmma's minimum work;
+    # as on sm_80), checked against float64
     torch.manual_seed(5)
-    model = randomize_bn(Chain(16, 96, 48, 160)).eval()
-    x = torch.randn(2, 16, 19, 21)
+    model = randomize_bn(Chain(16, 96, 48, 160) if big else Chain()).eval()
+    x = torch.randn(2, 16, 19, 21) if big else torch.randn(2, 8, 11, 13)
     ref = model.double()(x.double())
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()
