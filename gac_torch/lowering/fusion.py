@@ -9,10 +9,14 @@ control function from Python, so such a producer is given a second, temporary us
 pass cannot fold) while it runs: it stays a kernel of its own (its own producers still fuse into
 it), or becomes the epilogue of the contraction that produced it where a target does that.
 Data movement (transpose, broadcast, copy, widening casts) still folds into the contraction's indexing
-maps, which every contraction strategy reads.
+maps, which every contraction strategy reads. Such a fold rebuilds the contraction without its
+discardable attributes: those in CARRIED come back by the gac op's location name, which the
+rebuilt op's (fused) location keeps.
 """
 
 from __future__ import annotations
+
+import re
 
 from mlir import ir, passmanager
 
@@ -23,6 +27,7 @@ NAMED_CONTRACTIONS = (
     "linalg.vecmat", "linalg.batch_matvec", "linalg.batch_vecmat", "linalg.dot", "linalg.contract",
     "linalg.mmt4d", "linalg.batch_mmt4d", "linalg.quantized_",
 )
+CARRIED = ("gac.conv",)  # (lowering/structured.py's CONV_CONTRACTION: a conv's TF32 flag)
 _RESHAPES = ("tensor.expand_shape", "tensor.collapse_shape")
 _MOVES = ("linalg.transpose", "linalg.broadcast", "linalg.copy")
 # Widening conversions: the GEMM kernels apply them while loading an operand (mma/igemm take
@@ -45,11 +50,23 @@ def fuse_elementwise(module: ir.Module) -> None:
                 if p is not None:
                     with ir.InsertionPoint(op), op.location:
                         keeps.append(ir.Operation.create(_KEEP, operands=[p.result]))
+        carried = {(name, a) for op in _contractions(module) for a in CARRIED if a in op.attributes
+                   for name in _loc_names(op)}
         passmanager.PassManager.parse(f"builtin.module({_PIPELINE})", ctx).run(module.operation)
+        for op in _contractions(module):
+            names = _loc_names(op)
+            for name, a in carried:
+                if name in names:
+                    op.attributes[a] = ir.UnitAttr.get()
     finally:
         for k in keeps:
             k.erase()
         ctx.allow_unregistered_dialects = allowed
+
+
+def _loc_names(op: ir.Operation) -> set[str]:
+    """The gac op names ("gac<i>", lowering/__init__.py) in an op's location, fused or not."""
+    return set(re.findall(r'"(gac\d+)"', str(op.location)))
 
 
 def is_contraction(op: ir.Operation) -> bool:

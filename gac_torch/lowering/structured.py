@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 from mlir import ir
-from mlir.dialects import arith, linalg
+from mlir.dialects import arith, linalg, tensor
 
 from gac_torch.ir.builder import op_attrs
 from gac_torch.lowering.core import (
     PARALLEL, REDUCTION, accumulator_type, const, convert, elem, elementwise, empty, full, generic,
-    identity_map, index, lowest, pad_constant, prod, reshape, shape,
+    identity_map, index, lowest, pad_constant, prod, reshape, shape, tensor_t,
 )
 from gac_torch.lowering.registry import lowers
+
+# a convolution lowered as a plain contraction (`_conv1x1_nhwc`): the GPU strategies give it the
+# convolutions' TF32 permission (torch.backends.cudnn.allow_tf32), not the matmul flags'
+CONV_CONTRACTION = "gac.conv"
 
 
 def _narrow(v: ir.Value, e: ir.Type) -> ir.Value:
@@ -75,6 +81,9 @@ def _conv_nhwc(x, w, g: int, stride, padding, dilation, out_shape, acc) -> ir.Va
     """2-D conv on N H W C activations (torch's F C KH KW weights) as one generic over
     (n, oh, ow, g, f, c, kh, kw): the channels are the input's unit-stride dim, which the GPU's
     implicit GEMM reads in 16-byte vectors (K ordered kh, kw, c)."""
+    if (g == 1 and shape(w)[2:] == [1, 1] and list(stride) == [1, 1] and not any(padding)
+            and os.environ.get("GAC_CONV1X1_WGMMA") != "0"):
+        return _conv1x1_nhwc(x, w, acc)
     x = pad_constant(x, [0] + padding + [0], [0] + padding + [0], 0)
     n, h, wd, c = shape(x)
     f = shape(w)[0]
@@ -90,6 +99,26 @@ def _conv_nhwc(x, w, g: int, stride, padding, dilation, out_shape, acc) -> ir.Va
     y = generic([x5, w5], maps[:2], [init], maps[2:], [PARALLEL] * 5 + [REDUCTION] * 3,
                 lambda a, b, o: [arith.addf(o, arith.mulf(convert(a, acc), convert(b, acc)))])[0]
     return reshape(y, out_shape)
+
+
+def _conv1x1_nhwc(x, w, acc) -> ir.Value:
+    """A 1x1, stride-1, unpadded, ungrouped conv on N H W C: the GEMM out[nhw, f] = x[nhw, c] @
+    w[f, c]^T as a generic over (n, h, w, f, c), both operands K-major, which sm_90's wgmma GEMM
+    takes (its M: the run n, h, w; strategies/merged_rows.py). Marked CONV_CONTRACTION for the
+    precision flag. GAC_CONV1X1_WGMMA=0: the implicit-GEMM generic instead (A/B)."""
+    n, h, wd, c = shape(x)
+    f = shape(w)[0]
+    d = [ir.AffineDimExpr.get(i) for i in range(5)]  # n, h, w, f, c
+    maps = [ir.AffineMap.get(5, 0, [d[0], d[1], d[2], d[4]]), ir.AffineMap.get(5, 0, [d[3], d[4]]),
+            ir.AffineMap.get(5, 0, [d[0], d[1], d[2], d[3]])]
+    # w[:, :, 0, 0] as a rank-reducing slice, not a reshape: fusion would propagate a reshape
+    # by giving the generic two unit K dims (and the GEMM strategies take one K dim)
+    w2 = tensor.ExtractSliceOp(tensor_t([f, c], elem(w)), w, [], [], [], [0] * 4, [f, c, 1, 1], [1] * 4).result
+    y = generic([x, w2], maps[:2], [full([n, h, wd, f], 0, acc)], maps[2:],
+                [PARALLEL] * 4 + [REDUCTION],
+                lambda a, b, o: [arith.addf(o, arith.mulf(convert(a, acc), convert(b, acc)))])[0]
+    y.owner.attributes[CONV_CONTRACTION] = ir.UnitAttr.get()
+    return y
 
 
 def _i64_elements(values) -> list[int]:

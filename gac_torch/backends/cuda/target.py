@@ -87,7 +87,8 @@ def compile_options(options: Any) -> Any:
         row.strategy(),
         implicit_gemm.fused_strategy(),
         # (wgmma before igemm: it also takes a GEMM whose M is several dims, nn.Linear on 3-D)
-        *([wgmma.strategy(allow_tf32=bool(allow_tf32))] if arch in ACCEL_ARCH else []),
+        *([wgmma.strategy(allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))]
+          if arch in ACCEL_ARCH else []),
         *([implicit_gemm.strategy(igemm, simt=False)] if mma_ok else []),
         implicit_gemm.strategy(igemm, simt=True),
         *([mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),

@@ -33,6 +33,7 @@ from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.backends.gpu.strategies import weight_layout
 from gac_torch.kernels import conv_gemm, conv_gemm_text, cuda_mma
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+from gac_torch.lowering.structured import CONV_CONTRACTION
 
 
 def _linear(e: ir.AffineExpr) -> tuple[dict[int, int], int] | None:
@@ -160,7 +161,8 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     ms.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
     ns.sort(key=lambda d: (-c.coef[d], d))  # type: ignore[union-attr]
     ks = sorted(red, key=lambda d: (-b.coef[d], -a.coef[d], d))  # type: ignore[union-attr]
-    conv = any(not isinstance(e, ir.AffineDimExpr) for m in g.maps[:2] for e in m.results)
+    conv = (any(not isinstance(e, ir.AffineDimExpr) for m in g.maps[:2] for e in m.results)
+            or CONV_CONTRACTION in g.op.attributes)  # (a 1x1 conv as a plain contraction)
     moved = weight_layout.c_inner(ks, r)
     relayout = None
     if conv and moved != ks and pads[1] is None:  # the weights copied into that K order

@@ -20,13 +20,14 @@ from typing import Any
 from mlir import ir
 
 from gac_torch.backends.gpu import tuning
-from gac_torch.backends.gpu.analysis import Generic, analyze
+from gac_torch.backends.gpu.analysis import Generic, analyze, map_dims
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
 from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED, fused_epilogue, rename_from
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import wgmma_gemm
 from gac_torch.kernels.cuda_mma import Spec
+from gac_torch.lowering.structured import CONV_CONTRACTION
 
 
 def _rounding_consumer(g: Generic, fill: Any) -> Generic | None:
@@ -78,6 +79,19 @@ def _merged_epilogue(fused: Any, rows: merged_rows.Rows) -> Any:
     return ops, replace(ep, inputs=tuple(merged[:-1]), out=merged[-1]), values
 
 
+def _read_permuted(g: Generic) -> bool:
+    """The next reader of g's result reads it through a permutation (the NCHW output of an NHWC
+    conv chain): igemm's epilogue permutes its loops and fuses it, this one cannot."""
+    root = buffer_root(g.outputs[0])
+    ops = block_ops(g.op.block)
+    for op in ops[ops.index(g.op) + 1:]:
+        r = analyze(op) if op.name == "linalg.generic" else None
+        reads = [m for v, m in zip(r.inputs, r.maps) if buffer_root(v) == root] if r is not None else []
+        if reads:
+            return any(map_dims(m) != list(range(m.n_dims)) for m in reads)
+    return False
+
+
 def _tuned_plan(spec: Spec) -> wgmma_gemm.Plan | None:
     """The heuristic tile width (256 once it still fills the GPU), or the other where the GPU
     measured it faster for this problem (gpu/tuning.py)."""
@@ -91,14 +105,21 @@ def _tuned_plan(spec: Spec) -> wgmma_gemm.Plan | None:
     return alts[tuning.choose(key, tuple(alts), f"bn{plan.bn}")]
 
 
-def strategy(allow_tf32: bool) -> Strategy:
+def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
+    """`allow_tf32`: f32 matmuls may run in TF32; `conv_allow_tf32`: likewise f32 convolutions
+    (torch.backends.cudnn.allow_tf32): a 1x1 conv arrives as a plain contraction marked
+    CONV_CONTRACTION (lowering/structured.py; NHWC, its M the run n, h, w)."""
     def match(g: Generic, limits: GpuLimits):
         if os.environ.get("GAC_WGMMA") == "0":
             return None
-        m = mma.match_spec(g, allow_tf32)
+        conv = CONV_CONTRACTION in g.op.attributes
+        if conv and _read_permuted(g):
+            return None  # (igemm)
+        allow_tf32_here = conv_allow_tf32 if conv else allow_tf32
+        m = mma.match_spec(g, allow_tf32_here)
         rows = None  # several M dims (nn.Linear on 3-D inputs) merged into one
         if m is None:
-            mr = merged_rows.merged_spec(g, allow_tf32)
+            mr = merged_rows.merged_spec(g, allow_tf32_here)
             if mr is None:
                 return None
             spec, fill, rows = mr
