@@ -163,6 +163,12 @@ def test_other_versions_and_settings_miss(cache_on, monkeypatch):
     _compile(model, x, options={"min_block_size": 2})
     assert len(_entries(cache_on, "partition")) == 4
     assert len(_entries(cache_on, "program")) == 4
+    monkeypatch.setenv("GAC_SGEMM_LEAN", "0")  # a switch that picks kernels: a new entry
+    _compile(model, x, options={"min_block_size": 2})
+    assert len(_entries(cache_on, "partition")) == 5
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "1")  # one that does not: a hit
+    _compile(model, x, options={"min_block_size": 2})
+    assert len(_entries(cache_on, "partition")) == 5
 
 
 @pytest.mark.unit

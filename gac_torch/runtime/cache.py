@@ -7,7 +7,8 @@
 
 The key (`cache_key`) is a sha256 over a canonical JSON of: the partition's gac module text and
 signature (every later stage is a function of them), the resolved options, the target and what
-else decides its code (cuda: the arch), torch's precision flags, and the versions of gac (plus a
+else decides its code (cuda: the arch), torch's precision flags, the GAC_* switches that pick
+kernels (`code_switches`), and the versions of gac (plus a
 digest of its sources, so an edited checkout never reuses stale code), the MLIR bindings, torch
 and the platform. An entry is one file, MAGIC | sha256(body) | body, written to a temporary file
 and renamed into place (readers see a whole entry or none; several processes may write at once).
@@ -165,13 +166,26 @@ def versions() -> dict[str, str]:
             "platform": f"{sys.platform}-{platform.machine()}"}
 
 
+# GAC_* variables that do not decide generated code (where things go, how many workers, the
+# run-time launch path); every other GAC_* switch (GAC_WGMMA_*, GAC_SGEMM_*, GAC_CONV1X1_WGMMA, ...)
+# picks kernels, so it is part of the key: flipping one for an A/B run never reuses stale code.
+RUNTIME_ONLY = frozenset({"GAC_CACHE", "GAC_CACHE_DIR", "GAC_CACHE_SIZE_MB", "GAC_DUMP_DIR", "GAC_COMMIT",
+                          "GAC_COMPILE_WORKERS", "GAC_CUDA_GRAPHS", "GAC_CUDA_SYNC", "GAC_STRICT_INTERNAL",
+                          "GAC_VORTEX_SIMX_TIMEOUT"})
+
+
+def code_switches() -> dict[str, str]:
+    """The GAC_* environment switches that pick generated code (see RUNTIME_ONLY)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("GAC_") and k not in RUNTIME_ONLY}
+
+
 def cache_key(graph_text: str, signature: str, options: Options, target: str,
               target_key: Mapping[str, Any] | None = None) -> str:
     """The content address of one compiled partition (see the module docstring)."""
     data = {"format": FORMAT, "graph": hashlib.sha256(graph_text.encode()).hexdigest(),
             "signature": signature, "options": options_json(options), "target": target,
             "target_key": dict(target_key or {}), "precision": precision_flags(),
-            "versions": versions()}
+            "switches": code_switches(), "versions": versions()}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 

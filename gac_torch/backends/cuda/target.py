@@ -5,7 +5,6 @@ Everything the compiler assumes about NVIDIA GPUs is in the data block below.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,8 +164,6 @@ TARGET = Target(
     pack=_pack,
     unpack=_unpack,
     cache_key=lambda options: {"arch": (arch := options.get("arch") or default_arch()),
-                               "tuning": tuning.digest(arch), "ptxas": ptxas.cubin_key(),
-                               # (the Hopper flash kernel's opt-in and tilings pick other code)
-                               **{k: v for k, v in sorted(os.environ.items()) if k.startswith("GAC_FLASH_WGMMA")}},
+                               "tuning": tuning.digest(arch), "ptxas": ptxas.cubin_key()},
     tune=_tune,
 )
