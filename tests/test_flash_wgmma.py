@@ -153,12 +153,16 @@ def test_other_cases_keep_the_mma_flash(monkeypatch, on, mask, arch):
 
 def test_compile_cache_key_follows_the_opt_in(monkeypatch):
     """A kernel compiled with GAC_FLASH_WGMMA=0 is not served from the cache once it is 1."""
-    from gac_torch.backends.cuda.target import TARGET
+    from gac_torch.options import resolve
+    from gac_torch.runtime import cache
+
+    def key() -> str:
+        return cache.cache_key("module", "sig", resolve({"target": "cuda", "arch": "sm_90"}), "cuda")
 
     monkeypatch.setenv("GAC_FLASH_WGMMA", "0")
-    off = TARGET.cache_key({"arch": "sm_90"})
+    off = key()
     monkeypatch.setenv("GAC_FLASH_WGMMA", "1")
-    assert TARGET.cache_key({"arch": "sm_90"}) != off
+    assert key() != off
 
 
 @pytest.mark.parametrize("D,fa3", [(64, True), (32, False)])
