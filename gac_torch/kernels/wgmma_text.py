@@ -234,7 +234,7 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         and the store. A load after a store waits for it (the compiler cannot tell they do not
         alias): a memory latency per accumulator. Loading ahead of earlier stores is safe: an
         operand reads Z's buffer only at the element its own accumulator writes
-        (implicit_gemm._consumer)."""
+        (epilogue._consumer)."""
         spec, zero = self.spec, self.const(0)
         ep = spec.epilogue
         n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", EPILOGUE_CHUNK))  # (1: bisects)

@@ -18,7 +18,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu.analysis import Generic, fill_before
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, erase_if_unused
-from gac_torch.backends.gpu.strategies import implicit_gemm
+from gac_torch.backends.gpu.strategies import epilogue as gemm_epilogue, implicit_gemm
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import vortex_gemm
 
@@ -108,7 +108,7 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
         fill = fill_before(g.op, g.outputs[0])
         ins = [p[0] if p is not None else v for p, v in zip(pads[::-1] if swap else pads, g.inputs)]
         fused = fused_epilogue(g, fill, ins) if epilogue else None
-        ep = None if fused is None else vortex_gemm.Fused(fused[1], implicit_gemm.operand_at(g.outputs[0], g.maps[2]))
+        ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
         text = vortex_gemm.gemm_template(shape, tiling, fill is not None, ep)
         a, b = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
         a, b = (pads[0][0] if pads[0] else a), (pads[1][0] if pads[1] else b)
@@ -118,7 +118,7 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
             fill[0].erase()
         g.op.erase()
         for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
-            op.attributes[implicit_gemm.FUSED] = ir.UnitAttr.get()
+            op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
         for pad, v in zip(pads, (g.inputs[1], g.inputs[0]) if swap else g.inputs):
             if pad is not None:   # the fill and copy (passed already by the scheduler's loop)
                 for op in pad[3]:
@@ -156,11 +156,11 @@ def _shift(d: vortex_gemm.Sub, by: int) -> vortex_gemm.Sub:
 
 
 def fused_epilogue(g: Generic, fill: tuple[ir.Operation, ir.Value] | None, ins: list[ir.Value]):
-    """implicit_gemm's consumer chain after g (ops, Epilogue, extra template arguments), made
+    """strategies/epilogue.py's consumer chain after g (ops, Epilogue, extra template arguments), made
     ready to splice: ops between g and the chain's end that it reads moved before g, and an
     output aliasing what the kernel reads (`ins`: a fused padding's source, not the padded
     copy) renamed (as implicit_gemm._emit does), or None."""
-    fused = implicit_gemm.fused_epilogue(g, ins, fill[0] if fill is not None else None)
+    fused = gemm_epilogue.fused_epilogue(g, ins, fill[0] if fill is not None else None)
     if fused is None:
         return None
     ops = block_ops(g.op.block)
@@ -168,7 +168,7 @@ def fused_epilogue(g: Generic, fill: tuple[ir.Operation, ir.Value] | None, ins: 
         if op not in fused[0]:
             op.move_before(g.op)  # views / constants the epilogue reads, defined in between
     if buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
-        fused[2][-1] = implicit_gemm.rename_from(fused[2][-1], fused[0][-1], g.op)
+        fused[2][-1] = gemm_epilogue.rename_from(fused[2][-1], fused[0][-1], g.op)
     return fused
 
 

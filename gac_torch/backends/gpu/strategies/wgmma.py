@@ -6,7 +6,7 @@ it does not take goes on to `mma` (the matcher's analysis is mma.py's).
 The shared lowering accumulates an f16/bf16 matmul in an f32 buffer and rounds it in the next
 elementwise op; when that op does nothing else, the kernel stores the rounded values into its
 output directly (the staged / paired stores). Any other elementwise consumer chain the
-implicit-GEMM epilogue takes (bias, activation, residual add, output cast: implicit_gemm's
+implicit-GEMM epilogue takes (bias, activation, residual add, output cast: epilogue.py's
 `fused_epilogue`) runs in the kernel's store instead (GAC_WGMMA_EPILOGUE_FUSION=0: never). Either
 way the consumer is erased by `fused`, first in the strategy list.
 GAC_WGMMA=0 bisects (everything goes on to mma)."""
@@ -23,7 +23,7 @@ from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import Generic, analyze, map_dims
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
-from gac_torch.backends.gpu.strategies.implicit_gemm import FUSED, fused_epilogue, rename_from
+from gac_torch.backends.gpu.strategies.epilogue import FUSED, fused_epilogue, rename_from
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
 from gac_torch.kernels import wgmma_gemm
 from gac_torch.kernels.cuda_mma import Spec
@@ -64,7 +64,7 @@ def _rounding_consumer(g: Generic, fill: Any) -> Generic | None:
 
 
 def _merged_epilogue(fused: Any, rows: merged_rows.Rows) -> Any:
-    """implicit_gemm's epilogue with its operands over the contraction's dims addressed through
+    """epilogue.py's epilogue with its operands over the contraction's dims addressed through
     the merged M dim; None where one is not linear in it."""
     ops, ep, values = fused
     merged = []
