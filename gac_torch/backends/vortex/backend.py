@@ -52,7 +52,8 @@ def limits_for(cfg: VortexConfig) -> tuple[GpuLimits, tuple[int, int], int]:
     cta = cfg.warps * cfg.threads
     lim = GpuLimits(warp_size=cfg.threads, max_threads_per_block=cta,
                     max_static_shared_bytes=cfg.lmem_size, max_grid=MAX_GRID,
-                    threads_per_block=cta, coarsen=LOOPS_COARSEN, coarsen_min_points=LOOPS_COARSEN_MIN)
+                    threads_per_block=cta, coarsen=LOOPS_COARSEN, coarsen_min_points=LOOPS_COARSEN_MIN,
+                    serial_min_threads=cfg.cores * cta)
     gemm = GEMM_THREADS if cfg == DEFAULT_CONFIG else (cfg.warps, cfg.threads)
     return lim, gemm, cfg.cores * cta
 # ----------------------------------------------------------------------------------------------
