@@ -56,7 +56,7 @@ def measure(module: torch.nn.Module, inputs: tuple, mode: str, config: str | Non
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
     c = vortex.last_counters(compiled)
     return dict(launches=c["launches"], instructions=c["instructions"], cycles=c["cycles"],
-                wall=time.perf_counter() - start)
+                wall=time.perf_counter() - start, kernels=c["kernels"])
 
 
 def main() -> None:
@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--mode", default="functional", choices=("functional", "simx"))
     p.add_argument("--parts", default=",".join(PARTS + ("whole",)))
     p.add_argument("--config", default=None, help="option vortex_config: CxWxT or device")
+    p.add_argument("--top", type=int, default=0, help="also list each part's N costliest launches")
     args = p.parse_args()
     model = build_bevformer("test_tiny", seed=0)
     frame = tuple(make_test_inputs(model.cfg, frame=0))
@@ -81,7 +82,12 @@ def main() -> None:
         else:
             part = Part(getattr(model, name), *seen[name])
             rows[name] = measure(part, part.inputs, args.mode, args.config)
-        print(name, rows[name], flush=True)
+        print(name, {k: v for k, v in rows[name].items() if k != "kernels"}, flush=True)
+        if args.top:
+            key = "cycles" if args.mode == "simx" else "instructions"
+            for k in sorted(rows[name]["kernels"], key=lambda k: -(k.get(key) or 0))[:args.top]:
+                print(f"  {k['kernel']:32s} grid {k.get('grid')} block {k.get('block')} "
+                      f"instructions {k.get('instructions'):,} cycles {k.get('cycles')}")
     print("\n| part | launches | warp instructions | SimX cycles |\n|---|---|---|---|")
     for name, r in rows.items():
         cyc = f"{r['cycles']:,}" if r["cycles"] is not None else "-"

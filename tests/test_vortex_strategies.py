@@ -3,7 +3,8 @@ plain `loops` kernels, on the functional simulator (CI) and, marked `simx`, on S
 
 - convolutions and batched matmuls through the tiled local-memory GEMM (implicit GEMM: K over
   (c, kh, kw)), where the cost table (backend.GEMM_COSTS) says it pays;
-- grid-stride coarsening of elementwise `loops` kernels (backend.LOOPS_COARSEN);
+- grid-stride coarsening of elementwise `loops` kernels (backend.LOOPS_COARSEN points per
+  thread once they still fill the device's threads);
 - a warp per output for row reductions with few outputs (vx_shfl_bfly).
 """
 
@@ -175,6 +176,19 @@ def test_elementwise_coarsening_gain(mode, monkeypatch):
     _, fine = run(fn, [a, b], mode)
     assert coarse["kernels"][0]["ctas"] * 8 <= fine["kernels"][0]["ctas"] if mode == "functional" else True
     assert coarse["instructions"] * 3 < fine["instructions"] * 2, (coarse["instructions"], fine["instructions"])
+
+
+@pytest.mark.parametrize("config,grid", [(None, 6), ("4x8x8", 24)])
+def test_coarsening_threshold_follows_the_device(config, grid):
+    """Coarsened once 16 points per hardware thread remain: 1536 points on 1x4x4 (16 threads)
+    -> 6 CTAs of 16 threads (was a thread per point below 4096 points: 96 CTAs); on 4x8x8 (256
+    threads) the same space keeps a thread per point (24 CTAs of 64)."""
+    a, b = g(48, 32, seed=3), g(48, 32, seed=4)
+    fn = Fn(lambda x, y: torch.relu(x) * y + 1)
+    compiled = gac_torch.compile(fn, (a, b), target="vortex", options={
+        "vortex_mode": "functional", "vortex_config": config, "cache": False})
+    assert f"known_grid_size = array<i32: {grid}, 1, 1>" in compiled.ir("gpu")
+    torch.testing.assert_close(compiled(a, b), fn(a, b), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name,fn,x", [

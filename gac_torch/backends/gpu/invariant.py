@@ -19,7 +19,6 @@ from gac_torch.backends.gpu.irutil import as_index, block_ops, clone_into, const
 
 MIN_INVARIANT = 24  # ops computed once per thread instead of once per point
 MAX_EXTENT = 256  # the serial dim's extent: the per-thread loop's trip count
-MIN_THREADS = 1 << 15  # points left for the threads: enough to fill the GPU
 UNROLL = 4  # iterations per trip: their independent loads (gathers) are in flight together
 
 
@@ -74,10 +73,11 @@ def _users(v: ir.Value) -> list[ir.Operation]:
     return [u.owner.operation if hasattr(u.owner, "operation") else u.owner for u in v.uses]
 
 
-def serial_dim(body: ir.Block, bounds: list[tuple], extents: list) -> Plan | None:
+def serial_dim(body: ir.Block, bounds: list[tuple], extents: list, min_threads: int) -> Plan | None:
     """The dim (not the last; from 0 in steps of 1) to loop over inside each thread, or None.
     For static extents, where at least MIN_INVARIANT ops and twice as many as the rest of the
-    body (of the innermost reduction loop, when there is one) do not depend on the dim."""
+    body (of the innermost reduction loop, when there is one) do not depend on the dim, and at
+    least `min_threads` points are left for the threads (enough to fill the device)."""
     if len(extents) < 2 or not all(isinstance(e, int) for e in extents):
         return None
     total = 1
@@ -85,7 +85,7 @@ def serial_dim(body: ir.Block, bounds: list[tuple], extents: list) -> Plan | Non
         total *= e
     best, best_inv = None, 0
     for d in range(len(extents) - 1):
-        if (not 2 <= extents[d] <= MAX_EXTENT or total // extents[d] < MIN_THREADS
+        if (not 2 <= extents[d] <= MAX_EXTENT or total // extents[d] < min_threads
                 or bounds[d][0] != 0 or bounds[d][2] != 1):
             continue
         v = body.arguments[d]

@@ -229,7 +229,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
 
     p.walk(find_loops, ir.WalkOrder.PRE_ORDER)
     pbody = p.regions[0].blocks[0]
-    plan = serial_dim(pbody, bounds, extents)  # a dim looped over inside each thread
+    plan = serial_dim(pbody, bounds, extents, limits.serial_min_threads)  # a dim looped over inside each thread
     inner = plan.dim if plan is not None else None
     if plan is not None:
         extents = extents[:plan.dim] + extents[plan.dim + 1:]

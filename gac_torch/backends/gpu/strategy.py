@@ -36,6 +36,9 @@ class GpuLimits:
     threads_per_block: int = 256  # `loops` strategy block size
     coarsen: int = 4  # `loops`: points per thread for large elementwise spaces
     coarsen_min_points: int = 1 << 20
+    # `loops`: a dim looped over inside each thread (invariant.py) only while the threads left
+    # still fill the device
+    serial_min_threads: int = 1 << 15
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,13 @@ GEMM_THREADS = (4, 4)                            # tiled GEMM CTA: thread rows x
 LMEM_BYTES = DEFAULT_CONFIG.lmem_size            # local memory per core (shared by its CTAs)
 DEVICE_THREADS = DEFAULT_CONFIG.cores * CTA_THREADS   # hardware threads (warp reductions below this many outputs)
 MAX_GRID = (2**31 - 1, 65535, 65535)
-# `loops` elementwise kernels: points per thread once a space has LOOPS_COARSEN_MIN points. A
-# core runs one 16-thread CTA at a time and every warp pays the start-up (~40 instructions), so
-# few long CTAs win (functional simulator, 8192-point relu*b+1: 84k -> 39k warp instructions).
+# `loops` elementwise kernels: points per thread once a space still fills every hardware thread
+# with them (LOOPS_COARSEN x cores x CTA threads points: 256 on 1x4x4). A core runs one 16-thread
+# CTA at a time and every warp pays the start-up (~40 instructions), so few long CTAs win
+# (functional simulator, 8192-point relu*b+1: 84k -> 39k warp instructions; BEVFormer test_tiny's
+# encoder on SimX with the threshold at 4096 -> 2048 -> 1024 -> 256 points: 8.50M -> 7.82M ->
+# 6.89M -> 6.85M cycles).
 LOOPS_COARSEN = 16
-LOOPS_COARSEN_MIN = 4096
 # Cost table for the GEMM strategy's choice (staged tiles, direct tiles or `loops`,
 # tiled_gemm.GemmCosts): a warp-instruction model fitted to the functional simulator (matmuls
 # 32^3..128^3, convs 1x1, 3x3, 7x7/2 of BEVFormer test_tiny) times cycles per warp-instruction
@@ -52,7 +54,9 @@ def limits_for(cfg: VortexConfig) -> tuple[GpuLimits, tuple[int, int], int]:
     cta = cfg.warps * cfg.threads
     lim = GpuLimits(warp_size=cfg.threads, max_threads_per_block=cta,
                     max_static_shared_bytes=cfg.lmem_size, max_grid=MAX_GRID,
-                    threads_per_block=cta, coarsen=LOOPS_COARSEN, coarsen_min_points=LOOPS_COARSEN_MIN)
+                    threads_per_block=cta, coarsen=LOOPS_COARSEN,
+                    coarsen_min_points=LOOPS_COARSEN * cfg.cores * cta,
+                    serial_min_threads=cfg.cores * cta)
     gemm = GEMM_THREADS if cfg == DEFAULT_CONFIG else (cfg.warps, cfg.threads)
     return lim, gemm, cfg.cores * cta
 # ----------------------------------------------------------------------------------------------

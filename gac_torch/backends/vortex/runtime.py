@@ -182,7 +182,8 @@ class VortexExecutable:
                       if isinstance(a, BufferRef) else a.value for a in k.args]
             c = dev.launch(self._module, k.kernel, pack_args(kinds, values),  # type: ignore[arg-type]
                            grid=k.grid, block=k.block, lmem_size=k.shared_mem)
-            per_launch.append(dict(c, kernel=k.kernel, lmem=k.shared_mem))
+            per_launch.append(dict(c, kernel=k.kernel, lmem=k.shared_mem, grid=k.grid,
+                                   block=k.block))
         for t, buf in zip(outputs, self._bufs[n_in:]):
             data = dev.read(buf, t.numel() * t.element_size())
             t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
