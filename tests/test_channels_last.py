@@ -229,3 +229,15 @@ def test_pools_between_convs_stay_nhwc() -> None:
     assert len(re.findall(r'"gac.pool".*channels_last = 1', gac)) == 2, gac
     perms = re.findall(r'"gac.transpose".*perm = array<i64: ([\d, ]+)>', gac)
     assert perms == ["0, 2, 3, 1", "0, 3, 1, 2"], perms
+
+
+def test_equal_channel_and_spatial_sizes_are_transposed_not_reshaped() -> None:
+    # C == H == W: moving those dims keeps the list of sizes, but not the data (a reshape there
+    # gave 1.07 abs error on conv -> relu -> conv, and the cuda cnn/test_base models went wrong)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 16, 3, padding=1),
+                          nn.ReLU(), nn.Conv2d(16, 16, 1)).eval()
+    x = torch.randn(2, 16, 16, 16)
+    ref = model.double()(x.double())
+    compiled, _ = _compile(model.float(), x, True)
+    assert (compiled(x).double() - ref).abs().max().item() < 1e-5

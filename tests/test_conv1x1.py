@@ -6,6 +6,8 @@ flag), with the epilogue fused; GAC_CONV1X1_WGMMA=0 gives the implicit-GEMM conv
 
 from __future__ import annotations
 
+import copy
+
 import re
 
 import pytest
@@ -157,7 +159,7 @@ def test_chain_matches_float64_on_gpu(precision: str, big: bool) -> None:
     torch.manual_seed(5)
     model = randomize_bn(Chain(16, 96, 48, 160) if big else Chain()).eval()
     x = torch.randn(2, 16, 19, 21) if big else torch.randn(2, 8, 11, 13)
-    ref = model.double()(x.double())
+    ref = copy.deepcopy(model).double()(x.double())  # (.double() converts in place)
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()
     with _cudnn_tf32(True), torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=precision != "tf32"):

@@ -72,9 +72,9 @@ def _permute(b: GacBuilder, v: ir.Value, perm: tuple[int, ...]) -> ir.Value:
     if perm == tuple(range(len(perm))):
         return v
     shape = shape_of(v.type)
-    out = [shape[p] for p in perm]
-    if [s for s in shape if s != 1] == [s for s in out if s != 1] and DYN not in shape:
-        return _reshape(b, v, out)
+    moved = [p for p in perm if shape[p] != 1]  # the non-unit dims, in their new order: a reshape
+    if moved == sorted(moved) and DYN not in shape:  # only when it keeps it (equal sizes too: 16x16x16)
+        return _reshape(b, v, [shape[p] for p in perm])
     return b.transpose(v, perm=list(perm))
 
 
