@@ -168,7 +168,9 @@ def test_pooled_kernels_run_like_eager(monkeypatch):
 
 @pytest.mark.cuda
 def test_partitions_push_nvtx_ranges(monkeypatch):
-    """On a GPU: each call of a cuda partition is an NVTX range named after it (issue 16)."""
+    """On a GPU, with an NVTX tool attached (nsys/ncu set NVTX_INJECTION64_PATH): each call of a
+    cuda partition is an NVTX range named after it (issue 16)."""
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/nonexistent/libtool.so")  # (read at compile time)
     pushed: list[str] = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: None)

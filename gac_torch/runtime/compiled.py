@@ -30,7 +30,6 @@ class CompiledGraph(torch.nn.Module):
         super().__init__()
         self.fx_graph = fx_graph  # the ATen partition it was compiled from (text)
         self.name = name
-        self.executable = executable
         self.signature = signature
         self.device_type = device_type
         self.stages = stages
@@ -47,10 +46,20 @@ class CompiledGraph(torch.nn.Module):
         self._range = f"gac:{name}"
         empty_out = any(isinstance(d, int) and d == 0 for s in signature.outputs for d in s.shape)
         fast = self._quick is not None and not empty_out and self._on_device is not None
-        self._call = getattr(executable, "call", None) if fast else None
+        self._fast = fast
+        self.executable = executable  # (sets _call)
         # NVTX ranges only where a tool listens (nsys/ncu inject a library through this
         # variable; without one every range call is a no-op that still costs host time)
         self._nvtx = device_type == "cuda" and bool(os.environ.get("NVTX_INJECTION64_PATH"))
+
+    @property
+    def executable(self) -> Executable:
+        return self._executable
+
+    @executable.setter
+    def executable(self, executable: Executable) -> None:  # (a replaced one is called, not the old)
+        self._executable = executable
+        self._call = getattr(executable, "call", None) if self._fast else None
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
