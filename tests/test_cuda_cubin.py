@@ -88,8 +88,11 @@ def test_program_carries_cubins_as_cache_blobs(monkeypatch):
     program = _program(monkeypatch)
     kernels = {k.kernel for k in program.launches}
     assert program.cubins and {n for c in program.cubins for n in c.kernels} == kernels
-    assert len(program.cubins) < len(kernels)  # one per distinct kernel (the repeated blocks)
-    assert all(c.arch == "sm_90" and c.entry == kernel_jobs.PLACEHOLDER for c in program.cubins)
+    # one per kernel, under its own name (profilers and the autotuner tell kernels by it)
+    assert len(program.cubins) == len(kernels) and all(len(c.kernels) == 1 for c in program.cubins)
+    assert all(c.arch == "sm_90" and c.entry is None for c in program.cubins)
+    assert all(c.kernels[0].encode() in c.data and kernel_jobs.PLACEHOLDER.encode() not in c.data
+               for c in program.cubins)
     meta, blobs = cuda_target._pack(program, {})
     assert sorted(blobs) == sorted(f"cubin:{i}" for i in range(len(program.cubins)))
     assert '"bytes"' not in json.dumps(meta)  # SASS as raw blobs, not base64 in the JSON header
@@ -197,7 +200,7 @@ def test_loader_takes_cubins_for_their_gpu_else_the_ptx(monkeypatch, caplog):
         assert exe.loaded_from == want and set(by_name) == {k.kernel for k in program.launches}
         if want == "cubin":
             assert fake.loaded == ["cubin"] * len(program.cubins) and len(modules) == len(program.cubins)
-            assert {f[1] for f in by_name.values()} == {kernel_jobs.PLACEHOLDER}
+            assert all(f[1] == n for n, f in by_name.items())  # each kernel under its own name
         else:
             assert fake.loaded[-1] == "ptx" and len(modules) == 1 and all(f[1] == n for n, f in by_name.items())
         assert ("JIT-compiling its PTX" in caplog.text) == (refuse is not None)

@@ -11,9 +11,9 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
      threads would not run in parallel), `GAC_COMPILE_WORKERS` of them (default: the CPUs this
      process may use), largest first;
   4. join: one PTX module with every kernel (renamed back), module-level declarations once.
-Given a ptxas (ptxas.for_cubins), each worker also assembles its kernel's PTX into a cubin (the
-kernel still named PLACEHOLDER: one cubin serves every kernel of its text; the runtime loads it
-as its own module). The cubin's key adds ptxas's version (the arch is in the lowering's chip).
+Given a ptxas, each worker can also assemble its kernel's PTX into a cubin (the kernel still
+named PLACEHOLDER); the cuda pipeline does not ask for it: profilers and the autotuner tell
+kernels by name, so pipeline.cubins assembles each kernel under its own name after the join.
 A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
 whole, as before, to PTX only.
 """

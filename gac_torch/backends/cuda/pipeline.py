@@ -79,6 +79,8 @@ class KernelsStage:
     program: GpuProgram  # ptx still empty
     kernels: list[kernel_jobs.KernelResult]
     ptx: str
+    assembler: ptxas.Assembler | None = None  # (ptxas.for_cubins) what makes the cubins
+    use_cache: bool = True
 
     @property
     def text(self) -> str:
@@ -166,9 +168,9 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
             texts = kernel_jobs.split(module, names)
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
-                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
-                ptxas.for_cubins())
-            return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names))
+                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"))
+            return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
+                                ptxas.for_cubins(), opts.cache)
         except kernel_jobs.NotSplittable as e:
             log.debug("gac cuda: kernels compiled as one module (%s)", e)
         run_passes(module, lower)
@@ -263,7 +265,7 @@ def ptx_stage(stage: GpuStage | KernelsStage) -> GpuProgram:
             binaries = [op for op in module.body.operations if op.operation.name == "gpu.binary"]
             ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
     if isinstance(stage, KernelsStage):
-        program.cubins = cubins(stage.kernels)
+        program.cubins = cubins(stage.kernels, stage.assembler, stage.use_cache)
     if ".extern .func __nv_" in ptx:
         raise CompileError("kernels call libdevice math functions but no CUDA toolkit with "
                            "nvvm/libdevice was found: pip install nvidia-cuda-nvcc-cu12 or set "
@@ -272,12 +274,39 @@ def ptx_stage(stage: GpuStage | KernelsStage) -> GpuProgram:
     return program
 
 
-def cubins(kernels: list[kernel_jobs.KernelResult]) -> list[Cubin]:
-    """One cubin per distinct kernel, or none unless every kernel has one (a program loads
-    either as SASS or as the joined PTX; a mix would JIT the whole PTX module anyway)."""
-    if not kernels or any(k.cubin is None for k in kernels):
+def cubins(kernels: list[kernel_jobs.KernelResult], assembler: ptxas.Assembler | None,
+           use_cache: bool) -> list[Cubin]:
+    """One cubin per kernel, assembled by ptxas from its PTX under its own name (what profilers
+    and the autotuner see; the distinct texts compile once, named PLACEHOLDER), in threads (ptxas
+    is a subprocess), each cached by its named PTX; none unless every kernel has one (a program
+    loads either as SASS or as the joined PTX: a mix would JIT the whole PTX module anyway)."""
+    if assembler is None or not kernels:
         return []
+    from concurrent.futures import ThreadPoolExecutor
+
     from gac_torch.backends.cuda.ptx_worker import ptx_arch
 
-    return [Cubin(ptx_arch(k.ptx) or "", k.cubin, tuple(k.names), kernel_jobs.PLACEHOLDER)
-            for k in kernels if k.cubin is not None]
+    jobs = [(name, k.ptx.replace(kernel_jobs.PLACEHOLDER, name)) for k in kernels for name in k.names]
+    with ThreadPoolExecutor(kernel_jobs.worker_count()) as pool:
+        made = list(pool.map(lambda job: _cubin(job[1], assembler, use_cache), jobs))
+    rejected = [f"{name}: {why}" for (name, _), (data, why) in zip(jobs, made) if data is None]
+    if rejected:
+        log.info("gac cuda: %d kernels without a cubin, the program loads as PTX (%s)", len(rejected), rejected[0])
+        return []
+    return [Cubin(ptx_arch(ptx) or "", data, (name,)) for (name, ptx), (data, _) in zip(jobs, made)]
+
+
+def _cubin(ptx: str, assembler: ptxas.Assembler, use_cache: bool) -> tuple[bytes | None, str]:
+    import hashlib
+
+    from gac_torch.backends.cuda.ptx_worker import assemble
+    from gac_torch.runtime import cache
+
+    key = hashlib.sha256(f"cuda-cubin\0{assembler.version}\0{ptx}".encode()).hexdigest()
+    entry = cache.load(key, quiet=True) if use_cache else None
+    if entry is not None and "cubin" in entry.blobs:
+        return entry.blobs["cubin"], ""
+    data, why = assemble(ptx, assembler.exe)
+    if data is not None and use_cache:
+        cache.store(key, cache.Entry({}, {"cubin": data}, {}), quiet=True)
+    return data, why
