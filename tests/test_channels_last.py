@@ -241,3 +241,16 @@ def test_equal_channel_and_spatial_sizes_are_transposed_not_reshaped() -> None:
     ref = model.double()(x.double())
     compiled, _ = _compile(model.float(), x, True)
     assert (compiled(x).double() - ref).abs().max().item() < 1e-5
+
+
+def test_convs_with_a_single_output_row_stay_nchw() -> None:
+    # test_base's FPN: a stride-2 3x3 conv on 2x3 gives one output row; on NHWC the cuda pipeline
+    # dropped that unit dim and the generic no longer verified (H200, test_base on cuda)
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, stride=2, padding=1)).eval()
+    x = torch.randn(2, 32, 2, 3)
+    compiled, gac = _compile(model, x, True)
+    assert len(re.findall(r"\"gac.conv\".*channels_last = 1", gac)) == 0, gac
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    ptx = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "fallback": False, "cache": False}).ir("ptx")
+    assert ".entry" in ptx

@@ -82,9 +82,13 @@ def _eligible_conv(op: ir.Operation) -> bool:
     a = op_attrs(op)
     x, w = op.operands
     xs, ws = shape_of(x.type), shape_of(w.type)
+    ys = shape_of(op.results[0].type)
     elem = str(ir.RankedTensorType(x.type).element_type)
+    # (an output row or column of one: the cuda pipeline folds that unit dim, and the NHWC
+    # generic's input map is left with a bare kh/kw over the padded extent: 'inferred 4, found 3')
     return (len(xs) == 4 and not a["channels_last"] and DYN not in xs and elem in _FLOATS
-            and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS and ws[1] >= MIN_GROUP_INPUTS)
+            and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS and ws[1] >= MIN_GROUP_INPUTS
+            and len(ys) == 4 and min(ys[2:]) > 1)
 
 
 def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
