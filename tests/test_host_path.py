@@ -140,8 +140,8 @@ def test_churning_pointer_sets_stop_paying_for_captures(fake) -> None:
 def test_precision_flags_match_torchs_properties() -> None:
     from gac_torch.options import precision_flags, torch_allows_tf32, torch_allows_tf32_conv
 
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    cudnn = torch.backends.cudnn
     seen = set()
     try:
         for allow in (False, True):
@@ -149,13 +149,16 @@ def test_precision_flags_match_torchs_properties() -> None:
                 for conv in (False, True):
                     torch.backends.cuda.matmul.allow_tf32 = allow
                     torch.set_float32_matmul_precision(precision)
-                    torch.backends.cudnn.allow_tf32 = conv
-                    flags = precision_flags()
-                    assert flags == (torch_allows_tf32(), torch_allows_tf32_conv())
+                    # (cudnn's flags through its context manager: torch's test utilities, which
+                    # other tests in this process may import, freeze plain assignment)
+                    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                                     deterministic=cudnn.deterministic, allow_tf32=conv):
+                        flags = precision_flags()
+                        assert flags == (torch_allows_tf32(), torch_allows_tf32_conv())
                     seen.add(flags)
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.set_float32_matmul_precision(saved[1])
     assert len(seen) == 4
 
 
