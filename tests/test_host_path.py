@@ -335,3 +335,15 @@ def test_gpu_fresh_outputs_over_changing_inputs(monkeypatch, graphs) -> None:
     assert exe.stats["direct_calls"] + exe.stats["graph_calls"] == 10, exe.stats
     if not graphs:
         assert exe.stats["graph_calls"] == 0 and exe.stats["graphs_built"] == 0, exe.stats
+
+
+def test_a_replaced_executable_is_the_one_called(monkeypatch):
+    # the fast path caches the executable's `call`; assigning another executable must replace it
+    # (the H200 cubin-fallback test swapped executables and the old one kept running)
+    cg, _ = _cuda_partition(monkeypatch)
+    old, new = cg.executable, _Exe()
+    x = torch.randn(4)
+    cg(x)
+    cg.executable = new
+    torch.testing.assert_close(cg(x), x * 2)
+    assert (old.calls, new.calls) == (1, 1)
