@@ -47,7 +47,8 @@ def profile(w, iters: int) -> str:
         host = (time.perf_counter() - t) / n * 1e3
         torch.cuda.synchronize()
         lines.append(f"host time per call (issue only): {host:.3f} ms")
-        lines += host_breakdown(fn, x)
+        launch_of: dict[str, str] = {}
+        lines += host_breakdown(fn, x, launch_of)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(iters):
@@ -61,14 +62,15 @@ def profile(w, iters: int) -> str:
             per[e.name][1] += 1
     total = sum(v[0] for v in per.values()) / iters / 1e3
     lines += [f"device time per call: {total:.3f} ms over {sum(v[1] for v in per.values()) / iters:.0f} kernels",
-              "", "| kernel | ms/call | share | launches/call |", "|---|---|---|---|"]
-    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:25]:
+              "", "| kernel | ms/call | share | launches/call | strategy grid block smem |", "|---|---|---|---|---|"]
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:30]:
         ms = us / iters / 1e3
-        lines.append(f"| `{name[:90]}` | {ms:.4f} | {ms / max(total, 1e-9):.1%} | {n / iters:.1f} |")
+        lines.append(f"| `{name[:90]}` | {ms:.4f} | {ms / max(total, 1e-9):.1%} | {n / iters:.1f} "
+                     f"| {launch_of.get(name, '')} |")
     return "\n".join(lines) + "\n"
 
 
-def host_breakdown(fn, x, n: int = 20) -> list[str]:
+def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
     """gac's share of the host time: per compiled partition, the host time of a call to it
     (CompiledGraph: input checks + executable) and of its executable's `call` alone, with the
     executable's launch statistics (tables and graphs built, replays, pool misses)."""
@@ -101,7 +103,10 @@ def host_breakdown(fn, x, n: int = 20) -> list[str]:
                 cg.executable.call(inputs)
             exe = f", executable.call {(time.perf_counter() - t) / n * 1e3:.4f} ms"
         torch.cuda.synchronize()
-        launches = len(getattr(getattr(cg.executable, "program", None), "launches", ()))
+        program_launches = getattr(getattr(cg.executable, "program", None), "launches", ())
+        launches = len(program_launches)
+        for k in program_launches:  # what each kernel is: its strategy and launch shape
+            launch_of[k.kernel] = f"{k.strategy} {tuple(map(str, k.grid))} {k.block} {k.shared_mem}"
         lines.append(f"  partition {cg.name} ({launches} launches, {len(a)} inputs): call {part:.4f} ms"
                      f"{exe}; {getattr(cg.executable, 'stats', {})}")
     return lines
