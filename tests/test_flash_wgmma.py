@@ -49,6 +49,7 @@ CASES = [
     ("f16", (2,), 130, 300, 32, 32, True, {"onesum": False, "stages": 3}),
     ("f16", (1,), 130, 300, 128, 128, False, {"bn": 64, "onesum": True}),
     ("bf16", (1, 2), 250, 601, 64, 64, False, {"wgs": 3, "bn": 128, "ctas": 2}),
+    ("bf16", (1,), 800, 260, 64, 64, False, {"ctas": 2}),  # (the default at head dim 64: 3 consumers)
 ]
 
 
@@ -112,8 +113,10 @@ def test_descriptor_bits():
 def test_plan_takes_only_what_it_covers():
     spec, *_ = _case("bf16", (4, 16), 4096, 4096, 64, 64)
     p = fw.plan(spec)
-    assert p is not None and p.bm == 128 and fw.layout(spec, p).total <= fw.SMEM_LIMIT
+    assert p is not None and p.bm == 192 and fw.layout(spec, p).total <= fw.SMEM_LIMIT
     assert p.stages == 4 and p.onesum and p.nv == 72  # (stage and phase by shifts; sums by wgmma)
+    assert p.producer_regs * fw.WG + p.wgs * p.consumer_regs * fw.WG <= 65536 and p.consumer_regs == 160
+    assert fw.plan(_case("bf16", (4, 16), 4096, 4096, 64, 64, causal=True)[0]).bm == 128
     for args in [("tf32", (1,), 65, 65, 64, 64), ("bf16", (1,), 65, 65, 80, 80), ("f16", (1,), 65, 65, 256, 256)]:
         assert fw.plan(_case(*args)[0]) is None
     assert fw.plan(_case("f16", (1,), 65, 65, 64, 64, "add")[0]) is None  # masks: the mma.sync kernel

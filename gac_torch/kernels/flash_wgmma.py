@@ -167,7 +167,8 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
     finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
     wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
-    2 consumers, BN = 128 (Dv = 128: 112, causal 80), 4 stages (3 or 2 where 4 do not fit),
+    2 consumers (3 where D = Dv = 64, not causal, L >= 768), BN = 128 (Dv = 128: 112, causal
+    80), 4 stages (3 or 2 where 4 do not fit),
     persistent, no pingpong, row sums by the tensor cores where Dv <= 64 (GAC_FLASH_WGMMA_ONESUM
     =0 / 1: by BN / 2 fadd a thread and tile / by the tensor cores); GAC_FLASH_WGMMA_POLY=k: k of every 8 exponentials by EXP2_POLY;
     GAC_FLASH_WGMMA_SERIAL=1 (bisecting): P V waited for as soon as issued."""
@@ -179,7 +180,10 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
         return None
     if not all(_tma_ok(x) for x in (spec.q, spec.k, spec.v)) or spec.o.strides[-1] != 1:
         return None
-    wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or 2
+    # (3 consumers at head dim 64, FA3's 192-row tiles there: a third less K/V read from L2 a
+    # query row, 3 warps a scheduler to hide each other's latencies; long non-causal rows only)
+    three = spec.D == spec.Dv == 64 and not spec.causal and spec.L >= 4 * 192
+    wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or (3 if three else 2)
     # (where O takes 64 registers, BN = 128 spilled at 232 registers a thread (ptxas sm_90a):
     # 112, or 80 with the causal mask's branch)
     bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or (128 if spec.Dv <= 64 else 80 if spec.causal else 112)
