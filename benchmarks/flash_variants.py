@@ -2,7 +2,7 @@
 for each SDPA bench shape, the default plan and forced (warps, BN) tilings, with the error
 against float64. Used to choose `flash_attention.plan`'s tiles per head dim from measurements.
 
-    python benchmarks/flash_variants.py [--rounds 7] [--only bf16] [--quick]
+    python benchmarks/flash_variants.py [--rounds 7] [--only bf16] [--quick] [--shape 8x8x2500x32]
 
 Method (/work/.library/device/METHOD.md): CUDA events after warm-up, medians of interleaved
 rounds, input sets rotated past L2; `ratio` = variant / eager.
@@ -90,12 +90,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--only", default="bf16,f32")
     ap.add_argument("--quick", action="store_true", help="bf16: only the QUICK variants")
+    ap.add_argument("--shape", action="append", help="BxHxLxD (repeatable; default both bench shapes)")
     args = ap.parse_args()
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shape] if args.shape else SHAPES
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     rows = []
     for dname in args.only.split(","):
-        for shape in SHAPES:
+        for shape in shapes:
             g = torch.Generator(device="cuda").manual_seed(0)
             nbytes = 4 * torch.Size(shape).numel() * DT[dname].itemsize
             nsets = max(2, min(6, -(-2 * 60 * 2**20 // nbytes) + 1))
