@@ -24,6 +24,7 @@ CASES = [  # (B, H, L, S, D, Dv, causal)
     (1, 1, 200, 601, 64, 128, False),
     (8, 8, 250, 250, 32, 32, False),
     (5, 30, 200, 260, 64, 64, True),  # 4 x 150 work tiles: the persistent grid takes several each
+    (3, 50, 800, 777, 64, 64, False),  # 3 consumers (the default from L = 768 at head dim 64), odd L and S
 ]
 
 
