@@ -32,7 +32,7 @@ VARIANTS = {  # name -> environment
     "fa3 sums by adds": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_ONESUM": "0"},
     "fa3 wgs 2": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "2"},
     "fa3 wgs 2 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "2", "GAC_FLASH_WGMMA_PINGPONG": "1"},
-    "fa3 before (3 stages, adds)": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "2", "GAC_FLASH_WGMMA_STAGES": "3",
+    "fa3 before (3 stages + adds)": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "2", "GAC_FLASH_WGMMA_STAGES": "3",
                                     "GAC_FLASH_WGMMA_ONESUM": "0"},  # (the kernel measured before)
     "fa3 wgs 3 bn 128": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "128"},
     "fa3 bn 192": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "192"},
@@ -45,6 +45,7 @@ VARIANTS = {  # name -> environment
     "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},
     "fa3 wgs 3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
 }
+assert not any("," in name for name in VARIANTS)  # (--variants splits at commas)
 QUICK = ("fa3 default", "fa3 pingpong", "fa3 poly 2")  # --quick (the GPU check)
 DT = {"bf16": torch.bfloat16, "f16": torch.float16}
 
