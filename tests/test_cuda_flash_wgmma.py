@@ -59,7 +59,8 @@ def test_sdpa_fa3_parity(kind, case, monkeypatch):
                                  {"GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "64"},
                                  {"GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_BN": "128"},
                                  {"GAC_FLASH_WGMMA_ONESUM": "0"},
-                                 {"GAC_FLASH_WGMMA_STAGES": "3"}],
+                                 {"GAC_FLASH_WGMMA_STAGES": "3"},
+                                 {"GAC_FLASH_WGMMA_WGS": "3", "GAC_FLASH_WGMMA_PINGPONG": "1"}],
                          ids=lambda e: ",".join(f"{k[17:]}={v}" for k, v in e.items()))
 def test_sdpa_fa3_tilings(env, monkeypatch):
     assert _run("bf16", (1, 2, 200, 601, 64, 64, True), env, monkeypatch) < REL["bf16"]

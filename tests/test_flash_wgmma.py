@@ -24,7 +24,7 @@ from tests.test_flash_attention import TOL, _case
 # (kind, batch, L, S, D, Dv, causal, plan overrides): sequence lengths off the tiles, more key
 # tiles than stages, every head dim (swizzle 32 / 64 / 128 bytes, 1 or 2 boxes a row); "ctas":
 # a persistent grid smaller than the work (each CTA takes several work tiles); "pingpong": the
-# consumers take turns (named barriers: the twin checks none is left with arrivals pending);
+# consumers (2 or 3) take turns (named barriers: the twin checks none is left with arrivals pending);
 # "poly": exponentials by the polynomial (EXP2_POLY); row sums by the tensor cores (onesum, the
 # default: a ones box shared by the stages, or one a stage where V takes two boxes) or by adds;
 # 3 consumers with 128-key tiles (24-register producer)
@@ -50,6 +50,9 @@ CASES = [
     ("f16", (1,), 130, 300, 128, 128, False, {"bn": 64, "onesum": True}),
     ("bf16", (1, 2), 250, 601, 64, 64, False, {"wgs": 3, "bn": 128, "ctas": 2}),
     ("bf16", (1,), 800, 260, 64, 64, False, {"ctas": 2}),  # (the default at head dim 64: 3 consumers)
+    # 3 consumers taking turns (a ring of named barriers), several work tiles a CTA, causal
+    ("bf16", (1, 2), 250, 601, 64, 64, False, {"wgs": 3, "pingpong": True, "ctas": 2}),
+    ("f16", (2,), 300, 260, 64, 64, True, {"wgs": 3, "bn": 64, "pingpong": True, "ctas": 3}),
 ]
 
 

@@ -88,7 +88,7 @@ class Plan:
     grid: tuple[int, int, int]  # (CTAs, 1, 1): each takes work tiles bid, bid + CTAs, ...
     units: int  # work tiles: BM query rows of one batch index (query tiles fastest)
     dv: int = 64  # V's head dim
-    pingpong: bool = False  # 2 consumers: their wgmma issues alternate (named barriers)
+    pingpong: bool = False  # the consumers take turns issuing their wgmma (a ring of named barriers)
     poly: int = 0  # of every 8 exponentials, this many by a polynomial on the FMA pipe
     serial: bool = False  # P V waited for at once (bisects the in-flight overlap)
     onesum: bool = False  # row sums by the tensor cores: P V with 8 more columns of ones in V
@@ -165,8 +165,9 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
          persistent: bool | None = None, pingpong: bool | None = None, onesum: bool | None = None) -> Plan | None:
     """Tiling for `spec`, or None when this kernel does not take it. `persistent`: one CTA an
     SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
-    finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
-    wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
+    finish one); else a CTA per work tile. `pingpong`: the consumers take turns issuing their
+    wgmma (2 or 3: a ring, FA3's warp scheduler barriers). Defaults (and
+    GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
     2 consumers (3 where D = Dv = 64, not causal, L >= 768), BN = 128 (Dv = 128: 112, causal
     80), 4 stages (3 or 2 where 4 do not fit),
     persistent, no pingpong, row sums by the tensor cores where Dv <= 64 (GAC_FLASH_WGMMA_ONESUM
@@ -203,7 +204,7 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
     grid = (min(units, SM_COUNT_HINT) if persistent else units, 1, 1)
     for st in range(want, 1, -1):
         p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, spec.Dv,
-                 pingpong and wgs == 2, min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))),
+                 pingpong and wgs >= 2, min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))),
                  os.environ.get("GAC_FLASH_WGMMA_SERIAL") == "1", onesum)
         if layout(spec, p).total <= SMEM_LIMIT:
             return p
@@ -366,21 +367,25 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         def release(bar: Any) -> None:
             b.when(leader, lambda: b.mbar_arrive(bar))
 
-        # pingpong (2 consumers): their wgmma issues alternate (named barriers 1 + cw), so that
-        # one's softmax runs while the other's GEMMs hold the tensor cores (FA3's scheduling)
+        # pingpong: the consumers issue their wgmma in turn (named barrier 1 + cw: a ring of 2 or
+        # 3), so that one's softmax runs while another's GEMMs hold the tensor cores (FA3's
+        # scheduling; its warp scheduler barriers take 3 consumers at head dim 64 too)
         def turn() -> None:
             if p.pingpong:
                 b.bar_sync(b.add(cw, c(1)), 2 * WG)
 
         def pass_turn(more: Any) -> None:
-            """The other consumer's turn; consumer 1 passes none after its very last issue
-            (`more` false there), so that each barrier sees as many arrivals as syncs."""
+            """The next consumer's turn; the last (wgs - 1) passes none after its very last
+            issue (`more` false there), so that each barrier sees as many arrivals as syncs."""
             if not p.pingpong:
                 return
+            two = p.wgs == 2  # (2: the other one; the PTX as measured before the ring)
+            nxt = b.sub(c(2), cw) if two else b.add(b.rem(b.add(cw, c(1)), c(p.wgs)), c(1))
             if more is None:
-                b.bar_arrive(b.sub(c(2), cw), 2 * WG)
+                b.bar_arrive(nxt, 2 * WG)
             else:
-                b.when(b.or_(b.eq(cw, c(0)), more), lambda: b.bar_arrive(b.sub(c(2), cw), 2 * WG))
+                first = b.eq(cw, c(0)) if two else b.lt(cw, c(p.wgs - 1))
+                b.when(b.or_(first, more), lambda: b.bar_arrive(nxt, 2 * WG))
 
         def issue_s(it: Any) -> list[Any]:  # 4a
             s, ph = stage(it)
@@ -519,8 +524,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     b.store_pair(bidx + [rows[h], col], vals, b.lt(rows[h], c(spec.L)))
             return [b.add(base, nt)]
 
-        if p.pingpong:  # consumer 1 lets consumer 0 go first
-            b.when(b.eq(cw, c(1)), lambda: b.bar_arrive(c(1), 2 * WG))
+        if p.pingpong:  # the last consumer lets consumer 0 go first
+            b.when(b.eq(cw, c(p.wgs - 1)), lambda: b.bar_arrive(c(1), 2 * WG))
         b.loop(mine, [c(0)], work, ["index"])
 
     b.role(b.eq(wg, c(0)), producer, consumer)
