@@ -2,7 +2,7 @@
 for each SDPA bench shape, the default plan and forced (warps, BN) tilings, with the error
 against float64. Used to choose `flash_attention.plan`'s tiles per head dim from measurements.
 
-    python benchmarks/flash_variants.py [--rounds 7] [--only bf16] [--quick]
+    python benchmarks/flash_variants.py [--rounds 7] [--only bf16] [--quick] [--shape 8x8x2500x32]
 
 Method (/work/.library/device/METHOD.md): CUDA events after warm-up, medians of interleaved
 rounds, input sets rotated past L2; `ratio` = variant / eager.
@@ -33,15 +33,16 @@ VARIANTS = {"bf16": [(None, None, 1, None), (None, None, 1, 1), ((4, 128), None,
                      ((4, 64), None, 1, None), ((8, 32), None, 1, None), ((4, 64), None, 2, None),
                      ((4, 128), None, 2, None)],
             "f32": [(None, None, 1, None), (None, 255, 1, None), ((4, 64), None, 1, None), ((8, 16), None, 1, None)]}
-# --quick (the GPU check of branch flash): the default, one K/V stage, 4-warp blocks of 1 and 2 m-tiles
-QUICK = [(None, None, 1, None), (None, None, 1, 1), ((4, 64), None, 1, None), ((4, 64), None, 2, None)]
+# --quick (the GPU check of branch flash): the default (at D <= 32 f16/bf16: 4 warps of 2 m-tiles),
+# 8 warps of one (the default before), 4 warps of one
+QUICK = [(None, None, 1, None), ((8, 64), None, 1, None), ((4, 64), None, 1, None)]
 DT = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, mt: int, stages: int | None):
     orig, orig_reg = fa.plan, pipeline._flash_maxnreg
     if tiles is not None or stages is not None:
-        fa.plan = lambda spec, *a, **k: orig(spec, *a, **({"tiles": (tiles,)} if tiles else {}), mt=mt, stages=stages)
+        fa.plan = lambda spec, *a, **k: orig(spec, *a, **({"tiles": (tiles,), "mt": mt} if tiles else {}), stages=stages)
     if maxnreg is not None:
         pipeline._flash_maxnreg = lambda kernel: maxnreg
     try:
@@ -90,12 +91,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--only", default="bf16,f32")
     ap.add_argument("--quick", action="store_true", help="bf16: only the QUICK variants")
+    ap.add_argument("--shape", action="append", help="BxHxLxD (repeatable; default both bench shapes)")
     args = ap.parse_args()
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shape] if args.shape else SHAPES
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     rows = []
     for dname in args.only.split(","):
-        for shape in SHAPES:
+        for shape in shapes:
             g = torch.Generator(device="cuda").manual_seed(0)
             nbytes = 4 * torch.Size(shape).numel() * DT[dname].itemsize
             nsets = max(2, min(6, -(-2 * 60 * 2**20 // nbytes) + 1))

@@ -114,6 +114,23 @@ def test_sdpa_flash_other_tilings(monkeypatch, tiles, mt, stages):
             assert compiled.ir("ptx").count("bar.sync") == (2 if stages == 2 else 5)
 
 
+@pytest.mark.parametrize("dtype,D,Dv", [(torch.bfloat16, 32, 32), (torch.float16, 24, 16)], ids=str)
+def test_sdpa_flash_default_two_m_tiles(monkeypatch, dtype, D, Dv):
+    """The default at head dims <= 32 where 128-row blocks fill the GPU (the bench row
+    sdpa_bf16_8x8x2500x32): 4 warps of 2 m-tiles, taken here on odd sizes (SM_COUNT_HINT 1)."""
+    from gac_torch.kernels import flash_attention as fa
+
+    monkeypatch.setattr(fa, "SM_COUNT_HINT", 1)
+    g = torch.Generator(device="cuda").manual_seed(19)
+    q, k, v = (torch.randn(2, 3, n, d, device="cuda", dtype=dtype, generator=g) for n, d in ((301, D), (263, D), (263, Dv)))
+    fn = F.scaled_dot_product_attention
+    compiled = gac_torch.compile(Fn(fn), (q, k, v), target="cuda", options={"fallback": False, "cache": False})
+    launch = [line for line in compiled.ir("ptx").splitlines() if line.startswith("// launch") and "_flash" in line]
+    assert len(launch) == 1 and "grid=(3, 1, 6) block=(128, 1, 1)" in launch[0], launch
+    tol = REL["f16" if dtype == torch.float16 else "bf16"]
+    assert _rel(compiled(q, k, v), fn(q.double(), k.double(), v.double())) < tol
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_sdpa_lazy_rescale_growing_keys(monkeypatch, dtype):
     """f16/bf16 rescale O and l only when a row max of the warp grows by more than 8 log2 units

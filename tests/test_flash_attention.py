@@ -163,6 +163,42 @@ def test_plan_kv_stages():
     assert fa.plan(_case("tf32", (1,), 7, 7, 16, 16)[0], stages=2) is None
 
 
+@pytest.mark.unit
+def test_plan_default_tiles():
+    """The default tiling, deterministic: where 128-row blocks fill the GPU, f16/bf16 with
+    D, Dv <= 32, no mask, not causal take 4 warps of 2 m-tiles (measured faster on the H200);
+    masks, causal, wider heads, f32 and a forced `big` keep 8 warps of one; small grids 4 of one."""
+    def tiling(kind, D, Dv=None, batch=(8, 8), L=2500, mk="none", causal=False, **kw):
+        spec = _case(kind, batch, L, L, D, Dv or D, mk, (1, 1, 1, L) if mk != "none" else None, causal)[0]
+        p = fa.plan(spec, **kw)
+        assert p == fa.plan(spec, **kw)
+        return p.warps, p.bn, p.mt, p.stages, p.bm
+    for kind in ("bf16", "f16"):
+        for D in (32, 24, 16):
+            assert tiling(kind, D) == (4, 64, 2, 2, 128), (kind, D)
+    assert tiling("bf16", 32, causal=True) == (8, 64, 1, 2, 128)
+    assert tiling("bf16", 32, mk="add") == tiling("f16", 32, mk="bool") == (8, 64, 1, 2, 128)
+    assert tiling("bf16", 32, 64) == tiling("bf16", 48) == tiling("bf16", 64) == (8, 64, 1, 2, 128)
+    assert tiling("f32x3", 32) == tiling("tf32", 32) == (8, 64, 1, 1, 128)
+    assert tiling("bf16", 32, L=250) == (4, 64, 1, 2, 64)  # 128 blocks of 128 rows: under two an SM
+    assert tiling("bf16", 32, big=True) == (8, 64, 1, 2, 128)
+    assert tiling("bf16", 32, mt=1) == (8, 64, 1, 2, 128)
+
+
+@pytest.mark.parametrize("kind,D,Dv", [("bf16", 32, 32), ("f16", 24, 16)])
+def test_twin_default_two_m_tiles(monkeypatch, kind, D, Dv):
+    """The default 4 warps of 2 m-tiles (taken here on a small grid: SM_COUNT_HINT 1) on odd L
+    and S: rows past L in both m-tiles of the last block, a partial last key tile."""
+    monkeypatch.setattr(fa, "SM_COUNT_HINT", 1)
+    spec, q, k, v, _ = _case(kind, (2,), 301, 263, D, Dv, seed=9)
+    p = fa.plan(spec)
+    assert (p.warps, p.mt, p.stages) == (4, 2, 2)
+    out = twin.emulate(spec, p, q, k, v)
+    e = _ELEM[kind]
+    ref = twin.reference(round_to(q, e), round_to(k, e), round_to(v, e), None, "none", spec.scale, False)
+    assert not np.isnan(out).any() and np.linalg.norm(out - ref) / np.linalg.norm(ref) < TOL[kind]
+
+
 def test_two_m_tiles_odd_rows_and_bool_mask():
     """Two m-tiles a warp: the second tile's rows run past L (L = 70 in a 128-row block)."""
     spec, q, k, v, mask = _case("bf16", (2,), 70, 33, 80, 40, "bool", None, False, seed=4)

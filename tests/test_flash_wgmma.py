@@ -24,8 +24,10 @@ from tests.test_flash_attention import TOL, _case
 # (kind, batch, L, S, D, Dv, causal, plan overrides): sequence lengths off the tiles, more key
 # tiles than stages, every head dim (swizzle 32 / 64 / 128 bytes, 1 or 2 boxes a row); "ctas":
 # a persistent grid smaller than the work (each CTA takes several work tiles); "pingpong": the
-# consumers take turns (named barriers: the twin checks none is left with arrivals pending);
-# "poly": exponentials by the polynomial (EXP2_POLY)
+# consumers (2 or 3) take turns (named barriers: the twin checks none is left with arrivals pending);
+# "poly": exponentials by the polynomial (EXP2_POLY); row sums by the tensor cores (onesum, the
+# default: a ones box shared by the stages, or one a stage where V takes two boxes) or by adds;
+# 3 consumers with 128-key tiles (24-register producer)
 CASES = [
     ("bf16", (1,), 37, 130, 64, 64, False, {}),
     ("f16", (2,), 130, 37, 32, 32, True, {}),
@@ -43,6 +45,14 @@ CASES = [
     ("f16", (2,), 130, 300, 32, 32, True, {"poly": 3}),
     ("f16", (1,), 65, 200, 128, 128, False, {"poly": 8}),
     ("bf16", (1,), 130, 601, 64, 64, True, {"bn": 64, "serial": True}),
+    ("bf16", (1,), 37, 130, 64, 64, False, {"onesum": False}),
+    ("f16", (2,), 130, 300, 32, 32, True, {"onesum": False, "stages": 3}),
+    ("f16", (1,), 130, 300, 128, 128, False, {"bn": 64, "onesum": True}),
+    ("bf16", (1, 2), 250, 601, 64, 64, False, {"wgs": 3, "bn": 128, "ctas": 2}),
+    ("bf16", (1,), 800, 260, 64, 64, False, {"ctas": 2}),  # (the default at head dim 64: 3 consumers)
+    # 3 consumers taking turns (a ring of named barriers), several work tiles a CTA, causal
+    ("bf16", (1, 2), 250, 601, 64, 64, False, {"wgs": 3, "pingpong": True, "ctas": 2}),
+    ("f16", (2,), 300, 260, 64, 64, True, {"wgs": 3, "bn": 64, "pingpong": True, "ctas": 3}),
 ]
 
 
@@ -106,7 +116,10 @@ def test_descriptor_bits():
 def test_plan_takes_only_what_it_covers():
     spec, *_ = _case("bf16", (4, 16), 4096, 4096, 64, 64)
     p = fw.plan(spec)
-    assert p is not None and p.bm == 128 and fw.layout(spec, p).total <= fw.SMEM_LIMIT
+    assert p is not None and p.bm == 192 and fw.layout(spec, p).total <= fw.SMEM_LIMIT
+    assert p.stages == 4 and p.onesum and p.nv == 72  # (stage and phase by shifts; sums by wgmma)
+    assert p.producer_regs * fw.WG + p.wgs * p.consumer_regs * fw.WG <= 65536 and p.consumer_regs == 160
+    assert fw.plan(_case("bf16", (4, 16), 4096, 4096, 64, 64, causal=True)[0]).bm == 128
     for args in [("tf32", (1,), 65, 65, 64, 64), ("bf16", (1,), 65, 65, 80, 80), ("f16", (1,), 65, 65, 256, 256)]:
         assert fw.plan(_case(*args)[0]) is None
     assert fw.plan(_case("f16", (1,), 65, 65, 64, 64, "add")[0]) is None  # masks: the mma.sync kernel
@@ -137,8 +150,9 @@ def test_fa3_chosen_and_assembles(monkeypatch, dt, shape, D, causal):
     e = "bf16" if dt == torch.bfloat16 else "f16"
     shapes = {line.split()[0] for line in ptx.splitlines() if line.strip().startswith("wgmma.mma_async")}
     bn = 128 if D <= 64 else 80 if causal else 112  # (plan: Dv = 128 takes narrower key tiles)
+    nv = D + 8 if D <= 64 else D  # (P V: 8 columns of ones where V is one box)
     assert shapes == {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{e}.{e}",
-                      f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{e}.{e}"}
+                      f"wgmma.mma_async.sync.aligned.m64n{nv}k16.f32.{e}.{e}"}
     assert _PTXAS is not None, "ptxas not found (pip install nvidia-cuda-nvcc-cu12)"
     result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
     assert result.ok, result.log

@@ -32,18 +32,22 @@ t = l % 4; the wgmma accumulator layout, as FRAG_C of cuda_mma per 8 columns).
                4d. P         p = exp2(s·c - m·c) (ex2.approx; optionally some by EXP2_POLY on the
                    FMA pipe), rounded to the operand type in pairs: the
                    accumulators of n-tiles 2kk, 2kk + 1 are the A fragment of k-step kk;
-                   4f. l = l·corr + Σp. 4b-4d run while P V of tile kt - 1 is in flight
+                   4f. l = l·corr + Σp (onesum, the default: none; l is P V's column Dv,
+                   V's tile continued by a box of ones). 4b-4d run while P V of tile kt - 1
+                   is in flight (as written: ptxas sinks the exponentials below its wait,
+                   between S(kt + 1)'s wgmma)
                4g. retire    wait for every group: P V(kt - 1) done (its P fragments held in
                    their registers through the wait), V(kt - 1) freed; O *= corr where it moved
                4a. S(kt + 1) wait k_full; D/16 wgmma m64nBNk16 (both operands K-major in
                    shared memory); commit
-               4e. O += P V  wait v_full; BN/16 wgmma m64nDVk16, A = P(kt) from registers,
-                   B = V's tile N-major (the transpose bit); commit
+               4e. O += P V  wait v_full; BN/16 wgmma m64nNk16 (N = DV, onesum DV + 8), A = P(kt)
+                   from registers, B = V's tile N-major (the transpose bit); commit
                then wait for S(kt + 1) only (P V(kt) stays in flight) and free K(kt + 1)
   5. finish    (Q freed once the last S retired) wait for all, V freed; l over the quad; O / l (0 where l == 0), rounded, stored
 
-Shared memory (dynamic, 1024-byte aligned base): Q, then STAGES K tiles, STAGES V tiles, then
-the barriers. A tile is one or more TMA boxes of [rows][SW bytes] (SW: the swizzle span, 128
+Shared memory (dynamic, 1024-byte aligned base): Q, then STAGES K tiles, STAGES V tiles (onesum,
+V of two boxes: each followed by a box of ones), the box of ones (onesum, V of one box: one for
+every stage, each stage's descriptor with its own LBO), then the barriers. A tile is one or more TMA boxes of [rows][SW bytes] (SW: the swizzle span, 128
 bytes, or the whole row where it is 32 or 64 bytes), side by side; K-major (Q, K) or N-major (V)
 canonical layouts as wgmma_gemm's descriptors, generalized to the 32/64-byte swizzles
 (`desc_layout`, tested against a numpy model of TMA's write and wgmma's read).
@@ -83,9 +87,11 @@ class Plan:
     sw_v: int
     grid: tuple[int, int, int]  # (CTAs, 1, 1): each takes work tiles bid, bid + CTAs, ...
     units: int  # work tiles: BM query rows of one batch index (query tiles fastest)
-    pingpong: bool = False  # 2 consumers: their wgmma issues alternate (named barriers)
+    dv: int = 64  # V's head dim
+    pingpong: bool = False  # the consumers take turns issuing their wgmma (a ring of named barriers)
     poly: int = 0  # of every 8 exponentials, this many by a polynomial on the FMA pipe
     serial: bool = False  # P V waited for at once (bisects the in-flight overlap)
+    onesum: bool = False  # row sums by the tensor cores: P V with 8 more columns of ones in V
 
     @property
     def bm(self) -> int:
@@ -96,8 +102,16 @@ class Plan:
         return WG * (1 + self.wgs)
 
     @property
+    def producer_regs(self) -> int:  # (3 consumers: FA3's 24, else 160-register consumers spill)
+        return 24 if self.wgs >= 3 else PRODUCER_REGS
+
+    @property
     def consumer_regs(self) -> int:  # setmaxnreg: producer + consumers within 64K registers
-        return min(240, (65536 - WG * PRODUCER_REGS) // (WG * self.wgs) // 8 * 8)
+        return min(240, (65536 - WG * self.producer_regs) // (WG * self.wgs) // 8 * 8)
+
+    @property
+    def nv(self) -> int:  # P V's N: Dv, + 8 columns of ones (onesum)
+        return self.dv + 8 * self.onesum
 
 
 @dataclass(frozen=True)
@@ -109,8 +123,10 @@ class Layout:
     v: int
     bars: int
     k_stage: int
-    v_stage: int
+    v_stage: int  # a V stage: V's boxes (onesum, V of 2 boxes: then a box of ones)
     total: int
+    v_bytes: int = 0  # what TMA writes into a V stage
+    ones: int = 0  # onesum, V of one box: the box of ones all stages share (after the last)
 
 
 def swizzle_span(cols: int) -> int:
@@ -119,10 +135,25 @@ def swizzle_span(cols: int) -> int:
 
 
 def layout(spec: Spec, p: Plan) -> Layout:
+    """onesum: P V's columns Dv..Dv+7 read a box of ones one LBO past V's last box: with V in
+    one box, one box after every stage (each stage's descriptor its own LBO), else one a stage."""
     q = p.bm * 2 * spec.D
-    ks, vs = p.bn * 2 * spec.D, p.bn * 2 * spec.Dv
-    bars = q + p.stages * (ks + vs)
-    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (2 + 4 * p.stages) + ALIGN)
+    ks, vb, box = p.bn * 2 * spec.D, p.bn * 2 * spec.Dv, p.bn * p.sw_v
+    shared = p.onesum and vb == box
+    vs = vb + box * (p.onesum and not shared)
+    ones = q + p.stages * (ks + vs)
+    bars = ones + box * shared
+    return Layout(0, q, q + p.stages * ks, bars, ks, vs, bars + 8 * (2 + 4 * p.stages) + ALIGN, vb,
+                  ones if shared else 0)
+
+
+def ones_boxes(spec: Spec, p: Plan) -> tuple[list[int], int]:
+    """(byte offsets, bytes) of the ones boxes (onesum), every byte pair a 1.0 of the operand
+    type (swizzled or not, the same)."""
+    lay, box = layout(spec, p), p.bn * p.sw_v
+    if lay.ones:
+        return [lay.ones], box
+    return [lay.v + s * lay.v_stage + lay.v_bytes for s in range(p.stages)], box
 
 
 def _tma_ok(b) -> bool:
@@ -131,13 +162,16 @@ def _tma_ok(b) -> bool:
 
 
 def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int | None = None,
-         persistent: bool | None = None, pingpong: bool | None = None) -> Plan | None:
+         persistent: bool | None = None, pingpong: bool | None = None, onesum: bool | None = None) -> Plan | None:
     """Tiling for `spec`, or None when this kernel does not take it. `persistent`: one CTA an
     SM looping over work tiles (the producer loads the next tile's Q and K while the consumers
-    finish one); else a CTA per work tile. `pingpong`: the 2 consumers take turns issuing their
-    wgmma. Defaults (and GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
-    2 consumers, BN = 128 (Dv = 128: 112, causal 80), 3 stages (2 where 3 do not fit),
-    persistent, no pingpong; GAC_FLASH_WGMMA_POLY=k: k of every 8 exponentials by EXP2_POLY;
+    finish one); else a CTA per work tile. `pingpong`: the consumers take turns issuing their
+    wgmma (2 or 3: a ring, FA3's warp scheduler barriers). Defaults (and
+    GAC_FLASH_WGMMA_{WGS,BN,STAGES,PERSISTENT,PINGPONG} while unmeasured):
+    2 consumers (3 where D = Dv = 64, not causal, L >= 768), BN = 128 (Dv = 128: 112, causal
+    80), 4 stages (3 or 2 where 4 do not fit),
+    persistent, no pingpong, row sums by the tensor cores where Dv <= 64 (GAC_FLASH_WGMMA_ONESUM
+    =0 / 1: by BN / 2 fadd a thread and tile / by the tensor cores); GAC_FLASH_WGMMA_POLY=k: k of every 8 exponentials by EXP2_POLY;
     GAC_FLASH_WGMMA_SERIAL=1 (bisecting): P V waited for as soon as issued."""
     if spec.kind not in ("f16", "bf16") or spec.mask is not None or spec.mask_kind != "none":
         return None
@@ -147,25 +181,31 @@ def plan(spec: Spec, wgs: int | None = None, bn: int | None = None, stages: int 
         return None
     if not all(_tma_ok(x) for x in (spec.q, spec.k, spec.v)) or spec.o.strides[-1] != 1:
         return None
-    wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or 2
+    # (3 consumers at head dim 64, FA3's 192-row tiles there: a third less K/V read from L2 a
+    # query row, 3 warps a scheduler to hide each other's latencies; long non-causal rows only)
+    three = spec.D == spec.Dv == 64 and not spec.causal and spec.L >= 4 * 192
+    wgs = wgs or int(os.environ.get("GAC_FLASH_WGMMA_WGS", 0)) or (3 if three else 2)
     # (where O takes 64 registers, BN = 128 spilled at 232 registers a thread (ptxas sm_90a):
     # 112, or 80 with the causal mask's branch)
     bn = bn or int(os.environ.get("GAC_FLASH_WGMMA_BN", 0)) or (128 if spec.Dv <= 64 else 80 if spec.causal else 112)
     # (3 stages: V(j + 1) may load from the retirement of P V(j - 1) on, ~1.5 tiles ahead of its
     # use with 2; one CTA an SM either way, so the shared memory costs nothing)
-    want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 3
+    # 4 stages where they fit: stage and phase of a tile by shifts, not a 64-bit division by 3
+    want = stages or int(os.environ.get("GAC_FLASH_WGMMA_STAGES", 0)) or 4
     if persistent is None:
         persistent = os.environ.get("GAC_FLASH_WGMMA_PERSISTENT", "1") != "0"
     if pingpong is None:
         pingpong = os.environ.get("GAC_FLASH_WGMMA_PINGPONG", "0") == "1"
+    if onesum is None:  # (by default where V is one box: the ones box shared, no stage lost)
+        onesum = os.environ.get("GAC_FLASH_WGMMA_ONESUM", "auto" if spec.Dv <= 64 else "0") != "0"
     units = -(-spec.L // (64 * wgs)) * math.prod(spec.batch)
     if units > 2**31 - 1:
         return None
     grid = (min(units, SM_COUNT_HINT) if persistent else units, 1, 1)
     for st in range(want, 1, -1):
-        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, pingpong and wgs == 2,
-                 min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))),
-                 os.environ.get("GAC_FLASH_WGMMA_SERIAL") == "1")
+        p = Plan(wgs, bn, st, swizzle_span(spec.D), swizzle_span(spec.Dv), grid, units, spec.Dv,
+                 pingpong and wgs >= 2, min(8, int(os.environ.get("GAC_FLASH_WGMMA_POLY", 0))),
+                 os.environ.get("GAC_FLASH_WGMMA_SERIAL") == "1", onesum)
         if layout(spec, p).total <= SMEM_LIMIT:
             return p
     return None
@@ -215,7 +255,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     c = b.const
     lay = layout(spec, p)
     BM, BN, D, DV, S = p.bm, p.bn, spec.D, spec.Dv, p.stages
-    NT, NO = BN // 8, DV // 8
+    NT, NO, NA = BN // 8, DV // 8, p.nv // 8  # (NA: P V's accumulator column groups)
     neg = -math.inf
     # 1. locate: the CTA's work tiles are bid, bid + G, ... (G = the grid; one each unless
     # persistent); K/V tiles are numbered across them (`it`: stage it % S, phase (it / S) % 2)
@@ -264,6 +304,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.mbar_fence_init()
 
     b.when(b.eq(tid, c(0)), init)
+    if p.onesum:  # the ones boxes, once (TMA never writes there)
+        offs, nbytes = ones_boxes(spec, p)
+        b.fill_ones([at(o) for o in offs], nbytes)
     b.barrier()
     wg = b.div(tid, c(WG))
 
@@ -274,7 +317,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # 3. producer
     def producer() -> None:
-        b.setmaxnreg(False, PRODUCER_REGS)
+        b.setmaxnreg(False, p.producer_regs)
 
         def work(i: Any, carried: list[Any]) -> list[Any]:
             base = carried[0]
@@ -290,7 +333,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 b.mbar_expect(k_full(s), lay.k_stage)
                 load("K", lay.k, s, lay.k_stage, BN, D, p.sw_qk, n0, bidx, k_full(s))
                 b.mbar_wait(v_empty(s), b.sub(c(1), ph))  # 3b
-                b.mbar_expect(v_full(s), lay.v_stage)
+                b.mbar_expect(v_full(s), lay.v_bytes)
                 load("V", lay.v, s, lay.v_stage, BN, DV, p.sw_v, n0, bidx, v_full(s))
 
             b.loop0(c(0), nt, tile)
@@ -312,7 +355,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         # phase unchanged), K's and V's stage 0; k-steps and stages add to the start address
         qd = b.descriptor(b.add_i32(at(lay.q), b.mul_i32(cw, 64 * p.sw_qk)), 16, 8 * p.sw_qk, p.sw_qk)
         kd0 = b.descriptor(at(lay.k), 16, 8 * p.sw_qk, p.sw_qk)
-        vd0 = b.descriptor(at(lay.v), BN * p.sw_v, 8 * p.sw_v, p.sw_v)
+        # (a shared ones box: stage s's LBO is ones - V(s), lay.v_stage less a stage)
+        vd0 = b.descriptor(at(lay.v), lay.ones - lay.v if lay.ones else BN * p.sw_v, 8 * p.sw_v, p.sw_v)
+        lbo_step = lay.v_stage if lay.ones else 0
         qsteps = [desc_layout(BM, p.sw_qk, True, kk)[0] for kk in range(D // 16)]
         ksteps = [desc_layout(BN, p.sw_qk, True, kk)[0] for kk in range(D // 16)]
         vsteps = [desc_layout(BN, p.sw_v, False, kk)[0] for kk in range(BN // 16)]
@@ -322,21 +367,25 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         def release(bar: Any) -> None:
             b.when(leader, lambda: b.mbar_arrive(bar))
 
-        # pingpong (2 consumers): their wgmma issues alternate (named barriers 1 + cw), so that
-        # one's softmax runs while the other's GEMMs hold the tensor cores (FA3's scheduling)
+        # pingpong: the consumers issue their wgmma in turn (named barrier 1 + cw: a ring of 2 or
+        # 3), so that one's softmax runs while another's GEMMs hold the tensor cores (FA3's
+        # scheduling; its warp scheduler barriers take 3 consumers at head dim 64 too)
         def turn() -> None:
             if p.pingpong:
                 b.bar_sync(b.add(cw, c(1)), 2 * WG)
 
         def pass_turn(more: Any) -> None:
-            """The other consumer's turn; consumer 1 passes none after its very last issue
-            (`more` false there), so that each barrier sees as many arrivals as syncs."""
+            """The next consumer's turn; the last (wgs - 1) passes none after its very last
+            issue (`more` false there), so that each barrier sees as many arrivals as syncs."""
             if not p.pingpong:
                 return
+            two = p.wgs == 2  # (2: the other one; the PTX as measured before the ring)
+            nxt = b.sub(c(2), cw) if two else b.add(b.rem(b.add(cw, c(1)), c(p.wgs)), c(1))
             if more is None:
-                b.bar_arrive(b.sub(c(2), cw), 2 * WG)
+                b.bar_arrive(nxt, 2 * WG)
             else:
-                b.when(b.or_(b.eq(cw, c(0)), more), lambda: b.bar_arrive(b.sub(c(2), cw), 2 * WG))
+                first = b.eq(cw, c(0)) if two else b.lt(cw, c(p.wgs - 1))
+                b.when(b.or_(first, more), lambda: b.bar_arrive(nxt, 2 * WG))
 
         def issue_s(it: Any) -> list[Any]:  # 4a
             s, ph = stage(it)
@@ -353,7 +402,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             b.mbar_wait(v_full(s), ph)
             b.wgmma_fence()
             for kk in range(NT // 2):
-                acc = b.wgmma_rs(acc, frags[kk], b.desc_add(vd0, vsteps[kk], s, lay.v_stage), DV)
+                acc = b.wgmma_rs(acc, frags[kk], b.desc_add(vd0, vsteps[kk], s, lay.v_stage, lbo_step), p.nv)
             b.wgmma_commit()
             return acc
 
@@ -395,6 +444,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 sv[i] = b.fexp2_poly(x) if i % 8 < p.poly else b.fexp2(x)
             frags = [[b.pack_i32(sv[8 * kk + 2 * r], sv[8 * kk + 2 * r + 1]) for r in range(4)]
                      for kk in range(NT // 2)]
+            if p.onesum:  # (l is O's column Dv)
+                return mnew, lrow, corr, pred, frags
             lnew = [b.fadd(b.fmul(lrow[h], corr[h]), tree(b.fadd, [sv[4 * j + q] for j in range(NT)
                                                                    for q in (2 * h, 2 * h + 1)])) for h in range(2)]
             return mnew, lnew, corr, pred, frags
@@ -402,13 +453,12 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         def retire_pv(it: Any, kt: Any, acc: list[Any], pprev: list[Any], corr: list[Any], pred: Any) -> list[Any]:
             """4g: P V of tile kt - 1 retired (its P fragments held in their registers until
             then): V's stage free; O *= corr where a row max grew (the warp-uniform branch)."""
-            out = b.wgmma_wait(0, acc, pprev)
-            acc = out[:len(acc)]
+            acc = b.wgmma_wait(0, acc, pprev)[:len(acc)]
             b.when(b.lt(c(0), kt), lambda: release(v_empty(stage(b.sub(it, c(1)))[0])))
             return b.cond(pred, lambda: [b.fmul(a, corr[(i % 4) // 2]) for i, a in enumerate(acc)], acc)
 
         npf = 2 * NT  # P fragment registers
-        types = ["f32"] * (4 + 4 * NO + 4 * NT) + ["i32"] * npf
+        types = ["f32"] * (4 + 4 * NA + 4 * NT) + ["i32"] * npf
 
         def work(i: Any, carried: list[Any]) -> list[Any]:
             base = carried[0]
@@ -421,13 +471,13 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             pass_turn(None)
             sv = b.wgmma_wait(0, sacc)
             release(k_empty(stage(base)[0]))
-            init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NO) + sv + [b.izero()] * npf
+            init = [b.fconst(neg)] * 2 + [b.fconst(0.0)] * (2 + 4 * NA) + sv + [b.izero()] * npf
 
             def body(kt: Any, state: list[Any]) -> list[Any]:
                 # tile kt: its softmax while P V of tile kt - 1 runs, then S of tile kt + 1 and
                 # P V of tile kt issued; S(kt + 1) waited for, P V(kt) left in flight
-                mrow, lrow, acc = state[0:2], state[2:4], state[4:4 + 4 * NO]
-                sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
+                mrow, lrow, acc = state[0:2], state[2:4], state[4:4 + 4 * NA]
+                sv, pprev = state[4 + 4 * NA:4 + 4 * NA + 4 * NT], state[4 + 4 * NA + 4 * NT:]
                 it = b.add(base, kt)
                 mnew, lnew, corr, pred, frags = softmax(sv, mrow, lrow, kt, rows, False)
                 acc = retire_pv(it, kt, acc, pprev, corr, pred)
@@ -449,20 +499,23 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             release(q_empty)
             kt = b.sub(nt, c(1))
             it = b.add(base, kt)
-            sv, pprev = state[4 + 4 * NO:4 + 4 * NO + 4 * NT], state[4 + 4 * NO + 4 * NT:]
+            sv, pprev = state[4 + 4 * NA:4 + 4 * NA + 4 * NT], state[4 + 4 * NA + 4 * NT:]
             mnew, lnew, corr, pred, frags = softmax(sv, state[0:2], state[2:4], kt, rows, True)
-            acc = retire_pv(it, kt, state[4:4 + 4 * NO], pprev, corr, pred)
+            acc = retire_pv(it, kt, state[4:4 + 4 * NA], pprev, corr, pred)
             turn()
             acc = issue_pv(it, acc, frags)
             pass_turn(b.lt(i, b.sub(mine, c(1))))
-            acc = b.wgmma_wait(0, acc, [x for f in frags for x in f])[:4 * NO]
+            acc = b.wgmma_wait(0, acc, [x for f in frags for x in f])[:4 * NA]
             release(v_empty(stage(it)[0]))
             # 5. finish
             inv = []
             for h in range(2):
-                x = lnew[h]
-                x = b.fadd(x, b.shfl_xor(x, 1))
-                x = b.fadd(x, b.shfl_xor(x, 2))
+                if p.onesum:  # (the whole row's sum in every lane of the quad)
+                    x = acc[4 * NO + 2 * h]
+                else:
+                    x = lnew[h]
+                    x = b.fadd(x, b.shfl_xor(x, 1))
+                    x = b.fadd(x, b.shfl_xor(x, 2))
                 inv.append(b.fsel(b.feq(x, b.fconst(0.0)), b.fconst(0.0), b.fdiv(b.fconst(1.0), x)))
             for j in range(NO):
                 for h in range(2):
@@ -471,8 +524,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                     b.store_pair(bidx + [rows[h], col], vals, b.lt(rows[h], c(spec.L)))
             return [b.add(base, nt)]
 
-        if p.pingpong:  # consumer 1 lets consumer 0 go first
-            b.when(b.eq(cw, c(1)), lambda: b.bar_arrive(c(1), 2 * WG))
+        if p.pingpong:  # the last consumer lets consumer 0 go first
+            b.when(b.eq(cw, c(p.wgs - 1)), lambda: b.bar_arrive(c(1), 2 * WG))
         b.loop(mine, [c(0)], work, ["index"])
 
     b.role(b.eq(wg, c(0)), producer, consumer)

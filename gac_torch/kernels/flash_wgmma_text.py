@@ -107,6 +107,26 @@ class _WgText(FlashText):
                  args=[(dst, "r", "i32"), (f"%tm{which}", "l", "!llvm.ptr"),
                        *[(self._i32(x), "r", "i32") for x in coords], (bar, "r", "i32")])
 
+    def fill_ones(self, addrs: list[str], nbytes: int) -> None:
+        """Every thread: 16-byte stores of the operand type's 1.0 over [a, a + nbytes) for each
+        a (i32 shared addresses), strided by the block; then the fence that shows these
+        generic-proxy writes to wgmma's (async-proxy) reads after the next barrier."""
+        one = {"bf16": 0x3F803F80, "f16": 0x3C003C00}[self.spec.elem]
+        word = self._const(one, "i32")
+        step = self.const(16 * self.p.threads)
+        lo = self.mul(self.tid(), self.const(16))
+        for a in addrs:
+            iv = f"%kt{self.n}"
+            self.n += 1
+            self.w(f"scf.for {iv} = {lo} to {self.const(nbytes)} step {step} {{")
+            saved = self.consts
+            self.consts = dict(saved)
+            at = self.add_i32(a, self._i32(iv))
+            self.asm("st.shared.v4.b32 [$0], {$1, $1, $1, $1};", args=[(at, "r", "i32"), (word, "r", "i32")])
+            self.consts = saved
+            self.w("}")
+        self.asm("fence.proxy.async.shared::cta;")
+
     def bar_sync(self, bar: str, count: int) -> None:
         """Named barrier `bar` (index): wait until `count` threads arrived (these included)."""
         self.asm("bar.sync $0, $1;", args=[(self._i32(bar), "r", "i32"), (self.i32(count), "r", "i32")])
@@ -123,14 +143,16 @@ class _WgText(FlashText):
                       self._const(4, "i64"), "i64")
         return self._op("arith.ori", lo, self._const(descriptor(0, lbo, sbo, sw), "i64"), "i64")
 
-    def desc_add(self, d: str, off: int, s: str | None = None, stride: int = 0) -> str:
-        """Descriptor `d` moved by `off` (+ s·stride) bytes (the start field is in 16-byte units;
-        shared addresses stay below 2^18, so it does not carry out)."""
+    def desc_add(self, d: str, off: int, s: str | None = None, stride: int = 0, lbo_step: int = 0) -> str:
+        """Descriptor `d` moved by `off` (+ s·stride) bytes, its LBO less s·lbo_step bytes (the
+        fields are in 16-byte units; shared addresses stay below 2^18 and LBOs above 0, so
+        neither carries nor borrows out of its field)."""
         if off:
             d = self._op("arith.addi", d, self._const(off >> 4, "i64"), "i64")
         if s is not None:
             si = self._cast("arith.index_cast", s, "index", "i64")
-            d = self._op("arith.addi", d, self._op("arith.muli", si, self._const(stride >> 4, "i64"), "i64"), "i64")
+            k = (stride >> 4) - ((lbo_step >> 4) << 16)
+            d = self._op("arith.addi", d, self._op("arith.muli", si, self._const(k, "i64"), "i64"), "i64")
         return d
 
     def wgmma_fence(self) -> None:

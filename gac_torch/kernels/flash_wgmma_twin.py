@@ -137,6 +137,14 @@ class _WgTwin(FlashNumpy):
     def setmaxnreg(self, inc: bool, n: int) -> None:
         pass
 
+    def fill_ones(self, addrs, nbytes: int) -> None:
+        one = _u16(np.ones(1, np.float32), self.spec.elem).view(np.uint8)
+        with self.cta.cv:
+            for a in addrs:
+                at = self._one(a)
+                self.cta.smem[at:at + nbytes] = np.tile(one, nbytes // 2)
+                self.cta.written[at:at + nbytes] = True
+
     # mbarriers
     def mbar_init(self, bar, count: int) -> None:
         with self.cta.cv:
@@ -206,8 +214,9 @@ class _WgTwin(FlashNumpy):
     def descriptor(self, addr, lbo: int, sbo: int, sw: int) -> tuple[int, int, int, int]:
         return (self._one(addr), lbo, sbo, sw)
 
-    def desc_add(self, d, off: int, s=None, stride: int = 0):
-        return (d[0] + off + (0 if s is None else self._one(s) * stride),) + tuple(d[1:])
+    def desc_add(self, d, off: int, s=None, stride: int = 0, lbo_step: int = 0):
+        k = 0 if s is None else self._one(s)
+        return (d[0] + off + k * stride, d[1] - k * lbo_step) + tuple(d[2:])
 
     def _read(self, d, rows: int, cols: int, k_major: bool) -> np.ndarray:
         """The rows x cols operand (K-major: [M/N][K]; N-major: [K][N]) a descriptor reads."""
@@ -225,18 +234,19 @@ class _WgTwin(FlashNumpy):
         u = cta.smem[addr].astype(np.uint16) | (cta.smem[addr + 1].astype(np.uint16) << 8)
         return _f32(u, self.spec.elem)
 
-    def _span(self, d, rows: int, cols: int, k_major: bool) -> tuple[int, int]:
+    def _span(self, d, rows: int, cols: int, k_major: bool) -> list[tuple[int, int]]:
+        """The byte ranges an operand reads: one, or (N-major) one per chunk of sw bytes."""
         start, lbo, sbo, sw = d
         base = start - start % 1024
         if k_major:
-            return base, base + (rows // 8) * sbo
-        return base, base + (-(-cols * 2 // sw) - 1) * lbo + (rows // 8) * sbo
+            return [(base, base + (rows // 8) * sbo)]
+        return [(base + j * lbo, base + j * lbo + (rows // 8) * sbo) for j in range(-(-cols * 2 // sw))]
 
     def _issue(self, acc, a, db, n: int, k_major_b: bool) -> list[np.ndarray]:
         out = [np.full(WG, np.nan, dtype=np.float32) for _ in range(n // 2)]
-        spans = [self._span(db, n, 16, True) if k_major_b else self._span(db, 16, n, False)]
+        spans = self._span(db, n, 16, True) if k_major_b else self._span(db, 16, n, False)
         if not isinstance(a, list):
-            spans.append(self._span(a, 64, 16, True))
+            spans += self._span(a, 64, 16, True)
         with self.cta.cv:
             self.cta.inflight += spans
         self.open.append((acc, a, db, n, k_major_b, out, spans))
