@@ -207,15 +207,17 @@ def linear_subscripts(m: ir.AffineMap) -> list[vortex_gemm.Sub] | None:
     return out
 
 
-def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
+def match_gemm(g: Generic, inputs: tuple[str, ...] = ("f32",)) -> tuple[vortex_gemm.GemmShape, bool] | None:
     """A plain f32 contraction out += x * y (a matmul, a batched matmul, a convolution): the
     shape with A = the input without the output's innermost dim (so C's stores walk columns),
     and whether A is the op's second input. Reduction, row (A and C), column (B and C) and
     batch (A, B and C) dims may each be several; A's and B's subscripts may be linear in them
-    (a convolution's oh * stride + kh), C's must be plain dims."""
+    (a convolution's oh * stride + kh), C's must be plain dims. `inputs`: the element types x
+    and y may have (both the same); narrower than f32 they are extended in the body
+    (out += extf(x) * extf(y), as a half-precision matmul into f32)."""
     elems = [str(ir.MemRefType(v.type).element_type) if isinstance(v.type, ir.MemRefType) else ""
              for v in (*g.inputs, *g.outputs)]
-    if elems != ["f32"] * 3:
+    if len(elems) != 3 or elems[0] != elems[1] or elems[0] not in inputs or elems[2] != "f32":
         return None
     subs = [linear_subscripts(m) for m in g.maps]
     c_subs = subs[2]
@@ -239,6 +241,11 @@ def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
     # body: yield(addf(out, mulf(a, b))), operands in any order
     ops = [op.operation for op in g.body.operations]
     ba, bb, bc = g.body.arguments
+    if elems[0] != "f32":   # the extensions of x and y first
+        if [op.name for op in ops[:2]] != ["arith.extf"] * 2 or {op.operands[0] for op in ops[:2]} != {ba, bb}:
+            return None
+        ba, bb = ops[0].results[0], ops[1].results[0]
+        ops = ops[2:]
     if [op.name for op in ops] != ["arith.mulf", "arith.addf", "linalg.yield"]:
         return None
     mul, add, yld = ops
