@@ -100,13 +100,14 @@ class _Text(Text):
         return self.cast("arith.index_cast", x, "index", "i32")
 
     def pair(self, which: str, idx: list[Any], elem: str) -> Any:
-        """Elements k, k + 1 (contiguous, 4-byte aligned) as one 32-bit word: an aligned
-        vector load the backend turns into `lw`."""
-        v, w, r = self.fresh(), self.fresh(), self.fresh()
-        self.w(f"{v} = vector.load %{which}[{', '.join(idx)}] {{alignment = 4}} : {self.types[which]}, vector<2x{elem}>")
-        self.w(f"{w} = vector.bitcast {v} : vector<2x{elem}> to vector<1xi32>")
-        self.w(f"{r} = vector.extract {w}[0] : i32 from vector<1xi32>")
-        return r
+        """Elements k, k + 1 (contiguous, the first 4-byte aligned) as one 32-bit word: two
+        16-bit loads, the first marked aligned, that LLVM's load combining makes one `lw`."""
+        lo, hi = self.fresh(), self.fresh()
+        nxt = idx[:-1] + [idx[-1] + 1]
+        self.w(f"{lo} = memref.load %{which}[{', '.join(idx)}] {{alignment = 4}} : {self.types[which]}")
+        self.w(f"{hi} = memref.load %{which}[{', '.join(nxt)}] : {self.types[which]}")
+        words = [self.cast("arith.extui", self.cast("arith.bitcast", h, elem, "i16"), "i16", "i32") for h in (lo, hi)]
+        return self.bits("arith.ori", words[0], self.bits("arith.shli", words[1], self.const(16, "i32")))
 
     def single(self, which: str, idx: list[Any], elem: str) -> Any:
         """One element's bits, zero-extended to 32."""

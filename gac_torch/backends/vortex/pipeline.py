@@ -131,7 +131,6 @@ def parse_gpu_stage(text: str, flags: CompileFlags) -> GpuStage:
 TO_LLVM = ",".join([
     "lower-affine", "convert-scf-to-cf", "canonicalize", "cse",
     "expand-strided-metadata", "lower-affine",
-    "convert-vector-to-llvm",   # (the TCU GEMM's aligned pair loads)
     "finalize-memref-to-llvm{index-bitwidth=32}",
     "convert-math-to-llvm",
     "convert-arith-to-llvm{index-bitwidth=32}",
