@@ -69,12 +69,13 @@ def test_wmma_model_is_c_plus_a_times_b(elem):
 
 
 class _Linear(torch.nn.Module):
-    def __init__(self, k: int, n: int, dtype: torch.dtype):
+    def __init__(self, k: int, n: int, dtype: torch.dtype, bias: bool = False, relu: bool = False):
         super().__init__()
-        self.lin = torch.nn.Linear(k, n, bias=False).to(dtype)
+        self.lin, self.relu = torch.nn.Linear(k, n, bias=bias).to(dtype), relu
 
     def forward(self, x):
-        return self.lin(x)
+        y = self.lin(x)
+        return torch.relu(y) if self.relu else y
 
 
 CASES = {   # name -> (module, input shapes): M, K, N off the 8x8x4 tile
@@ -82,6 +83,7 @@ CASES = {   # name -> (module, input shapes): M, K, N off the 8x8x4 tile
     "mm_17x16x9": (lambda dt: Fn(lambda x, y: x @ y), [(17, 16), (16, 9)]),
     "linear_2x5x24x7": (lambda dt: _Linear(24, 7, dt), [(2, 5, 24)]),
     "bmm_3x9x11x6": (lambda dt: Fn(torch.bmm), [(3, 9, 11), (3, 11, 6)]),
+    "linear_bias_relu_6x19x12": (lambda dt: _Linear(19, 12, dt, bias=True, relu=True), [(6, 19)]),
 }
 
 
@@ -91,7 +93,8 @@ def _run(name: str, dtype: torch.dtype, mode: str, tcu: bool = True, home: str |
     mod = make(dtype)
     if isinstance(mod, _Linear):
         with torch.no_grad():
-            mod.lin.weight.copy_(torch.randn_like(mod.lin.weight))
+            for p in mod.parameters():
+                p.copy_(torch.randn_like(p))
     xs = [torch.randn(*s).to(dtype) for s in shapes]
     opts = {"vortex_mode": mode, "vortex_tcu": tcu, "fallback": False, "cache": False}
     if home:
@@ -109,10 +112,19 @@ def test_tcu_gemm_parity_functional(name, dtype, monkeypatch):
     monkeypatch.delenv("VORTEX_HOME", raising=False)
     out, ref, c = _run(name, dtype, "functional")
     assert any(k["kernel"].endswith("_tcu") for k in c["kernels"]), c["kernels"]
+    assert c["launches"] == 1, c["kernels"]   # the f16/bf16 rounding (bias, ReLU) in the store step
     assert c["divergent_branches"] == 0
     assert out.dtype == dtype
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err <= TOL[dtype], (name, float(err))
+
+
+def test_tcu_gemm_without_epilogue(monkeypatch):
+    monkeypatch.delenv("VORTEX_HOME", raising=False)
+    with vortex.compile_flags(gemm_epilogue=False):
+        out, ref, c = _run("linear_bias_relu_6x19x12", torch.float16, "functional")
+    assert c["launches"] > 1 and c["kernels"][0]["kernel"].endswith("_tcu")
+    assert (out.double() - ref).abs().max() / ref.abs().max() <= TOL[torch.float16]
 
 
 def test_tcu_is_opt_in(monkeypatch):
@@ -157,7 +169,7 @@ def test_wmma_is_illegal_without_the_unit():
 
 @needs_tcu_simx
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("name", ["mm_13x21x10", "linear_2x5x24x7"])
+@pytest.mark.parametrize("name", ["mm_13x21x10", "linear_2x5x24x7", "linear_bias_relu_6x19x12"])
 def test_tcu_gemm_on_simx_matches_functional(name, dtype, monkeypatch):
     monkeypatch.delenv("VORTEX_HOME", raising=False)
     fout, ref, fc = _run(name, dtype, "functional")

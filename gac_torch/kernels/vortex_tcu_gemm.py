@@ -30,8 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import Text
-from gac_torch.kernels.vortex_gemm import GemmShape, _split, _subscripts
+from gac_torch.kernels.conv_gemm import _addr
+from gac_torch.kernels.conv_gemm import _split as _split_flat
+from gac_torch.kernels.vortex_gemm import Fused, GemmShape, _extra, _split, _subscripts
 
 
 @dataclass(frozen=True)
@@ -90,14 +93,15 @@ def choose(shape: GemmShape, a: Layout, b: Layout, elem: str, warps: int) -> Tcu
     return TcuGemm(shape, a, b, elem, best[1], best[2])
 
 
-class _Text(Text):
-    def __init__(self, g: TcuGemm):
+class _Text(gemm_epilogue.TextMixin, Text):
+    def __init__(self, g: TcuGemm, ep: Fused | None):
         super().__init__(hoist=True)
         s = g.shape
+        self.spec = ep
         self.types = {"A": s.a_type, "B": s.b_type, "C": s.c_type}
 
-    def i32(self, x: Any) -> Any:
-        return self.cast("arith.index_cast", x, "index", "i32")
+    def true(self) -> Any:
+        return self.const("true", "i1")
 
     def pair(self, which: str, idx: list[Any], elem: str) -> Any:
         """Elements k, k + 1 (contiguous, the first 4-byte aligned) as one 32-bit word: two
@@ -131,7 +135,7 @@ class _Text(Text):
         return out
 
 
-def _kernel(b: _Text, g: TcuGemm, isa: Any, fused_fill: bool) -> None:
+def _kernel(b: _Text, g: TcuGemm, isa: Any, fused_fill: bool, ep: Fused | None) -> None:
     s, c = g.shape, b.const
     kdim = s.k_dims[0]
     tid, bx, by, bz = b.tid(), b.bid(0), b.bid(1), b.bid(2)
@@ -206,34 +210,47 @@ def _kernel(b: _Text, g: TcuGemm, isa: Any, fused_fill: bool) -> None:
         acc = b.for_(c(0), c(full), c(8), acc, ["f32"] * 8, lambda k0, part: step(k0, part, False))
     if s.K % 8:
         acc = step(c(full), acc, True)
-    # 4. store
+    # 4. store (with an epilogue: C's elementwise consumers run on the value, gemm_epilogue)
     for m in range(4):
         for n in range(2):
             col, cok = ccols[n]
             names = {**batch, **row_names[m], **_split(b, s.n_dims, s.n_ext, col)}
             oks = [x for x in (rows[m][1], cok) if x is not None]
+            ok = (oks[0] & oks[1] if len(oks) == 2 else oks[0]) if oks else None
+            val = acc[isa.c_reg(m, n)]
+            if ep is not None:
+                dims = tuple(names)
+                addr = _addr(b, ep.c, names, dims, c(ep.c.const))
+                gemm_epilogue.store(b, ep, addr, val, ok if ok is not None else b.true(), _split_flat, _addr,
+                                    lambda op, names=names, dims=dims: _addr(b, op, names, dims, c(op.const)))
+                continue
 
-            def store(m: int = m, n: int = n, names: dict = names) -> None:
-                b.put("C", _subscripts(b, s.c_dims, names), acc[isa.c_reg(m, n)])
-            if oks:
-                b.when(oks[0] & oks[1] if len(oks) == 2 else oks[0], store)
+            def store(names: dict = names, val: Any = val) -> None:
+                b.put("C", _subscripts(b, s.c_dims, names), val)
+            if ok is not None:
+                b.when(ok, store)
             else:
                 store()
 
 
-def template(g: TcuGemm, isa: Any, fused_fill: bool) -> str:
-    """MLIR text: `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch (the form
-    gac_torch.backends.gpu.strategy.splice_template wires into a graph)."""
+def template(g: TcuGemm, isa: Any, fused_fill: bool, ep: Fused | None = None) -> str:
+    """MLIR text: `func.func @tmpl(%A, %B, %C, [E<k>..., Z,] %init)` holding one gpu.launch (the
+    form gac_torch.backends.gpu.strategy.splice_template wires into a graph). `ep`: C's
+    consumers run in the store step (their buffers follow %C, as in vortex_gemm)."""
     s = g.shape
     gx, gy, gz = g.grid()
-    b = _Text(g)
-    _kernel(b, g, isa, fused_fill)
-    head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, %init: f32) {{",
+    b = _Text(g, ep)
+    _kernel(b, g, isa, fused_fill, ep)
+    extra = _extra(ep)
+    flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], "
+            f"strides: [1] : {op.type} to {op.flat}" for n, op in extra]
+    head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, "
+            + "".join(f"%{n}: {op.type}, " for n, op in extra) + "%init: f32) {",
             "%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
             f"%gy = arith.constant {gy} : index", f"%gz = arith.constant {gz} : index",
             f"%nt = arith.constant {4 * g.wm * g.wn} : index",
             "gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-            "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) {"]
+            "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) {", *flat]
     return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
 
 

@@ -95,7 +95,8 @@ def _stages(options: dict) -> list[Stage]:
                                        padding=flags.gemm_padding))
                   if flags.tiled_gemm else ())
     if cfg.tcu and cfg.threads == WMMA.threads:   # opt-in (vortex_tcu): f16/bf16 matmuls on the TCU
-        strategies = (tcu_gemm.strategy(WMMA, cfg.warps),) + strategies
+        strategies = (tcu_gemm.strategy(WMMA, cfg.warps, epilogue=flags.tiled_gemm and flags.gemm_epilogue),
+                      ) + strategies
     if flags.flat_fill and not flags.gemm_padding:   # (they would take the padding's fill and copy
         strategies += (flat_fill.strategy(), flat_fill.copy_strategy())   # before the GEMM sees them)
     if flags.warp_reduce:

@@ -2,7 +2,8 @@
 unit): a half-precision contraction into f32 (a matmul or batched matmul of f16 or bf16 tensors:
 out += extf(x) * extf(y)) -> the WMMA template gac_torch.kernels.vortex_tcu_gemm. The target hands
 over its TCU facts (`isa`: backends/vortex/target.Wmma) and the warps per CTA. What it does not
-take (convolutions, f32, several K dims) goes on to `gemm` / `loops`."""
+take (convolutions, f32, several K dims) goes on to `gemm` / `loops`. The consumers of the f32
+result (the rounding to f16/bf16, a bias add, ...) run in the kernel's store step, as on `gemm`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 from mlir import ir
 
 from gac_torch.backends.gpu.analysis import Generic, fill_before
-from gac_torch.backends.gpu.strategies.tiled_gemm import match_gemm
+from gac_torch.backends.gpu.strategies import epilogue as gemm_epilogue
+from gac_torch.backends.gpu.strategies.tiled_gemm import fused_epilogue, match_gemm
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
-from gac_torch.kernels import vortex_tcu_gemm
+from gac_torch.kernels import vortex_gemm, vortex_tcu_gemm
 from gac_torch.kernels.vortex_tcu_gemm import Layout
 
 HALF = ("f16", "bf16")
@@ -27,7 +29,11 @@ def layout(v: ir.Value) -> Layout | None:
     return Layout(tuple(strides), offset)
 
 
-def strategy(isa: Any, warps: int) -> Strategy:
+def strategy(isa: Any, warps: int, epilogue: bool = True) -> Strategy:
+    """`epilogue`: C's elementwise consumers (the f16 rounding of the result, a bias, ReLU...:
+    tiled_gemm.fused_epilogue's chain) run in the store step; needs implicit_gemm's
+    `fused_strategy` in the list to erase them."""
+
     def match(g: Generic, limits: GpuLimits) -> tuple[Any, ...] | None:
         m = match_gemm(g, HALF) if len(g.inputs) == 2 and len(g.outputs) == 1 else None
         if m is None or 0 in (m[0].M, m[0].N, m[0].K) or not vortex_tcu_gemm.supported(m[0]):
@@ -46,11 +52,16 @@ def strategy(isa: Any, warps: int) -> Strategy:
     def emit(m: tuple[Any, ...], name: str, limits: GpuLimits) -> bool:
         g, tg, a, b = m
         fill = fill_before(g.op, g.outputs[0])
-        text = vortex_tcu_gemm.template(tg, isa, fill is not None)
-        splice_template(text, g.op, [a, b, g.outputs[0]], fill[1] if fill is not None else None, "f32", name)
+        fused = fused_epilogue(g, fill, [a, b]) if epilogue else None
+        ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
+        text = vortex_tcu_gemm.template(tg, isa, fill is not None, ep)
+        splice_template(text, g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
+                        fill[1] if fill is not None else None, "f32", name)
         if fill is not None:
             fill[0].erase()
         g.op.erase()
+        for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
+            op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
         return True
 
     return Strategy("tcu", match, emit)
