@@ -82,6 +82,7 @@ CASES = {   # name -> (module, input shapes): M, K, N off the 8x8x4 tile
     "mm_13x21x10": (lambda dt: Fn(lambda x, y: x @ y), [(13, 21), (21, 10)]),
     "mm_17x16x9": (lambda dt: Fn(lambda x, y: x @ y), [(17, 16), (16, 9)]),
     "mm_16x16x8": (lambda dt: Fn(lambda x, y: x @ y), [(16, 16), (16, 8)]),   # no overhang: no guards
+    "mm_at_12x20x9": (lambda dt: Fn(lambda x, y: x.t() @ y), [(20, 12), (20, 9)]),   # A's k strided
     "linear_2x5x24x7": (lambda dt: _Linear(24, 7, dt), [(2, 5, 24)]),
     "bmm_3x9x11x6": (lambda dt: Fn(torch.bmm), [(3, 9, 11), (3, 11, 6)]),
     "linear_bias_relu_6x19x12": (lambda dt: _Linear(19, 12, dt, bias=True, relu=True), [(6, 19)]),

@@ -339,12 +339,6 @@ class _Text(gemm_epilogue.TextMixin, Text):
         bits = self.cast("arith.bitcast", v, "f32", "i32")
         return self.cast("arith.bitcast", self.select(ok, bits, self.const(0, "i32"), "i32"), "i32", "f32")
 
-    def true(self) -> str:
-        if ("true", "i1") not in self.consts:
-            self.const_lines.append("%true = arith.constant true")
-            self.consts[("true", "i1")] = self.val("%true")
-        return self.consts[("true", "i1")]
-
 
 def _extra(ep: Fused | None) -> list[tuple[str, Operand]]:
     """The epilogue's buffers as template arguments: its other inputs E<k>, its output Z."""

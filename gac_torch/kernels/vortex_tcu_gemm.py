@@ -100,12 +100,6 @@ class _Text(gemm_epilogue.TextMixin, Text):
         self.spec = ep
         self.types = {"A": s.a_type, "B": s.b_type, "C": s.c_type}
 
-    def true(self) -> Any:
-        if ("true", "i1") not in self.consts:
-            self.const_lines.append("%true = arith.constant true")
-            self.consts[("true", "i1")] = self.val("%true")
-        return self.consts[("true", "i1")]
-
     def pair(self, which: str, idx: list[Any], elem: str) -> Any:
         """Elements k, k + 1 (contiguous, the first 4-byte aligned) as one 32-bit word: two
         16-bit loads, the first marked aligned, that LLVM's load combining makes one `lw`."""
