@@ -34,7 +34,7 @@ from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import Text
 from gac_torch.kernels.conv_gemm import _addr
 from gac_torch.kernels.conv_gemm import _split as _split_flat
-from gac_torch.kernels.vortex_gemm import Fused, GemmShape, _extra, _split, _subscripts
+from gac_torch.kernels.vortex_gemm import Fused, GemmShape, _split, _subscripts, template_head
 
 
 @dataclass(frozen=True)
@@ -234,20 +234,9 @@ def template(g: TcuGemm, isa: Any, fused_fill: bool, ep: Fused | None = None) ->
     """MLIR text: `func.func @tmpl(%A, %B, %C, [E<k>..., Z,] %init)` holding one gpu.launch (the
     form gac_torch.backends.gpu.strategy.splice_template wires into a graph). `ep`: C's
     consumers run in the store step (their buffers follow %C, as in vortex_gemm)."""
-    s = g.shape
-    gx, gy, gz = g.grid()
     b = _Text(g, ep)
     _kernel(b, g, isa, fused_fill, ep)
-    extra = _extra(ep)
-    flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], "
-            f"strides: [1] : {op.type} to {op.flat}" for n, op in extra]
-    head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, "
-            + "".join(f"%{n}: {op.type}, " for n, op in extra) + "%init: f32) {",
-            "%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
-            f"%gy = arith.constant {gy} : index", f"%gz = arith.constant {gz} : index",
-            f"%nt = arith.constant {4 * g.wm * g.wn} : index",
-            "gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-            "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) {", *flat]
+    head = template_head(g.shape, g.grid(), 4 * g.wm * g.wn, ep)
     return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
 
 

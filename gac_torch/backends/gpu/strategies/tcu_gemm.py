@@ -11,11 +11,10 @@ from typing import Any
 
 from mlir import ir
 
-from gac_torch.backends.gpu.analysis import Generic, fill_before
-from gac_torch.backends.gpu.strategies import epilogue as gemm_epilogue
-from gac_torch.backends.gpu.strategies.tiled_gemm import fused_epilogue, match_gemm
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
-from gac_torch.kernels import vortex_gemm, vortex_tcu_gemm
+from gac_torch.backends.gpu.analysis import Generic
+from gac_torch.backends.gpu.strategies.tiled_gemm import match_gemm, splice_gemm
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy
+from gac_torch.kernels import vortex_tcu_gemm
 from gac_torch.kernels.vortex_tcu_gemm import Layout
 
 HALF = ("f16", "bf16")
@@ -51,17 +50,7 @@ def strategy(isa: Any, warps: int, epilogue: bool = True) -> Strategy:
 
     def emit(m: tuple[Any, ...], name: str, limits: GpuLimits) -> bool:
         g, tg, a, b = m
-        fill = fill_before(g.op, g.outputs[0])
-        fused = fused_epilogue(g, fill, [a, b]) if epilogue else None
-        ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
-        text = vortex_tcu_gemm.template(tg, isa, fill is not None, ep)
-        splice_template(text, g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
-                        fill[1] if fill is not None else None, "f32", name)
-        if fill is not None:
-            fill[0].erase()
-        g.op.erase()
-        for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
-            op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
+        splice_gemm(g, a, b, [a, b], epilogue, name, lambda fill, ep: vortex_tcu_gemm.template(tg, isa, fill, ep))
         return True
 
     return Strategy("tcu", match, emit)

@@ -105,20 +105,11 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
             if best > costs.loops(shape):
                 return False
             tiling = est[best]
-        fill = fill_before(g.op, g.outputs[0])
         ins = [p[0] if p is not None else v for p, v in zip(pads[::-1] if swap else pads, g.inputs)]
-        fused = fused_epilogue(g, fill, ins) if epilogue else None
-        ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
-        text = vortex_gemm.gemm_template(shape, tiling, fill is not None, ep)
         a, b = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
         a, b = (pads[0][0] if pads[0] else a), (pads[1][0] if pads[1] else b)
-        splice_template(text, g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
-                        fill[1] if fill is not None else None, "f32", name)
-        if fill is not None:
-            fill[0].erase()
-        g.op.erase()
-        for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
-            op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
+        splice_gemm(g, a, b, ins, epilogue, name,
+                    lambda fill, ep: vortex_gemm.gemm_template(shape, tiling, fill, ep))
         for pad, v in zip(pads, (g.inputs[1], g.inputs[0]) if swap else g.inputs):
             if pad is not None:   # the fill and copy (passed already by the scheduler's loop)
                 for op in pad[3]:
@@ -127,6 +118,23 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
         return True
 
     return Strategy("gemm", match, emit)
+
+
+def splice_gemm(g: Generic, a: ir.Value, b: ir.Value, ins: list[ir.Value], epilogue: bool, name: str,
+                template) -> None:
+    """Replace g (and the fill right before it) by a GEMM template `template(fused_fill, ep)`
+    reading A = a, B = b; with `epilogue`, C's elementwise consumers (fused_epilogue, `ins`: what
+    the kernel reads) go into its store step and are marked for implicit_gemm.fused_strategy."""
+    fill = fill_before(g.op, g.outputs[0])
+    fused = fused_epilogue(g, fill, ins) if epilogue else None
+    ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
+    splice_template(template(fill is not None, ep), g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
+                    fill[1] if fill is not None else None, "f32", name)
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
+    for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
+        op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
 
 
 def padding_of(g: Generic, i: int):
