@@ -139,6 +139,17 @@ def test_tcu_is_opt_in(monkeypatch):
     assert any(k["kernel"].endswith("_tcu") for k in c["kernels"])
 
 
+def test_tcu_needs_four_thread_warps(monkeypatch):
+    monkeypatch.delenv("VORTEX_HOME", raising=False)
+    x, y = torch.randn(9, 10).half(), torch.randn(10, 5).half()
+    with pytest.warns(gac_torch.errors.GacCompilerWarning, match="4-thread warps"):
+        compiled = gac_torch.compile(Fn(lambda a, b: a @ b), (x, y), target="vortex", options={
+            "vortex_mode": "functional", "vortex_tcu": True, "vortex_config": "1x4x8", "cache": False})
+    out = compiled(x, y)
+    assert not any(k["kernel"].endswith("_tcu") for k in vortex.last_counters(compiled)["kernels"])
+    assert (out.double() - x.double() @ y.double()).abs().max() <= 2e-3 * (x.double() @ y.double()).abs().max()
+
+
 def test_vortex_tcu_option_is_checked():
     with pytest.raises(OptionError, match="vortex_tcu"):
         gac_torch.compile(Fn(lambda x: x + 1), (torch.ones(2),), target="vortex",

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from gac_torch.backends.base import Signature, Stage, Target
+from gac_torch.errors import GacCompilerWarning
 from gac_torch.backends.vortex.target import DEFAULT_CONFIG, VortexConfig
 
 if TYPE_CHECKING:
@@ -97,6 +99,10 @@ def _stages(options: dict) -> list[Stage]:
     if cfg.tcu and cfg.threads == WMMA.threads:   # opt-in (vortex_tcu): f16/bf16 matmuls on the TCU
         strategies = (tcu_gemm.strategy(WMMA, cfg.warps, epilogue=flags.tiled_gemm and flags.gemm_epilogue),
                       ) + strategies
+    elif cfg.tcu:
+        warnings.warn(f"vortex_tcu: the WMMA fragment map is for {WMMA.threads}-thread warps, the "
+                      f"configuration has {cfg.threads}; matmuls stay off the tensor-core unit",
+                      GacCompilerWarning, stacklevel=2)
     if flags.flat_fill and not flags.gemm_padding:   # (they would take the padding's fill and copy
         strategies += (flat_fill.strategy(), flat_fill.copy_strategy())   # before the GEMM sees them)
     if flags.warp_reduce:
