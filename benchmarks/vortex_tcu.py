@@ -4,7 +4,8 @@ on Vortex SimX built with the TCU (CONFIGS=-DVX_CFG_EXT_TCU_ENABLE).
     VORTEX_HOME=/path/to/tcu/simx/build python benchmarks/vortex_tcu.py \
         --shapes 64x64x64 128x128x128 256x128x192 --out benchmarks/results/vortex_tcu.md
 
-A shape is MxKxN. Variants: `tcu`, f16 `a @ b` with option vortex_tcu (one kernel: the WMMA
+A shape is MxKxN (`a @ b`); MxKxNt is `a @ b.t()` with b of shape (N, K), the form of a linear
+layer (B's k-pairs contiguous: one 32-bit load each). Variants: `tcu`, f16 `a @ b` with option vortex_tcu (one kernel: the WMMA
 GEMM into f32, the rounding to f16 in its store step); `tcu-gemm`, the same with the epilogue
 off (`compile_flags(gemm_epilogue=False)`: the GEMM kernel stores f32, a second `loops` kernel
 rounds): its first launch is the GEMM alone; `tiled`, the product in f32 through the tiled GEMM
@@ -35,19 +36,19 @@ TOL = {"tcu": 1e-3, "tcu-gemm": 1e-3, "tiled": 1e-5}   # max |err| / max |ref|
 VARIANTS = tuple(TOL)
 
 
-def run(m: int, k: int, n: int, variant: str, mode: str) -> dict:
+def run(m: int, k: int, n: int, variant: str, mode: str, trans: bool = False) -> dict:
     g = torch.Generator().manual_seed(m * 7 + k * 3 + n)
-    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    a, b = torch.randn(m, k, generator=g), torch.randn(*((n, k) if trans else (k, n)), generator=g)
     tcu = variant.startswith("tcu")
     dt = torch.float16 if tcu else torch.float32
     a, b = a.to(dt), b.to(dt)
     with vortex.compile_flags(gemm_epilogue=variant != "tcu-gemm"):
-        compiled = gac_torch.compile(Fn(lambda x, y: x @ y), (a, b), target="vortex",
+        compiled = gac_torch.compile(Fn((lambda x, y: x @ y.t()) if trans else (lambda x, y: x @ y)), (a, b), target="vortex",
                                      options={"vortex_mode": mode, "vortex_tcu": tcu, "fallback": False})
     start = time.perf_counter()
     out = compiled(a, b)
     wall = time.perf_counter() - start
-    ref = a.double() @ b.double()
+    ref = a.double() @ (b.double().t() if trans else b.double())
     rel = ((out.double() - ref).abs().max() / ref.abs().max()).item()
     if rel > TOL[variant]:
         raise AssertionError(f"{variant} {m}x{k}x{n}: relative error {rel:.3g} > {TOL[variant]}")
@@ -66,8 +67,8 @@ def main() -> None:
         sys.exit("--mode simx needs VORTEX_HOME (a Vortex build with the TCU); or pass --mode functional")
     rows = []
     for shape in args.shapes:
-        m, k, n = (int(x) for x in shape.split("x"))
-        res = {v: run(m, k, n, v, args.mode) for v in VARIANTS}
+        m, k, n = (int(x) for x in shape.rstrip("t").split("x"))
+        res = {v: run(m, k, n, v, args.mode, shape.endswith("t")) for v in VARIANTS}
         rows.append((shape, res))
         print(shape, {v: (r["gemm"]["instructions"], r["gemm"]["cycles"]) for v, r in res.items()}, flush=True)
     where = ("SimX (Vortex v3.0 with the TCU), 1 core x 4 warps x 4 threads" if args.mode == "simx"
@@ -79,7 +80,7 @@ def main() -> None:
         f"benchmarks/vortex_tcu.py --shapes {' '.join(args.shapes)} --mode {args.mode}"
         f"{' --out ' + str(args.out) if args.out else ''}`",
         "",
-        f"Device: {where}; host {platform.machine()}, torch {torch.__version__}. `a @ b`, shape MxKxN. "
+        f"Device: {where}; host {platform.machine()}, torch {torch.__version__}. `a @ b`, shape MxKxN; MxKxNt: `a @ b.t()`, b (N, K) (a linear layer's weight). "
         "Counters per launch (deterministic); `rel err` = max |out - float64| / max |float64|.",
         "",
         "* tcu: f16 inputs, option `vortex_tcu`: `gac_torch/kernels/vortex_tcu_gemm.py`, a CTA of 4 warps, "
