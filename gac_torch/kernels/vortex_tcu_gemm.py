@@ -13,13 +13,16 @@ A CTA of WM x WN warps computes an (8 WM) x (4 WN) tile of C, one 8x4 tile per w
               4-byte aligned (k innermost with stride 1, even offset and strides), else two
               16-bit loads; one WMMA. A K that is not a multiple of 8 ends with a step whose
               elements past K read 0 (clamped address + select: no branch)
-  4. store    C = the accumulators, guarded where the tile overhangs the matrix
+  4. store    C = the accumulators, guarded where the tile overhangs the matrix; with an
+              epilogue (gemm_epilogue: the rounding to f16/bf16, bias, ReLU, ...) C's elementwise
+              consumers run on them and store their output instead
 
-A pair is an aligned vector<2xf16|bf16> load bitcast to i32 (`lw`); alignment is decided from
-the memref's strides and offset (`Layout`). Every WMMA runs with the whole warp active (uniform control flow up to the
-store guards), as the unit requires. Subscripts as in vortex_gemm (GemmShape), with one plain K
-dim. `emulate` runs the kernel's math in numpy with the same fragment map and f32 rounding
-order as the unit (sim_tcu), for tests without a simulator.
+A contiguous pair is two 16-bit loads, the first marked 4-byte aligned, which LLVM combines
+into one 32-bit load; alignment is decided from the memref's strides and offset (`Layout`).
+Every WMMA runs with the whole warp active (uniform control flow up to the store guards), as
+the unit requires. Subscripts as in vortex_gemm (GemmShape), with one plain K dim. The
+functional simulator models the unit bit-exactly (backends/vortex/sim_tcu), so the kernel is
+tested there as on SimX.
 """
 
 from __future__ import annotations
