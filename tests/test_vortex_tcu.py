@@ -203,3 +203,20 @@ def test_tcu_needs_a_simx_with_the_unit(monkeypatch):
         pytest.skip("this SimX build has the TCU")
     with pytest.raises(TargetUnavailable, match="VX_CFG_EXT_TCU_ENABLE"):
         _run("mm_13x21x10", torch.float16, "simx")
+
+
+def test_contiguous_pairs_load_as_words(monkeypatch):
+    """A linear layer's operands are k-contiguous: every pair is one 32-bit load, no halves
+    (the first half's 4-byte alignment lets LLVM combine the two)."""
+    from gac_torch.backends.vortex import disassemble
+
+    monkeypatch.delenv("VORTEX_HOME", raising=False)
+    x = torch.randn(8, 16).half()
+    mod = _Linear(16, 4, torch.float16)
+    compiled = gac_torch.compile(mod, (x,), target="vortex", options={
+        "vortex_mode": "functional", "vortex_tcu": True, "fallback": False, "cache": False})
+    ex = next(iter(compiled.compiled.partitions.values())).executable
+    ops = [ln.split()[2] for ln in disassemble(ex.program.vxbin).splitlines() if ln.startswith("  ")]
+    assert "vx.wmma" in ops
+    assert not {"lh", "lhu"} & set(ops), sorted(set(ops))
+    assert ops.count("flw") + ops.count("lw") >= 12

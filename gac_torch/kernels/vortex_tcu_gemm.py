@@ -103,13 +103,20 @@ class _Text(gemm_epilogue.TextMixin, Text):
         self.spec = ep
         self.types = {"A": s.a_type, "B": s.b_type, "C": s.c_type}
 
-    def pair(self, which: str, idx: list[Any], elem: str) -> Any:
+    def pair(self, which: str, idx: list[Any], elem: str, lay: Layout) -> Any:
         """Elements k, k + 1 (contiguous, the first 4-byte aligned) as one 32-bit word: two
-        16-bit loads, the first marked aligned, that LLVM's load combining makes one `lw`."""
-        lo, hi = self.fresh(), self.fresh()
-        nxt = idx[:-1] + [idx[-1] + 1]
-        self.w(f"{lo} = memref.load %{which}[{', '.join(idx)}] {{alignment = 4}} : {self.types[which]}")
-        self.w(f"{hi} = memref.load %{which}[{', '.join(nxt)}] : {self.types[which]}")
+        16-bit loads from a 2-element view at the pair (one base pointer, offsets 0 and 2
+        bytes), the first marked aligned: LLVM's load combining makes them one 32-bit load."""
+        e: Any = self.const(lay.offset)
+        for x, st in zip(idx, lay.strides):
+            if st:
+                e = e + (x * st if st != 1 else x)
+        view, lo, hi = self.fresh(), self.fresh(), self.fresh()
+        vt = f"memref<2x{elem}, strided<[1], offset: ?>>"
+        self.w(f"{view} = memref.reinterpret_cast %{which} to offset: [{e}], sizes: [2], strides: [1] "
+               f": {self.types[which]} to {vt}")
+        self.w(f"{lo} = memref.load {view}[{self.const(0)}] {{alignment = 4}} : {vt}")
+        self.w(f"{hi} = memref.load {view}[{self.const(1)}] : {vt}")
         words = [self.cast("arith.extui", self.cast("arith.bitcast", h, elem, "i16"), "i16", "i32") for h in (lo, hi)]
         return self.bits("arith.ori", words[0], self.bits("arith.shli", words[1], self.const(16, "i32")))
 
@@ -173,7 +180,7 @@ def _kernel(b: _Text, g: TcuGemm, isa: Any, fused_fill: bool, ep: Fused | None) 
         """The k-pair (kk, kk + 1) at one operand row / column as a 32-bit word."""
         which, subs, kpos = where
         if g.pairs(which) and not tail:
-            return b.pair(which, subs[:kpos] + [kk] + subs[kpos + 1:], g.elem)
+            return b.pair(which, subs[:kpos] + [kk] + subs[kpos + 1:], g.elem, g.a if which == "A" else g.b)
         halves = []
         for q in range(2):
             k = kk + q if q else kk
