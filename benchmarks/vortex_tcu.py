@@ -81,7 +81,7 @@ def main() -> None:
         f"{' --out ' + str(args.out) if args.out else ''}`",
         "",
         f"Device: {where}; host {platform.machine()}, torch {torch.__version__}. `a @ b`, shape MxKxN; MxKxNt: `a @ b.t()`, b (N, K) (a linear layer's weight). "
-        "Counters per launch (deterministic); `rel err` = max |out - float64| / max |float64|.",
+        "Counters per launch (instruction counts are deterministic, SimX cycles vary by ~1% between runs); `rel err` = max |out - float64| / max |float64|.",
         "",
         "* tcu: f16 inputs, option `vortex_tcu`: `gac_torch/kernels/vortex_tcu_gemm.py`, a CTA of 4 warps, "
         "one 8x4 f32 tile per warp, one WMMA (8x4 += 8x8 @ 8x4, 16 micro-ops) per 8-deep K step, "
