@@ -154,6 +154,8 @@ class VortexOptions(Options):
                                      in_key=False)
     vortex_config: str | None = _field(None, '"CORESxWARPSxTHREADS" (e.g. "4x8x8") or "device" (what the '
                                              "SimX build reports); default 1x4x4 (SimX's default build)")
+    vortex_tcu: bool | None = _field(None, "f16/bf16 matmuls on the tensor-core unit (WMMA; needs a SimX built "
+                                           "with it); default: GAC_VORTEX_TCU=1 turns it on")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -164,6 +166,7 @@ class VortexOptions(Options):
         if cfg is not None and (not isinstance(cfg, str) or not re.fullmatch(r"device|[1-9]\d*x[1-9]\d*x[1-9]\d*", cfg)):
             raise OptionError(f"option 'vortex_config' must be 'CORESxWARPSxTHREADS' (e.g. '4x8x8') or "
                               f"'device', not {cfg!r}")
+        _check_bool("vortex_tcu", self.vortex_tcu, none=True)
         if self.vortex_home is not None and not isinstance(self.vortex_home, str):
             raise OptionError(f"option 'vortex_home' must be a path, not {type(self.vortex_home).__name__}")
 

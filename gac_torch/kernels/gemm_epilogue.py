@@ -176,6 +176,13 @@ class TextMixin:
         self.consts = self._saved
         self.w("}")
 
+    def true(self) -> str:
+        """The i1 constant true (a hoisting builder: defined once at the top)."""
+        if ("true", "i1") not in self.consts:
+            self.const_lines.append("%true = arith.constant true")
+            self.consts[("true", "i1")] = self.val("%true")
+        return self.consts[("true", "i1")]
+
     def round_to(self, val: str, elem: str) -> str:
         if elem == "f32":
             return val

@@ -339,12 +339,6 @@ class _Text(gemm_epilogue.TextMixin, Text):
         bits = self.cast("arith.bitcast", v, "f32", "i32")
         return self.cast("arith.bitcast", self.select(ok, bits, self.const(0, "i32"), "i32"), "i32", "f32")
 
-    def true(self) -> str:
-        if ("true", "i1") not in self.consts:
-            self.const_lines.append("%true = arith.constant true")
-            self.consts[("true", "i1")] = self.val("%true")
-        return self.consts[("true", "i1")]
-
 
 def _extra(ep: Fused | None) -> list[tuple[str, Operand]]:
     """The epilogue's buffers as template arguments: its other inputs E<k>, its output Z."""
@@ -358,22 +352,28 @@ def gemm_template(s: GemmShape, t: GemmTiling, fused_fill: bool, ep: Fused | Non
     """MLIR text of the kernel (numbered steps: module docstring). `fused_fill`: the
     accumulators start at %init instead of C's contents. `ep`: C's consumers run in the store
     step; the template then takes their buffers (E<k>..., Z) after %C."""
-    gx, gy, gz = grid(s, t)
     b = _Text(s, t, ep)
     _kernel(b, s, t, fused_fill, ep)
+    wg = "" if t.direct else f"workgroup(%As : {b.types['As']}, %Bs : {b.types['Bs']}) "
+    head = template_head(s, grid(s, t), t.threads, ep, wg) + ["%zero = arith.constant 0.0 : f32"]
+    return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
+
+
+def template_head(s: GemmShape, grid: tuple[int, int, int], threads: int, ep: Fused | None,
+                  workgroup: str = "") -> list[str]:
+    """`func.func @tmpl(%A, %B, %C, [E<k>..., Z,] %init)` up to the opened gpu.launch of `grid`
+    x `threads` (1-D), with the epilogue's buffers' flat views (%E<k>f, %Zf)."""
     extra = _extra(ep)
     flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], "
             f"strides: [1] : {op.type} to {op.flat}" for n, op in extra]
-    head = [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, "
+    gx, gy, gz = grid
+    return [f"func.func @tmpl(%A: {s.a_type}, %B: {s.b_type}, %C: {s.c_type}, "
             + "".join(f"%{n}: {op.type}, " for n, op in extra) + "%init: f32) {",
             "%one = arith.constant 1 : index", f"%gx = arith.constant {gx} : index",
             f"%gy = arith.constant {gy} : index", f"%gz = arith.constant {gz} : index",
-            f"%nt = arith.constant {t.threads} : index",
-            ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-             "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-             + ("{" if t.direct else f"workgroup(%As : {b.types['As']}, %Bs : {b.types['Bs']}) {{")),
-            "%zero = arith.constant 0.0 : f32", *flat]
-    return "\n".join(head + b.const_lines + b.lines + ["gpu.terminator", "}", "return", "}"])
+            f"%nt = arith.constant {threads} : index",
+            "gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+            f"threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) {workgroup}{{", *flat]
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from gac_torch.backends.base import Signature, Stage, Target
+from gac_torch.errors import GacCompilerWarning
 from gac_torch.backends.vortex.target import DEFAULT_CONFIG, VortexConfig
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ def limits_for(cfg: VortexConfig) -> tuple[GpuLimits, tuple[int, int], int]:
                     threads_per_block=cta, coarsen=LOOPS_COARSEN,
                     coarsen_min_points=LOOPS_COARSEN * cfg.cores * cta,
                     serial_min_threads=cfg.cores * cta)
-    gemm = GEMM_THREADS if cfg == DEFAULT_CONFIG else (cfg.warps, cfg.threads)
+    gemm = GEMM_THREADS if dataclasses.replace(cfg, tcu=False) == DEFAULT_CONFIG else (cfg.warps, cfg.threads)
     return lim, gemm, cfg.cores * cta
 # ----------------------------------------------------------------------------------------------
 
@@ -80,8 +82,9 @@ def compile_flags(**changes: bool) -> Iterator[None]:
 
 
 def _stages(options: dict) -> list[Stage]:
-    from gac_torch.backends.gpu.strategies import flat_fill, implicit_gemm, tiled_gemm, warp_reduce
+    from gac_torch.backends.gpu.strategies import flat_fill, implicit_gemm, tcu_gemm, tiled_gemm, warp_reduce
     from gac_torch.backends.vortex import pipeline, runtime
+    from gac_torch.backends.vortex.target import WMMA
 
     flags = _flags or pipeline.CompileFlags()
     cfg = runtime.resolve_config(options, *runtime.resolve_mode(options))
@@ -93,6 +96,13 @@ def _stages(options: dict) -> list[Stage]:
                    tiled_gemm.strategy(threads=gemm_threads, costs=costs, epilogue=flags.gemm_epilogue,
                                        padding=flags.gemm_padding))
                   if flags.tiled_gemm else ())
+    if cfg.tcu and cfg.threads == WMMA.threads:   # opt-in (vortex_tcu): f16/bf16 matmuls on the TCU
+        strategies = (tcu_gemm.strategy(WMMA, cfg.warps, epilogue=flags.tiled_gemm and flags.gemm_epilogue),
+                      ) + strategies
+    elif cfg.tcu:
+        warnings.warn(f"vortex_tcu: the WMMA fragment map is for {WMMA.threads}-thread warps, the "
+                      f"configuration has {cfg.threads}; matmuls stay off the tensor-core unit",
+                      GacCompilerWarning, stacklevel=2)
     if flags.flat_fill and not flags.gemm_padding:   # (they would take the padding's fill and copy
         strategies += (flat_fill.strategy(), flat_fill.copy_strategy())   # before the GEMM sees them)
     if flags.warp_reduce:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .funcsim import HEAP_BASE, FunctionalSimulator
-from .target import DEFAULT_CONFIG, VortexConfig
+from .target import DEFAULT_CONFIG, ISA_EXT_TCU, VortexConfig
 from .vxbin import read_vxbin
 from gac_torch.errors import GacError, TargetUnavailable
 
@@ -332,7 +332,8 @@ class SimxDevice(VortexDevice):
         except BaseException:
             self.close()
             raise
-        self.config = VortexConfig(cores=caps["cores"], warps=caps["warps"], threads=caps["threads"])
+        self.config = VortexConfig(cores=caps["cores"], warps=caps["warps"], threads=caps["threads"],
+                                   tcu=bool(caps.get("isa_flags", 0) & ISA_EXT_TCU))
         self.caps = caps
 
     def _log_tail(self, n: int = 3000) -> str:

@@ -51,6 +51,7 @@ _RESIDENT: dict[int, int] = {}          # id(device) -> id(executable) whose mod
 # call is then rerun on a fresh SimX.
 SIMX_TIMEOUT_ENV = "GAC_VORTEX_SIMX_TIMEOUT"   # fixed seconds per device request (overrides scaling)
 SIMX_RETRIES = 2
+TCU_ENV = "GAC_VORTEX_TCU"    # "1": option vortex_tcu's default (code switch: in the cache key)
 _SUMMED = ("instructions", "thread_instructions", "divergent_branches", "divergent_splits",
            "barriers", "ctas")
 
@@ -70,12 +71,16 @@ def resolve_config(options: dict, mode: str, vortex_home: str | None) -> VortexC
     one. The functional simulator runs whichever is asked for; a SimX build only its own
     (VortexExecutable checks)."""
     text = options.get("vortex_config")
-    if text == "device":
-        return device(mode, vortex_home).config if mode == "simx" else DEFAULT_CONFIG
-    if text:
+    tcu = options.get("vortex_tcu")
+    if tcu is None:
+        tcu = os.environ.get(TCU_ENV, "").lower() in ("1", "true", "on")
+    cfg = DEFAULT_CONFIG
+    if text == "device" and mode == "simx":
+        cfg = device(mode, vortex_home).config
+    elif text and text != "device":
         cores, warps, threads = (int(x) for x in text.split("x"))
-        return dataclasses.replace(DEFAULT_CONFIG, cores=cores, warps=warps, threads=threads)
-    return DEFAULT_CONFIG
+        cfg = dataclasses.replace(DEFAULT_CONFIG, cores=cores, warps=warps, threads=threads)
+    return dataclasses.replace(cfg, tcu=bool(tcu))
 
 
 def device(mode: str, vortex_home: str | None, config: VortexConfig = DEFAULT_CONFIG) -> VortexDevice:
@@ -131,6 +136,11 @@ class VortexExecutable:
                 f"compiled for vortex_config {config.cores}x{config.warps}x{config.threads}, but the "
                 f"SimX build at {vortex_home or '$VORTEX_HOME'} is {cfg.cores}x{cfg.warps}x{cfg.threads} "
                 "(fixed when SimX is built; vortex_config='device' compiles for it)")
+        if config.tcu and not cfg.tcu:
+            raise TargetUnavailable(
+                f"compiled with vortex_tcu (WMMA), but the SimX build at {vortex_home or '$VORTEX_HOME'} "
+                "has no tensor-core unit (build SimX with CONFIGS=-DVX_CFG_EXT_TCU_ENABLE, or turn "
+                f"vortex_tcu / {TCU_ENV} off)")
         for k in program.launches:
             threads = k.block[0] * k.block[1] * k.block[2]
             if k.shared_mem and threads > cfg.warps * cfg.threads:

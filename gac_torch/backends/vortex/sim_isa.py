@@ -13,8 +13,8 @@ from typing import Callable
 
 import numpy as np
 
-from . import sim_fpu
-from .target import OPCODE_VX, VX_INSN
+from . import sim_fpu, sim_tcu
+from .target import OPCODE_VX, VX_INSN, WMMA
 from gac_torch.errors import GacError
 
 Op = Callable[["object"], int]
@@ -295,4 +295,24 @@ class _WarpOps:
 
     @staticmethod
     def wsync(w, rd, rs1, rs2, pc, nxt):
+        return nxt
+
+    @staticmethod
+    def wmma(w, rd, rs1, rs2, pc, nxt):
+        """rd = output format (f32 only), rs1 = input format, rs2 bit 0 = sparse (unsupported)."""
+        cfg = w.core.sim.config
+        fmts = {v: k for k, v in WMMA.fmts}
+        if not cfg.tcu or cfg.threads != WMMA.threads:
+            raise IllegalInstruction(f"WMMA at {pc:#x}: the configuration has no tensor-core unit "
+                                     f"for {cfg.threads}-thread warps (VortexConfig.tcu)")
+        if fmts.get(rd) != "f32" or fmts.get(rs1) not in ("f16", "bf16") or rs2:
+            raise IllegalInstruction(f"WMMA at {pc:#x}: formats d={rd} s={rs1} sparse={rs2 & 1} "
+                                     "not modelled (f16/bf16 -> f32 dense only)")
+        if not w.full:
+            raise IllegalInstruction(f"WMMA at {pc:#x} with a partial thread mask")
+        sim_tcu.wmma(w.f, fmts[rs1])
+        # SimX retires the macro instruction as its micro-ops: count them, as it does
+        extra = WMMA.uops - 1
+        w.core.sim.counters["instructions"] += extra
+        w.core.sim.counters["thread_instructions"] += extra * w.nactive
         return nxt

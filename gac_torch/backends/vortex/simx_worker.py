@@ -16,7 +16,7 @@ import sys
 from multiprocessing.connection import Connection
 
 VX_TIMEOUT_INFINITE = 2**64 - 1
-CAPS = {"threads": 1, "warps": 2, "cores": 3, "global_mem_size": 5, "local_mem_size": 6}
+CAPS = {"threads": 1, "warps": 2, "cores": 3, "global_mem_size": 5, "local_mem_size": 6, "isa_flags": 7}
 MCYCLE, MINSTRET = 0xB00, 0xB02
 
 

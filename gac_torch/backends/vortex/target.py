@@ -55,6 +55,7 @@ VX_INSN = {
     (0, 5): "pred", (0, 6): "bar_async", (0, 7): "wsync",
     (1, 0): "vote_all", (1, 1): "vote_any", (1, 2): "vote_uni", (1, 3): "vote_ballot",
     (1, 4): "shfl_up", (1, 5): "shfl_down", (1, 6): "shfl_bfly", (1, 7): "shfl_idx",
+    (2, 0): "wmma",                  # only on a device with a TCU (Wmma below)
 }
 
 
@@ -72,6 +73,7 @@ class VortexConfig:
     threads: int = 4
     barriers: int = 8
     lmem_log2_size: int = LMEM_LOG2_SIZE
+    tcu: bool = False          # a tensor-core unit (WMMA; see Wmma below)
 
     @property
     def lmem_size(self) -> int:
@@ -85,6 +87,62 @@ class VortexConfig:
 
 
 DEFAULT_CONFIG = VortexConfig()
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-core unit (SimX built with -DVX_CFG_EXT_TCU_ENABLE; device ISA flag VX_ISA_EXT_TCU).
+# Read from sim/simx/decode.cpp, sim/simx/tcu/tcu_unit.cpp and sw/kernel/include/vx_tensor.h +
+# sw/common/tensor_cfg.h (wmma_config_t<4>) of the tree the bridge is checked against.
+ISA_EXT_TCU = 1 << (32 + 9)          # bit of the VX_CAPS_ISA_FLAGS query
+
+
+@dataclass(frozen=True)
+class Wmma:
+    """WMMA_SYNC on a 4-thread warp: D[8x4] = C + A[8x8] @ B[8x4], A and B f16 or bf16 (two per
+    32-bit register, the lower k in the low half), C and D f32; one macro instruction that SimX
+    expands into 16 micro-ops (m_steps 4 x n_steps 2 x k_steps 2, k outermost), each a 2x2x4
+    FEDP. Encoding `.insn r CUSTOM0, 0, 2, x<fmt_d>, x<fmt_s>, x0`; operands are fixed FP
+    registers: C/D f0-f7, A f10-f17, B f28-f31, at SimX's bank-conflict-free offsets (a_reg,
+    b_reg, c_reg). Lane l holds, of micro-tile (m, n, k): A row 2m + l/2, k-word 2k + l%2; B
+    column 2n + l/2, k-word 2k + l%2; C row 2m + l/2, column 2n + l%2. FEDP per output: the
+    k-word products summed in f32 in order (p = a0*b0; p = p + a1*b1; acc = p0 + 0; acc = p1 +
+    acc) then d = c + acc, each step rounded (sim_tcu.wmma does the same)."""
+
+    threads: int = 4
+    tile_m: int = 8
+    tile_n: int = 4
+    tile_k: int = 8                  # elements (4 k-words of 2)
+    uops: int = 16                   # micro-ops SimX retires (and counts) per WMMA
+    fmts: tuple[tuple[str, int], ...] = (("f32", 0), ("f16", 2), ("bf16", 3))
+    c_base: int = 0
+    a_base: int = 10
+    b_base: int = 28
+
+    def fmt(self, elem: str) -> int:
+        return dict(self.fmts)[elem]
+
+    @staticmethod
+    def a_reg(m: int, k: int) -> int:
+        return ((m & 1) << 2) | ((1 - (m >> 1)) << 1) | k
+
+    @staticmethod
+    def b_reg(n: int, k: int) -> int:
+        return ((n ^ k) << 1) | (1 - k)
+
+    @staticmethod
+    def c_reg(m: int, n: int) -> int:
+        return ((m & 1) << 2) | ((1 - (m >> 1)) << 1) | (1 - ((m >> 1) ^ n))
+
+    def asm(self, elem: str) -> tuple[str, str]:
+        """(template, constraints) of one WMMA with `elem` inputs and f32 accumulators, for an
+        inline asm whose operands are A's 8 and B's 4 registers (physical order) then C's 8
+        (tied to the 8 results)."""
+        outs = [f"={{f{self.c_base + r}}}" for r in range(8)]
+        ins = [f"{{f{self.a_base + r}}}" for r in range(8)] + [f"{{f{self.b_base + r}}}" for r in range(4)]
+        return (vx_insn(0, 2, rd=f"x{self.fmt('f32')}", rs1=f"x{self.fmt(elem)}"),
+                ",".join(outs + ins + [str(i) for i in range(8)]))
+
+
+WMMA = Wmma()
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers a kernel may call (C: #include "vx_gac.h"; LLVM IR: `declare` them and the

@@ -105,20 +105,11 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
             if best > costs.loops(shape):
                 return False
             tiling = est[best]
-        fill = fill_before(g.op, g.outputs[0])
         ins = [p[0] if p is not None else v for p, v in zip(pads[::-1] if swap else pads, g.inputs)]
-        fused = fused_epilogue(g, fill, ins) if epilogue else None
-        ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
-        text = vortex_gemm.gemm_template(shape, tiling, fill is not None, ep)
         a, b = (g.inputs[1], g.inputs[0]) if swap else (g.inputs[0], g.inputs[1])
         a, b = (pads[0][0] if pads[0] else a), (pads[1][0] if pads[1] else b)
-        splice_template(text, g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
-                        fill[1] if fill is not None else None, "f32", name)
-        if fill is not None:
-            fill[0].erase()
-        g.op.erase()
-        for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
-            op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
+        splice_gemm(g, a, b, ins, epilogue, name,
+                    lambda fill, ep: vortex_gemm.gemm_template(shape, tiling, fill, ep))
         for pad, v in zip(pads, (g.inputs[1], g.inputs[0]) if swap else g.inputs):
             if pad is not None:   # the fill and copy (passed already by the scheduler's loop)
                 for op in pad[3]:
@@ -127,6 +118,23 @@ def strategy(threads: tuple[int, int], costs: GemmCosts | None = None, epilogue:
         return True
 
     return Strategy("gemm", match, emit)
+
+
+def splice_gemm(g: Generic, a: ir.Value, b: ir.Value, ins: list[ir.Value], epilogue: bool, name: str,
+                template) -> None:
+    """Replace g (and the fill right before it) by a GEMM template `template(fused_fill, ep)`
+    reading A = a, B = b; with `epilogue`, C's elementwise consumers (fused_epilogue, `ins`: what
+    the kernel reads) go into its store step and are marked for implicit_gemm.fused_strategy."""
+    fill = fill_before(g.op, g.outputs[0])
+    fused = fused_epilogue(g, fill, ins) if epilogue else None
+    ep = None if fused is None else vortex_gemm.Fused(fused[1], gemm_epilogue.operand_at(g.outputs[0], g.maps[2]))
+    splice_template(template(fill is not None, ep), g.op, [a, b, g.outputs[0], *(fused[2] if fused else [])],
+                    fill[1] if fill is not None else None, "f32", name)
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
+    for op in fused[0] if fused else []:   # erased by implicit_gemm.fused_strategy
+        op.attributes[gemm_epilogue.FUSED] = ir.UnitAttr.get()
 
 
 def padding_of(g: Generic, i: int):
@@ -207,15 +215,17 @@ def linear_subscripts(m: ir.AffineMap) -> list[vortex_gemm.Sub] | None:
     return out
 
 
-def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
+def match_gemm(g: Generic, inputs: tuple[str, ...] = ("f32",)) -> tuple[vortex_gemm.GemmShape, bool] | None:
     """A plain f32 contraction out += x * y (a matmul, a batched matmul, a convolution): the
     shape with A = the input without the output's innermost dim (so C's stores walk columns),
     and whether A is the op's second input. Reduction, row (A and C), column (B and C) and
     batch (A, B and C) dims may each be several; A's and B's subscripts may be linear in them
-    (a convolution's oh * stride + kh), C's must be plain dims."""
+    (a convolution's oh * stride + kh), C's must be plain dims. `inputs`: the element types x
+    and y may have (both the same); narrower than f32 they are extended in the body
+    (out += extf(x) * extf(y), as a half-precision matmul into f32)."""
     elems = [str(ir.MemRefType(v.type).element_type) if isinstance(v.type, ir.MemRefType) else ""
              for v in (*g.inputs, *g.outputs)]
-    if elems != ["f32"] * 3:
+    if len(elems) != 3 or elems[0] != elems[1] or elems[0] not in inputs or elems[2] != "f32":
         return None
     subs = [linear_subscripts(m) for m in g.maps]
     c_subs = subs[2]
@@ -239,6 +249,11 @@ def match_gemm(g: Generic) -> tuple[vortex_gemm.GemmShape, bool] | None:
     # body: yield(addf(out, mulf(a, b))), operands in any order
     ops = [op.operation for op in g.body.operations]
     ba, bb, bc = g.body.arguments
+    if elems[0] != "f32":   # the extensions of x and y first
+        if [op.name for op in ops[:2]] != ["arith.extf"] * 2 or {op.operands[0] for op in ops[:2]} != {ba, bb}:
+            return None
+        ba, bb = ops[0].results[0], ops[1].results[0]
+        ops = ops[2:]
     if [op.name for op in ops] != ["arith.mulf", "arith.addf", "linalg.yield"]:
         return None
     mul, add, yld = ops
