@@ -12,6 +12,10 @@ import pytest
 import torch
 
 from gac_torch.backends.cuda import runtime
+from gac_torch.errors import GacInputError
+from gac_torch.runtime.compiled import CompiledGraph
+from cuda_cases import CASES
+from cuda_stub import stub_cuda
 from test_cuda_graphs import _Chain, _executables, _out_ptr
 from test_cuda_graphs import fake as fake  # noqa: F401, PLC0414  (a fixture these tests use)
 
@@ -176,11 +180,9 @@ class _Exe:
 
 def _cuda_partition(monkeypatch):
     from gac_torch.backends.base import Signature, TensorSpec
-    from gac_torch.runtime.compiled import CompiledGraph
 
     sig = Signature((TensorSpec((4,), torch.float32),), (TensorSpec((4,), torch.float32),))
     cg = CompiledGraph("p", _Exe(), sig, "cuda", {}, ["x"], tuple_output=False)
-    cg._on_device = "is_cpu"  # CPU tensors stand in for CUDA ones
     pushed = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append("pop"))
@@ -296,6 +298,91 @@ def test_a_graph_that_is_one_partition_is_called_directly(tuple_output) -> None:
         assert _whole_partition(gm) is None
         assert _forward_of(gm).__func__ is type(gm).forward
     torch.testing.assert_close(_forward_of(swapped)(x, y)[0], y * 2 - x)
+
+
+def test_fast_path_launches_well_formed_inputs_and_declines_the_rest(fake, monkeypatch) -> None:
+    # CompiledGraph hands every call to CudaExecutable.call, which launches well-formed inputs
+    # without another check (a strided one made dense first) and declines the rest; a declined
+    # call goes through check_inputs, which names what is wrong
+    driver, program, make, inputs = fake
+    exe, ran = make()
+    case = CASES["mlp_softmax_graph"]
+    cg = CompiledGraph("p", exe, case.signature(), "cuda", {}, ["x", "w1", "b1", "w2"], tuple_output=False)
+    checked = []
+    real = CompiledGraph.check_inputs
+    monkeypatch.setattr(CompiledGraph, "check_inputs", lambda self, args: checked.append(1) or real(self, args))
+    out = cg(*inputs)
+    assert out.shape == case.outputs[0][0] and not checked and not ran
+    assert exe.stats["direct_calls"] == 1
+    strided = inputs[1].t().contiguous().t()  # (the values and shape of w1, column-major)
+    assert not strided.is_contiguous()
+    before = len(driver.launched)
+    cg(inputs[0], strided, *inputs[2:])
+    read = _out_ptr(driver.launched[before:], program, 1)  # the launches read a dense copy
+    assert read and strided.data_ptr() not in read and inputs[1].data_ptr() not in read
+    assert not checked and not ran and exe.stats["direct_calls"] == 2
+    x = inputs[0]
+    for bad, what in ((x.double(), "dtype torch.float32, got torch.float64"),
+                      (torch.randn(x.shape[0], x.shape[1] + 1), "shape"), (3, "expected a tensor, got int")):
+        with pytest.raises(GacInputError, match=what):
+            cg(bad, *inputs[1:])
+    monkeypatch.setattr(runtime, "_current_device", lambda: 0)  # the inputs are on another device
+    with pytest.raises(GacInputError, match="compiled for cuda tensors, got one on cpu"):
+        cg(*inputs)
+    assert len(checked) == 4 and not ran and exe.stats["direct_calls"] == 2
+
+
+def test_torch_compile_calls_a_one_partition_graph_boxed(monkeypatch) -> None:
+    # a graph that is one compiled partition: AOTAutograd's wrapper calls CompiledGraph.boxed,
+    # which calls the executable's `call` (no forward, no check_inputs, no run), once per call
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    gen = torch.Generator().manual_seed(11)
+    x, y = (torch.randn(16, 16, generator=gen) for _ in range(2))
+    with stub_cuda(), torch.no_grad():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda p, q: torch.tanh(p * q + 1.0), backend="gac", options={"target": "cuda"})
+        fn(x, y)
+        (cg,) = compiled_graphs[-1].partitions.values()
+        seen = []
+        real = cg._call
+        cg._call = lambda args: seen.append([a.data_ptr() for a in args]) or real(args)
+        for name in ("forward", "check_inputs", "_forward"):
+            monkeypatch.setattr(CompiledGraph, name, lambda self, *a, name=name: seen.append(name))
+        outs = [fn(x, y) for _ in range(3)]
+    assert seen == [[x.data_ptr(), y.data_ptr()]] * 3
+    assert len({o.data_ptr() for o in outs}) == 3  # each held: its own pooled set
+    # (the first call's set, dropped, serves the second: three pointer sets in all)
+    assert cg.executable.stats["direct_calls"] == 4 and cg.executable.stats["tables_built"] == 3
+
+
+def test_matmul_tf32_flag_is_guarded_by_dynamo() -> None:
+    # what lets a matmul graph skip reading the TF32 flags per call (dynamo.py's per_flags keeps
+    # that for convolutions): a call under another matmul precision recompiles, and a call under
+    # the first flags again finds the first compilation
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
+    gen = torch.Generator().manual_seed(12)
+    x, y = (torch.randn(8, 8, generator=gen) for _ in range(2))
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch._dynamo.reset()
+        fn = torch.compile(lambda p, q: torch.relu(p @ q), backend="gac", options={"target": "cpu"})
+        with torch.no_grad():
+            fn(x, y)
+            once = len(compiled_graphs)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.testing.assert_close(fn(x, y), torch.relu(x @ y))
+            assert len(compiled_graphs) == once + 1
+            torch.set_float32_matmul_precision("highest")
+            fn(x, y)
+            torch.set_float32_matmul_precision("high")  # (the same flag as allow_tf32 = True)
+            fn(x, y)
+            assert len(compiled_graphs) == once + 1
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.set_float32_matmul_precision(saved[1])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -107,14 +107,12 @@ def _name_inputs(graph: torch.fx.GraphModule, names: list[str]) -> None:
     graph.recompile()
 
 
-_CONTRACTIONS = ("mm", "conv", "dot", "linear", "matmul", "einsum", "attention", "bilinear")
-
-
-def _reads_precision_flags(gm: torch.fx.GraphModule) -> bool:
-    """Whether the TF32 flags can change gac's code for this graph: it has an op whose name
-    says contraction (matmuls, convolutions, attention; a broad match, to be safe)."""
-    return any(n.op == "call_function" and any(c in str(n.target) for c in _CONTRACTIONS)
-               for n in gm.graph.nodes)
+def _reads_unguarded_flags(gm: torch.fx.GraphModule) -> bool:
+    """Whether gac's code for this graph can depend on a precision flag that dynamo does not
+    guard: cuDNN's TF32 flag, which gac reads for convolutions (a broad match on the op's name,
+    to be safe). The matmul flag (and the float32 matmul precision, which sets it) is in
+    dynamo's global-state guard: a call under another value recompiles."""
+    return any(n.op == "call_function" and "conv" in str(n.target) for n in gm.graph.nodes)
 
 
 def _forward_of(gm: torch.fx.GraphModule):
@@ -136,6 +134,22 @@ def _forward_of(gm: torch.fx.GraphModule):
         return call
     _LazyGraphModule.force_recompile(gm)
     return gm.forward
+
+
+def _boxed_of(gm: torch.fx.GraphModule):
+    """What AOTAutograd calls: it passes the arguments as one list and takes the outputs as one
+    sequence. A graph that is one compiled partition is that partition's `boxed` (no frame in
+    between: AOTAutograd's wrapper calls it directly); any other, its forward behind
+    make_boxed_func."""
+    from functorch.compile import make_boxed_func
+
+    whole = _whole_partition(gm)
+    if whole is None:
+        return make_boxed_func(_forward_of(gm))
+    call = functools.partial(whole.boxed)
+    call._boxed_call = True
+    call.graph_module = gm  # (kept alive by what dynamo holds, as above)
+    return call
 
 
 def _whole_partition(gm: torch.fx.GraphModule):
@@ -191,8 +205,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
         # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
         # other precision flags than the compile's gets (and keeps) its own compilation; a graph
-        # without contractions compiles the same under any flags (and skips reading them)
-        if not _reads_precision_flags(pristine):
+        # without convolutions needs no such check (and skips reading the flags)
+        if not _reads_unguarded_flags(pristine):
             return first
         by_flags = {precision_flags(): first}
 
@@ -218,6 +232,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)
+            if not _reads_unguarded_flags(pristine):  # (the common case: nothing between)
+                return _boxed_of(compiled.gm)
             return make_boxed_func(per_flags(pristine, _forward_of(compiled.gm), compile_now))
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(pristine, compile_static, reason=reason))

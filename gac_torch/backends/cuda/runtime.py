@@ -146,6 +146,15 @@ def _error_text(err: Any) -> str:
         return str(int(err))
 
 
+def _launched(err: Any, bound: _Bound, i: int, stream: Any) -> None:
+    """After launch i of `bound`: raise on an error, naming the kernel; with GAC_CUDA_SYNC=1,
+    wait for it, so that an asynchronous fault names its kernel too."""
+    k = bound.program.launches[i]
+    if err:
+        raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): {_error_text(err)}")
+    _check(_driver.cuStreamSynchronize(stream), f"kernel {k.kernel}")
+
+
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
@@ -202,6 +211,10 @@ class _Entry:
     hits: int = 0
     graph: Any = None  # (CUgraph, CUgraphExec) once captured
     tensor_maps: torch.Tensor | None = None  # the table's TMA descriptors (device memory)
+    # cuLaunchKernel's arguments per launch on one stream (its handle): built on the first
+    # direct launch there, so a later one only passes them on
+    launches: list[tuple] | None = None
+    stream: int | None = None
 
 
 @dataclass
@@ -269,6 +282,9 @@ class CudaExecutable:
         self.use_graphs = graphs_enabled(graphs)
         self._devices: dict[int, torch.device] = {}
         self._out_specs = [(tuple(s.shape), s.dtype) for s in signature.outputs]
+        # what `call` checks per argument: (dtype, torch.Size); None: run-time sizes (never fast)
+        self._arg_specs = None if program.dynamic or signature.dynamic else [
+            (s.dtype, torch.Size(s.shape)) for s in signature.inputs]
         out_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.outputs
                         if not isinstance(s, SizeSpec) and all(isinstance(n, int) for n in s.shape))
         # outputs in a pool (stable addresses for graphs): static shapes, not empty, not too big
@@ -357,23 +373,37 @@ class CudaExecutable:
             self._bound.move_to_end(key)
         return bound
 
-    def call(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Runs on `inputs` (dense tensors with the compiled shapes and dtypes: CompiledGraph
-        checked them) and returns the outputs: pooled buffers where graphs can replay into them,
-        else fresh ones. Per call: one pass over the inputs, one lane and one table lookup, one
-        launch (a graph) or one per kernel; nothing that scales with the number of kernels."""
-        if self._static is None:
-            return self._call_fresh(inputs)
-        dev = inputs[0].get_device() if inputs else _current_device()
+    def call(self, args: Sequence) -> list[torch.Tensor] | None:
+        """CompiledGraph's per-call path: runs on the partition's arguments and returns its
+        outputs, or None to decline (CompiledGraph then checks the arguments, naming what is
+        wrong, and goes through `run`): run-time sizes, an argument that is not a tensor of its
+        compiled dtype and shape on the current device at a 16-byte aligned address, a call
+        inside the caller's own CUDA graph capture. A strided input is made dense (a copy).
+        Outputs: pooled buffers where graphs can replay into them, else fresh ones. Per call:
+        one pass over the arguments (metadata and pointer reads), one lane and one table
+        lookup, one launch (a graph, or a one-kernel program's prebuilt launch) or one per
+        kernel; nothing that scales with the number of kernels."""
+        specs = self._arg_specs
+        if specs is None or len(args) != len(specs):
+            return None
+        dev = _current_device()
         ptrs = []
-        for t in inputs:
-            p = t.data_ptr()
-            if p % BUFFER_ALIGN or t.get_device() != dev:
-                return self._call_fresh(inputs)  # staged through aligned copies / other device
-            ptrs.append(p)
-        if dev != _current_device() or _capturing():
-            # run() launches under that device's context / plainly into the caller's capture
-            return self._call_fresh(inputs)
+        dense = []  # copies of strided inputs, alive until their launches are issued
+        try:
+            for a, (dtype, shape) in zip(args, specs):
+                if a.dtype is not dtype or a.shape != shape or a.get_device() != dev:
+                    return None
+                if not a.is_contiguous():
+                    a = a.contiguous()
+                    dense.append(a)
+                p = a.data_ptr()
+                if p % BUFFER_ALIGN:
+                    return None  # (run stages it through an aligned copy)
+                ptrs.append(p)
+        except (AttributeError, RuntimeError):  # not a tensor; not strided (no data pointer)
+            return None
+        if _capturing():  # run() launches plainly into the caller's capture
+            return None
         lane = self._lane(dev, _raw_stream(dev))
         got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
@@ -386,12 +416,6 @@ class CudaExecutable:
             out_set, outs = got
             ptrs += out_set.ptrs
         self._issue(lane, self._static, (None, *ptrs, lane.ws_ptr), ptrs, False)
-        return outs
-
-    def _call_fresh(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        device = inputs[0].device if inputs else torch.device("cuda", _current_device())
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
-        self.run(inputs, outs)
         return outs
 
     def _lane(self, dev: int, handle: int) -> _Lane:
@@ -509,10 +533,20 @@ class CudaExecutable:
                     entry.hits >= GRAPH_AFTER_CHURN or self._graphs_pay()):
                 self._capture(state, entry, bound)
             if entry.graph is not None:
-                _check(_driver.cuGraphLaunch(entry.graph[1], lane.stream), "cuGraphLaunch")
+                err = _driver.cuGraphLaunch(entry.graph[1], lane.stream)[0]
+                if err:
+                    raise CudaError(f"cuGraphLaunch: {_error_text(err)}")
                 self.stats["graph_calls"] += 1
                 return
-        self._launch(state, entry.table, lane.stream, bound)
+        if entry.stream != lane.handle:
+            entry.launches = [(*head, lane.stream, argv, 0)
+                              for head, argv in zip(self._heads(state, bound), entry.table.argv)]
+            entry.stream = lane.handle
+        launch = _driver.cuLaunchKernel
+        for i, args in enumerate(entry.launches):
+            err = launch(*args)[0]
+            if err or SYNC_AFTER_LAUNCH:
+                _launched(err, bound, i, lane.stream)
         self.stats["direct_calls"] += 1
 
     def _graphs_pay(self) -> bool:
@@ -533,22 +567,22 @@ class CudaExecutable:
             self._drop_graph(old)
         return entry
 
-    def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
-        launch = _driver.cuLaunchKernel
-        ok = _driver.CUresult.CUDA_SUCCESS
-        funcs = bound.funcs.get(id(state))
-        if funcs is None:  # (function, grid, block, shared memory): cuLaunchKernel's first 8
-            funcs = bound.funcs[id(state)] = [
+    @staticmethod
+    def _heads(state: _Context, bound: _Bound) -> list[tuple]:
+        """(function, grid, block, shared memory) per launch: cuLaunchKernel's first 8 arguments."""
+        heads = bound.funcs.get(id(state))
+        if heads is None:
+            heads = bound.funcs[id(state)] = [
                 (state.by_name[k.kernel], *grid, *block, smem)
                 for k, (grid, block, smem) in zip(bound.program.launches, bound.launches)]
-        for i, (head, argv) in enumerate(zip(funcs, table.argv)):
+        return heads
+
+    def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
+        launch = _driver.cuLaunchKernel
+        for i, (head, argv) in enumerate(zip(self._heads(state, bound), table.argv)):
             err = launch(*head, stream, argv, 0)[0]
-            if err != ok:
-                k = bound.program.launches[i]
-                raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): "
-                                f"{_error_text(err)}")
-            if SYNC_AFTER_LAUNCH:  # debugging: pin asynchronous faults on their kernel
-                _check(_driver.cuStreamSynchronize(stream), f"kernel {bound.program.launches[i].kernel}")
+            if err or SYNC_AFTER_LAUNCH:
+                _launched(err, bound, i, stream)
 
     def _capture(self, state: _Context, entry: _Entry, bound: _Bound) -> None:
         """Record the launch sequence for this pointer set as a CUDA graph (captured on a
