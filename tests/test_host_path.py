@@ -434,3 +434,51 @@ def test_a_replaced_executable_is_the_one_called(monkeypatch):
     cg.executable = new
     torch.testing.assert_close(cg(x), x * 2)
     assert (old.calls, new.calls) == (1, 1)
+
+
+@pytest.mark.cuda
+def test_gpu_one_kernel_gemm_takes_the_fast_path() -> None:
+    # gemm_fp32_2048_tf32on's graph, small: every call goes through CudaExecutable.call (no
+    # check_inputs, no run) into pooled outputs; rotated inputs and held outputs match float64
+    # at TF32's tolerance; a transposed operand (dynamo recompiles for its strides) still does;
+    # CPU inputs handed to the partition itself are named
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b: a @ b, backend="gac", options={"target": "cuda"})
+        gen = torch.Generator(device="cuda").manual_seed(31)
+        sets = [[torch.randn(192, 160, generator=gen, device="cuda"),
+                 torch.randn(160, 136, generator=gen, device="cuda")] for _ in range(3)]
+        held = []
+        with torch.no_grad():
+            fn(*sets[0])
+            (cg,) = compiled_graphs[-1].partitions.values()
+            exe = cg.executable
+            taken = []
+            real = cg._call
+
+            def spy(args):
+                outs = real(args)
+                taken.append(outs is not None)
+                return outs
+
+            cg._call = spy
+            for k in range(6):  # (fewer than the pool's sets: none is missed)
+                a, b = sets[k % 3]
+                held.append((fn(a, b), a.double() @ b.double()))
+            assert taken == [True] * 6, taken
+            assert exe.stats["direct_calls"] == 7 and exe.stats["pool_misses"] == 0, exe.stats
+            a, b = sets[0]
+            bt = b.t().contiguous().t()  # (b's values, column-major)
+            held.append((fn(a, bt), a.double() @ b.double()))
+            torch.cuda.synchronize()
+            for got, ref in held:
+                rel = ((got.double() - ref).norm() / ref.norm()).item()
+                assert rel < 3e-3, rel
+            with pytest.raises(GacInputError, match="compiled for cuda tensors, got one on cpu"):
+                cg(a.cpu(), b.cpu())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
