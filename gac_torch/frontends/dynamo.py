@@ -149,7 +149,44 @@ def _boxed_of(gm: torch.fx.GraphModule):
     call = functools.partial(whole.boxed)
     call._boxed_call = True
     call.graph_module = gm  # (kept alive by what dynamo holds, as above)
+    call.partition = whole
     return call
+
+
+def _plain_inference(example_inputs: list) -> bool:
+    """Whether AOTAutograd's runtime wrapper around the inference graph it is compiling does
+    nothing but call it (read from AOTAutograd's metadata while it compiles): static plain
+    tensors in, one graph input each (none deduplicated), no input mutated, every output a fresh
+    tensor (no alias of an input or another output), no effect tokens, no functionalized RNG,
+    no autocast to turn off. Anything unknown (another torch's metadata) says no."""
+    from torch._guards import TracingContext
+
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        meta = TracingContext.try_get().fw_metadata
+        return (all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs)
+                and len(meta.input_info) == len(example_inputs)
+                and not any(i.mutates_data or i.mutates_metadata or getattr(i, "mutates_storage_metadata", False)
+                            for i in meta.input_info)
+                and all(o.output_type == OutputType.non_alias for o in meta.output_info)
+                and not meta.num_intermediate_bases and not getattr(meta, "tokens", None)
+                and not torch._functorch.config.functionalize_rng_ops
+                and not torch._C._is_any_autocast_enabled())
+    except (AttributeError, ImportError):
+        return False
+
+
+def _without_aot_wrapper(call, gm: torch.fx.GraphModule, example_inputs: list):
+    """What dynamo calls for an inference graph whose AOTAutograd wrapper would only pass the
+    arguments on (see _plain_inference; a graph with parameters of its own would have them
+    prepended): the one compiled partition's call, behind torch._dynamo.disable (whose frames
+    dynamo must not trace) as AOTAutograd's is. None: keep AOTAutograd's."""
+    if call is None or any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None
+    direct = functools.partial(call.partition.call_args)
+    direct.graph_module = call.graph_module  # (kept alive by what dynamo holds)
+    return torch._dynamo.disable(direct, reason="gac: the AOT-compiled graph, called directly")
 
 
 def _whole_partition(gm: torch.fx.GraphModule):
@@ -223,6 +260,14 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         pristine = copy_graph(graph)  # (compiling rewrites the graph in place)
         return per_flags(pristine, compile_now(graph), compile_now)
 
+    plain: dict = {}  # the inference graph's boxed call, where AOTAutograd's wrapper adds nothing
+
+    def compile_inference(graph: torch.fx.GraphModule, inputs):
+        fn = compile_fn(graph, inputs)
+        if getattr(fn, "partition", None) is not None and _plain_inference(example_inputs):
+            plain["call"] = fn
+        return fn
+
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
@@ -240,7 +285,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
 
     forget_stale_dynamo_guards()
     try:
-        return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
-                            decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)
+        compiled = aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn, inference_compiler=compile_inference,
+                                decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)
+        return _without_aot_wrapper(plain.get("call"), gm, example_inputs) or compiled
     finally:
         release_trace_globals()  # AOTAutograd's make_fx left the graph gac compiled in torch's globals

@@ -123,6 +123,10 @@ class CompiledGraph(torch.nn.Module):
 
     boxed._boxed_call = True  # (AOTAutograd then calls it without wrapping)
 
+    def call_args(self, *args) -> Sequence:
+        """boxed, with the arguments as they come (what dynamo calls without AOTAutograd)."""
+        return self.boxed(args)
+
     def forward(self, *args):
         outs = self.boxed(args)
         return tuple(outs) if self.tuple_output else outs[0]

@@ -64,7 +64,7 @@ class OutputPool:
                     if _use_count(c) != n or b.data_ptr() != p:
                         break
                 else:
-                    return s, [_detach(b) for b in s.bufs]
+                    return s, list(map(_detach, s.bufs))
             if len(self.sets) >= self.max_sets:
                 return None
             s = OutputSet([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs])
