@@ -13,7 +13,8 @@ negligible next to the host time).
 `--breakdown` lists, per one-partition workload, the microseconds per call of each level of the
 path, outermost first, each including the ones below it: the module eagerly, torch.compile with
 a backend that returns at once (dynamo's floor) and with AOTAutograd around it (dynamo + AOT
-floor), gac's whole call, the function dynamo calls (AOTAutograd + gac), CompiledGraph.boxed,
+floor), gac's whole call, the function dynamo calls (AOTAutograd's wrapper, where it does anything,
+and gac), CompiledGraph.boxed,
 CudaExecutable.call, and the executable's parts (lane, output pool, table lookup + launch).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import contextlib
+import functools
 import pstats
 import statistics
 import sys
@@ -163,7 +165,7 @@ def _noop_backends():
 
 def breakdown(name, model, x, device: str, n: int) -> list[str]:
     """Microseconds per call at each level of the path (see the module's docstring)."""
-    from gac_torch.frontends.dynamo import compiled_graphs
+    from gac_torch.frontends.dynamo import _whole_partition, compiled_graphs
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x = list(x)
@@ -181,12 +183,21 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
         fn(*x)
     rows.append(("gac: torch.compile call", lambda: fn(*x)))
     inner = [where[k] for k in set(where) - before if k.startswith("__compiled_fn")]
-    if len(inner) == 1:  # what dynamo's code calls: AOTAutograd's wrapper, then gac
-        rows.append(("  AOTAutograd + gac (dynamo's compiled fn)", lambda: inner[0](*x)))
-    parts = [cg for c in compiled_graphs if id(c) not in graphs_before for cg in c.partitions.values()]
-    if len(parts) == 1:
-        cg = parts[0]
+    if len(inner) == 1:  # what dynamo's code calls: AOTAutograd's wrapper (or not), then gac
+        core = inner[0]
+        while hasattr(core, "_torchdynamo_orig_callable"):
+            core = core._torchdynamo_orig_callable
+        aot = "gac directly" if isinstance(core, functools.partial) else "AOTAutograd + gac"
+        rows.append((f"  dynamo's compiled fn ({aot})", lambda: inner[0](*x)))
+    new = [c for c in compiled_graphs if id(c) not in graphs_before]
+    parts = [cg for c in new for cg in c.partitions.values()]
+    whole = _whole_partition(new[0].gm) if len(new) == 1 else None
+    if whole is not None:  # (else the partition's arguments are not the module's)
+        cg = whole
         exe = cg.executable
+        if cg._guarded is not None and cg._guarded(x) is not None:  # (what the direct call takes)
+            rows.append(("    CompiledGraph.call_guarded", lambda: cg.call_guarded(*x)))
+            rows.append(("      CudaExecutable.call_guarded", lambda: exe.call_guarded(x)))
         rows.append(("    CompiledGraph.boxed", lambda: cg.boxed(x)))
         if cg._call is not None and cg._call(x) is not None:
             rows.append(("      CudaExecutable.call", lambda: exe.call(x)))
@@ -204,7 +215,8 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
             key = (None, *ptrs, lane.ws_ptr)
             rows.append(("        table lookup + launch", lambda: exe._issue(lane, exe._static, key, ptrs, False)))
             del got
-    lines = [f"{name} ({device}): {len(parts)} partition(s), "
+    lines = [f"{name} ({device}): {len(new)} graph(s), {len(parts)} partition(s)"
+             f"{' (the whole graph)' if whole is not None else ''}, "
              f"{sum(len(getattr(getattr(p.executable, 'program', None), 'launches', ())) for p in parts)} launch(es)"]
     with torch.no_grad():
         for label, f in rows:

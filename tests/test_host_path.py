@@ -335,25 +335,50 @@ def test_fast_path_launches_well_formed_inputs_and_declines_the_rest(fake, monke
     assert len(checked) == 4 and not ran and exe.stats["direct_calls"] == 2
 
 
-def test_torch_compile_calls_a_one_partition_graph_boxed(monkeypatch) -> None:
-    # a graph that is one compiled partition: AOTAutograd's wrapper calls CompiledGraph.boxed,
-    # which calls the executable's `call` (no forward, no check_inputs, no run), once per call
+def _called_by_dynamo(fn_globals: dict, before: set):
+    """What dynamo's code calls for the graph compiled since `before` (its globals then), under
+    torch._dynamo.disable's wrappers."""
+    (name,) = [k for k in set(fn_globals) - before if k.startswith("__compiled_fn")]
+    call = fn_globals[name]
+    while hasattr(call, "_torchdynamo_orig_callable"):
+        call = call._torchdynamo_orig_callable
+    return call
+
+
+def test_torch_compile_reads_only_the_pointers_of_guarded_inputs(monkeypatch) -> None:
+    # an inference graph that is one compiled partition over dense inputs: dynamo's code calls
+    # CompiledGraph.call_guarded (no AOTAutograd wrapper, no forward, no check_inputs, no run),
+    # which passes the inputs to CudaExecutable.call_guarded (pointers only), once per call; an
+    # input dynamo's guards pass at a misaligned address is declined there; an input that was
+    # strided when compiled is called through the checked path (made dense every call)
     from gac_torch.frontends.dynamo import compiled_graphs
 
     gen = torch.Generator().manual_seed(11)
     x, y = (torch.randn(16, 16, generator=gen) for _ in range(2))
     with stub_cuda(), torch.no_grad():
         torch._dynamo.reset()
+        before = set(globals())
         fn = torch.compile(lambda p, q: torch.tanh(p * q + 1.0), backend="gac", options={"target": "cuda"})
         fn(x, y)
+        assert _called_by_dynamo(globals(), before).func.__name__ == "call_guarded"
         (cg,) = compiled_graphs[-1].partitions.values()
         seen = []
-        real = cg._call
-        cg._call = lambda args: seen.append([a.data_ptr() for a in args]) or real(args)
+        for attr in ("_guarded", "_call"):
+            real = getattr(cg, attr)
+            setattr(cg, attr, lambda args, real=real, attr=attr: seen.append((attr, [a.data_ptr() for a in args]))
+                    or real(args))
         for name in ("forward", "check_inputs", "_forward"):
             monkeypatch.setattr(CompiledGraph, name, lambda self, *a, name=name: seen.append(name))
         outs = [fn(x, y) for _ in range(3)]
-    assert seen == [[x.data_ptr(), y.data_ptr()]] * 3
+        raw = torch.empty(x.numel() + 1)
+        shifted = raw[1:].view(x.shape)  # (the sizes and strides dynamo guards; 4 bytes off)
+        assert cg.executable.call_guarded([shifted, y]) is None
+        torch._dynamo.reset()
+        before = set(globals())
+        strided = torch.compile(lambda p, q: torch.tanh(p * q), backend="gac", options={"target": "cuda"})
+        strided(x.t(), y)
+        assert _called_by_dynamo(globals(), before).func.__name__ == "call_args"
+    assert seen == [("_guarded", [x.data_ptr(), y.data_ptr()])] * 3
     assert len({o.data_ptr() for o in outs}) == 3  # each held: its own pooled set
     # (the first call's set, dropped, serves the second: three pointer sets in all)
     assert cg.executable.stats["direct_calls"] == 4 and cg.executable.stats["tables_built"] == 3
@@ -386,16 +411,6 @@ def test_matmul_tf32_flag_is_guarded_by_dynamo() -> None:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved[0]
         torch.set_float32_matmul_precision(saved[1])
-
-
-def _called_by_dynamo(fn_globals: dict, before: set):
-    """What dynamo's code calls for the graph compiled since `before` (its globals then), under
-    torch._dynamo.disable's wrappers."""
-    (name,) = [k for k in set(fn_globals) - before if k.startswith("__compiled_fn")]
-    call = fn_globals[name]
-    while hasattr(call, "_torchdynamo_orig_callable"):
-        call = call._torchdynamo_orig_callable
-    return call
 
 
 @pytest.mark.parametrize("case", ["plain", "mutates_input", "returns_a_view", "training"])
@@ -493,10 +508,10 @@ def test_a_replaced_executable_is_the_one_called(monkeypatch):
 
 @pytest.mark.cuda
 def test_gpu_one_kernel_gemm_takes_the_fast_path() -> None:
-    # gemm_fp32_2048_tf32on's graph, small: every call goes through CudaExecutable.call (no
-    # check_inputs, no run) into pooled outputs; rotated inputs and held outputs match float64
-    # at TF32's tolerance; a transposed operand (dynamo recompiles for its strides) still does;
-    # CPU inputs handed to the partition itself are named
+    # gemm_fp32_2048_tf32on's graph, small: every call goes through CudaExecutable.call_guarded
+    # (no AOTAutograd wrapper, no check_inputs, no run) into pooled outputs; rotated inputs and
+    # held outputs match float64 at TF32's tolerance; a transposed operand (dynamo recompiles
+    # for its strides) still does; CPU inputs handed to the partition itself are named
     from gac_torch.frontends.dynamo import compiled_graphs
 
     saved = torch.backends.cuda.matmul.allow_tf32
@@ -513,14 +528,14 @@ def test_gpu_one_kernel_gemm_takes_the_fast_path() -> None:
             (cg,) = compiled_graphs[-1].partitions.values()
             exe = cg.executable
             taken = []
-            real = cg._call
+            real = cg._guarded
 
             def spy(args):
                 outs = real(args)
                 taken.append(outs is not None)
                 return outs
 
-            cg._call = spy
+            cg._guarded = spy  # (dynamo's guards checked the inputs: pointers are read)
             for k in range(6):  # (fewer than the pool's sets: none is missed)
                 a, b = sets[k % 3]
                 held.append((fn(a, b), a.double() @ b.double()))

@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from gac_torch.backends.base import TensorSpec
 from gac_torch.frontends.fx import compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_trace_globals
@@ -184,7 +185,14 @@ def _without_aot_wrapper(call, gm: torch.fx.GraphModule, example_inputs: list):
     dynamo must not trace) as AOTAutograd's is. None: keep AOTAutograd's."""
     if call is None or any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return None
-    direct = functools.partial(call.partition.call_args)
+    part = call.partition
+    # dynamo's guards hold each input to its compile-time dtype, shape, strides and device: where
+    # those were what the partition takes (dense, on one device), only pointers need reading
+    specs = part.signature.inputs
+    guarded = len({t.device for t in example_inputs}) <= 1 and len(specs) == len(example_inputs) and all(
+        isinstance(s, TensorSpec) and t.dtype == s.dtype and tuple(t.shape) == tuple(s.shape) and t.is_contiguous()
+        for t, s in zip(example_inputs, specs))
+    direct = functools.partial(part.call_guarded if guarded else part.call_args)
     direct.graph_module = call.graph_module  # (kept alive by what dynamo holds)
     return torch._dynamo.disable(direct, reason="gac: the AOT-compiled graph, called directly")
 

@@ -55,6 +55,7 @@ class CompiledGraph(torch.nn.Module):
     def executable(self, executable: Executable) -> None:  # (a replaced one is called, not the old)
         self._executable = executable
         self._call = getattr(executable, "call", None) if self._fast else None
+        self._guarded = getattr(executable, "call_guarded", None) if self._fast else None
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
@@ -125,6 +126,17 @@ class CompiledGraph(torch.nn.Module):
 
     def call_args(self, *args) -> Sequence:
         """boxed, with the arguments as they come (what dynamo calls without AOTAutograd)."""
+        return self.boxed(args)
+
+    def call_guarded(self, *args) -> Sequence:
+        """call_args for arguments whose dtypes, shapes, dense strides and device torch's
+        guards have checked (dynamo's, frontends/dynamo.py): the executable's `call_guarded`,
+        which reads only their pointers; anything it declines takes the checked path."""
+        guarded = self._guarded
+        if guarded is not None and not (_profiler._is_profiler_enabled or self._nvtx):
+            outs = guarded(args)
+            if outs is not None:
+                return outs
         return self.boxed(args)
 
     def forward(self, *args):

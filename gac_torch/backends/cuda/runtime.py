@@ -402,6 +402,27 @@ class CudaExecutable:
                 ptrs.append(p)
         except (AttributeError, RuntimeError):  # not a tensor; not strided (no data pointer)
             return None
+        return self._launch_into(dev, ptrs)
+
+    def call_guarded(self, args: Sequence) -> list[torch.Tensor] | None:
+        """`call` for arguments whose dtypes, shapes, dense strides and device torch's guards
+        guarantee (dynamo's, for a graph whose compile-time inputs were dense and on one device:
+        frontends/dynamo.py): only their pointers are read. Still declines an input at a
+        misaligned address (a view's offset), a current device other than theirs, a capture."""
+        if self._arg_specs is None:
+            return None
+        dev = _current_device()
+        if args and args[0].get_device() != dev:
+            return None
+        ptrs = [a.data_ptr() for a in args]
+        for p in ptrs:
+            if p % BUFFER_ALIGN:
+                return None
+        return self._launch_into(dev, ptrs)
+
+    def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor] | None:
+        """Launches over input pointers `ptrs` on `dev` (the current device) into pooled or
+        fresh outputs, which it returns; None inside the caller's own capture."""
         if _capturing():  # run() launches plainly into the caller's capture
             return None
         lane = self._lane(dev, _raw_stream(dev))
