@@ -73,20 +73,21 @@ def profile(w, iters: int) -> str:
 def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
     """gac's share of the host time: per compiled partition, the host time of a call to it
     (CompiledGraph: its executable's `call`, or the checks and `run` where that declines) and of
-    its executable's `call` alone, with the executable's launch statistics (tables and graphs
-    built, replays, pool misses)."""
+    its executable's `call` and `call_guarded` alone (the path dynamo's guarded inputs take),
+    with the executable's launch statistics (tables and graphs built, replays, pool misses)."""
     from gac_torch.frontends.dynamo import compiled_graphs
 
     seen: dict[int, tuple] = {}
     parts = [cg for c in compiled_graphs for cg in c.partitions.values()]
-    for cg in parts:  # the partitions' arguments, caught where every call passes (_call)
-        real = cg._call
+    for cg in parts:  # the partitions' arguments, caught where every call passes
+        for attr in ("_call", "_guarded"):  # (the checked path; dynamo's guarded one)
+            real = getattr(cg, attr)
 
-        def spy(args, cg=cg, real=real):
-            seen.setdefault(id(cg), (cg, list(args)))
-            return real(args) if real is not None else None
+            def spy(args, cg=cg, real=real):
+                seen.setdefault(id(cg), (cg, list(args)))
+                return real(args) if real is not None else None
 
-        cg._call = spy
+            setattr(cg, attr, spy)
     try:
         fn(*x)
     finally:
@@ -100,11 +101,13 @@ def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
             cg(*a)
         part = (time.perf_counter() - t) / n * 1e3
         exe = ""
-        if cg._call is not None:
-            t = time.perf_counter()
-            for _ in range(n):
-                taken = cg._call(a) is not None
-            exe = f", executable.call {(time.perf_counter() - t) / n * 1e3:.4f} ms{'' if taken else ' (declines)'}"
+        for what, call in (("call", cg._call), ("call_guarded", cg._guarded)):
+            if call is not None:
+                t = time.perf_counter()
+                for _ in range(n):
+                    taken = call(a) is not None
+                exe += (f", executable.{what} {(time.perf_counter() - t) / n * 1e3:.4f} ms"
+                        f"{'' if taken else ' (declines)'}")
         torch.cuda.synchronize()
         program_launches = getattr(getattr(cg.executable, "program", None), "launches", ())
         launches = len(program_launches)
