@@ -101,8 +101,9 @@ def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
             cg(*a)
         part = (time.perf_counter() - t) / n * 1e3
         exe = ""
-        for what, call in (("call", cg._call), ("call_guarded", cg._guarded)):
-            if call is not None:
+        dense = all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in a)
+        for what, call in (("call", cg._call), ("call_guarded", cg._guarded if dense else None)):
+            if call is not None:  # (call_guarded reads pointers only: dense inputs only)
                 t = time.perf_counter()
                 for _ in range(n):
                     taken = call(a) is not None
