@@ -13,7 +13,8 @@ negligible next to the host time).
 `--breakdown` lists, per one-partition workload, the microseconds per call of each level of the
 path, outermost first, each including the ones below it: the module eagerly, torch.compile with
 a backend that returns at once (dynamo's floor) and with AOTAutograd around it (dynamo + AOT
-floor), gac's whole call, the function dynamo calls (AOTAutograd's wrapper, where it does anything,
+floor), each also with torch._dynamo.config.record_runtime_overhead off (the profiler hooks
+dynamo's code calls around every graph otherwise: torch's, not gac's), gac's whole call, the function dynamo calls (AOTAutograd's wrapper, where it does anything,
 and gac), CompiledGraph.boxed,
 CudaExecutable.call, and the executable's parts (lane, output pool, table lookup + launch).
 """
@@ -169,13 +170,17 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x = list(x)
-    rows = [("eager module", lambda: model(*x))]
-    for label, backend in _noop_backends().items():
-        torch._dynamo.reset()
-        floor = torch.compile(model, backend=backend)
-        floor(*x)
-        rows.append((label, lambda floor=floor: floor(*x)))
+    lines = [f"  {"eager module":<52} {_per_call_us(lambda: model(*x), n, sync):7.2f} us"]
+    for label, backend in _noop_backends().items():  # (each timed before the next reset)
+        for record in (True, False):  # torch's profiler hooks around each graph call, or not
+            torch._dynamo.reset()
+            with torch._dynamo.config.patch(record_runtime_overhead=record):
+                floor = torch.compile(model, backend=backend)
+                floor(*x)
+            label += "" if record else ", no runtime-overhead records"
+            lines.append(f"  {label:<52} {_per_call_us(lambda floor=floor: floor(*x), n, sync):7.2f} us")
     torch._dynamo.reset()
+    rows = []
     where = type(model).forward.__globals__
     before, graphs_before = set(where), {id(c) for c in compiled_graphs}
     fn = torch.compile(model, backend="gac", options={"target": "cuda"})
@@ -215,12 +220,12 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
             key = (None, *ptrs, lane.ws_ptr)
             rows.append(("        table lookup + launch", lambda: exe._issue(lane, exe._static, key, ptrs, False)))
             del got
-    lines = [f"{name} ({device}): {len(new)} graph(s), {len(parts)} partition(s)"
-             f"{' (the whole graph)' if whole is not None else ''}, "
-             f"{sum(len(getattr(getattr(p.executable, 'program', None), 'launches', ())) for p in parts)} launch(es)"]
-    with torch.no_grad():
-        for label, f in rows:
-            lines.append(f"  {label:<44} {_per_call_us(f, n, sync):7.2f} us")
+    lines.insert(0, f"{name} ({device}): {len(new)} graph(s), {len(parts)} partition(s)"
+                    f"{' (the whole graph)' if whole is not None else ''}, "
+                    f"{sum(len(getattr(getattr(p.executable, 'program', None), 'launches', ())) for p in parts)}"
+                    " launch(es)")
+    for label, f in rows:
+        lines.append(f"  {label:<52} {_per_call_us(f, n, sync):7.2f} us")
     if parts:
         lines.append(f"  stats: {getattr(parts[0].executable, 'stats', {})}")
     return lines
