@@ -170,7 +170,7 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x = list(x)
-    lines = [f"  {"eager module":<52} {_per_call_us(lambda: model(*x), n, sync):7.2f} us"]
+    lines = [f"  {'eager module':<52} {_per_call_us(lambda: model(*x), n, sync):7.2f} us"]
     for label, backend in _noop_backends().items():  # (each timed before the next reset)
         for record in (True, False):  # torch's profiler hooks around each graph call, or not
             torch._dynamo.reset()
