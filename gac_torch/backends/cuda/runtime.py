@@ -24,9 +24,13 @@ torch's current stream, buffers from torch's caching allocator.
   inputs at stable addresses (parameters, a rotation of batches) replay one graph per call
   whatever the number of kernels. Larger outputs, GAC_CUDA_SYNC=1, graphs off and a pool whose
   every set is held get fresh outputs (the caching allocator mostly hands back the same
-  addresses, so their tables and graphs repeat too); dynamic shapes, misaligned inputs and
-  inputs on another device than the current one go through `run`, which checks everything.
-  What a call would look up each time (context, CUstream, pool, workspace) is in a `_Lane`.
+  addresses, so their tables and graphs repeat too). `call` checks each argument's dtype,
+  shape and device as it reads its pointer; `call_guarded` (inputs whose dtype, shape, strides
+  and device dynamo's guards hold) reads only pointers. Both decline dynamic shapes,
+  misaligned inputs, another current device and a caller's capture, which CompiledGraph then
+  checks and hands to `run`. What a call would look up each time (context, CUstream, pool,
+  workspace) is in a `_Lane` (launch_state.py); a one-kernel program's launch arguments are
+  built once per pointer set and stream.
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
   CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
@@ -44,13 +48,13 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gac_torch.backends.base import Signature, SizeSpec
 from gac_torch.backends.cuda.launch_args import ArgTable
+from gac_torch.backends.cuda.launch_state import _Bound, _Context, _Entry, _Lane
 from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.gpu.program import GpuProgram, KernelLaunch, TensorMapArg
@@ -203,57 +207,6 @@ def upload_tensor_maps(launches: Sequence[KernelLaunch], arg_ptrs: Sequence[int]
     buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
     base = buf.data_ptr()
     return buf, {(i, j): base + n * TENSOR_MAP_BYTES for n, (i, j, _) in enumerate(where)}
-
-
-@dataclass
-class _Entry:
-    table: ArgTable
-    hits: int = 0
-    graph: Any = None  # (CUgraph, CUgraphExec) once captured
-    tensor_maps: torch.Tensor | None = None  # the table's TMA descriptors (device memory)
-    # cuLaunchKernel's arguments per launch on one stream (its handle): built on the first
-    # direct launch there, so a later one only passes them on
-    launches: list[tuple] | None = None
-    stream: int | None = None
-
-
-@dataclass
-class _Context:
-    """What one CUDA context (device) needs: the loaded functions, per-stream workspaces and
-    the argument tables by (sizes, pointer set)."""
-
-    by_name: dict[str, Any]  # kernel name -> CUfunction
-    modules: list[Any]  # the CUmodules they live in
-    workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # stream handle -> buffer
-    pools: dict[int, OutputPool] = field(default_factory=dict)  # stream handle -> outputs
-    tables: OrderedDict = field(default_factory=OrderedDict)  # (sizes, pointers) -> _Entry
-    streams: dict[int, Any] = field(default_factory=dict)  # stream handle -> CUstream
-
-
-@dataclass
-class _Bound:
-    """The program for one call's sizes (the program itself when it has no run-time sizes)."""
-
-    key: tuple | None  # the sizes it was bound for
-    program: GpuProgram
-    launches: list[tuple]  # (grid, block, shared memory) per launch
-    funcs: dict[int, list[Any]] = field(default_factory=dict)  # context -> CUfunction per launch
-
-    @classmethod
-    def of(cls, key: tuple | None, program: GpuProgram) -> _Bound:
-        return cls(key, program, [(k.grid, k.block, k.shared_mem) for k in program.launches])
-
-
-@dataclass
-class _Lane:
-    """A thread's calls on one (device, stream): what each of them would otherwise look up."""
-
-    device: torch.device
-    state: _Context
-    handle: int  # the stream's raw handle
-    stream: Any  # CUstream
-    pool: OutputPool | None  # pooled outputs (static shapes, graphs on), else fresh ones
-    ws_ptr: int  # the static plan's workspace on this stream (0: none)
 
 
 class CudaExecutable:
