@@ -93,7 +93,7 @@ def workloads(device: str = "cpu"):
              for _ in range(4)]
     yield "grid_sample", GridSample(), grids, False, pooled
     yield "grid_sample_fresh", GridSample(), grids, False, 0
-    yield "train_mlp", Mlp(), [(r(64, 64), r(64, 64)) for _ in range(4)], True, pooled
+    yield "train_mlp", Mlp().to(device), [(r(64, 64), r(64, 64)) for _ in range(4)], True, pooled
     from bench_h200 import TrainStep  # (the bench's training step, on a small MLP)
 
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).to(device)
