@@ -337,7 +337,7 @@ class CudaExecutable:
         lookup, one launch (a graph, or a one-kernel program's prebuilt launch) or one per
         kernel; nothing that scales with the number of kernels."""
         specs = self._arg_specs
-        if specs is None or len(args) != len(specs):
+        if specs is None or len(args) != len(specs) or _capturing():  # (run: plainly into it)
             return None
         dev = _current_device()
         ptrs = []
@@ -362,7 +362,7 @@ class CudaExecutable:
         guarantee (dynamo's, for a graph whose compile-time inputs were dense and on one device:
         frontends/dynamo.py): only their pointers are read. Still declines an input at a
         misaligned address (a view's offset), a current device other than theirs, a capture."""
-        if self._arg_specs is None:
+        if self._arg_specs is None or _capturing():
             return None
         dev = _current_device()
         if args and args[0].get_device() != dev:
@@ -373,11 +373,9 @@ class CudaExecutable:
                 return None
         return self._launch_into(dev, ptrs)
 
-    def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor] | None:
+    def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor]:
         """Launches over input pointers `ptrs` on `dev` (the current device) into pooled or
-        fresh outputs, which it returns; None inside the caller's own capture."""
-        if _capturing():  # run() launches plainly into the caller's capture
-            return None
+        fresh outputs, which it returns."""
         lane = self._lane(dev, _raw_stream(dev))
         got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
