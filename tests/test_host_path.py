@@ -413,7 +413,7 @@ def test_matmul_tf32_flag_is_guarded_by_dynamo() -> None:
         torch.set_float32_matmul_precision(saved[1])
 
 
-@pytest.mark.parametrize("case", ["plain", "mutates_input", "returns_a_view", "training"])
+@pytest.mark.parametrize("case", ["plain", "two_outputs", "mutates_input", "returns_a_view", "training"])
 def test_aot_wrapper_is_skipped_only_where_it_adds_nothing(case) -> None:
     # an inference graph that is one partition, with no input mutated and only fresh outputs, is
     # called by dynamo without AOTAutograd's runtime wrapper; a mutated input (copied back by
@@ -429,8 +429,11 @@ def test_aot_wrapper_is_skipped_only_where_it_adds_nothing(case) -> None:
     def returns_a_view(x, y):
         return x.t(), torch.tanh(x * y)
 
-    f = {"plain": plain, "mutates_input": mutates_input, "returns_a_view": returns_a_view,
-         "training": plain}[case]
+    def two_outputs(x, y):
+        return torch.tanh(x * y), (x + y).sum(0)
+
+    f = {"plain": plain, "two_outputs": two_outputs, "mutates_input": mutates_input,
+         "returns_a_view": returns_a_view, "training": plain}[case]
     gen = torch.Generator().manual_seed(13)
     x, y = (torch.randn(6, 6, generator=gen) for _ in range(2))
     if case == "training":
@@ -452,7 +455,7 @@ def test_aot_wrapper_is_skipped_only_where_it_adds_nothing(case) -> None:
         want.sum().backward()
         torch.testing.assert_close(g, y.grad)
     direct = isinstance(_called_by_dynamo(globals(), before), functools.partial)
-    assert direct == (case == "plain"), case
+    assert direct == (case in ("plain", "two_outputs")), case
 
 
 # ------------------------------------------------------------------------------------------------
