@@ -144,6 +144,24 @@ def test_churning_pointer_sets_stop_paying_for_captures(fake) -> None:
     assert exe.stats["graph_calls"] == runtime.GRAPH_FREE + 3
 
 
+def test_prebuilt_launches_follow_the_stream(fake) -> None:
+    # a one-kernel program's launch arguments are built once per pointer set and stream: one
+    # pointer set launched on two streams in turn goes to the stream of each call
+    import dataclasses
+
+    driver, program, make, inputs = fake
+    # (no workspace: the streams' pointer sets are the same, so is their argument table)
+    one = dataclasses.replace(program, launches=program.launches[:1],
+                              plan=dataclasses.replace(program.plan, workspace_size=0))
+    exe = runtime.CudaExecutable(one, CASES["mlp_softmax_graph"].signature())
+    exe._devices[-1] = torch.device("cpu")
+    ptrs = [0x10000 * (i + 1) for i in range(len(program.args))]
+    for handle in (7, 9, 9, 7):
+        exe._launch_all(torch.device("cpu"), ptrs, handle=handle)
+    assert [r[3] for r in driver.launched] == [7, 9, 9, 7]
+    assert exe.stats["tables_built"] == 1 and exe.stats["direct_calls"] == 4
+
+
 def test_precision_flags_match_torchs_properties() -> None:
     from gac_torch.options import precision_flags, torch_allows_tf32, torch_allows_tf32_conv
 

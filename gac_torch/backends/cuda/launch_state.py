@@ -21,10 +21,10 @@ class _Entry:
     hits: int = 0
     graph: Any = None  # (CUgraph, CUgraphExec) once captured
     tensor_maps: torch.Tensor | None = None  # the table's TMA descriptors (device memory)
-    # cuLaunchKernel's arguments per launch on one stream (its handle): built on the first
-    # direct launch there, so a later one only passes them on
-    launches: list[tuple] | None = None
-    stream: int | None = None
+    # (stream handle, cuLaunchKernel's arguments per launch on that stream): built on the first
+    # direct launch there, so a later one only passes them on (one attribute: a thread on
+    # another stream replaces it whole, never half)
+    direct: tuple[int, list[tuple]] | None = None
 
 
 @dataclass

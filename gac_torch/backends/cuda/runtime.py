@@ -510,12 +510,12 @@ class CudaExecutable:
                     raise CudaError(f"cuGraphLaunch: {_error_text(err)}")
                 self.stats["graph_calls"] += 1
                 return
-        if entry.stream != lane.handle:
-            entry.launches = [(*head, lane.stream, argv, 0)
-                              for head, argv in zip(self._heads(state, bound), entry.table.argv)]
-            entry.stream = lane.handle
+        direct = entry.direct
+        if direct is None or direct[0] != lane.handle:
+            direct = entry.direct = (lane.handle, [(*head, lane.stream, argv, 0) for head, argv
+                                                   in zip(self._heads(state, bound), entry.table.argv)])
         launch = _driver.cuLaunchKernel
-        for i, args in enumerate(entry.launches):
+        for i, args in enumerate(direct[1]):
             err = launch(*args)[0]
             if err or SYNC_AFTER_LAUNCH:
                 _launched(err, bound, i, lane.stream)
