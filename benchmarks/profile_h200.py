@@ -72,36 +72,43 @@ def profile(w, iters: int) -> str:
 
 def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
     """gac's share of the host time: per compiled partition, the host time of a call to it
-    (CompiledGraph: input checks + executable) and of its executable's `call` alone, with the
-    executable's launch statistics (tables and graphs built, replays, pool misses)."""
-    from gac_torch.runtime.compiled import CompiledGraph
+    (CompiledGraph: its executable's `call`, or the checks and `run` where that declines) and of
+    its executable's `call` and `call_guarded` alone (the path dynamo's guarded inputs take),
+    with the executable's launch statistics (tables and graphs built, replays, pool misses)."""
+    from gac_torch.frontends.dynamo import compiled_graphs
 
     seen: dict[int, tuple] = {}
-    real = CompiledGraph.__call__
+    parts = [cg for c in compiled_graphs for cg in c.partitions.values()]
+    for cg in parts:  # the partitions' arguments, caught where every call passes
+        for attr in ("_call", "_guarded"):  # (the checked path; dynamo's guarded one)
+            real = getattr(cg, attr)
 
-    def spy(self, *a):
-        seen.setdefault(id(self), (self, a))
-        return real(self, *a)
+            def spy(args, cg=cg, real=real):
+                seen.setdefault(id(cg), (cg, list(args)))
+                return real(args) if real is not None else None
 
-    CompiledGraph.__call__ = spy
+            setattr(cg, attr, spy)
     try:
         fn(*x)
     finally:
-        CompiledGraph.__call__ = real
+        for cg in parts:
+            cg.executable = cg.executable  # (sets _call back)
     torch.cuda.synchronize()
     lines = []
     for cg, a in seen.values():
-        inputs = cg._quick_inputs(a)
         t = time.perf_counter()
         for _ in range(n):
             cg(*a)
         part = (time.perf_counter() - t) / n * 1e3
         exe = ""
-        if inputs is not None and hasattr(cg.executable, "call"):
-            t = time.perf_counter()
-            for _ in range(n):
-                cg.executable.call(inputs)
-            exe = f", executable.call {(time.perf_counter() - t) / n * 1e3:.4f} ms"
+        dense = all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in a)
+        for what, call in (("call", cg._call), ("call_guarded", cg._guarded if dense else None)):
+            if call is not None:  # (call_guarded reads pointers only: dense inputs only)
+                t = time.perf_counter()
+                for _ in range(n):
+                    taken = call(a) is not None
+                exe += (f", executable.{what} {(time.perf_counter() - t) / n * 1e3:.4f} ms"
+                        f"{'' if taken else ' (declines)'}")
         torch.cuda.synchronize()
         program_launches = getattr(getattr(cg.executable, "program", None), "launches", ())
         launches = len(program_launches)

@@ -202,8 +202,9 @@ def test_inside_the_callers_own_graph_capture_nothing_is_pooled_or_captured(fake
     driver, program, make, inputs = fake
     exe, ran = make()
     monkeypatch.setattr(runtime, "_capturing", lambda: True)
-    outs = exe.call(inputs)
-    assert ran == [[outs[0].data_ptr()]] and not exe._contexts
+    assert exe.call(inputs) is None and not exe._contexts  # declined: CompiledGraph runs it
+    out = _partition(exe, CASES["mlp_softmax_graph"])(*inputs)
+    assert ran == [[out.data_ptr()]] and not exe._contexts  # through run, into fresh outputs
     exe = runtime.CudaExecutable(program, CASES["mlp_softmax_graph"].signature())
     ptrs = [0x10000 * (i + 1) for i in range(len(program.args))]
     for _ in range(runtime.GRAPH_AFTER + 1):
@@ -250,46 +251,23 @@ def test_not_poolable_launches_directly(fake, monkeypatch) -> None:
     raw = torch.empty(inputs[0].numel() + 1)
     shifted = raw[1:].view(inputs[0].shape)
     shifted.copy_(inputs[0])
-    exe.call([shifted, *inputs[1:]])
+    assert exe.call([shifted, *inputs[1:]]) is None  # declined: staged by run
+    _partition(exe, case)(shifted, *inputs[1:])
     assert len(ran) == 1 and not driver.launched
 
 
-def test_compiled_graph_fast_path_checks_inputs() -> None:
-    # CompiledGraph.forward hands well-formed inputs straight to executable.call; anything
-    # else goes through check_inputs, which names the problem
-    from gac_torch.backends.base import Signature, TensorSpec
-    from gac_torch.errors import GacInputError
+def _partition(exe, case):
+    """A CompiledGraph over `exe` (device type cpu: CPU tensors stand in for the device's)."""
     from gac_torch.runtime.compiled import CompiledGraph
 
-    class Exe:
-        def __init__(self):
-            self.calls = 0
-
-        def call(self, inputs):
-            self.calls += 1
-            return [inputs[0] + inputs[1]]
-
-        def run(self, inputs, outputs):
-            outputs[0].copy_(inputs[0] + inputs[1])
-
-    sig = Signature((TensorSpec((2, 3), torch.float32), TensorSpec((3,), torch.float32)),
-                    (TensorSpec((2, 3), torch.float32),))
-    exe = Exe()
-    cg = CompiledGraph("p", exe, sig, "cpu", {}, ["x", "y"], tuple_output=False)
-    x, y = torch.randn(2, 3), torch.randn(3)
-    torch.testing.assert_close(cg(x, y), x + y)
-    torch.testing.assert_close(cg(x.t().contiguous().t(), y), x + y)  # made dense
-    assert exe.calls == 2
-    with pytest.raises(GacInputError, match="dtype"):
-        cg(x.double(), y)
-    with pytest.raises(GacInputError, match="shape"):
-        cg(torch.randn(3, 2), y)
-    assert exe.calls == 2
+    names = [f"x{i}" for i in range(len(case.inputs))]
+    return CompiledGraph("p", exe, case.signature(), "cpu", {}, names, tuple_output=False)
 
 
-def test_elementwise_graph_does_not_read_precision_flags(monkeypatch) -> None:
+def test_only_convolution_graphs_read_precision_flags_per_call(monkeypatch) -> None:
     # per call, torch.compile's gac graph reads torch's TF32 flags only where they can change its
-    # code (contractions: test_cuda_conv checks that those still recompile)
+    # code and dynamo does not guard them: convolutions (test_cuda_conv checks that those still
+    # recompile under cuDNN's flag)
     from gac_torch.frontends import dynamo
 
     reads = []
@@ -304,11 +282,18 @@ def test_elementwise_graph_does_not_read_precision_flags(monkeypatch) -> None:
         for _ in range(3):
             fn(x, a, b)
     assert len(reads) == n
+    # a matmul's TF32 flag is in dynamo's guards (test_host_path); cuDNN's is read per call
     mm = torch.compile(lambda p, q: torch.tanh(p @ q), backend="gac", options={"target": "cpu"})
+    conv = torch.compile(lambda p, w: torch.tanh(torch.nn.functional.conv2d(p, w)), backend="gac",
+                         options={"target": "cpu"})
+    img, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
     with torch.no_grad():
         mm(x, a)
+        conv(img, w)
         n = len(reads)
         torch.testing.assert_close(mm(x, a), torch.tanh(x @ a))
+        assert len(reads) == n
+        torch.testing.assert_close(conv(img, w), torch.tanh(torch.nn.functional.conv2d(img, w)))
     assert len(reads) == n + 1
 
 

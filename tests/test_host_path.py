@@ -8,10 +8,17 @@ NVTX ranges only with a tool attached, partitions found without nn.Module.__geta
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 
 from gac_torch.backends.cuda import runtime
+from gac_torch.errors import GacInputError
+from gac_torch.runtime.compiled import CompiledGraph
+from cuda_cases import CASES
+from cuda_stub import stub_cuda
 from test_cuda_graphs import _Chain, _executables, _out_ptr
 from test_cuda_graphs import fake as fake  # noqa: F401, PLC0414  (a fixture these tests use)
 
@@ -137,6 +144,24 @@ def test_churning_pointer_sets_stop_paying_for_captures(fake) -> None:
     assert exe.stats["graph_calls"] == runtime.GRAPH_FREE + 3
 
 
+def test_prebuilt_launches_follow_the_stream(fake) -> None:
+    # a one-kernel program's launch arguments are built once per pointer set and stream: one
+    # pointer set launched on two streams in turn goes to the stream of each call
+    import dataclasses
+
+    driver, program, make, inputs = fake
+    # (no workspace: the streams' pointer sets are the same, so is their argument table)
+    one = dataclasses.replace(program, launches=program.launches[:1],
+                              plan=dataclasses.replace(program.plan, workspace_size=0))
+    exe = runtime.CudaExecutable(one, CASES["mlp_softmax_graph"].signature())
+    exe._devices[-1] = torch.device("cpu")
+    ptrs = [0x10000 * (i + 1) for i in range(len(program.args))]
+    for handle in (7, 9, 9, 7):
+        exe._launch_all(torch.device("cpu"), ptrs, handle=handle)
+    assert [r[3] for r in driver.launched] == [7, 9, 9, 7]
+    assert exe.stats["tables_built"] == 1 and exe.stats["direct_calls"] == 4
+
+
 def test_precision_flags_match_torchs_properties() -> None:
     from gac_torch.options import precision_flags, torch_allows_tf32, torch_allows_tf32_conv
 
@@ -176,11 +201,9 @@ class _Exe:
 
 def _cuda_partition(monkeypatch):
     from gac_torch.backends.base import Signature, TensorSpec
-    from gac_torch.runtime.compiled import CompiledGraph
 
     sig = Signature((TensorSpec((4,), torch.float32),), (TensorSpec((4,), torch.float32),))
     cg = CompiledGraph("p", _Exe(), sig, "cuda", {}, ["x"], tuple_output=False)
-    cg._on_device = "is_cpu"  # CPU tensors stand in for CUDA ones
     pushed = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
     monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append("pop"))
@@ -298,6 +321,161 @@ def test_a_graph_that_is_one_partition_is_called_directly(tuple_output) -> None:
     torch.testing.assert_close(_forward_of(swapped)(x, y)[0], y * 2 - x)
 
 
+def test_fast_path_launches_well_formed_inputs_and_declines_the_rest(fake, monkeypatch) -> None:
+    # CompiledGraph hands every call to CudaExecutable.call, which launches well-formed inputs
+    # without another check (a strided one made dense first) and declines the rest; a declined
+    # call goes through check_inputs, which names what is wrong
+    driver, program, make, inputs = fake
+    exe, ran = make()
+    case = CASES["mlp_softmax_graph"]
+    cg = CompiledGraph("p", exe, case.signature(), "cuda", {}, ["x", "w1", "b1", "w2"], tuple_output=False)
+    checked = []
+    real = CompiledGraph.check_inputs
+    monkeypatch.setattr(CompiledGraph, "check_inputs", lambda self, args: checked.append(1) or real(self, args))
+    out = cg(*inputs)
+    assert out.shape == case.outputs[0][0] and not checked and not ran
+    assert exe.stats["direct_calls"] == 1
+    strided = inputs[1].t().contiguous().t()  # (the values and shape of w1, column-major)
+    assert not strided.is_contiguous()
+    before = len(driver.launched)
+    cg(inputs[0], strided, *inputs[2:])
+    read = _out_ptr(driver.launched[before:], program, 1)  # the launches read a dense copy
+    assert read and strided.data_ptr() not in read and inputs[1].data_ptr() not in read
+    assert not checked and not ran and exe.stats["direct_calls"] == 2
+    x = inputs[0]
+    for bad, what in ((x.double(), "dtype torch.float32, got torch.float64"),
+                      (torch.randn(x.shape[0], x.shape[1] + 1), "shape"), (3, "expected a tensor, got int")):
+        with pytest.raises(GacInputError, match=what):
+            cg(bad, *inputs[1:])
+    monkeypatch.setattr(runtime, "_current_device", lambda: 0)  # the inputs are on another device
+    with pytest.raises(GacInputError, match="compiled for cuda tensors, got one on cpu"):
+        cg(*inputs)
+    assert len(checked) == 4 and not ran and exe.stats["direct_calls"] == 2
+
+
+def _called_by_dynamo(fn_globals: dict, before: set):
+    """What dynamo's code calls for the graph compiled since `before` (its globals then), under
+    torch._dynamo.disable's wrappers."""
+    (name,) = [k for k in set(fn_globals) - before if k.startswith("__compiled_fn")]
+    call = fn_globals[name]
+    while hasattr(call, "_torchdynamo_orig_callable"):
+        call = call._torchdynamo_orig_callable
+    return call
+
+
+def test_torch_compile_reads_only_the_pointers_of_guarded_inputs(monkeypatch) -> None:
+    # an inference graph that is one compiled partition over dense inputs: dynamo's code calls
+    # CompiledGraph.call_guarded (no AOTAutograd wrapper, no forward, no check_inputs, no run),
+    # which passes the inputs to CudaExecutable.call_guarded (pointers only), once per call; an
+    # input dynamo's guards pass at a misaligned address is declined there; an input that was
+    # strided when compiled is called through the checked path (made dense every call)
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    gen = torch.Generator().manual_seed(11)
+    x, y = (torch.randn(16, 16, generator=gen) for _ in range(2))
+    with stub_cuda(), torch.no_grad():
+        torch._dynamo.reset()
+        before = set(globals())
+        fn = torch.compile(lambda p, q: torch.tanh(p * q + 1.0), backend="gac", options={"target": "cuda"})
+        fn(x, y)
+        assert _called_by_dynamo(globals(), before).func.__name__ == "call_guarded"
+        (cg,) = compiled_graphs[-1].partitions.values()
+        seen = []
+        for attr in ("_guarded", "_call"):
+            real = getattr(cg, attr)
+            setattr(cg, attr, lambda args, real=real, attr=attr: seen.append((attr, [a.data_ptr() for a in args]))
+                    or real(args))
+        for name in ("forward", "check_inputs", "_forward"):
+            monkeypatch.setattr(CompiledGraph, name, lambda self, *a, name=name: seen.append(name))
+        outs = [fn(x, y) for _ in range(3)]
+        raw = torch.empty(x.numel() + 1)
+        shifted = raw[1:].view(x.shape)  # (the sizes and strides dynamo guards; 4 bytes off)
+        assert cg.executable.call_guarded([shifted, y]) is None
+        torch._dynamo.reset()
+        before = set(globals())
+        strided = torch.compile(lambda p, q: torch.tanh(p * q), backend="gac", options={"target": "cuda"})
+        strided(x.t(), y)
+        assert _called_by_dynamo(globals(), before).func.__name__ == "call_args"
+    assert seen == [("_guarded", [x.data_ptr(), y.data_ptr()])] * 3
+    assert len({o.data_ptr() for o in outs}) == 3  # each held: its own pooled set
+    # (the first call's set, dropped, serves the second: three pointer sets in all)
+    assert cg.executable.stats["direct_calls"] == 4 and cg.executable.stats["tables_built"] == 3
+
+
+def test_matmul_tf32_flag_is_guarded_by_dynamo() -> None:
+    # what lets a matmul graph skip reading the TF32 flags per call (dynamo.py's per_flags keeps
+    # that for convolutions): a call under another matmul precision recompiles, and a call under
+    # the first flags again finds the first compilation
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
+    gen = torch.Generator().manual_seed(12)
+    x, y = (torch.randn(8, 8, generator=gen) for _ in range(2))
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch._dynamo.reset()
+        fn = torch.compile(lambda p, q: torch.relu(p @ q), backend="gac", options={"target": "cpu"})
+        with torch.no_grad():
+            fn(x, y)
+            once = len(compiled_graphs)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.testing.assert_close(fn(x, y), torch.relu(x @ y))
+            assert len(compiled_graphs) == once + 1
+            torch.set_float32_matmul_precision("highest")
+            fn(x, y)
+            torch.set_float32_matmul_precision("high")  # (the same flag as allow_tf32 = True)
+            fn(x, y)
+            assert len(compiled_graphs) == once + 1
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.set_float32_matmul_precision(saved[1])
+
+
+@pytest.mark.parametrize("case", ["plain", "two_outputs", "mutates_input", "returns_a_view", "training"])
+def test_aot_wrapper_is_skipped_only_where_it_adds_nothing(case) -> None:
+    # an inference graph that is one partition, with no input mutated and only fresh outputs, is
+    # called by dynamo without AOTAutograd's runtime wrapper; a mutated input (copied back by
+    # that wrapper), an output that is a view of an input (regenerated by it) and a training
+    # graph keep it, and every case matches eager
+    def plain(x, y):
+        return torch.tanh(x * y)
+
+    def mutates_input(x, y):
+        x.mul_(2.0)
+        return torch.tanh(x * y)
+
+    def returns_a_view(x, y):
+        return x.t(), torch.tanh(x * y)
+
+    def two_outputs(x, y):
+        return torch.tanh(x * y), (x + y).sum(0)
+
+    f = {"plain": plain, "two_outputs": two_outputs, "mutates_input": mutates_input,
+         "returns_a_view": returns_a_view, "training": plain}[case]
+    gen = torch.Generator().manual_seed(13)
+    x, y = (torch.randn(6, 6, generator=gen) for _ in range(2))
+    if case == "training":
+        y.requires_grad_(True)
+    torch._dynamo.reset()
+    before = set(globals())
+    fn = torch.compile(f, backend="gac", options={"target": "cpu"})
+    with torch.no_grad() if case != "training" else contextlib.nullcontext():
+        xc, xe = x.clone(), x.clone()
+        got, want = fn(xc, y), f(xe, y)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(xc, xe)  # (the mutated input too)
+        if case == "returns_a_view":
+            assert got[0].data_ptr() == xc.data_ptr() and got[0]._base is xc
+    if case == "training":
+        got.sum().backward()
+        g = y.grad.clone()
+        y.grad = None
+        want.sum().backward()
+        torch.testing.assert_close(g, y.grad)
+    direct = isinstance(_called_by_dynamo(globals(), before), functools.partial)
+    assert direct == (case in ("plain", "two_outputs")), case
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU
 
@@ -347,3 +525,51 @@ def test_a_replaced_executable_is_the_one_called(monkeypatch):
     cg.executable = new
     torch.testing.assert_close(cg(x), x * 2)
     assert (old.calls, new.calls) == (1, 1)
+
+
+@pytest.mark.cuda
+def test_gpu_one_kernel_gemm_takes_the_fast_path() -> None:
+    # gemm_fp32_2048_tf32on's graph, small: every call goes through CudaExecutable.call_guarded
+    # (no AOTAutograd wrapper) or .call (no check_inputs, no run) into pooled outputs; rotated inputs and
+    # held outputs match float64 at TF32's tolerance; a transposed operand (dynamo recompiles
+    # for its strides) still does; CPU inputs handed to the partition itself are named
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b: a @ b, backend="gac", options={"target": "cuda"})
+        gen = torch.Generator(device="cuda").manual_seed(31)
+        sets = [[torch.randn(192, 160, generator=gen, device="cuda"),
+                 torch.randn(160, 136, generator=gen, device="cuda")] for _ in range(3)]
+        held = []
+        with torch.no_grad():
+            fn(*sets[0])
+            (cg,) = compiled_graphs[-1].partitions.values()
+            exe = cg.executable
+            taken = []
+            for attr in ("_guarded", "_call"):  # (guarded: where AOTAutograd's wrapper is skipped)
+                def spy(args, real=getattr(cg, attr), attr=attr):
+                    outs = real(args)
+                    taken.append(attr if outs is not None else None)
+                    return outs
+
+                setattr(cg, attr, spy)
+            for k in range(6):  # (fewer than the pool's sets: none is missed)
+                a, b = sets[k % 3]
+                held.append((fn(a, b), a.double() @ b.double()))
+            assert len(taken) == 6 and len(set(taken)) == 1 and None not in taken, taken
+            print(f"fast path: {taken[0]}")  # (torch 2.13: _guarded; without AOT metadata: _call)
+            assert exe.stats["direct_calls"] == 7 and exe.stats["pool_misses"] == 0, exe.stats
+            a, b = sets[0]
+            bt = b.t().contiguous().t()  # (b's values, column-major)
+            held.append((fn(a, bt), a.double() @ b.double()))
+            torch.cuda.synchronize()
+            for got, ref in held:
+                rel = ((got.double() - ref).norm() / ref.norm()).item()
+                assert rel < 3e-3, rel
+            with pytest.raises(GacInputError, match="compiled for cuda tensors, got one on cpu"):
+                cg(a.cpu(), b.cpu())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

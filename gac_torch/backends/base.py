@@ -87,7 +87,12 @@ class Stage:
 
 
 class Executable(Protocol):
-    """A loaded program: reads `inputs`, writes `outputs` (both already on the target's device)."""
+    """A loaded program: reads `inputs`, writes `outputs` (both already on the target's device).
+
+    It may also have the per-call fast paths CompiledGraph prefers (runtime/compiled.py):
+    `call(args)` -> the outputs, checking what it relies on as it reads the arguments, or None
+    to decline; `call_guarded(args)`, the same for arguments whose dtypes, shapes, dense strides
+    and device torch's guards hold (only pointers read). cuda has both."""
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None: ...
 

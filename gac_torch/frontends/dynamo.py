@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from gac_torch.backends.base import TensorSpec
 from gac_torch.frontends.fx import compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
 from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_trace_globals
@@ -107,14 +108,12 @@ def _name_inputs(graph: torch.fx.GraphModule, names: list[str]) -> None:
     graph.recompile()
 
 
-_CONTRACTIONS = ("mm", "conv", "dot", "linear", "matmul", "einsum", "attention", "bilinear")
-
-
-def _reads_precision_flags(gm: torch.fx.GraphModule) -> bool:
-    """Whether the TF32 flags can change gac's code for this graph: it has an op whose name
-    says contraction (matmuls, convolutions, attention; a broad match, to be safe)."""
-    return any(n.op == "call_function" and any(c in str(n.target) for c in _CONTRACTIONS)
-               for n in gm.graph.nodes)
+def _reads_unguarded_flags(gm: torch.fx.GraphModule) -> bool:
+    """Whether gac's code for this graph can depend on a precision flag that dynamo does not
+    guard: cuDNN's TF32 flag, which gac reads for convolutions (a broad match on the op's name,
+    to be safe). The matmul flag (and the float32 matmul precision, which sets it) is in
+    dynamo's global-state guard: a call under another value recompiles."""
+    return any(n.op == "call_function" and "conv" in str(n.target) for n in gm.graph.nodes)
 
 
 def _forward_of(gm: torch.fx.GraphModule):
@@ -136,6 +135,66 @@ def _forward_of(gm: torch.fx.GraphModule):
         return call
     _LazyGraphModule.force_recompile(gm)
     return gm.forward
+
+
+def _boxed_of(gm: torch.fx.GraphModule):
+    """What AOTAutograd calls: it passes the arguments as one list and takes the outputs as one
+    sequence. A graph that is one compiled partition is that partition's `boxed` (no frame in
+    between: AOTAutograd's wrapper calls it directly); any other, its forward behind
+    make_boxed_func."""
+    from functorch.compile import make_boxed_func
+
+    whole = _whole_partition(gm)
+    if whole is None:
+        return make_boxed_func(_forward_of(gm))
+    call = functools.partial(whole.boxed)
+    call._boxed_call = True
+    call.graph_module = gm  # (kept alive by what dynamo holds, as above)
+    call.partition = whole
+    return call
+
+
+def _plain_inference(example_inputs: list) -> bool:
+    """Whether AOTAutograd's runtime wrapper around the inference graph it is compiling does
+    nothing but call it (read from AOTAutograd's metadata while it compiles): static plain
+    tensors in, one graph input each (none deduplicated), no input mutated, every output a fresh
+    tensor (no alias of an input or another output), no effect tokens, no functionalized RNG,
+    no autocast to turn off. Anything unknown (another torch's metadata) says no."""
+    from torch._guards import TracingContext
+
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        meta = TracingContext.try_get().fw_metadata
+        return (all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs)
+                and len(meta.input_info) == len(example_inputs)
+                and not any(i.mutates_data or i.mutates_metadata or getattr(i, "mutates_storage_metadata", False)
+                            for i in meta.input_info)
+                and all(o.output_type == OutputType.non_alias for o in meta.output_info)
+                and not meta.num_intermediate_bases and not getattr(meta, "tokens", None)
+                and not torch._functorch.config.functionalize_rng_ops
+                and not torch._C._is_any_autocast_enabled())
+    except (AttributeError, ImportError):
+        return False
+
+
+def _without_aot_wrapper(call, gm: torch.fx.GraphModule, example_inputs: list):
+    """What dynamo calls for an inference graph whose AOTAutograd wrapper would only pass the
+    arguments on (see _plain_inference; a graph with parameters of its own would have them
+    prepended): the one compiled partition's call, behind torch._dynamo.disable (whose frames
+    dynamo must not trace) as AOTAutograd's is. None: keep AOTAutograd's."""
+    if call is None or any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None
+    part = call.partition
+    # dynamo's guards hold each input to its compile-time dtype, shape, strides and device: where
+    # those were what the partition takes (dense, on one device), only pointers need reading
+    specs = part.signature.inputs
+    guarded = len({t.device for t in example_inputs}) <= 1 and len(specs) == len(example_inputs) and all(
+        isinstance(s, TensorSpec) and t.dtype == s.dtype and tuple(t.shape) == tuple(s.shape) and t.is_contiguous()
+        for t, s in zip(example_inputs, specs))
+    direct = functools.partial(part.call_guarded if guarded else part.call_args)
+    direct.graph_module = call.graph_module  # (kept alive by what dynamo holds)
+    return torch._dynamo.disable(direct, reason="gac: the AOT-compiled graph, called directly")
 
 
 def _whole_partition(gm: torch.fx.GraphModule):
@@ -191,8 +250,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
         # dynamo guards torch.backends.cuda.matmul.allow_tf32 but not cuDNN's flag: a call under
         # other precision flags than the compile's gets (and keeps) its own compilation; a graph
-        # without contractions compiles the same under any flags (and skips reading them)
-        if not _reads_precision_flags(pristine):
+        # without convolutions needs no such check (and skips reading the flags)
+        if not _reads_unguarded_flags(pristine):
             return first
         by_flags = {precision_flags(): first}
 
@@ -209,6 +268,14 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         pristine = copy_graph(graph)  # (compiling rewrites the graph in place)
         return per_flags(pristine, compile_now(graph), compile_now)
 
+    plain: dict = {}  # the inference graph's boxed call, where AOTAutograd's wrapper adds nothing
+
+    def compile_inference(graph: torch.fx.GraphModule, inputs):
+        fn = compile_fn(graph, inputs)
+        if getattr(fn, "partition", None) is not None and _plain_inference(example_inputs):
+            plain["call"] = fn
+        return fn
+
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
@@ -218,13 +285,16 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)
+            if not _reads_unguarded_flags(pristine):  # (the common case: nothing between)
+                return _boxed_of(compiled.gm)
             return make_boxed_func(per_flags(pristine, _forward_of(compiled.gm), compile_now))
         log.info("gac: graph with symbolic sizes compiled per shape: %s", reason)
         return make_boxed_func(ShapeSpecializing(pristine, compile_static, reason=reason))
 
     forget_stale_dynamo_guards()
     try:
-        return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn,
-                            decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)
+        compiled = aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn, inference_compiler=compile_inference,
+                                decompositions={**decompositions(), **FAST_PATH_DECOMPOSITIONS})(gm, example_inputs)
+        return _without_aot_wrapper(plain.get("call"), gm, example_inputs) or compiled
     finally:
         release_trace_globals()  # AOTAutograd's make_fx left the graph gac compiled in torch's globals

@@ -36,17 +36,12 @@ class CompiledGraph(torch.nn.Module):
         self.input_names = list(input_names)
         self.tuple_output = tuple_output
         self._shapes: dict[tuple, list] = {}  # input shapes -> output shapes (run-time sizes)
-        # The per-call fast path (static shapes): a check of each input that passes for every
-        # well-formed call (anything else goes through check_inputs, which says what is wrong),
-        # and the executable's `call`, which returns its outputs (a CUDA executable replays a
-        # graph into buffers it owns); None: outputs allocated here and passed to `run`.
-        self._quick = None if signature.dynamic else [
-            (s.dtype, torch.Size(s.shape)) for s in signature.inputs]
-        self._on_device = {"cuda": "is_cuda", "cpu": "is_cpu"}.get(device_type)
+        # The per-call fast path (static shapes, no statically empty output): the executable's
+        # `call(args)`, which checks what it relies on and returns the outputs, or None to
+        # decline (then check_inputs names what is wrong, and `run` takes what is merely unusual)
         self._range = f"gac:{name}"
         empty_out = any(isinstance(d, int) and d == 0 for s in signature.outputs for d in s.shape)
-        fast = self._quick is not None and not empty_out and self._on_device is not None
-        self._fast = fast
+        self._fast = not signature.dynamic and not empty_out
         self.executable = executable  # (sets _call)
         # NVTX ranges only where a tool listens (nsys/ncu inject a library through this
         # variable; without one every range call is a no-op that still costs host time)
@@ -60,6 +55,7 @@ class CompiledGraph(torch.nn.Module):
     def executable(self, executable: Executable) -> None:  # (a replaced one is called, not the old)
         self._executable = executable
         self._call = getattr(executable, "call", None) if self._fast else None
+        self._guarded = getattr(executable, "call_guarded", None) if self._fast else None
 
     def ir(self, stage: str) -> str:
         if stage not in self.stages:
@@ -111,38 +107,56 @@ class CompiledGraph(torch.nn.Module):
             raise GacInputError(f"{self.name}: inputs disagree on their sizes: {errors[0]}")
         return sizes
 
-    def forward(self, *args):
-        if self._call is not None:
-            inputs = self._quick_inputs(args)
-            if inputs is not None:
-                if _profiler._is_profiler_enabled or self._nvtx:
-                    with _ranges(self._range, self._nvtx):
-                        outs = self._call(inputs)
-                else:
-                    outs = self._call(inputs)
-                return tuple(outs) if self.tuple_output else outs[0]
+    def boxed(self, args: Sequence) -> Sequence:
+        """The call with its arguments as one sequence, returning every output in a sequence
+        (AOTAutograd's boxed convention: what torch.compile calls when this partition is the whole
+        graph, frontends/dynamo.py). Per call: the executable's `call` and nothing else, unless
+        a profiler or an NVTX tool listens."""
+        if _profiler._is_profiler_enabled or self._nvtx:
+            with _ranges(self._range, self._nvtx):
+                return self._outputs(args)
+        call = self._call
+        if call is not None:
+            outs = call(args)
+            if outs is not None:
+                return outs
         return self._forward(args)
+
+    boxed._boxed_call = True  # (AOTAutograd then calls it without wrapping)
+
+    def call_args(self, *args) -> Sequence:
+        """boxed, with the arguments as they come (what dynamo calls without AOTAutograd)."""
+        return self.boxed(args)
+
+    def call_guarded(self, *args) -> Sequence:
+        """call_args for arguments whose dtypes, shapes, dense strides and device torch's
+        guards have checked (dynamo's, frontends/dynamo.py): the executable's `call_guarded`,
+        which reads only their pointers; anything it declines takes the checked path."""
+        guarded = self._guarded
+        if guarded is not None and not (_profiler._is_profiler_enabled or self._nvtx):
+            outs = guarded(args)
+            if outs is not None:
+                return outs
+        return self.boxed(args)
+
+    def forward(self, *args):
+        outs = self.boxed(args)
+        return tuple(outs) if self.tuple_output else outs[0]
 
     # Called from the partitioned GraphModule's code once per call: straight to forward, without
     # nn.Module.__call__'s hook dispatch (nothing hooks a compiled partition).
     __call__ = forward
 
-    def _quick_inputs(self, args: Sequence) -> list[torch.Tensor] | None:
-        """The inputs made dense, when each has the compiled dtype, shape and device (no host
-        scalar); None sends the call through check_inputs."""
-        if len(args) != len(self._quick):
-            return None
-        on_device = self._on_device
-        strided = torch.strided
-        inputs = []
-        for a, (dtype, shape) in zip(args, self._quick):
-            if not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape or \
-                    not getattr(a, on_device) or a.layout is not strided:
-                return None
-            inputs.append(a.contiguous())
-        return inputs
+    def _outputs(self, args: Sequence) -> Sequence:
+        if self._call is not None:
+            outs = self._call(args)
+            if outs is not None:
+                return outs
+        return self._forward(args)
 
-    def _forward(self, args):
+    def _forward(self, args: Sequence) -> list:
+        """Every call the executable's `call` declines (or that it lacks): the inputs checked,
+        host scalars moved and strided inputs made dense, fresh outputs, `run`."""
         out_shapes = self.check_inputs(args)
         # dense row-major buffers on the target's device; size arguments as ints
         device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == self.device_type),
@@ -156,9 +170,8 @@ class CompiledGraph(torch.nn.Module):
         live = [o for o, s in zip(outputs, self.signature.outputs)
                 if not any(isinstance(d, int) and d == 0 for d in s.shape)]
         if any(o.numel() for o in live):
-            with _ranges(self._range, self._nvtx):
-                self.executable.run(inputs, live)
-        return tuple(outputs) if self.tuple_output else outputs[0]
+            self.executable.run(inputs, live)
+        return outputs
 
 
 @contextlib.contextmanager

@@ -24,9 +24,13 @@ torch's current stream, buffers from torch's caching allocator.
   inputs at stable addresses (parameters, a rotation of batches) replay one graph per call
   whatever the number of kernels. Larger outputs, GAC_CUDA_SYNC=1, graphs off and a pool whose
   every set is held get fresh outputs (the caching allocator mostly hands back the same
-  addresses, so their tables and graphs repeat too); dynamic shapes, misaligned inputs and
-  inputs on another device than the current one go through `run`, which checks everything.
-  What a call would look up each time (context, CUstream, pool, workspace) is in a `_Lane`.
+  addresses, so their tables and graphs repeat too). `call` checks each argument's dtype,
+  shape and device as it reads its pointer; `call_guarded` (inputs whose dtype, shape, strides
+  and device dynamo's guards hold) reads only pointers. Both decline dynamic shapes,
+  misaligned inputs, another current device and a caller's capture, which CompiledGraph then
+  checks and hands to `run`. What a call would look up each time (context, CUstream, pool,
+  workspace) is in a `_Lane` (launch_state.py); a one-kernel program's launch arguments are
+  built once per pointer set and stream.
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
   CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
@@ -44,13 +48,13 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gac_torch.backends.base import Signature, SizeSpec
 from gac_torch.backends.cuda.launch_args import ArgTable
+from gac_torch.backends.cuda.launch_state import _Bound, _Context, _Entry, _Lane
 from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.errors import GacError, TargetUnavailable
 from gac_torch.backends.gpu.program import GpuProgram, KernelLaunch, TensorMapArg
@@ -146,6 +150,15 @@ def _error_text(err: Any) -> str:
         return str(int(err))
 
 
+def _launched(err: Any, bound: _Bound, i: int, stream: Any) -> None:
+    """After launch i of `bound`: raise on an error, naming the kernel; with GAC_CUDA_SYNC=1,
+    wait for it, so that an asynchronous fault names its kernel too."""
+    k = bound.program.launches[i]
+    if err:
+        raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): {_error_text(err)}")
+    _check(_driver.cuStreamSynchronize(stream), f"kernel {k.kernel}")
+
+
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
@@ -196,53 +209,6 @@ def upload_tensor_maps(launches: Sequence[KernelLaunch], arg_ptrs: Sequence[int]
     return buf, {(i, j): base + n * TENSOR_MAP_BYTES for n, (i, j, _) in enumerate(where)}
 
 
-@dataclass
-class _Entry:
-    table: ArgTable
-    hits: int = 0
-    graph: Any = None  # (CUgraph, CUgraphExec) once captured
-    tensor_maps: torch.Tensor | None = None  # the table's TMA descriptors (device memory)
-
-
-@dataclass
-class _Context:
-    """What one CUDA context (device) needs: the loaded functions, per-stream workspaces and
-    the argument tables by (sizes, pointer set)."""
-
-    by_name: dict[str, Any]  # kernel name -> CUfunction
-    modules: list[Any]  # the CUmodules they live in
-    workspaces: dict[int, torch.Tensor] = field(default_factory=dict)  # stream handle -> buffer
-    pools: dict[int, OutputPool] = field(default_factory=dict)  # stream handle -> outputs
-    tables: OrderedDict = field(default_factory=OrderedDict)  # (sizes, pointers) -> _Entry
-    streams: dict[int, Any] = field(default_factory=dict)  # stream handle -> CUstream
-
-
-@dataclass
-class _Bound:
-    """The program for one call's sizes (the program itself when it has no run-time sizes)."""
-
-    key: tuple | None  # the sizes it was bound for
-    program: GpuProgram
-    launches: list[tuple]  # (grid, block, shared memory) per launch
-    funcs: dict[int, list[Any]] = field(default_factory=dict)  # context -> CUfunction per launch
-
-    @classmethod
-    def of(cls, key: tuple | None, program: GpuProgram) -> _Bound:
-        return cls(key, program, [(k.grid, k.block, k.shared_mem) for k in program.launches])
-
-
-@dataclass
-class _Lane:
-    """A thread's calls on one (device, stream): what each of them would otherwise look up."""
-
-    device: torch.device
-    state: _Context
-    handle: int  # the stream's raw handle
-    stream: Any  # CUstream
-    pool: OutputPool | None  # pooled outputs (static shapes, graphs on), else fresh ones
-    ws_ptr: int  # the static plan's workspace on this stream (0: none)
-
-
 class CudaExecutable:
     """Replays the program's launches. One instance may serve several devices/contexts."""
 
@@ -269,6 +235,9 @@ class CudaExecutable:
         self.use_graphs = graphs_enabled(graphs)
         self._devices: dict[int, torch.device] = {}
         self._out_specs = [(tuple(s.shape), s.dtype) for s in signature.outputs]
+        # what `call` checks per argument: (dtype, torch.Size); None: run-time sizes (never fast)
+        self._arg_specs = None if program.dynamic or signature.dynamic else [
+            (s.dtype, torch.Size(s.shape)) for s in signature.inputs]
         out_bytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.outputs
                         if not isinstance(s, SizeSpec) and all(isinstance(n, int) for n in s.shape))
         # outputs in a pool (stable addresses for graphs): static shapes, not empty, not too big
@@ -357,23 +326,56 @@ class CudaExecutable:
             self._bound.move_to_end(key)
         return bound
 
-    def call(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Runs on `inputs` (dense tensors with the compiled shapes and dtypes: CompiledGraph
-        checked them) and returns the outputs: pooled buffers where graphs can replay into them,
-        else fresh ones. Per call: one pass over the inputs, one lane and one table lookup, one
-        launch (a graph) or one per kernel; nothing that scales with the number of kernels."""
-        if self._static is None:
-            return self._call_fresh(inputs)
-        dev = inputs[0].get_device() if inputs else _current_device()
+    def call(self, args: Sequence) -> list[torch.Tensor] | None:
+        """CompiledGraph's per-call path: runs on the partition's arguments and returns its
+        outputs, or None to decline (CompiledGraph then checks the arguments, naming what is
+        wrong, and goes through `run`): run-time sizes, an argument that is not a tensor of its
+        compiled dtype and shape on the current device at a 16-byte aligned address, a call
+        inside the caller's own CUDA graph capture. A strided input is made dense (a copy).
+        Outputs: pooled buffers where graphs can replay into them, else fresh ones. Per call:
+        one pass over the arguments (metadata and pointer reads), one lane and one table
+        lookup, one launch (a graph, or a one-kernel program's prebuilt launch) or one per
+        kernel; nothing that scales with the number of kernels."""
+        specs = self._arg_specs
+        if specs is None or len(args) != len(specs) or _capturing():  # (run: plainly into it)
+            return None
+        dev = _current_device()
         ptrs = []
-        for t in inputs:
-            p = t.data_ptr()
-            if p % BUFFER_ALIGN or t.get_device() != dev:
-                return self._call_fresh(inputs)  # staged through aligned copies / other device
-            ptrs.append(p)
-        if dev != _current_device() or _capturing():
-            # run() launches under that device's context / plainly into the caller's capture
-            return self._call_fresh(inputs)
+        dense = []  # copies of strided inputs, alive until their launches are issued
+        try:
+            for a, (dtype, shape) in zip(args, specs):
+                if a.dtype is not dtype or a.shape != shape or a.get_device() != dev:
+                    return None
+                if not a.is_contiguous():
+                    a = a.contiguous()
+                    dense.append(a)
+                p = a.data_ptr()
+                if p % BUFFER_ALIGN:
+                    return None  # (run stages it through an aligned copy)
+                ptrs.append(p)
+        except (AttributeError, RuntimeError):  # not a tensor; not strided (no data pointer)
+            return None
+        return self._launch_into(dev, ptrs)
+
+    def call_guarded(self, args: Sequence) -> list[torch.Tensor] | None:
+        """`call` for arguments whose dtypes, shapes, dense strides and device torch's guards
+        guarantee (dynamo's, for a graph whose compile-time inputs were dense and on one device:
+        frontends/dynamo.py): only their pointers are read. Still declines an input at a
+        misaligned address (a view's offset), a current device other than theirs, a capture."""
+        if self._arg_specs is None or _capturing():
+            return None
+        dev = _current_device()
+        if args and args[0].get_device() != dev:
+            return None
+        ptrs = [a.data_ptr() for a in args]
+        for p in ptrs:
+            if p % BUFFER_ALIGN:
+                return None
+        return self._launch_into(dev, ptrs)
+
+    def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor]:
+        """Launches over input pointers `ptrs` on `dev` (the current device) into pooled or
+        fresh outputs, which it returns."""
         lane = self._lane(dev, _raw_stream(dev))
         got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
@@ -386,12 +388,6 @@ class CudaExecutable:
             out_set, outs = got
             ptrs += out_set.ptrs
         self._issue(lane, self._static, (None, *ptrs, lane.ws_ptr), ptrs, False)
-        return outs
-
-    def _call_fresh(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        device = inputs[0].device if inputs else torch.device("cuda", _current_device())
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
-        self.run(inputs, outs)
         return outs
 
     def _lane(self, dev: int, handle: int) -> _Lane:
@@ -509,10 +505,20 @@ class CudaExecutable:
                     entry.hits >= GRAPH_AFTER_CHURN or self._graphs_pay()):
                 self._capture(state, entry, bound)
             if entry.graph is not None:
-                _check(_driver.cuGraphLaunch(entry.graph[1], lane.stream), "cuGraphLaunch")
+                err = _driver.cuGraphLaunch(entry.graph[1], lane.stream)[0]
+                if err:
+                    raise CudaError(f"cuGraphLaunch: {_error_text(err)}")
                 self.stats["graph_calls"] += 1
                 return
-        self._launch(state, entry.table, lane.stream, bound)
+        direct = entry.direct
+        if direct is None or direct[0] != lane.handle:
+            direct = entry.direct = (lane.handle, [(*head, lane.stream, argv, 0) for head, argv
+                                                   in zip(self._heads(state, bound), entry.table.argv)])
+        launch = _driver.cuLaunchKernel
+        for i, args in enumerate(direct[1]):
+            err = launch(*args)[0]
+            if err or SYNC_AFTER_LAUNCH:
+                _launched(err, bound, i, lane.stream)
         self.stats["direct_calls"] += 1
 
     def _graphs_pay(self) -> bool:
@@ -533,22 +539,22 @@ class CudaExecutable:
             self._drop_graph(old)
         return entry
 
-    def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
-        launch = _driver.cuLaunchKernel
-        ok = _driver.CUresult.CUDA_SUCCESS
-        funcs = bound.funcs.get(id(state))
-        if funcs is None:  # (function, grid, block, shared memory): cuLaunchKernel's first 8
-            funcs = bound.funcs[id(state)] = [
+    @staticmethod
+    def _heads(state: _Context, bound: _Bound) -> list[tuple]:
+        """(function, grid, block, shared memory) per launch: cuLaunchKernel's first 8 arguments."""
+        heads = bound.funcs.get(id(state))
+        if heads is None:
+            heads = bound.funcs[id(state)] = [
                 (state.by_name[k.kernel], *grid, *block, smem)
                 for k, (grid, block, smem) in zip(bound.program.launches, bound.launches)]
-        for i, (head, argv) in enumerate(zip(funcs, table.argv)):
+        return heads
+
+    def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
+        launch = _driver.cuLaunchKernel
+        for i, (head, argv) in enumerate(zip(self._heads(state, bound), table.argv)):
             err = launch(*head, stream, argv, 0)[0]
-            if err != ok:
-                k = bound.program.launches[i]
-                raise CudaError(f"cuLaunchKernel({k.kernel}, grid={k.grid}, block={k.block}): "
-                                f"{_error_text(err)}")
-            if SYNC_AFTER_LAUNCH:  # debugging: pin asynchronous faults on their kernel
-                _check(_driver.cuStreamSynchronize(stream), f"kernel {bound.program.launches[i].kernel}")
+            if err or SYNC_AFTER_LAUNCH:
+                _launched(err, bound, i, stream)
 
     def _capture(self, state: _Context, entry: _Entry, bound: _Bound) -> None:
         """Record the launch sequence for this pointer set as a CUDA graph (captured on a
