@@ -24,7 +24,7 @@ from gac_torch.backends.gpu.analysis import Generic, analyze, map_dims
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
 from gac_torch.backends.gpu.strategies.epilogue import FUSED, fused_epilogue, rename_from
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
 from gac_torch.kernels import wgmma_gemm
 from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.lowering.structured import CONV_CONTRACTION
@@ -159,7 +159,8 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
         if rows is not None:  # A and C through views with the M run as one dim
             a_in, out = rows.collapse(a_in, g.maps[0], g.op), rows.collapse(out, g.maps[2], g.op)
         ins = [a_in, g.inputs[1]][::-1 if swapped else 1]  # the kernel's A, B
-        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*ins, out, *extra],
+        text = template_text(("wgmma", spec, plan, acc), lambda: wgmma_gemm.template(spec, plan, acc))
+        splice_template(text, g.op, [*ins, out, *extra],
                         fill[1] if fill is not None else None, acc, name)
         if rows is not None and not list(out.uses):  # (C unused: the epilogue writes Z)
             out.owner.erase()
