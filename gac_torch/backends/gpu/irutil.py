@@ -99,6 +99,13 @@ def op_at(block: ir.Block, i: int) -> ir.Operation | None:
     return ops[i].operation if 0 <= i < len(ops) else None
 
 
+def ops_after(op: ir.Operation) -> Iterator[ir.Operation]:
+    """The ops after `op` in its block, in order (lazily: a caller after the next few stops early)."""
+    ops = op.block.operations
+    for i in range(op_index(op) + 1, len(ops)):
+        yield ops[i].operation
+
+
 def ops_between(first: ir.Operation, last: ir.Operation) -> list[ir.Operation]:
     """The ops strictly between `first` and `last` (same block, `first` before)."""
     ops = first.block.operations
