@@ -12,8 +12,9 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
      process may use), largest first;
   4. join: one PTX module with every kernel (renamed back), module-level declarations once.
 Given a ptxas, each worker can also assemble its kernel's PTX into a cubin (the kernel still
-named PLACEHOLDER); the cuda pipeline does not ask for it: profilers and the autotuner tell
-kernels by name, so pipeline.cubins assembles each kernel under its own name after the join.
+named PLACEHOLDER), or (`per_name`, what the cuda pipeline asks for: profilers and the autotuner
+tell kernels by name) one cubin per kernel sharing the text, under its own name, right after its
+PTX: ptxas then runs in the pool beside the other kernels' LLVM, not after it.
 A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
 whole, as before, to PTX only.
 """
@@ -54,6 +55,8 @@ class KernelResult:
     llvm: str  # the lowered module, placeholder name
     ptx: str  # placeholder name
     cubin: bytes | None = None  # its SASS (kernel named PLACEHOLDER); None: PTX only
+    named: dict[str, tuple[bytes | None, str]] | None = None  # per_name: per kernel name, its
+    # cubin (None: ptxas's complaint); None where not assembled in the pool (pipeline.cubins does)
 
     def renamed(self, field: str, name: str) -> str:
         return getattr(self, field).replace(PLACEHOLDER, name)
@@ -106,15 +109,17 @@ def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) 
 
 
 def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
-                    on_progress=None, ptxas: Assembler | None = None) -> list[KernelResult]:
+                    on_progress=None, ptxas: Assembler | None = None, per_name: bool = False
+                    ) -> list[KernelResult]:
     """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
-    too); in the kernels' order."""
+    too, or with `per_name` to one per kernel name where the pool compiles it: KernelResult.named,
+    not kept in this cache); in the kernels' order."""
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
     todo: dict[str, str] = {}  # key -> text
     for name, text in texts.items():
-        key = job_key(text, lower, binary, ptxas)
+        key = job_key(text, lower, binary, None if per_name else ptxas)
         if key in by_key:
             by_key[key].names.append(name)
             continue
@@ -127,10 +132,11 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
     log.debug("gac cuda: %d kernels, %d distinct, %d to compile", len(texts), len(by_key), len(todo))
     order = sorted(todo, key=lambda k: -len(todo[k]))  # largest first: the pool ends together
     exe = ptxas.exe if ptxas else None
+    names = [by_key[k].names for k in order] if per_name and exe else None
     rejected = []  # (then the program loads as PTX: the driver's JIT may know a newer ISA)
-    for key, (llvm, ptx, cubin, why) in zip(order, run_jobs([todo[k] for k in order], lower, binary,
-                                                            on_progress, exe)):
-        by_key[key].llvm, by_key[key].ptx, by_key[key].cubin = llvm, ptx, cubin
+    for key, (llvm, ptx, cubin, why, named) in zip(order, run_jobs([todo[k] for k in order], lower, binary,
+                                                                   on_progress, exe, names)):
+        by_key[key].llvm, by_key[key].ptx, by_key[key].cubin, by_key[key].named = llvm, ptx, cubin, named
         if why:
             rejected.append(f"{by_key[key].names[0]}: {why}")
         if use_cache:
@@ -160,16 +166,18 @@ def worker_count() -> int:
 _no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
 
 
-def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None
-             ) -> list[tuple[str, str, bytes | None, str]]:
-    """(llvm, ptx, cubin, ptxas's complaint) per text (ptx_worker.compile_kernel): in-process
-    for a few, else in min(workers, len) worker processes."""
+def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
+             names: list[list[str]] | None = None) -> list[tuple[str, str, bytes | None, str, dict | None]]:
+    """(llvm, ptx, cubin, ptxas's complaint, named cubins) per text (ptx_worker.compile_kernel):
+    in-process for a few, else in min(workers, len) worker processes. `names` (per text, with a
+    `ptxas`): the workers assemble the PTX under each name (ptx_worker.assemble_named); in-process
+    they do not (named None: pipeline.cubins runs ptxas in threads then)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
         for i, text in enumerate(texts):
             try:
-                results[i] = ptx_worker.compile_kernel(text, lower, binary, ptxas)
+                results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas), None)
             except Exception as e:
                 raise CompileError(f"cuda kernel lowering failed: {e}") from e
             if on_progress:
@@ -195,7 +203,8 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                 except queue.Empty:
                     return
                 ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary,
-                                                      "ptxas": ptxas})
+                                                      "ptxas": ptxas, "names": names[i] if names else None,
+                                                      "placeholder": PLACEHOLDER})
                 reply = ptx_worker.read_message(proc.stdout)
                 if reply is None:
                     raise CompileError(f"a cuda compile worker exited (code {proc.poll()})")
@@ -203,7 +212,9 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                     log.debug("gac cuda worker: %s", reply.get("trace"))
                     raise CompileError(f"cuda kernel lowering failed: {reply['error']}")
                 cubin = base64.b64decode(reply["cubin"]) if reply.get("cubin") else None
-                results[i] = (reply["llvm"], reply["ptx"], cubin, reply.get("ptxas_error", ""))
+                named = {n: (base64.b64decode(c) if c else None, w)
+                         for n, (c, w) in reply["named"].items()} if reply.get("named") else None
+                results[i] = (reply["llvm"], reply["ptx"], cubin, reply.get("ptxas_error", ""), named)
                 done[0] += 1
         except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
             errors.append(e)
@@ -226,7 +237,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress, ptxas)
+        return run_jobs(texts, lower, binary, on_progress, ptxas, names)
     if errors:
         raise errors[0]
     return results
