@@ -89,12 +89,15 @@ print("ROW " + json.dumps(row))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(config: str, target: str, what: str, path: str, env: dict, timeout: float) -> dict:
+def run(config: str, target: str, what: str, path: str, env: dict, timeout: float,
+        show_log: bool = False) -> dict:
     p = subprocess.run([sys.executable, "-c", CHILD, config, target, what, path, ROOT], env=env,
                        capture_output=True, text=True, timeout=timeout)
     rows = [line for line in p.stdout.splitlines() if line.startswith("ROW ")]
     if p.returncode or not rows:
         raise SystemExit(f"{what} failed:\n{p.stderr[-4000:]}")
+    if show_log:  # gac's log lines (timestamped by torch's handler under TORCH_LOGS)
+        print("\n".join(line for line in p.stderr.splitlines() if "gac" in line and "cache " not in line))
     return json.loads(rows[-1][4:])
 
 
@@ -108,6 +111,8 @@ def main() -> None:
                     help="which rows, comma-separated")
     ap.add_argument("--workers", type=int, default=None, help="GAC_COMPILE_WORKERS for the gac rows")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per row (a row past it is reported)")
+    ap.add_argument("--show-log", action="store_true",
+                    help="print each row's gac log lines (with TORCH_LOGS=+gac_torch: the stages' times)")
     args = ap.parse_args()
     import torch
 
@@ -128,7 +133,7 @@ def main() -> None:
     rows, notes = {}, []
     for what in runs:
         try:
-            rows[what] = run(args.config, args.target, what, path, env, args.timeout)
+            rows[what] = run(args.config, args.target, what, path, env, args.timeout, args.show_log)
         except subprocess.TimeoutExpired:
             notes.append(f"{what}: not finished in {args.timeout:.0f} s")
             continue

@@ -187,6 +187,20 @@ def test_entry_from_another_format_is_refused():
         cache.unpack_entry(resealed, "k" * 64)
 
 
+def test_an_entry_packs_its_stage_texts_once(monkeypatch):
+    # a compiled program's cache entry packs its partitions' entries again: their stage texts
+    # (64 MB for BEVFormer-tiny on cuda) are compressed once, then reused
+    texts = {"gac": "x = 1\n" * 50, "linalg": "y = 2\n" * 50}
+    entry = cache.Entry({"n": 1}, {"b": b"\1\2"}, dict(texts))
+    calls = []
+    real = cache.zlib.compress
+    monkeypatch.setattr(cache.zlib, "compress", lambda *a: calls.append(1) or real(*a))
+    first, again = cache.pack_entry("k", entry), cache.pack_entry("k", entry)
+    assert first == again and len(calls) == 1 and dict(entry.stages) == texts
+    back = cache.unpack_entry(again, "k")
+    assert dict(back.stages) == texts and back.blobs == {"b": b"\1\2"} and back.meta == {"n": 1}
+
+
 def test_switches_clear_and_size_bound(cache_on, monkeypatch):
     model, x = _model()
     _compile(model, x, options={"cache": False})

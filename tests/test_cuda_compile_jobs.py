@@ -117,6 +117,28 @@ def _kernel_text(scale: float) -> str:
     return "module attributes {gpu.container_module} {\n  gpu.module @gac_kernels {" + body + "\n  }\n}\n"
 
 
+def test_pool_results_are_taken_as_they_arrive(tmp_path, monkeypatch):
+    # while the workers compile the rest, the calling thread stores each finished kernel in the
+    # cache and cuts its PTX for the join: the join after the pool is the same as from scratch
+    monkeypatch.setenv("GAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
+    texts = {"k_a": _kernel_text(1.0), "k_b": _kernel_text(2.0), "k_c": _kernel_text(1.0)}
+    arrived = []
+    real = kernel_jobs.run_jobs
+
+    def run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result):
+        return real(texts, lower, binary, on_progress, ptxas, names,
+                    lambda i, r: arrived.append(i) or on_result(i, r))
+
+    monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
+    results = kernel_jobs.compile_kernels(texts, LOWER, BINARY, True)
+    assert sorted(arrived) == [0, 1] and all(r.cut is not None for r in results)
+    assert len(list(tmp_path.glob("*/*"))) == 2  # each stored as it came
+    fresh = [kernel_jobs.KernelResult(r.names, r.llvm, r.ptx) for r in results]
+    assert kernel_jobs.join_ptx(results, list(texts)) == kernel_jobs.join_ptx(fresh, list(texts))
+
+
 def test_join_dedupes_declarations_and_refuses_a_clash():
     head = "//\n.version 7.8\n.target sm_90\n.address_size 64\n\n"
     shared = ".extern .shared .align 16 .b8 smem[];"

@@ -32,9 +32,9 @@ def _assembler() -> ptxas.Assembler:
 
 def _program(monkeypatch, **env):
     """The GpuProgram of Blocks compiled offline for sm_90 (pool of 2 workers, no cache)."""
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -99,6 +99,26 @@ def test_program_carries_cubins_as_cache_blobs(monkeypatch):
     monkeypatch.setattr(runtime, "check_available", lambda: None)  # (no GPU is touched before a call)
     exe = cuda_target._unpack(json.loads(json.dumps(meta)), blobs, _signature(program), {})
     assert exe.program.cubins == program.cubins and exe.program.ptx == program.ptx
+
+
+def test_pool_assembles_each_kernels_cubins_as_the_threads_would(monkeypatch):
+    # the pool's workers assemble every kernel's cubins under its names right after its PTX
+    # (ptxas beside the other kernels' LLVM); pipeline.cubins' threads did it after the pool
+    named = []
+    real = kernel_jobs.compile_kernels
+
+    def compile_kernels(*a, **k):
+        results = real(*a, **k)
+        named.extend(n for r in results for n in (r.named or {}))
+        return results
+
+    monkeypatch.setattr(kernel_jobs, "compile_kernels", compile_kernels)
+    pooled = _program(monkeypatch)
+    kernels = {k.kernel for k in pooled.launches}
+    assert sorted(named) == sorted(kernels) and len(pooled.cubins) == len(kernels)
+    named.clear()
+    threaded = _program(monkeypatch, GAC_COMPILE_WORKERS="1")  # in-process: no pool
+    assert named == [] and threaded.cubins == pooled.cubins and threaded.ptx == pooled.ptx
 
 
 def _signature(program):

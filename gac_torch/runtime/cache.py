@@ -61,9 +61,9 @@ class Stages(Mapping):
     """Stage texts as an entry keeps them (zlib'd JSON), unpacked at the first read: a warm
     compile reads none (BEVFormer-tiny's cuda stages: 31 MB of text, 4.7 MB packed)."""
 
-    def __init__(self, packed: bytes):
+    def __init__(self, packed: bytes, texts: dict[str, str] | None = None):
         self.packed = packed
-        self._texts: dict[str, str] | None = None
+        self._texts = texts  # (given: the texts `packed` was made from)
 
     def _unpacked(self) -> dict[str, str]:
         if self._texts is None:
@@ -194,8 +194,11 @@ def cache_key(graph_text: str, signature: str, options: Options, target: str,
 def pack_entry(key: str, entry: Entry) -> bytes:
     """MAGIC | sha256(body) | body; body = u32 header length | header JSON | blobs."""
     blobs = dict(entry.blobs)
-    blobs["\0stages"] = (entry.stages.packed if isinstance(entry.stages, Stages)
-                         else zlib.compress(json.dumps(dict(entry.stages)).encode(), 3))
+    if not isinstance(entry.stages, Stages):  # packed once: a compiled program's entry packs its
+        # partitions' entries again (BEVFormer-tiny cuda: 64 MB of stage text)
+        texts = dict(entry.stages)
+        entry.stages = Stages(zlib.compress(json.dumps(texts).encode(), 3), texts)
+    blobs["\0stages"] = entry.stages.packed
     layout, offset = {}, 0
     for name, data in blobs.items():
         layout[name] = [offset, len(data)]

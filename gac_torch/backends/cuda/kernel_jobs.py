@@ -12,8 +12,9 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
      process may use), largest first;
   4. join: one PTX module with every kernel (renamed back), module-level declarations once.
 Given a ptxas, each worker can also assemble its kernel's PTX into a cubin (the kernel still
-named PLACEHOLDER); the cuda pipeline does not ask for it: profilers and the autotuner tell
-kernels by name, so pipeline.cubins assembles each kernel under its own name after the join.
+named PLACEHOLDER), or (`per_name`, what the cuda pipeline asks for: profilers and the autotuner
+tell kernels by name) one cubin per kernel sharing the text, under its own name, right after its
+PTX: ptxas then runs in the pool beside the other kernels' LLVM, not after it.
 A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
 whole, as before, to PTX only.
 """
@@ -30,7 +31,7 @@ import re
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlir import ir
@@ -54,6 +55,9 @@ class KernelResult:
     llvm: str  # the lowered module, placeholder name
     ptx: str  # placeholder name
     cubin: bytes | None = None  # its SASS (kernel named PLACEHOLDER); None: PTX only
+    named: dict[str, tuple[bytes | None, str]] | None = None  # per_name: per kernel name, its
+    # cubin (None: ptxas's complaint); None where not assembled in the pool (pipeline.cubins does)
+    cut: tuple | None = field(default=None, repr=False, compare=False)  # (_cut: its PTX's items)
 
     def renamed(self, field: str, name: str) -> str:
         return getattr(self, field).replace(PLACEHOLDER, name)
@@ -106,15 +110,17 @@ def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) 
 
 
 def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
-                    on_progress=None, ptxas: Assembler | None = None) -> list[KernelResult]:
+                    on_progress=None, ptxas: Assembler | None = None, per_name: bool = False
+                    ) -> list[KernelResult]:
     """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
-    too); in the kernels' order."""
+    too, or with `per_name` to one per kernel name where the pool compiles it: KernelResult.named,
+    not kept in this cache); in the kernels' order."""
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
     todo: dict[str, str] = {}  # key -> text
     for name, text in texts.items():
-        key = job_key(text, lower, binary, ptxas)
+        key = job_key(text, lower, binary, None if per_name else ptxas)
         if key in by_key:
             by_key[key].names.append(name)
             continue
@@ -127,17 +133,33 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
     log.debug("gac cuda: %d kernels, %d distinct, %d to compile", len(texts), len(by_key), len(todo))
     order = sorted(todo, key=lambda k: -len(todo[k]))  # largest first: the pool ends together
     exe = ptxas.exe if ptxas else None
-    rejected = []  # (then the program loads as PTX: the driver's JIT may know a newer ISA)
-    for key, (llvm, ptx, cubin, why) in zip(order, run_jobs([todo[k] for k in order], lower, binary,
-                                                            on_progress, exe)):
-        by_key[key].llvm, by_key[key].ptx, by_key[key].cubin = llvm, ptx, cubin
+    names = [by_key[k].names for k in order] if per_name and exe else None
+    rejected = {}  # (then the program loads as PTX: the driver's JIT may know a newer ISA)
+    handled: set[int] = set()
+
+    def finished(j: int, result: tuple) -> None:
+        """Kernel j's result, taken while the pool still compiles the others: kept in the cache,
+        its PTX cut into items for join_ptx."""
+        handled.add(j)
+        key, r = order[j], by_key[order[j]]
+        r.llvm, r.ptx, r.cubin, why, r.named = result
         if why:
-            rejected.append(f"{by_key[key].names[0]}: {why}")
+            rejected[j] = f"{r.names[0]}: {why}"
         if use_cache:
-            cache.store(key, cache.Entry({"ptx": ptx}, {"cubin": cubin} if cubin else {}, {"llvm": llvm}),
+            cache.store(key, cache.Entry({"ptx": r.ptx}, {"cubin": r.cubin} if r.cubin else {}, {"llvm": r.llvm}),
                         quiet=True)
+        try:
+            _cut(r)
+        except NotSplittable:  # (join_ptx raises it)
+            pass
+
+    results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished)
+    for j, result in enumerate(results):
+        if j not in handled:
+            finished(j, result)
     if rejected:
-        log.info("gac cuda: %d kernels without a cubin, the program loads as PTX (%s)", len(rejected), rejected[0])
+        first = rejected[min(rejected)]
+        log.info("gac cuda: %d kernels without a cubin, the program loads as PTX (%s)", len(rejected), first)
     if use_cache and todo:
         cache.evict(cache.size_limit())  # once for the batch
     return list(by_key.values())
@@ -160,18 +182,24 @@ def worker_count() -> int:
 _no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
 
 
-def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None
-             ) -> list[tuple[str, str, bytes | None, str]]:
-    """(llvm, ptx, cubin, ptxas's complaint) per text (ptx_worker.compile_kernel): in-process
-    for a few, else in min(workers, len) worker processes."""
+def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
+             names: list[list[str]] | None = None, on_result=None
+             ) -> list[tuple[str, str, bytes | None, str, dict | None]]:
+    """(llvm, ptx, cubin, ptxas's complaint, named cubins) per text (ptx_worker.compile_kernel):
+    in-process for a few, else in min(workers, len) worker processes. `names` (per text, with a
+    `ptxas`): the workers assemble the PTX under each name (ptx_worker.assemble_named); in-process
+    they do not (named None: pipeline.cubins runs ptxas in threads then). `on_result(i, result)`
+    runs in the calling thread as each result arrives (while the workers compile the rest)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
         for i, text in enumerate(texts):
             try:
-                results[i] = ptx_worker.compile_kernel(text, lower, binary, ptxas)
+                results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas), None)
             except Exception as e:
                 raise CompileError(f"cuda kernel lowering failed: {e}") from e
+            if on_result:
+                on_result(i, results[i])
             if on_progress:
                 on_progress(i + 1, len(texts))
         return results
@@ -180,6 +208,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
         jobs.put(i)
     errors: list[BaseException] = []
     done = [0]
+    arrived: queue.SimpleQueue = queue.SimpleQueue()  # indices of results not yet handed to on_result
 
     def serve() -> None:
         try:
@@ -195,7 +224,8 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                 except queue.Empty:
                     return
                 ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary,
-                                                      "ptxas": ptxas})
+                                                      "ptxas": ptxas, "names": names[i] if names else None,
+                                                      "placeholder": PLACEHOLDER})
                 reply = ptx_worker.read_message(proc.stdout)
                 if reply is None:
                     raise CompileError(f"a cuda compile worker exited (code {proc.poll()})")
@@ -203,7 +233,10 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                     log.debug("gac cuda worker: %s", reply.get("trace"))
                     raise CompileError(f"cuda kernel lowering failed: {reply['error']}")
                 cubin = base64.b64decode(reply["cubin"]) if reply.get("cubin") else None
-                results[i] = (reply["llvm"], reply["ptx"], cubin, reply.get("ptxas_error", ""))
+                named = {n: (base64.b64decode(c) if c else None, w)
+                         for n, (c, w) in reply["named"].items()} if reply.get("named") else None
+                results[i] = (reply["llvm"], reply["ptx"], cubin, reply.get("ptxas_error", ""), named)
+                arrived.put(i)
                 done[0] += 1
         except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
             errors.append(e)
@@ -218,15 +251,23 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     for t in threads:
         t.start()
     shown = -1
+
+    def hand_over() -> None:
+        while on_result and not errors and not arrived.empty():
+            i = arrived.get()
+            on_result(i, results[i])
+
     while alive := [t for t in threads if t.is_alive()]:
-        alive[0].join(0.25)
+        alive[0].join(0.05 if on_result else 0.25)
+        hand_over()
         if on_progress and done[0] != shown:
             shown = done[0]
             on_progress(shown, len(texts))
+    hand_over()
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress, ptxas)
+        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)
     if errors:
         raise errors[0]
     return results
@@ -275,27 +316,31 @@ def _symbol(item: str) -> str | None:
     return None
 
 
+def _cut(r: KernelResult) -> tuple[str, list[tuple[str, str, str | None]]]:
+    """(header, (item, its code, its symbol) per item) of r's PTX, cut once per distinct kernel
+    (with its placeholder name; each kernel sharing it renames: the placeholder, an identifier,
+    neither moves a cut nor a comment); compile_kernels cuts each as it arrives from the pool."""
+    if r.cut is None or r.cut[0] is not r.ptx:
+        head, items = _items(r.ptx)
+        r.cut = r.ptx, (head, [(item, _code(item), _symbol(item)) for item in items])
+    return r.cut[1]
+
+
 def join_ptx(results: list[KernelResult], order: list[str]) -> str:
     """One PTX module: the header, then every item of every kernel's PTX (in `order`) once.
     A definition (a body or an initializer) seen again is dropped when it differs only in its
     block labels (numbered per function in a module: `$L__BB<function>_<block>`, local to the
     function); two different definitions of one symbol raise NotSplittable."""
     of = {name: r for r in results for name in r.names}
-    # each distinct kernel's PTX is cut into items once (with its placeholder name), then renamed
-    # per kernel sharing it: the placeholder, an identifier, neither moves a cut nor a comment
-    parsed: dict[int, tuple[str, list[tuple[str, str, str | None]]]] = {}
     header, seen, out, owner = None, set(), [], {}
     for name in order:
         r = of[name]
-        if id(r) not in parsed:
-            head, items = _items(r.ptx)
-            parsed[id(r)] = head, [(item, _code(item), _symbol(item)) for item in items]
-        head = parsed[id(r)][0].replace(PLACEHOLDER, name)
+        head = _cut(r)[0].replace(PLACEHOLDER, name)
         if header is None:
             header = head
         elif head != header:
             raise NotSplittable("kernels compiled for different PTX targets")
-        for item, code, sym in parsed[id(r)][1]:
+        for item, code, sym in _cut(r)[1]:
             item, code = item.replace(PLACEHOLDER, name), code.replace(PLACEHOLDER, name)
             if code in seen:
                 continue

@@ -138,7 +138,9 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
                 chip, features = opts.accel_arch or chip, opts.accel_ptx or features
                 _tensor_maps_as_pointers(f)
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
-                if "multicast::cluster" in str(f):  # CTA pairs (kernels/wgmma_gemm.py, cluster 2)
+                # CTA pairs (kernels/wgmma_gemm.py, cluster 2). (A local-scope print: a plain
+                # str() numbers the whole module's values first, 0.3 s per kernel on BEVFormer.)
+                if "multicast::cluster" in f.get_asm(use_local_scope=True):
                     f.attributes["nvvm.cluster_dim"] = ir.DenseI32ArrayAttr.get([2, 1, 1])
             host.store_i1_as_bytes(f)
             _align_workgroup_buffers(f)
@@ -166,11 +168,13 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
         names = list(host.kernel_funcs(module))
         try:
             texts = kernel_jobs.split(module, names)
+            assembler = ptxas.for_cubins()  # (the pool assembles each kernel's cubins after its PTX)
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
-                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"))
+                lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
+                assembler, True)
             return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
-                                ptxas.for_cubins(), opts.cache)
+                                assembler, opts.cache)
         except kernel_jobs.NotSplittable as e:
             log.debug("gac cuda: kernels compiled as one module (%s)", e)
         run_passes(module, lower)
@@ -277,8 +281,9 @@ def ptx_stage(stage: GpuStage | KernelsStage) -> GpuProgram:
 def cubins(kernels: list[kernel_jobs.KernelResult], assembler: ptxas.Assembler | None,
            use_cache: bool) -> list[Cubin]:
     """One cubin per kernel, assembled by ptxas from its PTX under its own name (what profilers
-    and the autotuner see; the distinct texts compile once, named PLACEHOLDER), in threads (ptxas
-    is a subprocess), each cached by its named PTX; none unless every kernel has one (a program
+    and the autotuner see; the distinct texts compile once, named PLACEHOLDER), in the compile
+    pool beside the LLVM jobs (KernelResult.named) or else here in threads (ptxas is a
+    subprocess), each cached by its named PTX; none unless every kernel has one (a program
     loads either as SASS or as the joined PTX: a mix would JIT the whole PTX module anyway)."""
     if assembler is None or not kernels:
         return []
@@ -286,27 +291,33 @@ def cubins(kernels: list[kernel_jobs.KernelResult], assembler: ptxas.Assembler |
 
     from gac_torch.backends.cuda.ptx_worker import ptx_arch
 
-    jobs = [(name, k.ptx.replace(kernel_jobs.PLACEHOLDER, name)) for k in kernels for name in k.names]
+    jobs = [(name, k.ptx.replace(kernel_jobs.PLACEHOLDER, name), (k.named or {}).get(name))
+            for k in kernels for name in k.names]
     with ThreadPoolExecutor(kernel_jobs.worker_count()) as pool:
-        made = list(pool.map(lambda job: _cubin(job[1], assembler, use_cache), jobs))
-    rejected = [f"{name}: {why}" for (name, _), (data, why) in zip(jobs, made) if data is None]
+        made = list(pool.map(lambda job: _cubin(job[1], assembler, use_cache, job[2]), jobs))
+    rejected = [f"{name}: {why}" for (name, _, _), (data, why) in zip(jobs, made) if data is None]
     if rejected:
         log.info("gac cuda: %d kernels without a cubin, the program loads as PTX (%s)", len(rejected), rejected[0])
         return []
-    return [Cubin(ptx_arch(ptx) or "", data, (name,)) for (name, ptx), (data, _) in zip(jobs, made)]
+    return [Cubin(ptx_arch(ptx) or "", data, (name,)) for (name, ptx, _), (data, _) in zip(jobs, made)]
 
 
-def _cubin(ptx: str, assembler: ptxas.Assembler, use_cache: bool) -> tuple[bytes | None, str]:
+def _cubin(ptx: str, assembler: ptxas.Assembler, use_cache: bool,
+           made: tuple[bytes | None, str] | None = None) -> tuple[bytes | None, str]:
+    """`ptx`'s cubin: `made` (assembled in the pool), else from the cache, else by ptxas."""
     import hashlib
 
     from gac_torch.backends.cuda.ptx_worker import assemble
     from gac_torch.runtime import cache
 
     key = hashlib.sha256(f"cuda-cubin\0{assembler.version}\0{ptx}".encode()).hexdigest()
-    entry = cache.load(key, quiet=True) if use_cache else None
-    if entry is not None and "cubin" in entry.blobs:
-        return entry.blobs["cubin"], ""
-    data, why = assemble(ptx, assembler.exe)
+    if made is not None:
+        data, why = made
+    else:
+        entry = cache.load(key, quiet=True) if use_cache else None
+        if entry is not None and "cubin" in entry.blobs:
+            return entry.blobs["cubin"], ""
+        data, why = assemble(ptx, assembler.exe)
     if data is not None and use_cache:
         cache.store(key, cache.Entry({}, {"cubin": data}, {}), quiet=True)
     return data, why

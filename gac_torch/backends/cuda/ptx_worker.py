@@ -46,6 +46,12 @@ def compile_kernel(text: str, lower: str, binary: str, ptxas: str | None = None
     return llvm, ptx, cubin, error
 
 
+def assemble_named(ptx: str, ptxas: str, names: list[str], placeholder: str) -> dict[str, list]:
+    """Per name: [cubin or None, ptxas's complaint] of the PTX with `placeholder` renamed to it
+    (what the cuda pipeline loads: one cubin per kernel name; kernel_jobs.py)."""
+    return {name: list(assemble(ptx.replace(placeholder, name), ptxas)) for name in names}
+
+
 _TARGET = re.compile(r"^\.target\s+(sm_\w+)", re.MULTILINE)
 
 
@@ -91,9 +97,14 @@ def main() -> None:
     sys.stdout = sys.stderr  # nothing but results on the pipe
     while (job := read_message(stdin)) is not None:
         try:
-            llvm, ptx, cubin, why = compile_kernel(job["text"], job["lower"], job["binary"], job.get("ptxas"))
+            names = job.get("names")
+            llvm, ptx, cubin, why = compile_kernel(job["text"], job["lower"], job["binary"],
+                                                   None if names else job.get("ptxas"))
+            named = assemble_named(ptx, job["ptxas"], names, job["placeholder"]) if names else None
             write_message(stdout, {"llvm": llvm, "ptx": ptx, "ptxas_error": why,
-                                   "cubin": base64.b64encode(cubin).decode() if cubin else None})
+                                   "cubin": base64.b64encode(cubin).decode() if cubin else None,
+                                   "named": {n: [base64.b64encode(c).decode() if c else None, w]
+                                             for n, (c, w) in named.items()} if named else None})
         except Exception as e:  # noqa: BLE001  (reported to the parent, which raises it)
             write_message(stdout, {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
 

@@ -92,7 +92,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
         if not _apply_strategy(op, strategies, limits, counter):
             parallel_dims_first(op)
 
-    run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse")
+    # (from here the host function holds every kernel body: verified once, at the end)
+    run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
     ops = block_ops(block)
     serial: list[ir.Operation] = []
     for i, op in enumerate(ops):
@@ -118,11 +119,12 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     if serial:
         wrap_serial(serial, f"gac_k{next(counter)}_serial")
     sink_globals(fn)
-    run_passes(module, "gpu-launch-sink-index-computations")
+    run_passes(module, "gpu-launch-sink-index-computations", verify_each=False)
     dynamic_memrefs_as_metadata(fn)
     # per function: the kernels fold in parallel (a module-level canonicalize is one thread)
     run_passes(module, "gpu-kernel-outlining, func.func(canonicalize, cse), "
-                       "gpu.module(gpu.func(canonicalize, cse))")
+                       "gpu.module(gpu.func(canonicalize, cse))", verify_each=False)
+    module.operation.verify()  # (kernels outlined: in parallel, one per function)
     tuning.rename(number_kernels(module, fn))
 
 

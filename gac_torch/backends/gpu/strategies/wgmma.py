@@ -21,10 +21,10 @@ from mlir import ir
 
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import Generic, analyze, map_dims
-from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, users
+from gac_torch.backends.gpu.irutil import buffer_root, defining_op, ops_after, ops_between, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
 from gac_torch.backends.gpu.strategies.epilogue import FUSED, fused_epilogue, rename_from
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
 from gac_torch.kernels import wgmma_gemm
 from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.lowering.structured import CONV_CONTRACTION
@@ -52,13 +52,12 @@ def _rounding_consumer(g: Generic, fill: Any) -> Generic | None:
     body = [op.name for op in r.op.regions[0].blocks[0].operations]
     if body != ["arith.truncf", "linalg.yield"] or str(ir.MemRefType(out.type).element_type) not in ("f16", "bf16"):
         return None
-    ops = block_ops(g.op.block)
     d = defining_op(out)
     while d is not None and d.name != "memref.alloc":  # the output and its views must exist at g
-        if ops.index(d) > ops.index(g.op):
+        if g.op.is_before_in_block(d):
             return None
         d = defining_op(d.operands[0])
-    if d is not None and ops.index(d) > ops.index(g.op):
+    if d is not None and g.op.is_before_in_block(d):
         return None
     return r
 
@@ -83,8 +82,7 @@ def _read_permuted(g: Generic) -> bool:
     """The next reader of g's result reads it through a permutation (the NCHW output of an NHWC
     conv chain): igemm's epilogue permutes its loops and fuses it, this one cannot."""
     root = buffer_root(g.outputs[0])
-    ops = block_ops(g.op.block)
-    for op in ops[ops.index(g.op) + 1:]:
+    for op in ops_after(g.op):  # (the reader is near: listing the host block cost more)
         r = analyze(op) if op.name == "linalg.generic" else None
         reads = [m for v, m in zip(r.inputs, r.maps) if buffer_root(v) == root] if r is not None else []
         if reads:
@@ -146,8 +144,7 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
             fused = _merged_epilogue(fused, rows)
         extra: list[ir.Value] = []
         if fused is not None:  # as implicit_gemm._emit: what the epilogue reads exists at g
-            ops = block_ops(g.op.block)
-            for op in ops[ops.index(g.op) + 1:ops.index(fused[0][-1])]:
+            for op in ops_between(g.op, fused[0][-1]):
                 if op not in fused[0]:
                     op.move_before(g.op)
             if buffer_root(fused[2][-1]) in {buffer_root(v) for v in g.inputs}:
@@ -159,7 +156,8 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
         if rows is not None:  # A and C through views with the M run as one dim
             a_in, out = rows.collapse(a_in, g.maps[0], g.op), rows.collapse(out, g.maps[2], g.op)
         ins = [a_in, g.inputs[1]][::-1 if swapped else 1]  # the kernel's A, B
-        splice_template(wgmma_gemm.template(spec, plan, acc), g.op, [*ins, out, *extra],
+        text = template_text(("wgmma", spec, plan, acc), lambda: wgmma_gemm.template(spec, plan, acc))
+        splice_template(text, g.op, [*ins, out, *extra],
                         fill[1] if fill is not None else None, acc, name)
         if rows is not None and not list(out.uses):  # (C unused: the epilogue writes Z)
             out.owner.erase()
