@@ -180,6 +180,27 @@ def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.Monk
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+@pytest.mark.parametrize("env", [{"GAC_SGEMM_BK": "32"}, {"GAC_SGEMM_BN": "256"}])
+def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    # x @ W^T reads both operands along k: both stage through registers, and 32-deep or
+    # 128x256 tiles pass the static 48 KB. They take dynamic shared memory (before: no plan,
+    # and the GEMM fell back to simt_matmul's kernel); the twin checks a ragged one
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spec, shapes, strides = gemm_spec("nt", 130, 300, 70)
+    p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)
+    assert p is not None and p.dynamic and not (p.a.cp or p.b.cp) and p.stages == 2
+    rng = np.random.default_rng(7)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    out = twin.emulate(spec, p, A, Bm, np.zeros(shapes[2], np.float32), tuple(strides), init=0.5)
+    ref = A.astype(np.float64) @ Bm.astype(np.float64).T + 0.5
+    assert np.abs(out.reshape(shapes[2]) - ref).max() < 1e-5 * np.abs(ref).max()
+    part = _compile_cuda(_FNS["nt"], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
+    assert "_sgemm" in launches[-1] and "dynamic_shared_memory_size" in launches[-1], launches  # (split K: a fill first)
+    assert not any("_matmul" in ln for ln in launches), launches
+
+
 def test_linear_backward_gemms_read_transposes_in_place() -> None:
     # an MLP step's three GEMM layouts (x @ W^T, dy^T @ x, dy @ W) and a 3-D linear: no
     # transpose kernel is left, every GEMM is an sgemm

@@ -179,6 +179,21 @@ def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: 
 DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 
+def sgemm_blocks_per_sm() -> int:
+    """Blocks per SM the exact-f32 kernel is compiled for (backends/cuda/pipeline.py: 2 cap its
+    registers at 128): 1 for 128x256 tiles (128 accumulators per thread) or GAC_SGEMM_CTAS=1."""
+    return 1 if os.environ.get("GAC_SGEMM_CTAS") == "1" or os.environ.get("GAC_SGEMM_BN") == "256" else 2
+
+
+def _simt_roof(smem_limit: int, dynamic_limit: int) -> int:
+    """Shared memory one simt block may use: with two per SM, half the SM's (the opt-in limit
+    + 1 KB) less each block's reserved 1 KB (sm_90: 113 KB; sm_80: 81 KB)."""
+    if not dynamic_limit:
+        return smem_limit
+    per_sm = dynamic_limit + 1024
+    return max(smem_limit, dynamic_limit if sgemm_blocks_per_sm() == 1 else per_sm // 2 - 1024)
+
+
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
          smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
          simt_cp: bool = True, split_k: bool = True, bk: int | None = None) -> Plan | None:
@@ -207,7 +222,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     if simt:
         wm, wn = 2, 4  # 256 threads as 16 x 16
         if big and os.environ.get("GAC_SGEMM_BN") == "256" and spec.N > 128:  # (being measured: 8 x 16
-            bn = 256  # per thread, 128 accumulators: one block per SM, GAC_SGEMM_CTAS=1)
+            bn = 256  # per thread, 128 accumulators: one block per SM, sgemm_blocks_per_sm)
         bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn // 16
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
@@ -221,15 +236,18 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         return None
     lean = simt and os.environ.get("GAC_SGEMM_LEAN") != "0"  # (bisects)
     p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, lean=lean)
+    # simt: dynamic shared memory for register-staged tiles too (32-deep or 256-wide ones pass
+    # the static 48 KB; else a [k][n]-read GEMM fell back to simt_matmul's kernel)
+    roof = (_simt_roof(smem_limit, dynamic_limit) if simt
+            else max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK)) if sa.cp or sb.cp else smem_limit)
     if sa.cp or sb.cp:
-        roof = max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK))
         for stages in (4, 3, 2):
             p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, lean=lean)
             if smem_bytes(p, spec) <= roof:
-                p = dataclasses.replace(p, dynamic=smem_bytes(p, spec) > smem_limit)
                 break
-    if smem_bytes(p, spec) > (roof if sa.cp or sb.cp else smem_limit):
+    if smem_bytes(p, spec) > roof:
         return None
+    p = dataclasses.replace(p, dynamic=smem_bytes(p, spec) > smem_limit)
     # simt, at most a wave of blocks and a long K (a weight gradient: K = tokens): split K
     # into chunks of >= 512 until about two blocks per SM; fp32 atomics add the partial sums
     splits = min(8, spec.K // 512, 2 * mma.SM_COUNT_HINT // math.prod(grid)) if simt and split_k and SPLIT_K else 1
