@@ -3,8 +3,8 @@ one process with CUDA events (medians of interleaved rounds, inputs rotated past
 checked against a float64 reference. A variant is `NAME=VALUE[+NAME=VALUE...]` (or `default`),
 applied while that variant compiles (with the compile cache off):
 
-    python benchmarks/gemm_variants.py --gemm sgemm:nn:4096 \
-        --variants default,GAC_SGEMM_LEAN=0,GAC_SGEMM_BK=32
+    python benchmarks/gemm_variants.py --gemm sgemm:nn:4096,sgemm:nt:4096 \
+        --variants default,GAC_SGEMM_THREADS=128,GAC_SGEMM_BN=256,GAC_SGEMM_BK=32
     python benchmarks/gemm_variants.py --gemm tf32:nn:2048 --variants default,GAC_WGMMA_BN=128
 
 A GEMM is kind:layout:size; kind sgemm (exact f32, TF32 off) or tf32; layout nn / nt / tn / tt
@@ -64,7 +64,7 @@ def _env(variant: str) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemm", default="sgemm:nn:4096", help="comma-separated kind:layout:size")
-    ap.add_argument("--variants", default="default,GAC_SGEMM_LEAN=0,GAC_SGEMM_BK=32")
+    ap.add_argument("--variants", default="default,GAC_SGEMM_THREADS=128,GAC_SGEMM_BN=256,GAC_SGEMM_BK=32")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     for gemm in args.gemm.split(","):

@@ -201,6 +201,31 @@ def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkey
     assert not any("_matmul" in ln for ln in launches), launches
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_128_thread_blocks_hold_8x16_tiles_and_match_float64(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_SGEMM_THREADS=128 (being measured): 128x128 tiles over 16 x 8 threads, each 8 x 16
+    # accumulators in 4x4 quadrants 64 rows / 32 columns apart (a 128x256 tile's per-thread
+    # work and shared-read economy at two blocks per SM); ragged M/N, fill and C-init
+    monkeypatch.setenv("GAC_SGEMM_THREADS", "128")
+    for m, n, k, fill in ((130, 131, 20, True), (128, 256, 64, False)):
+        spec, shapes, strides = gemm_spec(layout, m, n, k, fill=fill)
+        p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)
+        assert p is not None and (p.threads, p.tm, p.tn, p.bm, p.bn) == (128, 8, 16, 128, 128)
+        rng = np.random.default_rng(m + n + k)
+        A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+        C0 = rng.standard_normal(shapes[2]).astype(np.float32)
+        out = twin.emulate(spec, p, A, Bm, C0, tuple(strides), init=0.25).reshape(shapes[2])
+        a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).T
+        b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).T
+        ref = a64 @ b64 + (0.25 if fill else C0.astype(np.float64))
+        assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+    part = _compile_cuda(_FNS[layout], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    assert re.search(r"_sgemm blocks in \(%c16, %c16, %c1\) threads in \(%c128", part.ir("gpu"))
+    if find_ptxas() is not None:
+        log = assemble(part.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
 def test_linear_backward_gemms_read_transposes_in_place() -> None:
     # an MLP step's three GEMM layouts (x @ W^T, dy^T @ x, dy @ W) and a 3-D linear: no
     # transpose kernel is left, every GEMM is an sgemm
@@ -270,6 +295,20 @@ def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
     ("tn", 257, 200, 1001), ("tn", 136, 264, 4100), ("tt", 37, 29, 45), ("tt", 1, 77, 300),
     ("nn", 256, 384, 2048), ("nt", 256, 384, 2048), ("tn", 128, 256, 4096)])  # whole tiles: lean
 def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
+    b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)
+    _check_gpu(_FNS[layout], a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("env", ["GAC_SGEMM_THREADS=128", "GAC_SGEMM_BN=256", "GAC_SGEMM_BK=32"])
+@pytest.mark.parametrize("layout,m,n,k", [("nt", 1300, 1700, 301), ("tn", 1536, 1408, 512)])  # (>= 132 tiles: big)
+def test_tile_variants_match_float64_on_gpu(env: str, layout: str, m: int, n: int, k: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the env-switch tilings gemm_variants.py measures, on a ragged and a whole-tile (lean) GEMM
+    name, value = env.split("=")
+    monkeypatch.setenv(name, value)  # (read when the kernel is planned; part of the cache key)
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
     b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)

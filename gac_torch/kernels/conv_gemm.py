@@ -11,7 +11,7 @@ never materialised.
 
   kinds   f16 / bf16: mma.sync m16n8k16, f32 accumulators (cuda_mma's fragment tables)
           tf32: f32 operands rounded with cvt.rna (ties away), mma.sync m16n8k8
-          f32:  exact SIMT: 16x16 threads, each a TM x TN register tile (FMA), 128-bit
+          f32:  exact SIMT: 16x16 threads (16x8 at 128), each a TM x TN register tile (FMA), 128-bit
                 shared-memory reads
 
   1. locate     block (bx, by, bz) -> tile origin (n0 = bx*BN, m0 = by*BM), batch dims from bz
@@ -223,7 +223,9 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         wm, wn = 2, 4  # 256 threads as 16 x 16
         if big and os.environ.get("GAC_SGEMM_BN") == "256" and spec.N > 128:  # (being measured: 8 x 16
             bn = 256  # per thread, 128 accumulators: one block per SM, sgemm_blocks_per_sm)
-        bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn // 16
+        elif big and bn == 128 and os.environ.get("GAC_SGEMM_THREADS") == "128":  # (being measured:
+            wm = 1  # 128 threads as 16 x 8, 8 x 16 each: half the shared reads per FMA, still 2 blocks/SM)
+        bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn * 16 // (32 * wm * wn)
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
     threads = 32 * wm * wn
@@ -430,11 +432,12 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # accumulator coordinates (row in M tile, col in N tile) and their order in `accs`
     if simt:
-        tx, ty = b.rem(tid, c(16)), b.div(tid, c(16))
+        # lm x ln threads (16 x 16; 16 x 8 at 128 threads), each 4 x 4 quadrants lm*4 / ln*4 apart
+        lm, ln = BM // p.tm, BN // p.tn
         m_fast = spec.c.coef[spec.ms[-1]] == 1  # lanes along C's contiguous side
-        tr, tc = (tx, ty) if m_fast else (ty, tx)
-        rows = [b.add(b.mul(tr, c(4)), c((i % 4) + (i // 4) * 64)) for i in range(p.tm)]
-        cols = [b.add(b.mul(tc, c(4)), c((j % 4) + (j // 4) * 64)) for j in range(p.tn)]
+        tr, tc = (b.rem(tid, c(lm)), b.div(tid, c(lm))) if m_fast else (b.div(tid, c(ln)), b.rem(tid, c(ln)))
+        rows = [b.add(b.mul(tr, c(4)), c((i % 4) + (i // 4) * 4 * lm)) for i in range(p.tm)]
+        cols = [b.add(b.mul(tc, c(4)), c((j % 4) + (j // 4) * 4 * ln)) for j in range(p.tn)]
         places = [(i, j) for i in range(p.tm) for j in range(p.tn)]
     else:
         warp, lane = b.div(tid, c(32)), b.rem(tid, c(32))
@@ -556,8 +559,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         return accs
 
     def simt_step(buf: Any, kk: int, accs: list[Any]) -> list[Any]:
-        av = [b.load_smem("A", [buf, c(kk), b.add(b.mul(tr, c(4)), c(64 * h))], 4) for h in range(p.tm // 4)]
-        bv = [b.load_smem("B", [buf, c(kk), b.add(b.mul(tc, c(4)), c(64 * h))], 4) for h in range(p.tn // 4)]
+        av = [b.load_smem("A", [buf, c(kk), b.add(b.mul(tr, c(4)), c(4 * lm * h))], 4) for h in range(p.tm // 4)]
+        bv = [b.load_smem("B", [buf, c(kk), b.add(b.mul(tc, c(4)), c(4 * ln * h))], 4) for h in range(p.tn // 4)]
         xa = [b.extract(av[i // 4], i % 4, 4) for i in range(p.tm)]
         xb = [b.extract(bv[j // 4], j % 4, 4) for j in range(p.tn)]
         return [b.fma(xa[i], xb[j], accs[n]) for n, (i, j) in enumerate(places)]
