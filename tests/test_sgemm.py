@@ -306,13 +306,15 @@ def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> Non
 @pytest.mark.parametrize("layout,m,n,k", [("nt", 1300, 1700, 301), ("tn", 1536, 1408, 512)])  # (>= 132 tiles: big)
 def test_tile_variants_match_float64_on_gpu(env: str, layout: str, m: int, n: int, k: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # the env-switch tilings gemm_variants.py measures, on a ragged and a whole-tile (lean) GEMM
+    # the env-switch tilings gemm_variants.py measures, on a ragged GEMM with a fused GELU
+    # epilogue (an MLP's forward) and a whole-tile (lean) one
     name, value = env.split("=")
     monkeypatch.setenv(name, value)  # (read when the kernel is planned; part of the cache key)
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
     b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)
-    _check_gpu(_FNS[layout], a, b)
+    f = _FNS[layout]
+    _check_gpu((lambda a, b: torch.nn.functional.gelu(f(a, b))) if layout == "nt" else f, a, b)
 
 
 @pytest.mark.cuda
