@@ -139,7 +139,8 @@ def test_fp32_gemm_is_one_sgemm_kernel_without_spills(layout: str) -> None:
 
 def test_exact_f32_gemm_offers_deeper_k_slices_as_a_choice() -> None:
     # 4096^3 (an MLP step's GEMM): 128-wide tiles with 16-deep slices by default, 32-deep
-    # ones a candidate the autotuner measures (forcing it changes the kernel, no spills)
+    # ones and 128-thread blocks candidates the autotuner measures (forcing one changes the
+    # kernel, no spills)
     from gac_torch.backends.gpu import tuning
 
     a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
@@ -150,12 +151,15 @@ def test_exact_f32_gemm_offers_deeper_k_slices_as_a_choice() -> None:
 
     first, s = compile_with()
     (choice,) = [c for cs in s.kernels.values() for c in cs if c.key.startswith("igemm:f32")]
-    assert set(choice.candidates) == {"tile128", "tile64", "tile128bk32"} and choice.heuristic == "tile128"
-    deep, _ = compile_with({choice.key: "tile128bk32"})
-    assert deep.ir("ptx") != first.ir("ptx")
-    if find_ptxas() is not None:
-        log = assemble(deep.ir("ptx"), "sm_90").log
-        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+    assert set(choice.candidates) == {"tile128", "tile64", "tile128bk32", "tile128t128"}
+    assert choice.heuristic == "tile128"
+    for other in ("tile128bk32", "tile128t128"):
+        forced, _ = compile_with({choice.key: other})
+        assert forced.ir("ptx") != first.ir("ptx")
+        assert ("threads in (%c128" in forced.ir("gpu")) == (other == "tile128t128")
+        if find_ptxas() is not None:
+            log = assemble(forced.ir("ptx"), "sm_90").log
+            assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:

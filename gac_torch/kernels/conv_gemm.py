@@ -196,14 +196,16 @@ def _simt_roof(smem_limit: int, dynamic_limit: int) -> int:
 
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
          smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
-         simt_cp: bool = True, split_k: bool = True, bk: int | None = None) -> Plan | None:
+         simt_cp: bool = True, split_k: bool = True, bk: int | None = None,
+         simt_threads: int = 256) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
     cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
     memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes.
     `simt_cp`: f32 operands may stage by cp.async too (sm_80+); `split_k`: f32 may split K;
     `bk`: simt's slice depth (16; 32: half the barriers and slice overheads per FMA, fewer
-    buffers; GAC_SGEMM_BK forces one)."""
+    buffers; GAC_SGEMM_BK forces one); `simt_threads`: 128 holds 128-wide tiles as 8 x 16 per
+    thread (GAC_SGEMM_THREADS=128 forces it)."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -223,7 +225,7 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         wm, wn = 2, 4  # 256 threads as 16 x 16
         if big and os.environ.get("GAC_SGEMM_BN") == "256" and spec.N > 128:  # (being measured: 8 x 16
             bn = 256  # per thread, 128 accumulators: one block per SM, sgemm_blocks_per_sm)
-        elif big and bn == 128 and os.environ.get("GAC_SGEMM_THREADS") == "128":  # (being measured:
+        elif big and bn == 128 and (simt_threads == 128 or os.environ.get("GAC_SGEMM_THREADS") == "128"):  # (measured:
             wm = 1  # 128 threads as 16 x 8, 8 x 16 each: half the shared reads per FMA, still 2 blocks/SM)
         bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn * 16 // (32 * wm * wn)
     else:
