@@ -230,6 +230,26 @@ def test_128_thread_blocks_hold_8x16_tiles_and_match_float64(layout: str, monkey
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+def test_register_staged_slice_loads_precede_the_barrier() -> None:
+    # x @ W^T stages both operands through registers. Their global loads come right before the
+    # slice's barrier, as plain ld.global: ptxas does not move those past bar.sync, so they are
+    # in flight during the slice's FMAs (ld.global.nc ones it sank to the end of the FMAs, just
+    # before the shared stores waiting on them: their latency exposed every slice)
+    part = _compile_cuda(_FNS["nt"], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    ptx = part.ir("ptx")
+    assert "ld.global.nc" not in ptx
+    lines = ptx.splitlines()
+    before = []  # per bar.sync: the global vector loads since the last FMA or label
+    for i, ln in enumerate(lines):
+        if "bar.sync" in ln:
+            j, n = i - 1, 0
+            while j >= 0 and "fma.rn" not in lines[j] and not lines[j].startswith("$L"):
+                n += "ld.global.v4" in lines[j]
+                j -= 1
+            before.append(n)
+    assert max(before) >= 4, before  # (2 float4 of A and 2 of B per thread and slice)
+
+
 def test_linear_backward_gemms_read_transposes_in_place() -> None:
     # an MLP step's three GEMM layouts (x @ W^T, dy^T @ x, dy @ W) and a 3-D linear: no
     # transpose kernel is left, every GEMM is an sgemm

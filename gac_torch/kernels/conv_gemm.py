@@ -159,6 +159,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
 LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
 CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
 SPLIT_K = os.environ.get("GAC_SGEMM_SPLIT_K") != "0"  # simt: split long K over small grids
+EARLY_LOADS = os.environ.get("GAC_SGEMM_EARLY") != "0"  # simt: register loads before the slice's barrier
 
 
 def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: int, threads: int,
@@ -491,7 +492,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.cp_commit()
     for w in held:
         stage(w, zero, load_slice(w, kb(zero)))
-    if not copied:
+    if not copied and not (simt and EARLY_LOADS):  # (early: the loop's first barrier)
         b.barrier()
 
     def frag_load(which: str, buf: Any, outer: Any, k: Any, pair: bool) -> Any:
@@ -577,27 +578,36 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 accs = mma_step(buf, s * p.ks, accs)
         return accs
 
-    # 4. K slices
+    # 4. K slices. simt (`early`): a slice's register loads come before the barrier, which
+    # ptxas does not move global loads past; after it they sank to the end of the FMAs, right
+    # before the stores that wait for them (nearly all of their latency exposed each slice)
+    early = simt and EARLY_LOADS
+
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
         kn = kb(clamp(b.add(kt, c(1))))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
+        if early:
+            b.barrier()  # 4d: slice kt's buffer complete, and every warp done with buffer nbuf
         accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
         stage("B", nbuf, next_b)
-        b.barrier()  # 4d
+        if not early:
+            b.barrier()  # 4d
         return accs
 
     def body_async(kt: Any, accs: list[Any]) -> list[Any]:
+        kn = b.add(kt, c(1))
+        nxt = [load_slice(w, kb(clamp(kn))) for w in held] if early else []
         b.cp_wait(S - 2)  # 4d: this thread's copies of slice kt landed; the barrier: everyone's,
         b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
         ahead = b.add(kt, c(S - 1))
         for w in copied:  # 4a
             issue(w, b.rem(ahead, c(S)), kb(clamp(ahead)))
         b.cp_commit()
-        kn = b.add(kt, c(1))
-        nxt = [load_slice(w, kb(clamp(kn))) for w in held]
+        if not early:
+            nxt = [load_slice(w, kb(clamp(kn))) for w in held]
         accs = compute(b.rem(kt, c(S)), accs)
         for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
             stage(w, b.rem(kn, c(S)), vals)

@@ -154,6 +154,10 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
                 sgemm2 = name.endswith("_sgemm") and conv_gemm.sgemm_blocks_per_sm() == 2  # (GAC_SGEMM_CTAS=1 bisects)
                 blocks = 2 if sgemm2 or (name.endswith("_igemm") and not _global_vector_loads(f)) else 1
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
+                if name.endswith("_sgemm") and conv_gemm.EARLY_LOADS and "arg_attrs" in f.attributes:
+                    # plain ld.global, not ld.global.nc (which noalias + read-only allows): ptxas keeps
+                    # those before the slice's barrier (conv_gemm.kernel 4), .nc ones it sinks past it
+                    del f.attributes["arg_attrs"]
             if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
                 f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
         lower = (
