@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gac_torch  # noqa: E402
-from wgmma_tiles import _race  # noqa: E402
+from wgmma_tiles import _race, _sample  # noqa: E402
 
 FNS = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.t(), "tn": lambda a, b: a.t() @ b,
        "tt": lambda a, b: a.t() @ b.t()}
@@ -101,6 +101,8 @@ def train(n: int, variants: list[str], rounds: int) -> None:
                 step(*sets[1])
             err = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref))
             fns[f"{v} grad err {err:.1e}"] = step
+            first = _sample(step, sets, 10)  # (a first number, should the race below run out of time)
+            print(f"  train_mlp {n}: {v} compiled, grad err {err:.1e}, {first:.3f} ms per step", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             print(f"  train {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     times = _race(fns, sets, rounds=rounds)
