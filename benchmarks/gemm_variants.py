@@ -3,13 +3,15 @@ one process with CUDA events (medians of interleaved rounds, inputs rotated past
 checked against a float64 reference. A variant is `NAME=VALUE[+NAME=VALUE...]` (or `default`),
 applied while that variant compiles (with the compile cache off):
 
-    python benchmarks/gemm_variants.py --gemm sgemm:nn:4096 \
-        --variants default,GAC_SGEMM_LEAN=0,GAC_SGEMM_BK=32
+    python benchmarks/gemm_variants.py --gemm sgemm:nn:4096,sgemm:nt:4096 \
+        --variants default,GAC_SGEMM_THREADS=128,GAC_SGEMM_BN=256,GAC_SGEMM_BK=32
     python benchmarks/gemm_variants.py --gemm tf32:nn:2048 --variants default,GAC_WGMMA_BN=128
 
 A GEMM is kind:layout:size; kind sgemm (exact f32, TF32 off) or tf32; layout nn / nt / tn / tt
 (A as [m][k] or [k][m], B as [k][n] or [n][k]: an MLP step's forward is nt, its weight
-gradients tn, its input gradient nn).
+gradients tn, its input gradient nn). `--train 4096` times instead bench_h200's training step
+(size -> size -> size GELU MLP, batch size, mse_loss, SGD; TF32 off) per variant against eager,
+each variant's gradients checked against eager's from the same weights.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gac_torch  # noqa: E402
-from wgmma_tiles import _race  # noqa: E402
+from wgmma_tiles import _race, _sample  # noqa: E402
 
 FNS = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.t(), "tn": lambda a, b: a.t() @ b,
        "tt": lambda a, b: a.t() @ b.t()}
@@ -61,12 +63,63 @@ def _env(variant: str) -> dict[str, str]:
     return {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split("+"))
 
 
+class _Env:
+    """The variant's switches while gac compiles (torch.compile compiles at the first calls)."""
+
+    def __init__(self, variant: str) -> None:
+        self.env = _env(variant)
+
+    def __enter__(self) -> None:
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc) -> None:
+        for k, old in self.saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def train(n: int, variants: list[str], rounds: int) -> None:
+    import copy
+
+    from bench_h200 import TrainStep
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.GELU(), torch.nn.Linear(n, n)).cuda()
+    gen = torch.Generator().manual_seed(1)
+    sets = [(torch.randn(n, n, generator=gen).cuda(), torch.randn(n, n, generator=gen).cuda()) for _ in range(2)]
+    ref = [g.double() for g in TrainStep(copy.deepcopy(mlp))(*sets[0])]
+    fns = {"eager": TrainStep(copy.deepcopy(mlp))}
+    for v in variants:
+        step = torch.compile(TrainStep(copy.deepcopy(mlp)), backend="gac", options={"cache": False})
+        try:
+            with _Env(v):
+                got = step(*sets[0])  # (compiles forward, backward and update)
+                step(*sets[1])
+            err = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref))
+            fns[f"{v} grad err {err:.1e}"] = step
+            first = _sample(step, sets, 10)  # (a first number, should the race below run out of time)
+            print(f"  train_mlp {n}: {v} compiled, grad err {err:.1e}, {first:.3f} ms per step", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+            print(f"  train {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    times = _race(fns, sets, rounds=rounds)
+    eager = times["eager"][0]
+    for k, (med, best) in times.items():
+        print(f"  train_mlp {n}: {k}: median {med:.3f} ms (min {best:.3f}), vs eager {med / eager:.3f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemm", default="sgemm:nn:4096", help="comma-separated kind:layout:size")
-    ap.add_argument("--variants", default="default,GAC_SGEMM_LEAN=0,GAC_SGEMM_BK=32")
+    ap.add_argument("--variants", default="default,GAC_SGEMM_THREADS=128,GAC_SGEMM_BN=256,GAC_SGEMM_BK=32")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--train", type=int, default=0, help="time the MLP training step of this size instead")
     args = ap.parse_args()
+    if args.train:
+        return train(args.train, args.variants.split(","), args.rounds)
     for gemm in args.gemm.split(","):
         kind, layout, size = gemm.split(":")
         n, tf32 = int(size), kind == "tf32"
@@ -78,24 +131,16 @@ def main() -> None:
         ref = model(sets[0][0].double(), sets[0][1].double())
         fns = {"eager": model}
         for v in args.variants.split(","):
-            env = _env(v)
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
             try:
-                compiled = gac_torch.compile(model, sets[0], target="cuda",
-                                             options={"cache": False, "allow_tf32": tf32, "fallback": False})
+                with _Env(v):
+                    compiled = gac_torch.compile(model, sets[0], target="cuda",
+                                                 options={"cache": False, "allow_tf32": tf32, "fallback": False})
                 launches = [ln.split("launch ")[1].split(" (")[0] for ln in compiled.ir("ptx").splitlines()
                             if ln.startswith("// launch")]
                 err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
                 fns[f"{v} err {err:.1e} {launches}"] = compiled
             except Exception as e:  # noqa: BLE001 - report and go on to the next variant
                 print(f"  {gemm} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            finally:
-                for k, old in saved.items():
-                    if old is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = old
         times = _race(fns, sets, rounds=args.rounds)
         device = {k: _device_ms(fn, sets) for k, fn in fns.items()}
         eager, eager_dev = times["eager"][0], device["eager"]

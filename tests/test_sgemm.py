@@ -139,7 +139,8 @@ def test_fp32_gemm_is_one_sgemm_kernel_without_spills(layout: str) -> None:
 
 def test_exact_f32_gemm_offers_deeper_k_slices_as_a_choice() -> None:
     # 4096^3 (an MLP step's GEMM): 128-wide tiles with 16-deep slices by default, 32-deep
-    # ones a candidate the autotuner measures (forcing it changes the kernel, no spills)
+    # ones and 128-thread blocks candidates the autotuner measures (forcing one changes the
+    # kernel, no spills)
     from gac_torch.backends.gpu import tuning
 
     a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
@@ -150,12 +151,15 @@ def test_exact_f32_gemm_offers_deeper_k_slices_as_a_choice() -> None:
 
     first, s = compile_with()
     (choice,) = [c for cs in s.kernels.values() for c in cs if c.key.startswith("igemm:f32")]
-    assert set(choice.candidates) == {"tile128", "tile64", "tile128bk32"} and choice.heuristic == "tile128"
-    deep, _ = compile_with({choice.key: "tile128bk32"})
-    assert deep.ir("ptx") != first.ir("ptx")
-    if find_ptxas() is not None:
-        log = assemble(deep.ir("ptx"), "sm_90").log
-        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+    assert set(choice.candidates) == {"tile128", "tile64", "tile128bk32", "tile128t128"}
+    assert choice.heuristic == "tile128"
+    for other in ("tile128bk32", "tile128t128"):
+        forced, _ = compile_with({choice.key: other})
+        assert forced.ir("ptx") != first.ir("ptx")
+        assert ("threads in (%c128" in forced.ir("gpu")) == (other == "tile128t128")
+        if find_ptxas() is not None:
+            log = assemble(forced.ir("ptx"), "sm_90").log
+            assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,6 +182,72 @@ def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.Monk
     if find_ptxas() is not None:
         log = assemble(part.ir("ptx"), "sm_90").log
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+@pytest.mark.parametrize("env", [{"GAC_SGEMM_BK": "32"}, {"GAC_SGEMM_BN": "256"}])
+def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    # x @ W^T reads both operands along k: both stage through registers, and 32-deep or
+    # 128x256 tiles pass the static 48 KB. They take dynamic shared memory (before: no plan,
+    # and the GEMM fell back to simt_matmul's kernel); the twin checks a ragged one
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spec, shapes, strides = gemm_spec("nt", 130, 300, 70)
+    p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)
+    assert p is not None and p.dynamic and not (p.a.cp or p.b.cp) and p.stages == 2
+    rng = np.random.default_rng(7)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    out = twin.emulate(spec, p, A, Bm, np.zeros(shapes[2], np.float32), tuple(strides), init=0.5)
+    ref = A.astype(np.float64) @ Bm.astype(np.float64).T + 0.5
+    assert np.abs(out.reshape(shapes[2]) - ref).max() < 1e-5 * np.abs(ref).max()
+    part = _compile_cuda(_FNS["nt"], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
+    assert "_sgemm" in launches[-1] and "dynamic_shared_memory_size" in launches[-1], launches  # (split K: a fill first)
+    assert not any("_matmul" in ln for ln in launches), launches
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_128_thread_blocks_hold_8x16_tiles_and_match_float64(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_SGEMM_THREADS=128 (being measured): 128x128 tiles over 16 x 8 threads, each 8 x 16
+    # accumulators in 4x4 quadrants 64 rows / 32 columns apart (a 128x256 tile's per-thread
+    # work and shared-read economy at two blocks per SM); ragged M/N, fill and C-init
+    monkeypatch.setenv("GAC_SGEMM_THREADS", "128")
+    for m, n, k, fill in ((130, 131, 20, True), (128, 256, 64, False)):
+        spec, shapes, strides = gemm_spec(layout, m, n, k, fill=fill)
+        p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)
+        assert p is not None and (p.threads, p.tm, p.tn, p.bm, p.bn) == (128, 8, 16, 128, 128)
+        rng = np.random.default_rng(m + n + k)
+        A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+        C0 = rng.standard_normal(shapes[2]).astype(np.float32)
+        out = twin.emulate(spec, p, A, Bm, C0, tuple(strides), init=0.25).reshape(shapes[2])
+        a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).T
+        b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).T
+        ref = a64 @ b64 + (0.25 if fill else C0.astype(np.float64))
+        assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+    part = _compile_cuda(_FNS[layout], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    assert re.search(r"_sgemm blocks in \(%c16, %c16, %c1\) threads in \(%c128", part.ir("gpu"))
+    if find_ptxas() is not None:
+        log = assemble(part.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_register_staged_slice_loads_precede_the_barrier() -> None:
+    # x @ W^T stages both operands through registers. Their global loads come right before the
+    # slice's barrier, as plain ld.global: ptxas does not move those past bar.sync, so they are
+    # in flight during the slice's FMAs (ld.global.nc ones it sank to the end of the FMAs, just
+    # before the shared stores waiting on them: their latency exposed every slice)
+    part = _compile_cuda(_FNS["nt"], torch.randn(2048, 2048), torch.randn(2048, 2048))
+    ptx = part.ir("ptx")
+    assert "ld.global.nc" not in ptx
+    lines = ptx.splitlines()
+    before = []  # per bar.sync: the global vector loads since the last FMA or label
+    for i, ln in enumerate(lines):
+        if "bar.sync" in ln:
+            j, n = i - 1, 0
+            while j >= 0 and "fma.rn" not in lines[j] and not lines[j].startswith("$L"):
+                n += "ld.global.v4" in lines[j]
+                j -= 1
+            before.append(n)
+    assert max(before) >= 4, before  # (2 float4 of A and 2 of B per thread and slice)
 
 
 def test_linear_backward_gemms_read_transposes_in_place() -> None:
@@ -253,6 +323,22 @@ def test_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> Non
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
     b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)
     _check_gpu(_FNS[layout], a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("env", ["GAC_SGEMM_THREADS=128", "GAC_SGEMM_BN=256", "GAC_SGEMM_BK=32"])
+@pytest.mark.parametrize("layout,m,n,k", [("nt", 1300, 1700, 301), ("tn", 1536, 1408, 512)])  # (>= 132 tiles: big)
+def test_tile_variants_match_float64_on_gpu(env: str, layout: str, m: int, n: int, k: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the env-switch tilings gemm_variants.py measures, on a ragged GEMM with a fused GELU
+    # epilogue (an MLP's forward) and a whole-tile (lean) one
+    name, value = env.split("=")
+    monkeypatch.setenv(name, value)  # (read when the kernel is planned; part of the cache key)
+    g = torch.Generator().manual_seed(m * n + k)
+    a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
+    b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)
+    f = _FNS[layout]
+    _check_gpu((lambda a, b: torch.nn.functional.gelu(f(a, b))) if layout == "nt" else f, a, b)
 
 
 @pytest.mark.cuda

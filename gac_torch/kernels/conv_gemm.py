@@ -11,7 +11,7 @@ never materialised.
 
   kinds   f16 / bf16: mma.sync m16n8k16, f32 accumulators (cuda_mma's fragment tables)
           tf32: f32 operands rounded with cvt.rna (ties away), mma.sync m16n8k8
-          f32:  exact SIMT: 16x16 threads, each a TM x TN register tile (FMA), 128-bit
+          f32:  exact SIMT: 16x16 threads (16x8 at 128), each a TM x TN register tile (FMA), 128-bit
                 shared-memory reads
 
   1. locate     block (bx, by, bz) -> tile origin (n0 = bx*BN, m0 = by*BM), batch dims from bz
@@ -159,6 +159,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
 LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
 CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
 SPLIT_K = os.environ.get("GAC_SGEMM_SPLIT_K") != "0"  # simt: split long K over small grids
+EARLY_LOADS = os.environ.get("GAC_SGEMM_EARLY") != "0"  # simt: register loads before the slice's barrier
 
 
 def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: int, threads: int,
@@ -179,16 +180,33 @@ def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: 
 DYNAMIC_SMEM_PER_BLOCK = 80 * 1024
 
 
+def sgemm_blocks_per_sm() -> int:
+    """Blocks per SM the exact-f32 kernel is compiled for (backends/cuda/pipeline.py: 2 cap its
+    registers at 128): 1 for 128x256 tiles (128 accumulators per thread) or GAC_SGEMM_CTAS=1."""
+    return 1 if os.environ.get("GAC_SGEMM_CTAS") == "1" or os.environ.get("GAC_SGEMM_BN") == "256" else 2
+
+
+def _simt_roof(smem_limit: int, dynamic_limit: int) -> int:
+    """Shared memory one simt block may use: with two per SM, half the SM's (the opt-in limit
+    + 1 KB) less each block's reserved 1 KB (sm_90: 113 KB; sm_80: 81 KB)."""
+    if not dynamic_limit:
+        return smem_limit
+    per_sm = dynamic_limit + 1024
+    return max(smem_limit, dynamic_limit if sgemm_blocks_per_sm() == 1 else per_sm // 2 - 1024)
+
+
 def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
          smem_limit: int = 48 * 1024, big: bool | None = None, dynamic_limit: int = 0,
-         simt_cp: bool = True, split_k: bool = True, bk: int | None = None) -> Plan | None:
+         simt_cp: bool = True, split_k: bool = True, bk: int | None = None,
+         simt_threads: int = 256) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply. Tiles: 128 x 128 (64 x 64
     when 128-wide ones make under about a wave, `big` forces), 128 x 64 when N <= 64. With
     cp.async staging, as many buffers (up to 4) as fit in `smem_limit`, or in dynamic shared
     memory (up to DYNAMIC_SMEM_PER_BLOCK) where the target allows `dynamic_limit` bytes.
     `simt_cp`: f32 operands may stage by cp.async too (sm_80+); `split_k`: f32 may split K;
     `bk`: simt's slice depth (16; 32: half the barriers and slice overheads per FMA, fewer
-    buffers; GAC_SGEMM_BK forces one)."""
+    buffers; GAC_SGEMM_BK forces one); `simt_threads`: 128 holds 128-wide tiles as 8 x 16 per
+    thread (GAC_SGEMM_THREADS=128 forces it)."""
     if spec.kind not in KINDS or 0 in (spec.M, spec.N, spec.K) or not (spec.ms and spec.ns and spec.ks):
         return None
     e = smem_elem(spec.kind)
@@ -207,8 +225,10 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
     if simt:
         wm, wn = 2, 4  # 256 threads as 16 x 16
         if big and os.environ.get("GAC_SGEMM_BN") == "256" and spec.N > 128:  # (being measured: 8 x 16
-            bn = 256  # per thread, 128 accumulators: one block per SM, GAC_SGEMM_CTAS=1)
-        bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn // 16
+            bn = 256  # per thread, 128 accumulators: one block per SM, sgemm_blocks_per_sm)
+        elif big and bn == 128 and (simt_threads == 128 or os.environ.get("GAC_SGEMM_THREADS") == "128"):  # (measured:
+            wm = 1  # 128 threads as 16 x 8, 8 x 16 each: half the shared reads per FMA, still 2 blocks/SM)
+        bk, ks, tm, tn = int(os.environ.get("GAC_SGEMM_BK", 0)) or bk or 16, 0, bm // 16, bn * 16 // (32 * wm * wn)
     else:
         bk, ks, tm, tn = (16, 8, 0, 0) if spec.kind == "tf32" else (32, 16, 0, 0)
     threads = 32 * wm * wn
@@ -221,15 +241,18 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         return None
     lean = simt and os.environ.get("GAC_SGEMM_LEAN") != "0"  # (bisects)
     p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, lean=lean)
+    # simt: dynamic shared memory for register-staged tiles too (32-deep or 256-wide ones pass
+    # the static 48 KB; else a [k][n]-read GEMM fell back to simt_matmul's kernel)
+    roof = (_simt_roof(smem_limit, dynamic_limit) if simt
+            else max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK)) if sa.cp or sb.cp else smem_limit)
     if sa.cp or sb.cp:
-        roof = max(smem_limit, min(dynamic_limit, DYNAMIC_SMEM_PER_BLOCK))
         for stages in (4, 3, 2):
             p = Plan(bm, bn, bk, ks, wm, wn, sa, sb, grid, tm, tn, stages, lean=lean)
             if smem_bytes(p, spec) <= roof:
-                p = dataclasses.replace(p, dynamic=smem_bytes(p, spec) > smem_limit)
                 break
-    if smem_bytes(p, spec) > (roof if sa.cp or sb.cp else smem_limit):
+    if smem_bytes(p, spec) > roof:
         return None
+    p = dataclasses.replace(p, dynamic=smem_bytes(p, spec) > smem_limit)
     # simt, at most a wave of blocks and a long K (a weight gradient: K = tokens): split K
     # into chunks of >= 512 until about two blocks per SM; fp32 atomics add the partial sums
     splits = min(8, spec.K // 512, 2 * mma.SM_COUNT_HINT // math.prod(grid)) if simt and split_k and SPLIT_K else 1
@@ -412,11 +435,12 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
 
     # accumulator coordinates (row in M tile, col in N tile) and their order in `accs`
     if simt:
-        tx, ty = b.rem(tid, c(16)), b.div(tid, c(16))
+        # lm x ln threads (16 x 16; 16 x 8 at 128 threads), each 4 x 4 quadrants lm*4 / ln*4 apart
+        lm, ln = BM // p.tm, BN // p.tn
         m_fast = spec.c.coef[spec.ms[-1]] == 1  # lanes along C's contiguous side
-        tr, tc = (tx, ty) if m_fast else (ty, tx)
-        rows = [b.add(b.mul(tr, c(4)), c((i % 4) + (i // 4) * 64)) for i in range(p.tm)]
-        cols = [b.add(b.mul(tc, c(4)), c((j % 4) + (j // 4) * 64)) for j in range(p.tn)]
+        tr, tc = (b.rem(tid, c(lm)), b.div(tid, c(lm))) if m_fast else (b.div(tid, c(ln)), b.rem(tid, c(ln)))
+        rows = [b.add(b.mul(tr, c(4)), c((i % 4) + (i // 4) * 4 * lm)) for i in range(p.tm)]
+        cols = [b.add(b.mul(tc, c(4)), c((j % 4) + (j // 4) * 4 * ln)) for j in range(p.tn)]
         places = [(i, j) for i in range(p.tm) for j in range(p.tn)]
     else:
         warp, lane = b.div(tid, c(32)), b.rem(tid, c(32))
@@ -468,7 +492,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         b.cp_commit()
     for w in held:
         stage(w, zero, load_slice(w, kb(zero)))
-    if not copied:
+    if not copied and not (simt and EARLY_LOADS):  # (early: the loop's first barrier)
         b.barrier()
 
     def frag_load(which: str, buf: Any, outer: Any, k: Any, pair: bool) -> Any:
@@ -538,8 +562,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         return accs
 
     def simt_step(buf: Any, kk: int, accs: list[Any]) -> list[Any]:
-        av = [b.load_smem("A", [buf, c(kk), b.add(b.mul(tr, c(4)), c(64 * h))], 4) for h in range(p.tm // 4)]
-        bv = [b.load_smem("B", [buf, c(kk), b.add(b.mul(tc, c(4)), c(64 * h))], 4) for h in range(p.tn // 4)]
+        av = [b.load_smem("A", [buf, c(kk), b.add(b.mul(tr, c(4)), c(4 * lm * h))], 4) for h in range(p.tm // 4)]
+        bv = [b.load_smem("B", [buf, c(kk), b.add(b.mul(tc, c(4)), c(4 * ln * h))], 4) for h in range(p.tn // 4)]
         xa = [b.extract(av[i // 4], i % 4, 4) for i in range(p.tm)]
         xb = [b.extract(bv[j // 4], j % 4, 4) for j in range(p.tn)]
         return [b.fma(xa[i], xb[j], accs[n]) for n, (i, j) in enumerate(places)]
@@ -554,27 +578,36 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                 accs = mma_step(buf, s * p.ks, accs)
         return accs
 
-    # 4. K slices
+    # 4. K slices. simt (`early`): a slice's register loads come before the barrier, which
+    # ptxas does not move global loads past; after it they sank to the end of the FMAs, right
+    # before the stores that wait for them (nearly all of their latency exposed each slice)
+    early = simt and EARLY_LOADS
+
     def body(kt: Any, accs: list[Any]) -> list[Any]:
         buf = b.rem(kt, c(2))
         nbuf = b.sub(c(1), buf)
         kn = kb(clamp(b.add(kt, c(1))))
         next_a, next_b = load_slice("A", kn), load_slice("B", kn)  # 4a
+        if early:
+            b.barrier()  # 4d: slice kt's buffer complete, and every warp done with buffer nbuf
         accs = compute(buf, accs)
         stage("A", nbuf, next_a)  # 4c
         stage("B", nbuf, next_b)
-        b.barrier()  # 4d
+        if not early:
+            b.barrier()  # 4d
         return accs
 
     def body_async(kt: Any, accs: list[Any]) -> list[Any]:
+        kn = b.add(kt, c(1))
+        nxt = [load_slice(w, kb(clamp(kn))) for w in held] if early else []
         b.cp_wait(S - 2)  # 4d: this thread's copies of slice kt landed; the barrier: everyone's,
         b.barrier()  # and every warp is done with slice kt-1's buffer, which 4a refills
         ahead = b.add(kt, c(S - 1))
         for w in copied:  # 4a
             issue(w, b.rem(ahead, c(S)), kb(clamp(ahead)))
         b.cp_commit()
-        kn = b.add(kt, c(1))
-        nxt = [load_slice(w, kb(clamp(kn))) for w in held]
+        if not early:
+            nxt = [load_slice(w, kb(clamp(kn))) for w in held]
         accs = compute(b.rem(kt, c(S)), accs)
         for w, vals in zip(held, nxt):  # 4c: buffer (kt+1) % S, read after the next barrier
             stage(w, b.rem(kn, c(S)), vals)

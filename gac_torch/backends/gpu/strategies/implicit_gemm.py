@@ -163,17 +163,17 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
 
 def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool, split_k: bool):
     """The heuristic tiling (128-wide tiles once they fill about a wave), or the other tile size
-    (exact-f32 GEMMs: or 128-wide tiles with 32-deep K slices) where the GPU measured it faster for
-    this problem (gpu/tuning.py). cp.async needs sm_80+ (as mma.sync); split-K is for plain
-    GEMMs, never convolutions."""
-    def make(big: bool | None, bk: int | None = None) -> conv_gemm.Plan | None:
+    (exact-f32 GEMMs: or 128-wide tiles with 32-deep K slices, or held by 128 threads, 8 x 16
+    accumulators each) where the GPU measured it faster for this problem (gpu/tuning.py).
+    cp.async needs sm_80+ (as mma.sync); split-K is for plain GEMMs, never convolutions."""
+    def make(big: bool | None, bk: int | None = None, threads: int = 256) -> conv_gemm.Plan | None:
         return conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, big=big,
-                              dynamic_limit=dynamic, simt_cp=cp, split_k=split_k, bk=bk)
+                              dynamic_limit=dynamic, simt_cp=cp, split_k=split_k, bk=bk, simt_threads=threads)
 
     plan = make(None)
     cands = [("tile128", make(True)), ("tile64", make(False))]
-    if spec.kind == "f32" and split_k:  # (plain GEMMs)
-        cands.append(("tile128bk32", make(True, 32)))
+    if spec.kind == "f32" and split_k:  # (plain GEMMs; 128 threads: 8 x 16 accumulators each)
+        cands += [("tile128bk32", make(True, 32)), ("tile128t128", make(True, threads=128))]
     alts: dict[str, conv_gemm.Plan] = {}
     for k, p in cands:
         if p is not None and p not in alts.values():
