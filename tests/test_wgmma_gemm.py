@@ -264,6 +264,25 @@ def test_plan_fits_shared_memory_and_registers() -> None:
     assert W.PRODUCER_REGS * W.WG + 2 * W.CONSUMER_REGS * W.WG <= 65536
 
 
+@pytest.mark.parametrize("M,K,N,narrow,want", [
+    (144000, 64, 256, True, 128),  # ResNet layer 1's widening 1x1 conv: short K
+    (144000, 256, 64, True, 64),  # its narrowing one: N in one 64-wide tile
+    (36000, 512, 128, True, 128),
+    (36000, 512, 512, True, 256),
+    (144000, 256, 64, False, 256),  # GAC_WGMMA_NARROW=0: as before
+])
+def test_narrow_and_short_gemms_take_narrow_tiles(M, K, N, narrow, want, monkeypatch) -> None:
+    def op(shape, dims):
+        return Operand(f"memref<{'x'.join(map(str, shape))}xbf16>", "bf16", dims, shape, (shape[1], 1), 0)
+
+    if not narrow:
+        monkeypatch.setenv("GAC_WGMMA_NARROW", "0")
+    spec = Spec("bf16", 0, 1, 2, (), (M, N, K), op((M, K), (0, 2)), op((N, K), (1, 2)), op((M, N), (0, 1)), True)
+    p = W.plan(spec)
+    assert p is not None and p.bn == want and p.smem_bytes <= W.SMEM_LIMIT
+    assert W.prefetch(p) == (W.PREFETCH if want <= 128 else 0)  # (registers for 64 accumulators only)
+
+
 def test_arg_table_passes_tensor_map_addresses() -> None:
     # the runtime encodes each descriptor once per pointer set (upload_tensor_maps, on the GPU)
     # and hands the kernel its device address in the argument's slot
@@ -382,6 +401,11 @@ EPILOGUES = [  # M, K, N, dtype, activation, residual, linear layout (else a @ b
     (1000, 520, 1032, torch.float32, "gelu", True, False, 0),  # TF32 C^T = B^T A^T, A from registers
     (200, 136, 262, torch.bfloat16, "relu", True, True, 3),  # batched
     (200, 136, 264, torch.float32, "none", False, False, 2),
+    # narrow tiles (wgmma_gemm.narrow), a 1x1 conv's: N <= 64 in a 64-wide tile, a short K in a
+    # 128-wide one, the residual loaded before the main loop (prefetch)
+    (1000, 72, 40, torch.bfloat16, "relu", True, True, 0),
+    (1000, 72, 200, torch.float32, "relu", True, True, 0),
+    (520, 136, 104, torch.float16, "gelu", True, False, 0),  # B N-major
 ]
 
 

@@ -14,7 +14,10 @@ from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
 
 
-EPILOGUE_CHUNK = 8  # 5c: accumulators whose epilogue loads are issued together
+# 5c: accumulators whose epilogue loads are issued together: 16 (8 before: a 1x1 conv's
+# residual read one memory latency per 8, ~3x its DRAM time on the H200); 8 with A in registers
+# (16 spilled there); GAC_WGMMA_EPILOGUE_CHUNK overrides
+EPILOGUE_CHUNK, EPILOGUE_CHUNK_A_REGS = 16, 8
 
 
 class WgmmaText(gemm_epilogue.TextMixin, Text):
@@ -227,24 +230,44 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
 
         return locate
 
-    def epilogue_store_all(self, points: list[tuple[str, str]], vals: list[str]) -> None:
+    def _varies_along_m(self, x: tuple[Any, tuple[int, ...] | None] | None) -> bool:
+        return x is not None and not (x[1] is None and x[0].coef[self.spec.m] == 0)
+
+    def epilogue_prefetch(self, points: list[tuple[str, str]]) -> list[dict[int, str]]:
+        """5c, issued before the main loop: per accumulator at points[n], the epilogue operands
+        that vary along M (a residual), branch-free (outside the matrix: element 0), so their
+        memory latency passes under the MMAs (a short K's whole tile time otherwise: one
+        latency per chunk). Safe ahead of the tile's stores as in epilogue_store_all."""
+        zero = self.const(0)
+        ep = self.spec.epilogue
+        out = []
+        for row, col in points:
+            ok, locate = self._inside(row, col), self._locator(row, col)
+            out.append({k: self.load_e(k, self.select(ok, locate(x), zero, "index"))
+                        for k, x in enumerate(ep.inputs) if self._varies_along_m(x)})
+        return out
+
+    def epilogue_store_all(self, points: list[tuple[str, str]], vals: list[str],
+                           pre: list[dict[int, str]] | None = None) -> None:
         """5c: accumulator vals[n] of C at points[n] (row, col) through the fused epilogue
-        (gemm_epilogue's steps), EPILOGUE_CHUNK at a time: first the chunk's operand loads,
-        branch-free (outside the matrix: element 0), then per accumulator, inside only, the body
-        and the store. A load after a store waits for it (the compiler cannot tell they do not
-        alias): a memory latency per accumulator. Loading ahead of earlier stores is safe: an
-        operand reads Z's buffer only at the element its own accumulator writes
-        (epilogue._consumer)."""
+        (gemm_epilogue's steps), EPILOGUE_CHUNK at a time: first the chunk's operand loads
+        (those not prefetched, `pre`), branch-free (outside the matrix: element 0), then per
+        accumulator, inside only, the body and the store. A load after a store waits for it
+        (the compiler cannot tell they do not alias): a memory latency per chunk. Loading
+        ahead of earlier stores is safe: an operand reads Z's buffer only at the element its
+        own accumulator writes (epilogue._consumer)."""
         spec, zero = self.spec, self.const(0)
         ep = spec.epilogue
-        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", EPILOGUE_CHUNK))  # (1: bisects)
+        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", 0)) or (
+            EPILOGUE_CHUNK_A_REGS if self.p.a_regs else EPILOGUE_CHUNK)
         for s in range(0, len(vals), n):
             ready = []
-            for (row, col), v in zip(points[s:s + n], vals[s:s + n]):
+            for j, ((row, col), v) in enumerate(zip(points[s:s + n], vals[s:s + n])):
                 ok, locate = self._inside(row, col), self._locator(row, col)
                 col_ok = self.lt(col, self.const(spec.N))  # (an operand constant along M, a bias:
-                args = [None if x is None else self.load_e(k, self.select(  # one load per column)
-                    col_ok if x[1] is None and x[0].coef[spec.m] == 0 else ok, locate(x), zero, "index"))
+                mine = pre[s + j] if pre is not None and s + j < len(pre) else {}  # one load per column)
+                args = [None if x is None else mine[k] if k in mine else self.load_e(k, self.select(
+                    ok if self._varies_along_m(x) else col_ok, locate(x), zero, "index"))
                     for k, x in enumerate(ep.inputs)]
                 ready.append((ok, args, locate(ep.out), v))
             for ok, args, z, v in ready:
