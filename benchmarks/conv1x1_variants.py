@@ -7,7 +7,7 @@ variant is `NAME=VALUE[+NAME=VALUE...]` (or `default`), set while it compiles (c
     python benchmarks/conv1x1_variants.py --variants default,old --prec tf32,bf16
 
 `old`: the tile and epilogue as before issue 14's tuning (BN 256, loads 8 at a time, none
-before the main loop). A 1x1 conv is given as the GEMM it lowers to: x [M, K] (NHWC rows) times
+before the main loop, no pairs); `nopre`: the new ones without the loads before the main loop. A 1x1 conv is given as the GEMM it lowers to: x [M, K] (NHWC rows) times
 w [N, K]^T; the stem as the conv module on NCHW input.
 """
 
@@ -26,7 +26,9 @@ import gac_torch  # noqa: E402
 from gemm_variants import _device_ms, _env  # noqa: E402
 from wgmma_tiles import _race  # noqa: E402
 
-ALIASES = {"old": "GAC_WGMMA_NARROW=0+GAC_WGMMA_EPILOGUE_CHUNK=8+GAC_WGMMA_EPILOGUE_PREFETCH=0"}
+ALIASES = {"old": "GAC_WGMMA_NARROW=0+GAC_WGMMA_EPILOGUE_CHUNK=8+GAC_WGMMA_EPILOGUE_PREFETCH=0"
+                   "+GAC_WGMMA_EPILOGUE_PAIRS=0",
+           "nopre": "GAC_WGMMA_EPILOGUE_PREFETCH=0"}
 # (M, K, N, residual): layer 1's widening 1x1 (+ identity residual), its narrowing one, layer 2's
 GEMMS = [(144000, 64, 256, True), (144000, 256, 64, False), (36000, 512, 128, False)]
 

@@ -426,6 +426,26 @@ def test_epilogue_runs_in_the_wgmma_store(M, K, N, dtype, act, residual, linear,
         assert launches(unfused) == ["wgmma", "loops"]
 
 
+@pytest.mark.parametrize("pairs", [True, False])
+def test_epilogue_loads_pairs_before_the_main_loop(pairs, monkeypatch) -> None:
+    # a 1x1 conv's epilogue (BN 128, short K): the residual read two columns per load, all of
+    # the tile's before the first wgmma (their latency under the MMAs), the output stored in
+    # pairs; GAC_WGMMA_EPILOGUE_PAIRS=0 and PREFETCH=0: scalar loads, after the main loop
+    import gac_torch
+
+    if not pairs:
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_PAIRS", "0")
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_PREFETCH", "0")
+    args = tuple(torch.randn(s) for s in epilogue_shapes(1000, 72, 200, True, 0))
+    with matmul_tf32(True):
+        ptx = gac_torch.compile(Epilogue("relu", True, True), args, target="cuda",
+                                options={"arch": "sm_90", "cache": False}).ir("ptx")
+    body = ptx.split("setmaxnreg.inc")[1]  # the consumers
+    before = body.split("wgmma.mma_async")[0]
+    assert before.count("ld.global.nc.v2") == (32 if pairs else 0), before.count("ld.global")
+    assert ("st.global.v2" in body) == pairs
+
+
 LINEAR_3D = [  # B, M, K, N, dtype, activation, residual, linear layout: x [B, M, K] with a 2-D weight
     (4, 130, 256, 520, torch.bfloat16, "gelu", False, True),  # M = B * M = 520: partial tiles
     (2, 250, 520, 1030, torch.float16, "relu", True, True),

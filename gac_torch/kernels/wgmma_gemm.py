@@ -41,6 +41,7 @@ ahead into the next tile while the consumers store the last one.
                activation, residual, output cast), per accumulator: its elementwise consumer's
                body on it and the consumer's other operands, stored to the consumer's output
                (C itself is not written); a chunk's operand loads first, then its stores;
+               operands contiguous along N two columns per load / store (FRAG_C's pairs);
                with BN <= 128 the loads along M (a residual) of the first PREFETCH
                accumulators are issued before the main loop (its MMAs hide their latency)
 
@@ -55,7 +56,7 @@ Tile width: 256 once it fills the GPU, else 128; at most the narrowest that cove
 128 for K <= 128 (`narrow`: ResNet's 1x1 convs, whose time is the epilogue's memory traffic).
 
 Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (64 | 128 | 256),
-GAC_WGMMA_NARROW=0, GAC_WGMMA_EPILOGUE_CHUNK, GAC_WGMMA_EPILOGUE_PREFETCH,
+GAC_WGMMA_NARROW=0, GAC_WGMMA_EPILOGUE_CHUNK, GAC_WGMMA_EPILOGUE_PREFETCH, GAC_WGMMA_EPILOGUE_PAIRS=0,
 GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_CLUSTER=2 (CTA pairs
 sharing B through TMA multicast: compiled and ptxas-checked, not yet run on a GPU);
 benchmarks/wgmma_tiles.py races them.
@@ -84,7 +85,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128*40 + 256*232 <= 64K re
 SMEM_LIMIT = 227 * 1024
 MIN_WORK = 1 << 21  # M*N*K*batch below this stays with mma.sync (launch-bound sizes)
 SM_COUNT_HINT = 132
-PREFETCH = 32  # 5c: accumulators whose epilogue loads precede the main loop (see prefetch)
+PREFETCH = 64  # 5c: accumulators whose epilogue loads precede the main loop (see prefetch)
 
 
 @dataclass(frozen=True)
