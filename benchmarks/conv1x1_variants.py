@@ -8,7 +8,7 @@ variant is `NAME=VALUE[+NAME=VALUE...]` (or `default`), set while it compiles (c
 
 `old`: the tile and epilogue as before issue 14's tuning (BN 256, loads 8 at a time, none
 before the main loop, no pairs); `nopre`: the new ones without the loads before the main loop. A 1x1 conv is given as the GEMM it lowers to: x [M, K] (NHWC rows) times
-w [N, K]^T; the stem as the conv module on NCHW input.
+w [N, K]^T; the stem as a module on NCHW input (see _stem).
 """
 
 from __future__ import annotations
@@ -53,12 +53,15 @@ class Eager1x1(torch.nn.Module):
 
 
 def _stem(dt: torch.dtype) -> torch.nn.Module:
+    """The stem (7x7/2 conv, BatchNorm, ReLU), the max-pool and a 1x1 conv after it (joined to a
+    conv, the stem goes NHWC: passes/channels_last.py); GAC_STEM_PAD=0 keeps it on NCHW."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from models import randomize_bn
 
     torch.manual_seed(0)
-    return randomize_bn(torch.nn.Sequential(torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64),
-                                            torch.nn.ReLU())).eval().cuda().to(dt)
+    return randomize_bn(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(64, 64, 1, bias=False))).eval().cuda().to(dt)
 
 
 def _compile_variants(model, sets, variants: list[str], tf32: bool, ref) -> dict:
@@ -88,7 +91,7 @@ def _compile_variants(model, sets, variants: list[str], tf32: bool, ref) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="default,old")
-    ap.add_argument("--stem-variants", default="default")
+    ap.add_argument("--stem-variants", default="default,GAC_STEM_PAD=0")
     ap.add_argument("--prec", default="tf32,bf16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--what", default="gemm,stem")
@@ -126,8 +129,8 @@ def main() -> None:
                 em = model.to(memory_format=torch.channels_last)
                 fns = {"eager": em, **fns}
                 esets = [(x.contiguous(memory_format=torch.channels_last),) for x in xs]
-                moved = (6 * 3 * 480 * 800 + 6 * 64 * 240 * 400) * es
-                _race_pair(fns, [(x,) for x in xs], esets, moved, args.rounds, f"{prec} stem 7x7s2")
+                moved = (6 * 3 * 480 * 800 + 6 * 64 * 240 * 400) * es  # (the conv's own)
+                _race_pair(fns, [(x,) for x in xs], esets, moved, args.rounds, f"{prec} stem 7x7s2+pool+1x1")
 
 
 def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str) -> None:
