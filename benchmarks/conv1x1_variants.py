@@ -14,6 +14,7 @@ w [N, K]^T; the stem as a module on NCHW input (see _stem).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -126,7 +127,7 @@ def main() -> None:
                 ref = model.double()(xs[0].double())
                 model = model.to(dt)
                 fns = _compile_variants(model, [(x,) for x in xs], args.stem_variants.split(","), tf32, ref)
-                em = model.to(memory_format=torch.channels_last)
+                em = copy.deepcopy(model).to(memory_format=torch.channels_last)  # (gac keeps its own)
                 fns = {"eager": em, **fns}
                 esets = [(x.contiguous(memory_format=torch.channels_last),) for x in xs]
                 moved = (6 * 3 * 480 * 800 + 6 * 64 * 240 * 400) * es  # (the conv's own)
