@@ -15,9 +15,12 @@ from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
 
 
 # 5c: accumulators whose epilogue loads are issued together: 16 (8 before: a 1x1 conv's
-# residual read one memory latency per 8, ~3x its DRAM time on the H200); 8 with A in registers
-# (16 spilled there); GAC_WGMMA_EPILOGUE_CHUNK overrides
-EPILOGUE_CHUNK, EPILOGUE_CHUNK_A_REGS = 16, 8
+# residual read one memory latency per 8, ~3x its DRAM time on the H200) while their registers
+# stay within EPILOGUE_LOAD_REGS (16 per operand along M, 8 per column operand: a chunk's 16
+# accumulators span 8 columns), else 8 and no pairs, as before (ResNet's block-3 conv with the
+# downsample's unfolded BatchNorm fused: 80, spilled; at 8 with pairs, 16 bytes); 8 with A in
+# registers (16 spilled there); GAC_WGMMA_EPILOGUE_CHUNK overrides
+EPILOGUE_CHUNK, EPILOGUE_CHUNK_SMALL, EPILOGUE_LOAD_REGS = 16, 8, 40
 
 
 class WgmmaText(gemm_epilogue.TextMixin, Text):
@@ -233,13 +236,21 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
     def _varies_along_m(self, x: tuple[Any, tuple[int, ...] | None] | None) -> bool:
         return x is not None and not (x[1] is None and x[0].coef[self.spec.m] == 0)
 
+    def _light_epilogue(self) -> bool:
+        """Whether a chunk of EPILOGUE_CHUNK accumulators' operand loads fit in
+        EPILOGUE_LOAD_REGS registers (see there)."""
+        ins = [x for x in self.spec.epilogue.inputs if x is not None]
+        along_m = sum(map(self._varies_along_m, ins))
+        return EPILOGUE_CHUNK * along_m + EPILOGUE_CHUNK // 2 * (len(ins) - along_m) <= EPILOGUE_LOAD_REGS
+
     def _pairable(self, x: tuple[Any, tuple[int, ...] | None]) -> bool:
         """An operand read (written) two columns at a time, one 2-element vector per FRAG_C
         column pair: over the contraction's dims, contiguous along N, each pair's first element
-        at an even address, N even (a pair is inside the matrix iff its first element is).
-        GAC_WGMMA_EPILOGUE_PAIRS=0: never."""
+        at an even address, N even (a pair is inside the matrix iff its first element is); a
+        light epilogue only. GAC_WGMMA_EPILOGUE_PAIRS=0: never."""
         op, n = x[0], self.spec.n
         return (x[1] is None and self.spec.N % 2 == 0 and op.coef[n] == 1 and (op.offset + op.const) % 2 == 0
+                and self._light_epilogue()
                 and all(k % 2 == 0 for d, k in enumerate(op.coef) if d != n)
                 and os.environ.get("GAC_WGMMA_EPILOGUE_PAIRS") != "0")
 
@@ -281,8 +292,9 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         ahead of earlier stores is safe: an operand reads Z's buffer only at the element its
         own accumulator writes (epilogue._consumer)."""
         spec, ep = self.spec, self.spec.epilogue
+        light = self._light_epilogue()
         n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", 0)) or (
-            EPILOGUE_CHUNK_A_REGS if self.p.a_regs else EPILOGUE_CHUNK)
+            EPILOGUE_CHUNK if not self.p.a_regs and light else EPILOGUE_CHUNK_SMALL)
         n += n % 2
         pre = pre or []
         pair_out = self._pairable(ep.out)
