@@ -446,6 +446,34 @@ def test_epilogue_loads_pairs_before_the_main_loop(pairs, monkeypatch) -> None:
     assert ("st.global.v2" in body) == pairs
 
 
+class BlockEnd(torch.nn.Module):
+    """A bottleneck's end as one GEMM: its BatchNorm and the downsample branch's (unfolded: mean,
+    var, weight, bias each), the add, ReLU: nine epilogue operands, eight of them per column."""
+
+    def forward(self, x, w, r, *p):
+        y = torch.nn.functional.linear(x, w)
+        a = (y - p[0]) * torch.rsqrt(p[1] + 1e-5) * p[2] + p[3]
+        b = (r - p[4]) * torch.rsqrt(p[5] + 1e-5) * p[6] + p[7]
+        return torch.relu(a + b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heavy_epilogue_in_a_wide_tile_does_not_spill(dtype) -> None:
+    # ResNet's block-3 first conv (K 256 -> N 1024, a 256-wide tile, the downsample's BatchNorm
+    # fused): 16-accumulator chunks with pairs spilled 132 bytes; such an epilogue loads 8 at a time
+    import gac_torch
+
+    M, K, N = 9000, 256, 1024
+    args = (torch.randn(M, K), torch.randn(N, K), torch.randn(M, N), *[torch.rand(N) + 0.5 for _ in range(8)])
+    with matmul_tf32(True):
+        ptx = gac_torch.compile(BlockEnd(), tuple(a.to(dtype) for a in args), target="cuda",
+                                options={"arch": "sm_90", "cache": False}).ir("ptx")
+    assert "m64n256k" in ptx and [ln.split("[")[1].split("]")[0] for ln in ptx.splitlines()
+                                   if ln.startswith("// launch")] == ["wgmma"], ptx.split("\n.version")[0]
+    result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+    assert result.ok and " 0 bytes spill stores" in result.log, result.log
+
+
 LINEAR_3D = [  # B, M, K, N, dtype, activation, residual, linear layout: x [B, M, K] with a 2-D weight
     (4, 130, 256, 520, torch.bfloat16, "gelu", False, True),  # M = B * M = 520: partial tiles
     (2, 250, 520, 1030, torch.float16, "relu", True, True),
