@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -23,8 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gac_torch  # noqa: E402
-from gemm_variants import _device_ms, _env  # noqa: E402
+from gemm_variants import _device_ms, compile_variants  # noqa: E402
 from wgmma_tiles import _race  # noqa: E402
 
 ALIASES = {"old": "GAC_WGMMA_NARROW=0+GAC_WGMMA_EPILOGUE_CHUNK=8+GAC_WGMMA_EPILOGUE_PREFETCH=0"
@@ -65,30 +63,6 @@ def _stem(dt: torch.dtype) -> torch.nn.Module:
         torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(64, 64, 1, bias=False))).eval().cuda().to(dt)
 
 
-def _compile_variants(model, sets, variants: list[str], tf32: bool, ref) -> dict:
-    fns = {}
-    for v in variants:
-        env = _env(ALIASES.get(v, v))
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            c = gac_torch.compile(model, sets[0], target="cuda",
-                                  options={"cache": False, "allow_tf32": tf32, "fallback": False})
-            launches = [ln.split("launch ")[1].split(" (")[0] for ln in c.ir("ptx").splitlines()
-                        if ln.startswith("// launch")]
-            err = ((c(*sets[0]).double() - ref).norm() / ref.norm()).item()
-            fns[f"{v} err {err:.1e} {launches}"] = c
-        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
-            print(f"  {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        finally:
-            for k, old in saved.items():
-                if old is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = old
-    return fns
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="default,old")
@@ -109,7 +83,7 @@ def main() -> None:
             ref = Gemm1x1()(x.double(), w.double(), s.double(), t.double(), None if r is None else r.double()).cuda()
             cu = [v.to("cuda", dt) for v in (x, w, s, t)] + ([r.to("cuda", dt)] if res else [])
             sets = [tuple(cu), tuple(c.clone() for c in cu)]
-            fns = _compile_variants(Gemm1x1(), sets, args.variants.split(","), tf32, ref)
+            fns = compile_variants(Gemm1x1(), sets, args.variants.split(","), tf32, ref, aliases=ALIASES)
             eager = Eager1x1(cu[1], cu[2], cu[3])
             nhwc = (6, M // 6 // 200 if M % 1200 == 0 else 1, 200 if M % 1200 == 0 else M // 6)
 
@@ -126,7 +100,7 @@ def main() -> None:
             with torch.no_grad():
                 ref = model.double()(xs[0].double())
                 model = model.to(dt)
-                fns = _compile_variants(model, [(x,) for x in xs], args.stem_variants.split(","), tf32, ref)
+                fns = compile_variants(model, [(x,) for x in xs], args.stem_variants.split(","), tf32, ref)
                 em = copy.deepcopy(model).to(memory_format=torch.channels_last)  # (gac keeps its own)
                 fns = {"eager": em, **fns}
                 esets = [(x.contiguous(memory_format=torch.channels_last),) for x in xs]
