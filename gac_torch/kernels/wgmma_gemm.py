@@ -543,9 +543,7 @@ def prefetch(p: Plan) -> int:
     """How many accumulators' epilogue loads along M (5c) go before the main loop: the first
     PREFETCH with 64 accumulators per thread at most (BN <= 128) and A not in registers, the
     rest of the registers hold them (GAC_WGMMA_EPILOGUE_PREFETCH=<n>: n, 0 never)."""
-    if p.bn > 128 or p.a_regs:
-        return 0
-    return int(os.environ.get("GAC_WGMMA_EPILOGUE_PREFETCH", PREFETCH))
+    return 0 if p.bn > 128 or p.a_regs else int(os.environ.get("GAC_WGMMA_EPILOGUE_PREFETCH", PREFETCH))
 
 
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
