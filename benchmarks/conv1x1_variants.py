@@ -66,6 +66,7 @@ def _stem(dt: torch.dtype) -> torch.nn.Module:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="default,old")
+    ap.add_argument("--rest-variants", default="default", help="for the GEMMs after the first")
     ap.add_argument("--stem-variants", default="default,GAC_STEM_PAD=0")
     ap.add_argument("--prec", default="tf32,bf16")
     ap.add_argument("--rounds", type=int, default=5)
@@ -75,7 +76,7 @@ def main() -> None:
         tf32, dt = prec == "tf32", torch.bfloat16 if prec == "bf16" else torch.float32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         es = 2 if dt == torch.bfloat16 else 4
-        for M, K, N, res in GEMMS if "gemm" in args.what else []:
+        for i, (M, K, N, res) in enumerate(GEMMS if "gemm" in args.what else []):
             gen = torch.Generator().manual_seed(M + K + N)
             w, s, t = torch.randn(N, K, generator=gen) / K**0.5, torch.rand(N, generator=gen) + 0.5, torch.randn(N, generator=gen)
             x = torch.randn(M, K, generator=gen)
@@ -83,7 +84,8 @@ def main() -> None:
             ref = Gemm1x1()(x.double(), w.double(), s.double(), t.double(), None if r is None else r.double()).cuda()
             cu = [v.to("cuda", dt) for v in (x, w, s, t)] + ([r.to("cuda", dt)] if res else [])
             sets = [tuple(cu), tuple(c.clone() for c in cu)]
-            fns = compile_variants(Gemm1x1(), sets, args.variants.split(","), tf32, ref, aliases=ALIASES)
+            variants = (args.rest_variants if i else args.variants).split(",")
+            fns = compile_variants(Gemm1x1(), sets, variants, tf32, ref, aliases=ALIASES)
             eager = Eager1x1(cu[1], cu[2], cu[3])
             nhwc = (6, M // 6 // 200 if M % 1200 == 0 else 1, 200 if M % 1200 == 0 else M // 6)
 
