@@ -111,6 +111,25 @@ def train(n: int, variants: list[str], rounds: int) -> None:
         print(f"  train_mlp {n}: {k}: median {med:.3f} ms (min {best:.3f}), vs eager {med / eager:.3f}x", flush=True)
 
 
+def compile_variants(model, sets, variants: list[str], tf32: bool, ref, name: str = "",
+                     aliases: dict[str, str] | None = None) -> dict:
+    """gac's compile of `model` per variant (its switches set while it compiles, cache off),
+    keyed by the variant, its error against `ref` and its launches; a failure is reported."""
+    fns = {}
+    for v in variants:
+        try:
+            with _Env((aliases or {}).get(v, v)):
+                compiled = gac_torch.compile(model, sets[0], target="cuda",
+                                             options={"cache": False, "allow_tf32": tf32, "fallback": False})
+            launches = [ln.split("launch ")[1].split(" (")[0] for ln in compiled.ir("ptx").splitlines()
+                        if ln.startswith("// launch")]
+            err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
+            fns[f"{v} err {err:.1e} {launches}"] = compiled
+        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+            print(f"  {name} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return fns
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemm", default="sgemm:nn:4096", help="comma-separated kind:layout:size")
@@ -129,18 +148,7 @@ def main() -> None:
                 for _ in range(max(2, -(-256 * 2**20 // (8 * n * n))))]  # past the L2
         model = Gemm(layout)
         ref = model(sets[0][0].double(), sets[0][1].double())
-        fns = {"eager": model}
-        for v in args.variants.split(","):
-            try:
-                with _Env(v):
-                    compiled = gac_torch.compile(model, sets[0], target="cuda",
-                                                 options={"cache": False, "allow_tf32": tf32, "fallback": False})
-                launches = [ln.split("launch ")[1].split(" (")[0] for ln in compiled.ir("ptx").splitlines()
-                            if ln.startswith("// launch")]
-                err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
-                fns[f"{v} err {err:.1e} {launches}"] = compiled
-            except Exception as e:  # noqa: BLE001 - report and go on to the next variant
-                print(f"  {gemm} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        fns = {"eager": model, **compile_variants(model, sets, args.variants.split(","), tf32, ref, gemm)}
         times = _race(fns, sets, rounds=args.rounds)
         device = {k: _device_ms(fn, sets) for k, fn in fns.items()}
         eager, eager_dev = times["eager"][0], device["eager"]

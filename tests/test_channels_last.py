@@ -64,8 +64,8 @@ class Mixed(nn.Module):
 
 class Pooled(nn.Module):
     """conv -> ReLU -> max-pool (ceil mode, padded) -> conv -> avg-pool (padding not counted)
-    -> conv: the pools run on NHWC too, the chain converts once at each end; an RGB input conv
-    (3 channels: no vectors either way) stays NCHW."""
+    -> conv: the pools run on NHWC too, the chain converts once at each end; the RGB input conv
+    as well, its input and weights zero-padded to 4 channels (vectors on NHWC)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,7 +83,7 @@ CASES = {  # name -> (model, input shape, convs the pass puts on NHWC)
     "bottleneck": (Bottleneck, (2, 12, 11, 13), 4),
     "input_residual": (InputResidual, (2, 10, 9, 7), 2),
     "mixed": (Mixed, (1, 8, 5, 6), 3),
-    "pooled": (Pooled, (2, 3, 13, 11), 3),
+    "pooled": (Pooled, (2, 3, 13, 11), 4),
 }
 
 
@@ -229,6 +229,18 @@ def test_pools_between_convs_stay_nhwc() -> None:
     assert len(re.findall(r'"gac.pool".*channels_last = 1', gac)) == 2, gac
     perms = re.findall(r'"gac.transpose".*perm = array<i64: ([\d, ]+)>', gac)
     assert perms == ["0, 2, 3, 1", "0, 3, 1, 2"], perms
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_rgb_conv_goes_nhwc_on_four_padded_channels(pad: bool, monkeypatch) -> None:
+    # the stem's 3 input channels: input and weights padded with a zero channel (4: a 16-byte f32
+    # vector on NHWC); GAC_STEM_PAD=0 leaves it on NCHW
+    if not pad:
+        monkeypatch.setenv("GAC_STEM_PAD", "0")
+    model, x = randomize_bn(Pooled()).eval(), torch.randn(2, 3, 13, 11)
+    _, gac = _compile(model, x, True)
+    convs = re.findall(r'"gac.conv"\(.*\{channels_last = (\d).*\(tensor<([\dx]+)xf32>, tensor<([\dx]+)xf32>\)', gac)
+    assert convs[0] == (("1", "2x13x11x4", "8x4x3x3") if pad else ("0", "2x3x13x11", "8x3x3x3")), convs
 
 
 def test_equal_channel_and_spatial_sizes_are_transposed_not_reshaped() -> None:

@@ -9,7 +9,7 @@ import torch
 
 import gac_torch
 from test_wgmma_gemm import (
-    EPILOGUES, LINEAR_3D, Epilogue, WeightT, epilogue_shapes, launches, linear_3d_shapes, matmul_tf32,
+    EPILOGUES, LINEAR_3D, BlockEnd, Epilogue, WeightT, epilogue_shapes, launches, linear_3d_shapes, matmul_tf32,
 )
 
 pytestmark = pytest.mark.cuda
@@ -136,3 +136,20 @@ def test_linear_on_3d_input_on_gpu(B, M, K, N, dtype, act, residual, linear) -> 
 @pytest.mark.parametrize("N", [520, 262])
 def test_3d_input_times_weight_t_on_gpu(N) -> None:
     _one_wgmma_kernel_matches_float64(WeightT(), [(4, 130, 256), (N, 256)], torch.bfloat16, seeds=(0,))
+
+
+@pytest.mark.parametrize("M,K,N,dtype", [(9000, 256, 1024, torch.float32), (1000, 136, 262, torch.bfloat16)])
+def test_heavy_epilogue_on_gpu(M, K, N, dtype) -> None:
+    # nine epilogue operands (two unfolded BatchNorms, a residual): 8-accumulator chunks, no pairs
+    gen = torch.Generator().manual_seed(M + N)
+    args = [torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K**0.5, torch.randn(M, N, generator=gen),
+            *[torch.rand(N, generator=gen) + 0.5 for _ in range(8)]]
+    args = [a.to(dtype) for a in args]
+    model = BlockEnd()
+    with matmul_tf32(True):
+        compiled = gac_torch.compile(model, tuple(a.cuda() for a in args), target="cuda")
+    assert launches(compiled) == ["wgmma"]
+    got = compiled(*[a.cuda() for a in args])
+    ref = model(*[a.double() for a in args])
+    err = ((got.double().cpu() - ref).norm() / ref.norm()).item()
+    assert got.dtype == dtype and torch.isfinite(got).all() and err < TOL[dtype], err

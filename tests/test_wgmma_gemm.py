@@ -264,6 +264,25 @@ def test_plan_fits_shared_memory_and_registers() -> None:
     assert W.PRODUCER_REGS * W.WG + 2 * W.CONSUMER_REGS * W.WG <= 65536
 
 
+@pytest.mark.parametrize("M,K,N,narrow,want", [
+    (144000, 64, 256, True, 128),  # ResNet layer 1's widening 1x1 conv: short K
+    (144000, 256, 64, True, 64),  # its narrowing one: N in one 64-wide tile
+    (36000, 512, 128, True, 128),
+    (36000, 512, 512, True, 256),
+    (144000, 256, 64, False, 256),  # GAC_WGMMA_NARROW=0: as before
+])
+def test_narrow_and_short_gemms_take_narrow_tiles(M, K, N, narrow, want, monkeypatch) -> None:
+    def op(shape, dims):
+        return Operand(f"memref<{'x'.join(map(str, shape))}xbf16>", "bf16", dims, shape, (shape[1], 1), 0)
+
+    if not narrow:
+        monkeypatch.setenv("GAC_WGMMA_NARROW", "0")
+    spec = Spec("bf16", 0, 1, 2, (), (M, N, K), op((M, K), (0, 2)), op((N, K), (1, 2)), op((M, N), (0, 1)), True)
+    p = W.plan(spec)
+    assert p is not None and p.bn == want and p.smem_bytes <= W.SMEM_LIMIT
+    assert W.prefetch(p) == (W.PREFETCH if want <= 128 else 0)  # (registers for 64 accumulators only)
+
+
 def test_arg_table_passes_tensor_map_addresses() -> None:
     # the runtime encodes each descriptor once per pointer set (upload_tensor_maps, on the GPU)
     # and hands the kernel its device address in the argument's slot
@@ -382,6 +401,11 @@ EPILOGUES = [  # M, K, N, dtype, activation, residual, linear layout (else a @ b
     (1000, 520, 1032, torch.float32, "gelu", True, False, 0),  # TF32 C^T = B^T A^T, A from registers
     (200, 136, 262, torch.bfloat16, "relu", True, True, 3),  # batched
     (200, 136, 264, torch.float32, "none", False, False, 2),
+    # narrow tiles (wgmma_gemm.narrow), a 1x1 conv's: N <= 64 in a 64-wide tile, a short K in a
+    # 128-wide one, the residual loaded before the main loop (prefetch)
+    (1000, 72, 40, torch.bfloat16, "relu", True, True, 0),
+    (1000, 72, 200, torch.float32, "relu", True, True, 0),
+    (520, 136, 104, torch.float16, "gelu", True, False, 0),  # B N-major
 ]
 
 
@@ -400,6 +424,54 @@ def test_epilogue_runs_in_the_wgmma_store(M, K, N, dtype, act, residual, linear,
         monkeypatch.setenv("GAC_WGMMA_EPILOGUE_FUSION", "0")  # (bisecting: a separate pass)
         unfused = gac_torch.compile(Epilogue(act, residual, linear), args, target="cuda", options={"arch": "sm_90"})
         assert launches(unfused) == ["wgmma", "loops"]
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_epilogue_loads_pairs_before_the_main_loop(pairs, monkeypatch) -> None:
+    # a 1x1 conv's epilogue (BN 128, short K): the residual read two columns per load, all of
+    # the tile's before the first wgmma (their latency under the MMAs), the output stored in
+    # pairs; GAC_WGMMA_EPILOGUE_PAIRS=0 and PREFETCH=0: scalar loads, after the main loop
+    import gac_torch
+
+    if not pairs:
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_PAIRS", "0")
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_PREFETCH", "0")
+    args = tuple(torch.randn(s) for s in epilogue_shapes(1000, 72, 200, True, 0))
+    with matmul_tf32(True):
+        ptx = gac_torch.compile(Epilogue("relu", True, True), args, target="cuda",
+                                options={"arch": "sm_90", "cache": False}).ir("ptx")
+    body = ptx.split("setmaxnreg.inc")[1]  # the consumers
+    before = body.split("wgmma.mma_async")[0]
+    assert before.count("ld.global.nc.v2") == (32 if pairs else 0), before.count("ld.global")
+    assert ("st.global.v2" in body) == pairs
+
+
+class BlockEnd(torch.nn.Module):
+    """A bottleneck's end as one GEMM: its BatchNorm and the downsample branch's (unfolded: mean,
+    var, weight, bias each), the add, ReLU: nine epilogue operands, eight of them per column."""
+
+    def forward(self, x, w, r, *p):
+        y = torch.nn.functional.linear(x, w)
+        a = (y - p[0]) * torch.rsqrt(p[1] + 1e-5) * p[2] + p[3]
+        b = (r - p[4]) * torch.rsqrt(p[5] + 1e-5) * p[6] + p[7]
+        return torch.relu(a + b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heavy_epilogue_in_a_wide_tile_does_not_spill(dtype) -> None:
+    # ResNet's block-3 first conv (K 256 -> N 1024, a 256-wide tile, the downsample's BatchNorm
+    # fused): 16-accumulator chunks with pairs spilled 132 bytes; such an epilogue loads 8 at a time
+    import gac_torch
+
+    M, K, N = 9000, 256, 1024
+    args = (torch.randn(M, K), torch.randn(N, K), torch.randn(M, N), *[torch.rand(N) + 0.5 for _ in range(8)])
+    with matmul_tf32(True):
+        ptx = gac_torch.compile(BlockEnd(), tuple(a.to(dtype) for a in args), target="cuda",
+                                options={"arch": "sm_90", "cache": False}).ir("ptx")
+    assert "m64n256k" in ptx and [ln.split("[")[1].split("]")[0] for ln in ptx.splitlines()
+                                   if ln.startswith("// launch")] == ["wgmma"], ptx.split("\n.version")[0]
+    result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+    assert result.ok and " 0 bytes spill stores" in result.log, result.log
 
 
 LINEAR_3D = [  # B, M, K, N, dtype, activation, residual, linear layout: x [B, M, K] with a 2-D weight

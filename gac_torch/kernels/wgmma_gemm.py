@@ -40,7 +40,10 @@ ahead into the next tile while the consumers store the last one.
                stores of whole row chunks; 5c. with a fused epilogue (`GemmSpec.epilogue`: bias,
                activation, residual, output cast), per accumulator: its elementwise consumer's
                body on it and the consumer's other operands, stored to the consumer's output
-               (C itself is not written); a chunk's operand loads first, then its stores
+               (C itself is not written); a chunk's operand loads first, then its stores;
+               operands contiguous along N two columns per load / store (FRAG_C's pairs);
+               with BN <= 128 the loads along M (a residual) of the first PREFETCH
+               accumulators are issued before the main loop (its MMAs hide their latency)
 
 Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
 mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
@@ -49,7 +52,11 @@ descriptor math (`desc_layout`, `box_origins`) is plain Python on ints (the MLIR
 is wgmma_text.py), tested against a numpy
 model of TMA's swizzled write and wgmma's canonical-layout read (tests/test_wgmma_gemm.py).
 
-Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (128 | 256),
+Tile width: 256 once it fills the GPU, else 128; at most the narrowest that covers N, and
+128 for K <= 128 (`narrow`: ResNet's 1x1 convs, whose time is the epilogue's memory traffic).
+
+Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (64 | 128 | 256),
+GAC_WGMMA_NARROW=0, GAC_WGMMA_EPILOGUE_CHUNK, GAC_WGMMA_EPILOGUE_PREFETCH, GAC_WGMMA_EPILOGUE_PAIRS=0,
 GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_CLUSTER=2 (CTA pairs
 sharing B through TMA multicast: compiled and ptxas-checked, not yet run on a GPU);
 benchmarks/wgmma_tiles.py races them.
@@ -78,6 +85,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: 128*40 + 256*232 <= 64K re
 SMEM_LIMIT = 227 * 1024
 MIN_WORK = 1 << 21  # M*N*K*batch below this stays with mma.sync (launch-bound sizes)
 SM_COUNT_HINT = 132
+PREFETCH = 64  # 5c: accumulators whose epilogue loads precede the main loop (see prefetch)
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,17 @@ def _side(op: Operand, spec: Spec, outer: int, rows: int, bk: int, es: int) -> S
     return Side(False, rows, (span, bk), rows // span, rows * bk * es)
 
 
+def narrow(spec: Spec) -> int:
+    """The widest tile worth having (GAC_WGMMA_NARROW=0: 256, as before): the narrowest of
+    64 / 128 that covers N (a ResNet 1x1 conv's 64 channels in a 256-wide tile spend 3/4 of
+    the MMAs and of the epilogue on zeros); 128 for a short K (<= 128: the tile's MMAs take
+    ~1 us, its epilogue's memory traffic the rest; 64 accumulators per thread leave registers
+    for the epilogue's loads issued before the main loop, 5c)."""
+    if os.environ.get("GAC_WGMMA_NARROW") == "0":
+        return 256
+    return 64 if spec.N <= 64 else 128 if spec.N <= 128 or spec.K <= 128 else 256
+
+
 def plan(spec: Spec, bn: int | None = None) -> Plan | None:
     """Tiling for `spec`, or None when the template does not apply (the mma path then does)."""
     if spec.kind not in ("f16", "bf16", "tf32") or 0 in (spec.M, spec.N, spec.K):
@@ -187,6 +206,7 @@ def plan(spec: Spec, bn: int | None = None) -> Plan | None:
         # 128 wide tiles, 256 narrow ones on 132 SMs)
         wide = -(-spec.M // BM) * -(-spec.N // 256) * batch
         bn = 256 if wide >= SM_COUNT_HINT or (spec.kind == "tf32" and 2 * wide > SM_COUNT_HINT) else 128
+        bn = min(bn, narrow(spec))
     sa = _side(spec.a, spec, spec.m, BM, bk, es)
     sb = _side(spec.b, spec, spec.n, bn, bk, es)
     if sa is None or sb is None:
@@ -424,6 +444,9 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 rq, cq = FRAG_C[q]
                 return b.add(rows, c(row_of(rq))), b.add(cols, c(8 * i + cq))
 
+            ep_pre = None  # 5c: the epilogue's loads along M, issued before the main loop
+            if epilogue_of(spec) is not None and prefetch(p):
+                ep_pre = b.epilogue_prefetch([at(i, q) for i, q in frag[:prefetch(p)]])
             if spec.fill:
                 init = b.init_f32()
                 accs = [init] * len(frag)
@@ -475,7 +498,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
             b.when(leader, lambda: release(last))
             # 5. store (the producer is already loading the next tile)
             if epilogue_of(spec) is not None:  # 5c
-                b.epilogue_store_all([at(i, q) for i, q in frag], accs)
+                b.epilogue_store_all([at(i, q) for i, q in frag], accs, ep_pre)
                 return
             if p.staged_store:  # 5b: rounded pairs into this warpgroup's staging rows, then
                 # 16-byte row chunks to C, consecutive threads on consecutive chunks
@@ -514,6 +537,13 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     b.if_else(b.eq(wg, c(0)), producer, consumer)
     if cl > 1:  # no CTA leaves while its peer may still multicast into it or arrive on it
         b.cluster_barrier()
+
+
+def prefetch(p: Plan) -> int:
+    """How many accumulators' epilogue loads along M (5c) go before the main loop: the first
+    PREFETCH with 64 accumulators per thread at most (BN <= 128) and A not in registers, the
+    rest of the registers hold them (GAC_WGMMA_EPILOGUE_PREFETCH=<n>: n, 0 never)."""
+    return 0 if p.bn > 128 or p.a_regs else int(os.environ.get("GAC_WGMMA_EPILOGUE_PREFETCH", PREFETCH))
 
 
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:

@@ -14,7 +14,13 @@ from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
 
 
-EPILOGUE_CHUNK = 8  # 5c: accumulators whose epilogue loads are issued together
+# 5c: accumulators whose epilogue loads are issued together: 16 (8 before: a 1x1 conv's
+# residual read one memory latency per 8, ~3x its DRAM time on the H200) while their registers
+# stay within EPILOGUE_LOAD_REGS (16 per operand along M, 8 per column operand: a chunk's 16
+# accumulators span 8 columns), else 8 and no pairs, as before (ResNet's block-3 conv with the
+# downsample's unfolded BatchNorm fused: 80, spilled; at 8 with pairs, 16 bytes); 8 with A in
+# registers (16 spilled there); GAC_WGMMA_EPILOGUE_CHUNK overrides
+EPILOGUE_CHUNK, EPILOGUE_CHUNK_SMALL, EPILOGUE_LOAD_REGS = 16, 8, 40
 
 
 class WgmmaText(gemm_epilogue.TextMixin, Text):
@@ -227,35 +233,115 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
 
         return locate
 
-    def epilogue_store_all(self, points: list[tuple[str, str]], vals: list[str]) -> None:
+    def _varies_along_m(self, x: tuple[Any, tuple[int, ...] | None] | None) -> bool:
+        return x is not None and not (x[1] is None and x[0].coef[self.spec.m] == 0)
+
+    def _light_epilogue(self) -> bool:
+        """Whether a chunk of EPILOGUE_CHUNK accumulators' operand loads fit in
+        EPILOGUE_LOAD_REGS registers (see there)."""
+        ins = [x for x in self.spec.epilogue.inputs if x is not None]
+        along_m = sum(map(self._varies_along_m, ins))
+        return EPILOGUE_CHUNK * along_m + EPILOGUE_CHUNK // 2 * (len(ins) - along_m) <= EPILOGUE_LOAD_REGS
+
+    def _pairable(self, x: tuple[Any, tuple[int, ...] | None]) -> bool:
+        """An operand read (written) two columns at a time, one 2-element vector per FRAG_C
+        column pair: over the contraction's dims, contiguous along N, each pair's first element
+        at an even address, N even (a pair is inside the matrix iff its first element is); a
+        light epilogue only. GAC_WGMMA_EPILOGUE_PAIRS=0: never."""
+        op, n = x[0], self.spec.n
+        return (x[1] is None and self.spec.N % 2 == 0 and op.coef[n] == 1 and (op.offset + op.const) % 2 == 0
+                and self._light_epilogue()
+                and all(k % 2 == 0 for d, k in enumerate(op.coef) if d != n)
+                and os.environ.get("GAC_WGMMA_EPILOGUE_PAIRS") != "0")
+
+    def _operand_loads(self, points: list[tuple[str, str]], first: int, wanted: Any) -> list[dict[int, str]]:
+        """Per accumulator first + j at points[j]: {k: value} of the epilogue operands k that
+        `wanted(k, x)`, branch-free (outside the matrix: element 0; an operand constant along M
+        guarded by its column only); pairable ones for accumulators 2i, 2i + 1 in one load."""
+        spec, zero, ep = self.spec, self.const(0), self.spec.epilogue
+        out: list[dict[int, str]] = [{} for _ in points]
+        for j, (row, col) in enumerate(points):
+            ok = locate = None
+            for k, x in enumerate(ep.inputs):
+                if x is None or k in out[j] or not wanted(j, k, x):
+                    continue
+                if locate is None:
+                    ok, locate = self._inside(row, col), self._locator(row, col)
+                guard = ok if self._varies_along_m(x) else self.lt(col, self.const(spec.N))
+                addr = self.select(guard, locate(x), zero, "index")
+                if (first + j) % 2 == 0 and j + 1 < len(points) and self._pairable(x):
+                    out[j][k], out[j + 1][k] = self.load_e2(k, addr)
+                else:
+                    out[j][k] = self.load_e(k, addr)
+        return out
+
+    def epilogue_prefetch(self, points: list[tuple[str, str]]) -> list[dict[int, str]]:
+        """5c, issued before the main loop: the epilogue operands that vary along M (a
+        residual) of the accumulators at `points`, so their memory latency passes under the
+        MMAs (a short K's whole tile time otherwise: one latency per chunk). Safe ahead of the
+        tile's stores as in epilogue_store_all."""
+        return self._operand_loads(points, 0, lambda j, k, x: self._varies_along_m(x))
+
+    def epilogue_store_all(self, points: list[tuple[str, str]], vals: list[str],
+                           pre: list[dict[int, str]] | None = None) -> None:
         """5c: accumulator vals[n] of C at points[n] (row, col) through the fused epilogue
-        (gemm_epilogue's steps), EPILOGUE_CHUNK at a time: first the chunk's operand loads,
-        branch-free (outside the matrix: element 0), then per accumulator, inside only, the body
-        and the store. A load after a store waits for it (the compiler cannot tell they do not
-        alias): a memory latency per accumulator. Loading ahead of earlier stores is safe: an
-        operand reads Z's buffer only at the element its own accumulator writes
-        (epilogue._consumer)."""
-        spec, zero = self.spec, self.const(0)
-        ep = spec.epilogue
-        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", EPILOGUE_CHUNK))  # (1: bisects)
+        (gemm_epilogue's steps), EPILOGUE_CHUNK at a time: first the chunk's operand loads
+        (those not prefetched, `pre`), then per accumulator (pair, when the output is
+        pairable), inside only, the body and the store. A load after a store waits for it
+        (the compiler cannot tell they do not alias): a memory latency per chunk. Loading
+        ahead of earlier stores is safe: an operand reads Z's buffer only at the element its
+        own accumulator writes (epilogue._consumer)."""
+        spec, ep = self.spec, self.spec.epilogue
+        light = self._light_epilogue()
+        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", 0)) or (
+            EPILOGUE_CHUNK if not self.p.a_regs and light else EPILOGUE_CHUNK_SMALL)
+        n += n % 2
+        pre = pre or []
+        pair_out = self._pairable(ep.out)
         for s in range(0, len(vals), n):
-            ready = []
-            for (row, col), v in zip(points[s:s + n], vals[s:s + n]):
-                ok, locate = self._inside(row, col), self._locator(row, col)
-                col_ok = self.lt(col, self.const(spec.N))  # (an operand constant along M, a bias:
-                args = [None if x is None else self.load_e(k, self.select(  # one load per column)
-                    col_ok if x[1] is None and x[0].coef[spec.m] == 0 else ok, locate(x), zero, "index"))
-                    for k, x in enumerate(ep.inputs)]
-                ready.append((ok, args, locate(ep.out), v))
-            for ok, args, z, v in ready:
+            part = points[s:s + n]
+            have = [pre[s + j] if s + j < len(pre) else {} for j in range(len(part))]
+            loaded = self._operand_loads(part, s, lambda j, k, x: k not in have[j])
+            todo = []
+            for j, ((row, col), v) in enumerate(zip(part, vals[s:s + n])):
+                args = [None if x is None else {**loaded[j], **have[j]}[k] for k, x in enumerate(ep.inputs)]
+                todo.append((self._inside(row, col), args, self._locator(row, col)(ep.out), v))
+            step = 2 if pair_out else 1
+            for j in range(0, len(todo), step):
+                ok, _, z, _ = todo[j]
                 self.begin_if(ok)
-                y = self.round_to(v, spec.c.elem)
-                vals_ = [y if a is None else a for a in args]
-                results: list[str] = []
-                for op in ep.ops:
-                    results.append(self.eop(op, [self._ref(r, vals_, results) for r in op.args]))
-                self.store_e(z, self._ref(ep.result, vals_, results))
+                ys = []
+                for _, args, _, v in todo[j:j + step]:
+                    y = self.round_to(v, spec.c.elem)
+                    vals_ = [y if a is None else a for a in args]
+                    results: list[str] = []
+                    for op in ep.ops:
+                        results.append(self.eop(op, [self._ref(r, vals_, results) for r in op.args]))
+                    ys.append(self._ref(ep.result, vals_, results))
+                if len(ys) == 2:
+                    self.store_e2(z, ys[0], ys[1])
+                else:
+                    for (_, _, z1, _), y in zip(todo[j:j + step], ys):
+                        self.store_e(z1, y)
                 self.end_if()
+
+    def load_e2(self, k: int, addr: str) -> tuple[str, str]:
+        """Epilogue operand k's elements addr, addr + 1 (addr even: one aligned vector load)."""
+        op = self.spec.epilogue.inputs[k][0]
+        v = self.fresh()
+        self.w(f"{v} = vector.load %E{k}f[{addr}] {{alignment = {2 * ESIZE[op.elem]}}} : {op.flat}, vector<2x{op.elem}>")
+        return tuple(self._extract(v, i, op.elem) for i in (0, 1))  # type: ignore[return-value]
+
+    def _extract(self, v: str, i: int, elem: str) -> str:
+        r = self.fresh()
+        self.w(f"{r} = vector.extract {v}[{i}] : {elem} from vector<2x{elem}>")
+        return r
+
+    def store_e2(self, addr: str, v0: str, v1: str) -> None:
+        op = self.spec.epilogue.out[0]
+        x = self.fresh()
+        self.w(f"{x} = vector.from_elements {v0}, {v1} : vector<2x{op.elem}>")
+        self.w(f"vector.store {x}, %Zf[{addr}] {{alignment = {2 * ESIZE[op.elem]}}} : {op.flat}, vector<2x{op.elem}>")
 
     def _ref(self, r: tuple, args: list[str], results: list[str]) -> str:
         return args[r[1]] if r[0] == "arg" else results[r[1]] if r[0] == "op" else self.econst(r[1], r[2])

@@ -21,6 +21,8 @@ operations in the same order. Targets opt in (`Target.channels_last`; option `ch
 
 from __future__ import annotations
 
+import os
+
 from mlir import ir
 
 from gac_torch.ir.builder import GacBuilder, op_attrs
@@ -33,9 +35,12 @@ ELEMENTWISE = ("gac.unary", "gac.binary", "gac.select", "gac.cast")
 _FLOATS = ("f16", "bf16", "f32", "f64")
 # a conv whose per-group output channels fill under one mma tile (depthwise) is left to the
 # reduction kernels, which walk NCHW's spatial runs; one with under a 16-byte f32 vector of input
-# channels per group (an RGB stem) reads no vectors on NHWC either
+# channels per group reads no vectors on NHWC either, except an ungrouped one (an RGB stem):
+# its input and weights are zero-padded to PAD_INPUTS channels first, so the implicit GEMM
+# stages its NHWC input in whole vectors (K 147 -> 196, scalar 2-byte loads without;
+# GAC_STEM_PAD=0: left on NCHW)
 MIN_GROUP_CHANNELS = 8
-MIN_GROUP_INPUTS = 4
+MIN_GROUP_INPUTS = PAD_INPUTS = 4
 
 
 def _op(v: ir.Value) -> ir.Operation | None:
@@ -87,8 +92,15 @@ def _eligible_conv(op: ir.Operation) -> bool:
     # (an output row or column of one: the cuda pipeline folds that unit dim, and the NHWC
     # generic's input map is left with a bare kh/kw over the padded extent: 'inferred 4, found 3')
     return (len(xs) == 4 and not a["channels_last"] and DYN not in xs and elem in _FLOATS
-            and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS and ws[1] >= MIN_GROUP_INPUTS
+            and ws[0] // a["groups"] >= MIN_GROUP_CHANNELS and (ws[1] >= MIN_GROUP_INPUTS or _padded(op))
             and len(ys) == 4 and min(ys[2:]) > 1)
+
+
+def _padded(op: ir.Operation) -> bool:
+    """An ungrouped conv of under PAD_INPUTS input channels: on NHWC with its channels
+    zero-padded (`_to_channels_last`)."""
+    ws = shape_of(op.operands[1].type)
+    return op_attrs(op)["groups"] == 1 and ws[1] < PAD_INPUTS and os.environ.get("GAC_STEM_PAD") != "0"
 
 
 def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
@@ -130,17 +142,26 @@ def _to_channels_last(b: GacBuilder, op: ir.Operation, inputs: dict) -> None:
     x, w = op.operands
     y = op.results[0]
     ys = shape_of(y.type)
-    if x not in inputs:
+    pad = PAD_INPUTS - shape_of(w.type)[1] if _padded(op) else 0
+    if (x, pad) not in inputs:
         with ir.InsertionPoint(op), op.location:
-            inputs[x] = _permute(b, x, TO_LAST)
+            inputs[x, pad] = _permute(b, _pad_channels(b, x, pad), TO_LAST)
     with ir.InsertionPoint(op), op.location:
-        xt = inputs[x]
+        xt = inputs[x, pad]
+        w = _pad_channels(b, w, pad)
         yt = b.conv(xt, w, stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
                     groups=a["groups"], channels_last=1,
                     result_type=_tensor([ys[p] for p in TO_LAST], ir.RankedTensorType(y.type).element_type))
         out = b.transpose(yt, perm=list(TO_FIRST))
     y.replace_all_uses_with(out)
     op.erase()
+
+
+def _pad_channels(b: GacBuilder, v: ir.Value, n: int) -> ir.Value:
+    """v (N C H W, or F C KH KW) with n zero channels after its C (none: v)."""
+    if not n:
+        return v
+    return b.pad(v, low=[0] * 4, high=[0, n, 0, 0], mode="constant", value=0.0)
 
 
 def _sink(b: GacBuilder, op: ir.Operation) -> bool:

@@ -127,7 +127,12 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
     ks = sorted(red, key=lambda d: (-b.coef[d], -a.coef[d], d))  # type: ignore[union-attr]
     conv = (any(not isinstance(e, ir.AffineDimExpr) for m in g.maps[:2] for e in m.results)
             or CONV_CONTRACTION in g.op.attributes)  # (a 1x1 conv as a plain contraction)
-    moved = weight_layout.c_inner(ks, r)
+    # a zero-padded weight (a stem's channels padded to 4, passes/channels_last.py): c innermost
+    # (the input's 16-byte vectors), the weight copied from the padded buffer into that order
+    moved = weight_layout.c_inner(ks, r, a if pads[1] is not None else None)  # type: ignore[arg-type]
+    if conv and moved != ks and pads[1] is not None:
+        pads[1], b = None, operand_at(g.inputs[1], g.maps[1])
+        ops[1] = b
     relayout = None
     if conv and moved != ks and pads[1] is None:  # the weights copied into that K order
         relayout = weight_layout.relayout(g.inputs[1], g.maps[1], tuple(moved), r)

@@ -91,12 +91,14 @@ def _read_permuted(g: Generic) -> bool:
 
 
 def _tuned_plan(spec: Spec) -> wgmma_gemm.Plan | None:
-    """The heuristic tile width (256 once it still fills the GPU), or the other where the GPU
-    measured it faster for this problem (gpu/tuning.py)."""
+    """The heuristic tile width (256 once it still fills the GPU, narrower for a narrow N or a
+    short K), or another where the GPU measured it faster for this problem (gpu/tuning.py; 64
+    only a candidate for N <= 128)."""
     plan = wgmma_gemm.plan(spec)
     if plan is None:
         return None
-    alts = {f"bn{bn}": p for bn in (128, 256) if (p := wgmma_gemm.plan(spec, bn=bn)) is not None}
+    alts = {f"bn{bn}": p for bn in (64, 128, 256)[spec.N > 128:]
+            if (p := wgmma_gemm.plan(spec, bn=bn)) is not None}
     if len(alts) < 2 or f"bn{plan.bn}" not in alts:
         return plan
     key = f"wgmma:{spec.kind}:{tuning.problem_key(spec)}"

@@ -1,0 +1,95 @@
+"""ResNet's 7x7 stride-2 stem on 3 input channels (passes/channels_last.py pads them to 4): on NHWC
+its input and weights stage in whole vectors (K = (kh, kw, c), c innermost), where NCHW's padded
+input read one scalar per element (bf16: no cp.async at all). The numpy twin on the padded
+conv's spec, the PTX's copy widths offline, and the compiled stem against float64 on the GPU."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import gac_torch
+from gac_torch.backends.cuda import ptxas
+from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_twin as twin
+from gac_torch.kernels.builder import round_to
+from models import randomize_bn
+from test_conv_gemm import _TOL, nhwc_spec
+
+DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Stem(torch.nn.Module):
+    """conv 7x7/2 (3 -> 64) + BatchNorm + ReLU, max-pool, a 1x1 conv: the stem joined to a conv
+    (so the pass takes it to NHWC)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64)
+        self.pool, self.next = torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(64, 32, 1, bias=False)
+
+    def forward(self, x):
+        return self.next(self.pool(torch.relu(self.bn(self.conv(x)))))
+
+
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_padded_stem_twin_matches_float64(kind: str) -> None:
+    # 4 channels (the 4th zero in the real graph; random here), 7x7 stride 2 through a padding
+    # of 3, sizes no tile divides: the input's 4-channel vectors cp.async'd across the guards
+    spec, shapes, strides = nhwc_spec(kind, 2, 4, 19, 23, 24, 7, 2, 1, 3)
+    p = cg.plan(spec)
+    assert p is not None and p.a.glob_k and p.a.vec == 4 and p.a.cp, p.a
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal(shapes[0]).astype(np.float32)
+    W = rng.standard_normal(shapes[1]).astype(np.float32)
+    out = twin.emulate(spec, p, X, W, np.zeros(shapes[2], np.float32), strides, init=0.25)
+    x64 = torch.from_numpy(round_to(X, kind).astype(np.float64)).reshape(2, 19, 23, 4).permute(0, 3, 1, 2)
+    w64 = torch.from_numpy(round_to(W, kind).astype(np.float64)).reshape(24, 7, 7, 4).permute(0, 3, 1, 2)
+    ref = torch.nn.functional.conv2d(x64, w64, stride=2, padding=3).permute(0, 2, 3, 1).numpy() + 0.25
+    err = np.linalg.norm(out.reshape(ref.shape) - ref) / np.linalg.norm(ref)
+    assert err < _TOL[kind], err
+
+
+def _stem_copies(kind: str) -> tuple[set[str], str]:
+    """The cp.async widths of the stem's igemm kernel (the first) and ptxas's log of the program."""
+    torch.manual_seed(0)
+    model, x = randomize_bn(Stem()).eval().to(DTYPES[kind]), torch.randn(2, 3, 37, 53).to(DTYPES[kind])
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        ptx = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False}).ir("ptx")
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    stem = next(k for k in ptx.split(".entry ")[1:] if k.split("(")[0].endswith("_igemm"))
+    widths = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^\[]*\[[^\]]*\], \[[^\]]*\], (\d+)", stem))
+    return widths, ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas()).log
+
+
+@pytest.mark.parametrize("kind,want,before", [("tf32", {"16"}, {"4"}), ("bf16", {"8"}, set())])
+def test_stem_stages_vectors_without_spills(kind: str, want: set, before: set, monkeypatch) -> None:
+    widths, log = _stem_copies(kind)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert widths == want and spills and not any(int(n) for n in spills), (widths, log)
+    monkeypatch.setenv("GAC_STEM_PAD", "0")  # NCHW: 4-byte copies (tf32), scalar loads (bf16)
+    assert _stem_copies(kind)[0] == before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 3, 37, 53), (3, 3, 96, 130)])
+def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(sum(shape))
+    model, x = randomize_bn(Stem()).eval(), torch.randn(shape)
+    ref = model.double()(x.double())
+    model, x = model.to("cuda", DTYPES[kind]), x.to("cuda", DTYPES[kind])
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        got = torch.compile(model, backend="gac")(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    err = ((got.double().cpu() - ref).norm() / ref.norm()).item()
+    assert got.dtype == x.dtype and got.shape == ref.shape and err < {"tf32": 3e-3, "bf16": 2e-2}[kind], err
