@@ -88,8 +88,8 @@ class GemmSpec(Spec):
     epilogue: Epilogue | None = None
 
 
-def epilogue_of(spec: Spec) -> Epilogue | None:
-    return spec.epilogue if isinstance(spec, GemmSpec) else None
+def epilogue_of(spec: Any) -> Epilogue | None:
+    return getattr(spec, "epilogue", None)  # (a cuda_mma.Spec has none; a conv_gemm.Spec may)
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class Plan:
     row_pairs: bool = False  # (a_regs) C's rows contiguous: a thread's rows pr, pr+1 stored at once
     c_bytes: int = 2
     cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
+    maxnreg: bool = True  # setmaxnreg: the producer's registers go to the consumers
 
     @property
     def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
@@ -297,7 +298,10 @@ def swizzle128(offset: int) -> int:
 # the kernel
 
 
-def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
+def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
+    """`gather` (kernels/wgmma_conv.py): instead of TMA, every producer thread t stages its part
+    of slice kt with cp.async, `gather(t, a_stage, b_stage, m0, n0, kt)`, and its copies arrive
+    on full[s] when they land (3b'); the consumers order them before wgmma's reads (4a')."""
     es = ESIZE[_elem(spec)]
     c = b.const
     S = p.stages
@@ -339,7 +343,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     # 2. barriers
     def init() -> None:
         for s in range(S):
-            b.mbar_init(full(c(s)), 1)
+            b.mbar_init(full(c(s)), WG if gather else 1)
             b.mbar_init(empty(c(s)), 2 * cl)  # one arrival per consumer warpgroup of the cluster
         b.asm("fence.mbarrier_init.release.cluster;")
 
@@ -355,8 +359,29 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         at = {spec.k: k0, outer: b.add(o0, c(shift))}
         return [at.get(d, bz) for d in reversed(op.dims)]  # innermost first; the batch: bz
 
+    def stage_at(base: int, side: Side, s: Any) -> Any:
+        return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
+
+    def gathered() -> None:  # 3' (gather): all producer threads, their copies per slice
+        def one_tile(tl: Any) -> None:
+            m0, n0, _ = tile(tl)
+
+            def body(kt: Any) -> None:
+                s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
+                b.mbar_wait(empty(s), b.xor1(phase))  # 3a
+                gather(tid, stage_at(a_base, p.a, s), stage_at(b_base, p.b, s), m0, n0, kt)
+                b.asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", args=[(full(s), "r", "i32")])  # 3b'
+
+            b.loop(c(0), c(nk), body)
+
+        b.loop(c(0), mine, one_tile)
+        b.asm("cp.async.wait_all;")  # (no copy outlives its thread)
+
     def producer() -> None:
-        b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
+        if p.maxnreg:
+            b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
+        if gather is not None:
+            return gathered()
 
         def one_tile(tl: Any) -> None:
             m0, n0, bz = tile(tl)
@@ -395,7 +420,8 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
 
     # 4. consumers
     def consumer() -> None:
-        b.asm(f"setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};")
+        if p.maxnreg:
+            b.asm(f"setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};")
         t = b.rem(tid, c(WG))
         warp, lane = b.div(t, c(32)), b.rem(t, c(32))
         g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
@@ -427,6 +453,10 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
             if spec.fill:
                 init = b.init_f32()
                 accs = [init] * len(frag)
+                if gather is not None:  # each its own register, set here: else LLVM sinks a
+                    # constant fill's copies past wgmma.fence into a peeled first slice, and
+                    # ptxas serializes the wgmmas (C7519 / C7520)
+                    accs = [b.opaque_f32(init) for _ in frag]
             else:
                 accs = [b.load_c(*at(i, q)) for i, q in frag]
             first = b.mul(tl, c(nk))
@@ -435,6 +465,8 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 it = b.add(first, kt)
                 s, phase = stage_phase(it)
                 b.mbar_wait(full(s), phase)  # 4a
+                if gather is not None:  # 4a': cp.async wrote it (generic proxy), wgmma reads it
+                    b.asm("fence.proxy.async.shared::cta;")
                 if p.a_regs:  # 4b'
                     a_stage = b.i32_add(smem, b.i32_add(b.i32(a_base), b.i32_mul(b.to_i32(s), b.i32(p.a.stage_bytes))))
                     regs = [[x for off in a_offs

@@ -18,6 +18,7 @@ EPILOGUE_CHUNK = 8  # 5c: accumulators whose epilogue loads are issued together
 
 
 class WgmmaText(gemm_epilogue.TextMixin, Text):
+    epilogue_chunk = EPILOGUE_CHUNK
     def __init__(self, spec: Spec, p: Plan, init_type: str):
         super().__init__(hoist=True)
         self.spec, self.p, self.init_type = spec, p, init_type
@@ -43,6 +44,12 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         mma.sync's operands)."""
         return self.asm("{\n.reg .f32 F, G;\nld.shared.v2.f32 {F, G}, [$2];\ncvt.rna.tf32.f32 $0, F;\n"
                         "cvt.rna.tf32.f32 $1, G;\n}", args=[(addr, "r", "i32")], results=2)
+
+    def opaque_f32(self, x: str) -> str:
+        """A copy of f32 `x` the compiler cannot rematerialize or move across other asm."""
+        r = self.fresh()
+        self.w(f'{r} = llvm.inline_asm has_side_effects asm_dialect = att "mov.b32 $0, $1;", "=f,f" {x} : (f32) -> f32')
+        return r
 
     def xor1(self, x: str) -> str:
         return self.binop("arith.xori", x, self.i32(1), "i32")
@@ -237,14 +244,14 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         (epilogue._consumer)."""
         spec, zero = self.spec, self.const(0)
         ep = spec.epilogue
-        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", EPILOGUE_CHUNK))  # (1: bisects)
+        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", self.epilogue_chunk))  # (1: bisects)
         for s in range(0, len(vals), n):
             ready = []
             for (row, col), v in zip(points[s:s + n], vals[s:s + n]):
                 ok, locate = self._inside(row, col), self._locator(row, col)
                 col_ok = self.lt(col, self.const(spec.N))  # (an operand constant along M, a bias:
                 args = [None if x is None else self.load_e(k, self.select(  # one load per column)
-                    col_ok if x[1] is None and x[0].coef[spec.m] == 0 else ok, locate(x), zero, "index"))
+                    col_ok if x[1] is None and self._const_along_m(x[0]) else ok, locate(x), zero, "index"))
                     for k, x in enumerate(ep.inputs)]
                 ready.append((ok, args, locate(ep.out), v))
             for ok, args, z, v in ready:
@@ -256,6 +263,9 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
                     results.append(self.eop(op, [self._ref(r, vals_, results) for r in op.args]))
                 self.store_e(z, self._ref(ep.result, vals_, results))
                 self.end_if()
+
+    def _const_along_m(self, op: Any) -> bool:
+        return op.coef[self.spec.m] == 0
 
     def _ref(self, r: tuple, args: list[str], results: list[str]) -> str:
         return args[r[1]] if r[0] == "arg" else results[r[1]] if r[0] == "op" else self.econst(r[1], r[2])

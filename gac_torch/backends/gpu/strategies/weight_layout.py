@@ -32,13 +32,14 @@ class Relayout:
     operand: conv_gemm.Operand
 
 
-def c_inner(ks: list[int], r: tuple[int, ...]) -> list[int]:
-    """`ks` with a K dim whose extent is a multiple of 32 moved innermost (a conv: (kh, kw, c)):
-    each K slice then shares the outer K dims, so the im2col indices are computed once per slice."""
+def c_inner(ks: list[int], r: tuple[int, ...], multiple: int = 32) -> list[int]:
+    """`ks` with a K dim whose extent is a multiple of `multiple` moved innermost (a conv: (kh,
+    kw, c)): each K slice then shares the outer K dims, so the im2col indices are computed once
+    per slice (igemm: 32); conv_wgmma gathers 16-byte vectors along it (4: a tf32 vector)."""
     wide = [d for d in ks if r[d] > 1]
-    if not wide or r[wide[-1]] % 32 == 0 or not any(r[d] % 32 == 0 for d in wide):
+    if not wide or r[wide[-1]] % multiple == 0 or not any(r[d] % multiple == 0 for d in wide):
         return ks
-    inner = max((d for d in wide if r[d] % 32 == 0), key=lambda d: r[d])
+    inner = max((d for d in wide if r[d] % multiple == 0), key=lambda d: r[d])
     return [d for d in ks if d != inner] + [inner]
 
 

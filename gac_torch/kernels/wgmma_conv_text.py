@@ -1,0 +1,144 @@
+"""The text builder of the Hopper implicit-GEMM conv (wgmma_conv.py): wgmma_text's, with the
+producer's 16-byte cp.async (zero-filled by a source size of 0) and C / the fused epilogue's
+operands addressed through the conv's dims (flat views, conv_gemm.Operand's linear forms: a row
+of the GEMM is (n, oh, ow), a column f); `template` wraps the kernel for splice_template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
+from gac_torch.kernels.wgmma_conv import gather
+from gac_torch.kernels.wgmma_gemm import ALIGN, ESIZE, THREADS, Plan, _kernel
+from gac_torch.kernels.wgmma_text import WgmmaText
+
+_WG = "#gpu.address_space<workgroup>"
+
+
+def _merges(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> bool:
+    """op's address is linear in the merged index of `dims` (last fastest): coef[d_i] =
+    coef[d_i+1] * range[d_i+1] (a dense NHWC output or residual; 0 throughout: a per-channel
+    vector)."""
+    return all(op.coef[dims[i]] == op.coef[dims[i + 1]] * ranges[dims[i + 1]] for i in range(len(dims) - 1))
+
+
+class ConvText(WgmmaText):
+    spec: Spec  # type: ignore[assignment]
+    epilogue_chunk = 4  # (8: a residual epilogue on a 128-wide tile spilled under 168 registers)
+
+    def _part(self, op: Operand, dims: tuple[int, ...], idx: str) -> str:
+        """op's address part of merged index `idx` over `dims`: a multiple of idx where the
+        layout merges them, else through the dims' indices."""
+        r = self.spec.ranges
+        if _merges(op, dims, r):
+            k = op.coef[dims[-1]]
+            return self.const(0) if k == 0 else idx if k == 1 else self.mul(idx, self.const(k))
+        return _addr(self, op, _split(self, idx, dims, r), dims)
+
+    def _flat_at(self, op: Operand, row: str, col: str) -> str:
+        s = self.spec
+        return self.add(self.add(self.const(op.const), self._part(op, s.ms, row)), self._part(op, s.ns, col))
+
+    def _const_along_m(self, op: Any) -> bool:
+        return all(op.coef[d] == 0 for d in self.spec.ms)
+
+    def inb(self, x: str, upper: str) -> str:
+        return self.lt(x, upper)  # unsigned: a negative index is huge
+
+    def smem_base(self) -> str:
+        """wgmma_text's aligned base (i32), and %SM: the same bytes as elements, the view the
+        producers' device_async_copy writes into."""
+        base = super().smem_base()
+        e = self.spec.a.elem
+        d = self.fresh()
+        self.w(f"{d} = gpu.dynamic_shared_memory : memref<?xi8, {_WG}>")
+        raw = self.fresh()
+        self.w(f"{raw} = memref.extract_aligned_pointer_as_index {d} : memref<?xi8, {_WG}> -> index")
+        shift = self.sub(self.cast("arith.index_cast", base, "i32", "index"), raw)
+        self.w(f"%SM = memref.view {d}[{shift}][] : memref<?xi8, {_WG}> to {self._sm_type()}")
+        self.sbase = base
+        return base
+
+    def _sm_type(self) -> str:
+        es = ESIZE[self.spec.a.elem]
+        return f"memref<{(self.p.smem_bytes - ALIGN) // es}x{self.spec.a.elem}, {_WG}>"
+
+    def cp16(self, which: str, dst: str, addr: str, ok: str) -> None:
+        """16 bytes from flat element `addr` of %{which}'s view to shared byte `dst` (cp.async
+        .cg); outside (not ok): a source size of 0, nothing read, zeros written."""
+        op = self.spec.a if which == "A" else self.spec.b
+        es = ESIZE[op.elem]
+        vec = 16 // es
+        at = self.select(ok, addr, self.const(0), "index")
+        n = self.select(ok, self.const(vec), self.const(0), "index")
+        idx = self.div(self.cast("arith.index_cast", self.binop("arith.subi", dst, self.sbase, "i32"), "i32", "index"),
+                       self.const(es))
+        t = self.fresh()
+        self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %SM[{idx}], {vec}, {n} {{bypassL1}} "
+               f": {op.flat} to {self._sm_type()}")
+
+    def load_c(self, row: str, col: str) -> str:
+        c = self.spec.c
+        return self.if_(self._inside(row, col), "f32",
+                        lambda: self._to_f32(self.load("%Cf", c.flat, [self._flat_at(c, row, col)]), c.elem),
+                        lambda: self.const(0.0, "f32"))
+
+    def store_c(self, row: str, col: str, v: str) -> None:
+        c = self.spec.c
+        self.when(self._inside(row, col),
+                  lambda: self.store(self._round(v), "%Cf", c.flat, [self._flat_at(c, row, col)]))
+
+    def store_pair(self, row: str, col: str, v0: str, v1: str) -> None:
+        c = self.spec.c
+
+        def st() -> None:
+            x = self.fresh()
+            self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{c.elem}>")
+            self.w(f"vector.store {x}, %Cf[{self._flat_at(c, row, col)}] {{alignment = {2 * ESIZE[c.elem]}}}"
+                   f" : {c.flat}, vector<2x{c.elem}>")
+
+        self.when(self._inside(row, col), st)
+
+    def _locator(self, row: str, col: str) -> Any:
+        """Where an epilogue operand (Operand, space) is read / written for C[row, col]: over
+        the conv's dims (space None) directly; over its own space, delinearised from the flat
+        index in C (the dense scratch the consumer read)."""
+        spaces: dict[tuple[int, ...], Any] = {}
+        flat: list[str] = []
+
+        def locate(x: tuple[Any, tuple[int, ...] | None]) -> str:
+            op, shape = x
+            if shape is None:
+                return self._flat_at(op, row, col)
+            if not flat:
+                flat.append(self._flat_at(self.spec.c, row, col))
+            dims = tuple(range(len(shape)))
+            if shape not in spaces:
+                spaces[shape] = _split(self, flat[0], dims, shape)
+            return _addr(self, op, spaces[shape], dims, self.const(op.const))
+
+        return locate
+
+
+def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
+    """`func.func @tmpl(%A, %B, %C, [%E.., %Z,] %init)` holding the gpu.launch (see
+    wgmma_conv's banner); no tensor maps: the producers address A and B themselves."""
+    init_type = init_type or spec.c.elem
+    b = ConvText(spec, p, init_type)  # type: ignore[arg-type]
+    _kernel(b, spec, p, gather(b, spec, p))  # type: ignore[arg-type]
+    gx, gy, gz = p.grid
+    ep = spec.epilogue
+    extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
+    uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
+    flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], strides: [1] "
+            f": {op.type} to {op.flat}" for n, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra)]
+    head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
+            + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{",
+            f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+            f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+            f"%nt = arith.constant {THREADS} : index",
+            f"%smem = arith.constant {p.smem_bytes} : i32",
+            ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+             "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+             "dynamic_shared_memory_size %smem {")]
+    return "\n".join(head + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])
