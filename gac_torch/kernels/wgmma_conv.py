@@ -38,7 +38,12 @@ from gac_torch.kernels.wgmma_gemm import BM, ESIZE, SMEM_LIMIT, ALIGN, Plan, Sid
 
 VEC_BYTES = 16
 MIN_VEC = VEC_BYTES // 4  # elements in a 16-byte vector, at least (tf32)
-STAGES = 4
+STAGES = 6  # (cp.async: the producers wait for their copies; deeper than the TMA GEMM)
+# setmaxnreg (producer, consumers), (0, 0): none, 168 registers each. The producers' hoisted
+# per-row addresses and guards (64-bit) spilled at 96 and 112 (ResNet's 3x3 convs); without it
+# nothing spills with the epilogue's loads 4 accumulators at a time (ConvText). (being tuned:
+# GAC_CONV_WGMMA_REGS=p,c)
+REGS = (0, 0)
 ROW_THREADS = 8  # producer threads per 128-byte tile row (one 16-byte chunk each)
 PASS_ROWS = W.WG // ROW_THREADS  # rows the producer warpgroup stages at once
 
@@ -96,10 +101,10 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan |
     c, n_in = spec.c, [d for d in spec.ns if spec.ranges[d] > 1]
     pair = (len(n_in) == 1 and c.coef[n_in[0]] == 1 and spec.N % 2 == 0 and c.const % 2 == 0
             and c.offset % 2 == 0 and all(k % 2 == 0 for d, k in enumerate(c.coef) if d != n_in[0]))
-    # (256-wide tiles: 128 accumulators a thread need setmaxnreg's shift of registers to the
-    # consumers; 64 and 128 fit the 168 registers 384 threads get without it)
+    regs = tuple(int(x) for x in os.environ.get("GAC_CONV_WGMMA_REGS", "").split(",") if x) or REGS
     return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb,
-                (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=bn == 256)
+                (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=regs[0] > 0,
+                regs=regs)  # type: ignore[arg-type]
 
 
 def gather(b: Any, spec: Spec, p: Plan) -> Any:

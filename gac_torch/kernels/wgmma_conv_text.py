@@ -24,7 +24,7 @@ def _merges(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> bool
 
 class ConvText(WgmmaText):
     spec: Spec  # type: ignore[assignment]
-    epilogue_chunk = 4  # (8: a residual epilogue on a 128-wide tile spilled under 168 registers)
+    epilogue_chunk = 4  # (8: a BatchNorm epilogue on a 128-wide tile spilled under 168 registers)
 
     def _part(self, op: Operand, dims: tuple[int, ...], idx: str) -> str:
         """op's address part of merged index `idx` over `dims`: a multiple of idx where the

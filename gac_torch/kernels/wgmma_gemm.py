@@ -22,8 +22,11 @@ ahead into the next tile while the consumers store the last one.
                3a. wait empty[kt % S] (its previous use consumed; passes at once on a fresh one)
                3b. full[kt % S] expects the slice's bytes; TMA loads A's and B's boxes there
                    (the out-of-range part of a box reads as zero: M, N, K overhang needs no mask)
+  3'. (gather, kernels/wgmma_conv.py) instead, all 128 producer threads stage each slice with
+               16-byte cp.async into the same swizzled layout; each thread's copies arrive on
+               full[s] when they land (cp.async.mbarrier.arrive.noinc; full[s] counts 128)
   4. consumers registers raised (setmaxnreg.inc); accumulators = the fill or C; per slice kt:
-               4a. wait full[kt % S]
+               4a. wait full[kt % S] (4a'. gather: fence.proxy.async, cp.async wrote it)
                4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit
                4b'. (A from registers) first every K step's A fragment, loaded from the
                    swizzled tile (`a_frag_offset`; rows permuted, `a_pair_row`: one conflict-free
@@ -121,6 +124,7 @@ class Plan:
     c_bytes: int = 2
     cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
     maxnreg: bool = True  # setmaxnreg: the producer's registers go to the consumers
+    regs: tuple[int, int] = (PRODUCER_REGS, CONSUMER_REGS)  # (producer, consumer) after setmaxnreg
 
     @property
     def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
@@ -379,7 +383,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
 
     def producer() -> None:
         if p.maxnreg:
-            b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
+            b.asm(f"setmaxnreg.dec.sync.aligned.u32 {p.regs[0]};")
         if gather is not None:
             return gathered()
 
@@ -421,7 +425,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
     # 4. consumers
     def consumer() -> None:
         if p.maxnreg:
-            b.asm(f"setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};")
+            b.asm(f"setmaxnreg.inc.sync.aligned.u32 {p.regs[1]};")
         t = b.rem(tid, c(WG))
         warp, lane = b.div(t, c(32)), b.rem(t, c(32))
         g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
@@ -453,7 +457,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             if spec.fill:
                 init = b.init_f32()
                 accs = [init] * len(frag)
-                if gather is not None:  # each its own register, set here: else LLVM sinks a
+                if gather is not None or os.environ.get('C3_OPAQUE_ALL'):  # each its own register, set here: else LLVM sinks a
                     # constant fill's copies past wgmma.fence into a peeled first slice, and
                     # ptxas serializes the wgmmas (C7519 / C7520)
                     accs = [b.opaque_f32(init) for _ in frag]
