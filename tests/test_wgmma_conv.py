@@ -148,13 +148,20 @@ def test_exact_f32_and_the_switch_in_the_cache_key(monkeypatch) -> None:
     assert cache.code_switches().get("GAC_CONV_WGMMA") == "0"
 
 
+def _biased() -> nn.Module:
+    # convs with a bias (no BatchNorm): the bias in the wgmma store's epilogue
+    return nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1), nn.ReLU(), nn.Conv2d(16, 24, 3, 1, 1), nn.ReLU(),
+                         nn.Conv2d(24, 40, 3, 2, 1), nn.ReLU())
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("case", ["small", "big", "bias"])
 @pytest.mark.parametrize("precision", ["tf32", "bf16autocast"])
-def test_net_matches_float64_on_gpu(precision: str, big: bool) -> None:
+def test_net_matches_float64_on_gpu(precision: str, case: str) -> None:
     torch.manual_seed(3)
-    model = randomize_bn(Net(16, 40, 72) if not big else Net(64, 96, 136)).eval()
-    x = torch.randn(2, 3, 19, 21) if not big else torch.randn(3, 3, 45, 37)
+    model = {"small": lambda: randomize_bn(Net(16, 40, 72)), "big": lambda: randomize_bn(Net(64, 96, 136)),
+             "bias": _biased}[case]().eval()
+    x = torch.randn(3, 3, 45, 37) if case == "big" else torch.randn(2, 3, 19, 21)
     ref = copy.deepcopy(model).double()(x.double())
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()

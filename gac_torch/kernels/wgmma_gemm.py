@@ -457,9 +457,10 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             if spec.fill:
                 init = b.init_f32()
                 accs = [init] * len(frag)
-                if gather is not None or os.environ.get('C3_OPAQUE_ALL'):  # each its own register, set here: else LLVM sinks a
-                    # constant fill's copies past wgmma.fence into a peeled first slice, and
-                    # ptxas serializes the wgmmas (C7519 / C7520)
+                if os.environ.get("GAC_WGMMA_FILL_COPIES") != "0":  # (bisects) each its own
+                    # register, set here: else LLVM sinks a constant fill's copies past
+                    # wgmma.fence into a peeled first slice, and ptxas makes the wgmmas wait
+                    # (C7519: ResNet-50's 1x1s; C7520, serialized: the conv's producers)
                     accs = [b.opaque_f32(init) for _ in frag]
             else:
                 accs = [b.load_c(*at(i, q)) for i, q in frag]
