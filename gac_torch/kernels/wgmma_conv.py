@@ -81,6 +81,12 @@ def applies(spec: Spec) -> str | None:
     return None
 
 
+def narrow(spec: Spec) -> bool:
+    """Every index and address the producers form (operand spans, rows and columns past the
+    last tile, k past K) fits 31 bits: their math can be i32."""
+    return max(spec.a.span, spec.b.span, spec.M + BM, spec.N + 256, spec.K + 64) < 2**31
+
+
 def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan | None:
     """The tiling (wgmma_gemm.Plan: K-major A and B sides, BK = 128 bytes), or None."""
     if applies(spec) is not None:

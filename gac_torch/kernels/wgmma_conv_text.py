@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
-from gac_torch.kernels.wgmma_conv import gather
+from gac_torch.kernels.wgmma_conv import gather, narrow
 from gac_torch.kernels.wgmma_gemm import ALIGN, ESIZE, THREADS, Plan, _kernel
 from gac_torch.kernels.wgmma_text import WgmmaText
 
@@ -120,12 +120,73 @@ class ConvText(WgmmaText):
         return locate
 
 
+class _I32:
+    """ConvText's verbs the producers' gather uses, on i32 values (every index and address it
+    forms fits 31 bits: `wgmma_conv.narrow`): half the integer work of 64-bit `index` math."""
+
+    def __init__(self, b: ConvText):
+        self.b = b
+
+    def const(self, x: int, ty: str = "index") -> str:
+        return self.b.i32(x)
+
+    def _op(self, op: str, x: str, y: str) -> str:
+        return self.b.binop(op, x, y, "i32")
+
+    def add(self, x: str, y: str) -> str:
+        return self._op("arith.addi", x, y)
+
+    def mul(self, x: str, y: str) -> str:
+        return self._op("arith.muli", x, y)
+
+    def div(self, x: str, y: str) -> str:
+        return self._op("arith.divui", x, y)
+
+    def rem(self, x: str, y: str) -> str:
+        return self._op("arith.remui", x, y)
+
+    def xor(self, x: str, y: str) -> str:
+        return self._op("arith.xori", x, y)
+
+    def lt(self, x: str, y: str) -> str:  # unsigned: a negative index is huge
+        r = self.b.fresh()
+        self.b.w(f"{r} = arith.cmpi ult, {x}, {y} : i32")
+        return r
+
+    inb = lt
+
+    def and_(self, x: str, y: str) -> str:
+        return self.b.and_(x, y)
+
+    def to_i32(self, x: str) -> str:
+        return x
+
+    def i32_add(self, x: str, y: str) -> str:
+        return self.b.i32_add(x, y)
+
+    def cp16(self, which: str, dst: str, addr: str, ok: str) -> None:
+        at = self.b.select(ok, addr, self.b.i32(0), "i32")
+        self.b.cp16(which, dst, self.b.cast("arith.index_cast", at, "i32", "index"), ok)
+
+
+def _producer(b: ConvText, spec: Spec, p: Plan) -> Any:
+    """wgmma_gemm._kernel's gather hook: wgmma_conv.gather, on i32 where it fits."""
+    if not narrow(spec):
+        return gather(b, spec, p)
+    inner = gather(_I32(b), spec, p)
+
+    def hook(t: str, a_stage: str, b_stage: str, m0: str, n0: str, kt: str) -> None:
+        inner(b.to_i32(t), a_stage, b_stage, b.to_i32(m0), b.to_i32(n0), b.to_i32(kt))
+
+    return hook
+
+
 def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     """`func.func @tmpl(%A, %B, %C, [%E.., %Z,] %init)` holding the gpu.launch (see
     wgmma_conv's banner); no tensor maps: the producers address A and B themselves."""
     init_type = init_type or spec.c.elem
     b = ConvText(spec, p, init_type)  # type: ignore[arg-type]
-    _kernel(b, spec, p, gather(b, spec, p))  # type: ignore[arg-type]
+    _kernel(b, spec, p, _producer(b, spec, p))  # type: ignore[arg-type]
     gx, gy, gz = p.grid
     ep = spec.epilogue
     extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
