@@ -49,15 +49,16 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("bn", [64, 128])
 @pytest.mark.parametrize("kind", ["tf32", "bf16"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_twin_stages_the_im2col_tiles_of_odd_convs(name: str, kind: str) -> None:
+def test_twin_stages_the_im2col_tiles_of_odd_convs(name: str, kind: str, bn: int) -> None:
     n, h, w, c, f, k, s, p, d = SHAPES[name]
     if kind == "bf16" and c % 8:
         c += 4  # (whole 16-byte vectors of bf16)
     spec = nhwc_spec(kind, n, h, w, c, f, k, s, p, d)
-    plan = wgmma_conv.plan(spec)
-    assert plan is not None and plan.bn == (64 if f <= 64 else 128)
+    plan = wgmma_conv.plan(spec, bn=bn)
+    assert plan is not None and plan.bn == bn
     rng = np.random.default_rng(sum(SHAPES[name]))
     x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
     wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
@@ -81,6 +82,13 @@ def test_twin_catches_a_wrong_swizzle(monkeypatch) -> None:
     np.testing.assert_allclose(wgmma_conv_twin.emulate(spec, plan, x.reshape(-1), wt.reshape(-1)), ref, rtol=1e-9)
     monkeypatch.setattr(wgmma_conv_twin._Producers, "xor", lambda self, x, y: x)
     assert not np.allclose(wgmma_conv_twin.emulate(spec, plan, x.reshape(-1), wt.reshape(-1)), ref)
+
+
+def test_tile_width_follows_the_rounds_of_tiles() -> None:
+    # ResNet-50's layer-3 3x3 (M = 9000, N = 256): 142 wide tiles are two rounds on 132 SMs, 284
+    # narrow ones three; layer 4's (M = 2250, N = 512): 72 wide tiles, one round
+    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 30, 50, 256, 256, 3, 1, 1, 1)).bn == 64
+    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 15, 25, 512, 512, 3, 1, 1, 1)).bn == 128
 
 
 @pytest.mark.parametrize("kind,c,why", [
@@ -121,10 +129,12 @@ def _sm90(dtype: torch.dtype, conv_tf32: bool = True):
                                  options={"arch": "sm_90", "fallback": False, "cache": False, "channels_last": True})
 
 
+@pytest.mark.parametrize("bn", ["", "128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_convs_run_on_cwgmma_without_spills(dtype: torch.dtype, monkeypatch) -> None:
+def test_convs_run_on_cwgmma_without_spills(dtype: torch.dtype, bn: str, monkeypatch) -> None:
     from gac_torch.backends.cuda import ptxas
 
+    monkeypatch.setenv("GAC_CONV_WGMMA_BN", bn)  # (the heuristic takes 64 here: one round)
     compiled = _sm90(dtype)
     kernels = _kernels(compiled)
     assert kernels.count("cwgmma") == 4 and kernels.count("igemm") == 1, kernels  # (the stem)

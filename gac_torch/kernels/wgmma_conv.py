@@ -87,19 +87,37 @@ def narrow(spec: Spec) -> bool:
     return max(spec.a.span, spec.b.span, spec.M + BM, spec.N + 256, spec.K + 64) < 2**31
 
 
+NARROW_COST = 1.15  # a 64-wide tile's time per output vs a 128-wide one's (more A per MAC: a guess)
+
+
+def heuristic_bn(spec: Spec) -> int:
+    """64 or 128: the fewer rounds of persistent tiles over the SMs, times the tile's cost (a
+    ResNet-50 layer-3 3x3 conv, M = 9000, N = 256: 142 wide tiles take two rounds on 132 SMs,
+    284 narrow ones three of half the work)."""
+    if spec.N <= 64:
+        return 64
+    m_tiles = -(-spec.M // BM)
+
+    def cost(bn: int) -> float:
+        rounds = -(-(m_tiles * -(-spec.N // bn)) // W.SM_COUNT_HINT)
+        return rounds * bn * (NARROW_COST if bn == 64 else 1.0)
+
+    return min((128, 64), key=cost)
+
+
 def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan | None:
     """The tiling (wgmma_gemm.Plan: K-major A and B sides, BK = 128 bytes), or None."""
     if applies(spec) is not None:
         return None
     es = ESIZE[_elem(spec.kind)]
     bk = W.SWIZZLE // es
-    bn = bn or int(os.environ.get("GAC_CONV_WGMMA_BN", 0)) or (64 if spec.N <= 64 else 128)
+    bn = bn or int(os.environ.get("GAC_CONV_WGMMA_BN") or 0) or heuristic_bn(spec)
     if bn not in (64, 128, 256):
         return None
     sa = Side(True, BM, (bk, BM), 1, BM * W.SWIZZLE)
     sb = Side(True, bn, (bk, bn), 1, bn * W.SWIZZLE)
     per_stage = sa.stage_bytes + sb.stage_bytes + 16
-    want = stages or int(os.environ.get("GAC_CONV_WGMMA_STAGES", 0)) or STAGES
+    want = stages or int(os.environ.get("GAC_CONV_WGMMA_STAGES") or 0) or STAGES
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None

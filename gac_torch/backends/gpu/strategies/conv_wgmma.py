@@ -16,6 +16,7 @@ import os
 
 from mlir import ir
 
+from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import Generic
 from gac_torch.backends.gpu.strategies import implicit_gemm
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, template_text
@@ -32,10 +33,17 @@ def _is_conv(g: Generic) -> bool:
 
 
 def choose(spec) -> Plan | None:
-    """The wgmma tiling for an igemm spec, or None (igemm keeps it)."""
+    """The wgmma tiling for an igemm spec, or None (igemm keeps it): the heuristic tile width
+    (wgmma_conv.heuristic_bn), or the other where the GPU measured it faster (gpu/tuning.py)."""
     if os.environ.get("GAC_CONV_WGMMA") == "0" or spec.kind not in ("tf32", "f16", "bf16"):
         return None
-    return wgmma_conv.plan(spec)
+    plan = wgmma_conv.plan(spec)
+    if plan is None or os.environ.get("GAC_CONV_WGMMA_BN"):
+        return plan
+    alts = {f"bn{bn}": p for bn in (64, 128) if (p := wgmma_conv.plan(spec, bn=bn)) is not None}
+    if len(alts) < 2 or spec.N <= 64:
+        return plan
+    return alts[tuning.choose(f"cwgmma:{spec.kind}:{tuning.problem_key(spec)}", tuple(alts), f"bn{plan.bn}")]
 
 
 def strategy(params: implicit_gemm.Params) -> Strategy:
