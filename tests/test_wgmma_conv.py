@@ -165,13 +165,17 @@ def _biased() -> nn.Module:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["small", "big", "bias"])
+@pytest.mark.parametrize("case", ["big", "big128", "bias"])
 @pytest.mark.parametrize("precision", ["tf32", "bf16autocast"])
-def test_net_matches_float64_on_gpu(precision: str, case: str) -> None:
+def test_net_matches_float64_on_gpu(precision: str, case: str, monkeypatch) -> None:
+    # big: 64-wide tiles (the heuristic's, one round of tiles), big128: 128-wide ones; bias:
+    # small convs with a bias and no BatchNorm
+    if case == "big128":
+        monkeypatch.setenv("GAC_CONV_WGMMA_BN", "128")
     torch.manual_seed(3)
-    model = {"small": lambda: randomize_bn(Net(16, 40, 72)), "big": lambda: randomize_bn(Net(64, 96, 136)),
-             "bias": _biased}[case]().eval()
-    x = torch.randn(3, 3, 45, 37) if case == "big" else torch.randn(2, 3, 19, 21)
+    model = randomize_bn(Net(64, 96, 136)) if case.startswith("big") else _biased()
+    model.eval()
+    x = torch.randn(3, 3, 45, 37) if case.startswith("big") else torch.randn(2, 3, 19, 21)
     ref = copy.deepcopy(model).double()(x.double())
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()
