@@ -9,7 +9,7 @@ from typing import Any
 
 from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
 from gac_torch.kernels.wgmma_conv import gather, narrow
-from gac_torch.kernels.wgmma_gemm import ALIGN, ESIZE, THREADS, Plan, _kernel
+from gac_torch.kernels.wgmma_gemm import ALIGN, ESIZE, Plan, _kernel, launch_lines
 from gac_torch.kernels.wgmma_text import WgmmaText
 
 _WG = "#gpu.address_space<workgroup>"
@@ -49,7 +49,6 @@ class ConvText(WgmmaText):
         """wgmma_text's aligned base (i32), and %SM: the same bytes as elements, the view the
         producers' device_async_copy writes into."""
         base = super().smem_base()
-        e = self.spec.a.elem
         d = self.fresh()
         self.w(f"{d} = gpu.dynamic_shared_memory : memref<?xi8, {_WG}>")
         raw = self.fresh()
@@ -187,19 +186,11 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     init_type = init_type or spec.c.elem
     b = ConvText(spec, p, init_type)  # type: ignore[arg-type]
     _kernel(b, spec, p, _producer(b, spec, p))  # type: ignore[arg-type]
-    gx, gy, gz = p.grid
     ep = spec.epilogue
     extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
     uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
     flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], strides: [1] "
             f": {op.type} to {op.flat}" for n, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra)]
     head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
-            + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{",
-            f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
-            f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
-            f"%nt = arith.constant {THREADS} : index",
-            f"%smem = arith.constant {p.smem_bytes} : i32",
-            ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-             "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-             "dynamic_shared_memory_size %smem {")]
+            + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{", *launch_lines(p)]
     return "\n".join(head + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

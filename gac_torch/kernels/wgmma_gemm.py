@@ -566,6 +566,17 @@ def tensor_map_type(box: list[int], elem: str) -> str:
             "l2promo = l2promo_256b, oob = zero, interleave = none>")
 
 
+def launch_lines(p: Plan) -> list[str]:
+    """The gpu.launch's opening: p.grid CTAs of THREADS, p.smem_bytes of dynamic shared memory."""
+    gx, gy, gz = p.grid
+    return [f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+            f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+            f"%nt = arith.constant {THREADS} : index", f"%smem = arith.constant {p.smem_bytes} : i32",
+            ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+             "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+             "dynamic_shared_memory_size %smem {")]
+
+
 def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     """`func.func @tmpl(%A, %B, %C, [%E.., %Z,] %init)`: the two TMA descriptors created on the host
     (read into the host program as data: built by the runtime once per buffer address), then
@@ -577,7 +588,6 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     b = WgmmaText(spec, p, init_type)
     _kernel(b, spec, p)
     e = _elem(spec)
-    gx, gy, gz = p.grid
     ep = epilogue_of(spec)  # its operands (E<k>, Z) follow C, read through flat views
     extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
     flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], strides: [1] "
@@ -592,15 +602,7 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
         head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
         head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
                     + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
-    head += [
-        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
-        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
-        f"%nt = arith.constant {THREADS} : index",
-        f"%smem = arith.constant {p.smem_bytes} : i32",
-        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-         "dynamic_shared_memory_size %smem {"),
-    ]
+    head += launch_lines(p)
     casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
              for w in ("A", "B")]
     return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])
