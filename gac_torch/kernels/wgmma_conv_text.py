@@ -5,6 +5,7 @@ of the GEMM is (n, oh, ow), a column f); `template` wraps the kernel for splice_
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
@@ -62,9 +63,18 @@ class ConvText(WgmmaText):
         es = ESIZE[self.spec.a.elem]
         return f"memref<{(self.p.smem_bytes - ALIGN) // es}x{self.spec.a.elem}, {_WG}>"
 
+    @property
+    def a_in_l1(self) -> bool:
+        """A's copies go through L1 (cp.async.ca) when a window reads its rows again: the next
+        kw's tile is the same rows one pixel on (3x3: a 128-row tile shares 127 with the one
+        two slices back). GAC_CONV_WGMMA_A_L1=0: .cg, as B (being measured)."""
+        s = self.spec
+        return os.environ.get("GAC_CONV_WGMMA_A_L1") != "0" and any(s.ranges[d] > 1 for d in s.ks[:-1])
+
     def cp16(self, which: str, dst: str, addr: str, ok: str) -> None:
-        """16 bytes from flat element `addr` of %{which}'s view to shared byte `dst` (cp.async
-        .cg); outside (not ok): a source size of 0, nothing read, zeros written."""
+        """16 bytes from flat element `addr` of %{which}'s view to shared byte `dst` (cp.async,
+        .cg; A's .ca: `a_in_l1`); outside (not ok): a source size of 0, nothing read, zeros
+        written."""
         op = self.spec.a if which == "A" else self.spec.b
         es = ESIZE[op.elem]
         vec = 16 // es
@@ -72,8 +82,8 @@ class ConvText(WgmmaText):
         n = self.select(ok, self.const(vec), self.const(0), "index")
         idx = self.div(self.cast("arith.index_cast", self.binop("arith.subi", dst, self.sbase, "i32"), "i32", "index"),
                        self.const(es))
-        t = self.fresh()
-        self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %SM[{idx}], {vec}, {n} {{bypassL1}} "
+        t, l1 = self.fresh(), "" if which == "A" and self.a_in_l1 else " {bypassL1}"
+        self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %SM[{idx}], {vec}, {n}{l1} "
                f": {op.flat} to {self._sm_type()}")
 
     def load_c(self, row: str, col: str) -> str:
