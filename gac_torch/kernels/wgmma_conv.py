@@ -7,7 +7,7 @@ TMA, so A can be the im2col rows of an NHWC activation, never materialised.
 with conv_gemm.Spec's affine addressing (each operand's address linear in the iteration dims,
 a fused zero padding as guards). Requirements (else None: the mma.sync implicit GEMM takes it):
 f16/bf16 or tf32, no groups, the innermost K dim (c) unit-stride in A and B with an extent
-that is a multiple of the 16-byte vector (`VEC`), every other address coefficient a multiple of
+that is a multiple of the 16-byte vector (VEC_BYTES), every other address coefficient a multiple of
 it (16-byte aligned sources), no guard along it (a vector never straddles the padding).
 
 Per K slice (BK = 128 bytes of K: 32 tf32, 64 f16/bf16) the 128 producer threads stage a
@@ -24,7 +24,7 @@ write (so the consumers' wgmma descriptors are the GEMM's):
 
 The consumers (wgmma_gemm 4-5) are unchanged; C and the fused epilogue's operands are addressed
 through the conv's dims (wgmma_conv_text.ConvText). GAC_CONV_WGMMA_STAGES forces the depth;
-GAC_CONV_WGMMA_BN the tile width (64 | 128 | 256).
+GAC_CONV_WGMMA_BN the tile width (64 | 128; 256 would need setmaxnreg's registers).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan |
     es = ESIZE[_elem(spec.kind)]
     bk = W.SWIZZLE // es
     bn = bn or int(os.environ.get("GAC_CONV_WGMMA_BN") or 0) or heuristic_bn(spec)
-    if bn not in (64, 128, 256):
+    if bn not in (64, 128):
         return None
     sa = Side(True, BM, (bk, BM), 1, BM * W.SWIZZLE)
     sb = Side(True, bn, (bk, bn), 1, bn * W.SWIZZLE)
