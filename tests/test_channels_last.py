@@ -181,12 +181,13 @@ def test_nhwc_convs_stage_16_byte_vectors_without_spills(precision: str) -> None
     assert len(re.findall(r"\"gac.conv\".*channels_last = 1", part.ir("gac"))) == 3
     kernels = re.findall(r"gpu.launch_func\s+@gac_kernels::@gac_k\d+_(\w+)", part.ir("gpu"))
     # the 3x3 weights' [f, kh, kw, c] copy and three convs: the first reads the NCHW input
-    # (its transpose folded into the conv's indexing), the last one's epilogue writes NCHW
-    assert sorted(kernels) == ["igemm"] * 3 + ["loops"], kernels
-    convs = [k for k in part.ir("ptx").split(".entry")[1:] if "mma.sync" in k]
+    # (its transpose folded into the conv's indexing: igemm), the last one's epilogue writes
+    # NCHW; the NHWC ones on sm_90a's wgmma implicit GEMM (cwgmma)
+    assert sorted(kernels) == ["cwgmma"] * 2 + ["igemm", "loops"], kernels
+    convs = [k for k in part.ir("ptx").split(".entry")[1:] if "mma.sync" in k or "wgmma.mma_async" in k]
     copies = [re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\d+)", k) for k in convs]
     assert len(convs) == 3 and all(c and set(c) == {"16"} for c in copies), copies
-    result = assemble(part.ir("ptx"), "sm_90")
+    result = assemble(part.ir("ptx"), "sm_90a")  # (wgmma: the module targets sm_90a)
     spills = re.findall(r"(\d+) bytes spill stores", result.log)
     assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
 

@@ -127,8 +127,10 @@ def test_one_by_one_convs_run_on_wgmma_without_spills(dtype: torch.dtype, monkey
     compiled = _sm90(dtype, False, True)  # torch's default flags: TF32 for convs only
     kernels = _kernels(compiled)
     # the 1x1s' epilogues (BatchNorm, ReLU, residual add) run in the wgmma store: no loops kernel
-    # for them (the two 3x3s' and the strided 1x1's weight copies aside)
-    assert sorted(kernels) == sorted(["wgmma"] * ONE_BY_ONE + ["igemm"] * 4 + ["loops"] * 2), kernels
+    # for them (the input's layout change and the three 3x3s' weight copies into (kh, kw, c) order
+    # aside); the other convs, their channels whole 16-byte vectors, on the wgmma implicit GEMM
+    # (cwgmma: tests/test_wgmma_conv.py)
+    assert sorted(kernels) == sorted(["wgmma"] * ONE_BY_ONE + ["cwgmma"] * 4 + ["loops"] * 4), kernels
     (part,) = compiled.compiled.partitions.values()
     ptx = part.ir("ptx")
     wgmma = [k for k in ptx.split(".entry")[1:] if k.split("(")[0].strip().endswith("_wgmma")]
@@ -139,8 +141,9 @@ def test_one_by_one_convs_run_on_wgmma_without_spills(dtype: torch.dtype, monkey
     result = ptxas.assemble(ptx, "sm_90a", path)
     spills = re.findall(r"(\d+) bytes spill stores", result.log)
     assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
-    monkeypatch.setenv("GAC_CONV1X1_WGMMA", "0")  # the A/B switch: implicit GEMM everywhere
-    assert "wgmma" not in _kernels(_sm90(dtype, False, True))
+    monkeypatch.setenv("GAC_CONV1X1_WGMMA", "0")  # the A/B switches: implicit GEMM everywhere
+    monkeypatch.setenv("GAC_CONV_WGMMA", "0")
+    assert not {"wgmma", "cwgmma"} & set(_kernels(_sm90(dtype, False, True)))
 
 
 def test_one_by_one_tf32_follows_the_conv_flag() -> None:

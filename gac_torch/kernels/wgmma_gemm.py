@@ -22,8 +22,11 @@ ahead into the next tile while the consumers store the last one.
                3a. wait empty[kt % S] (its previous use consumed; passes at once on a fresh one)
                3b. full[kt % S] expects the slice's bytes; TMA loads A's and B's boxes there
                    (the out-of-range part of a box reads as zero: M, N, K overhang needs no mask)
+  3'. (gather, kernels/wgmma_conv.py) instead, all 128 producer threads stage each slice with
+               16-byte cp.async into the same swizzled layout; each thread's copies arrive on
+               full[s] when they land (cp.async.mbarrier.arrive.noinc; full[s] counts 128)
   4. consumers registers raised (setmaxnreg.inc); accumulators = the fill or C; per slice kt:
-               4a. wait full[kt % S]
+               4a. wait full[kt % S] (4a'. gather: fence.proxy.async, cp.async wrote it)
                4b. fence; BK/16 (tf32: BK/8) wgmmas, smem descriptors advanced along K; commit
                4b'. (A from registers) first every K step's A fragment, loaded from the
                    swizzled tile (`a_frag_offset`; rows permuted, `a_pair_row`: one conflict-free
@@ -96,8 +99,8 @@ class GemmSpec(Spec):
     epilogue: Epilogue | None = None
 
 
-def epilogue_of(spec: Spec) -> Epilogue | None:
-    return spec.epilogue if isinstance(spec, GemmSpec) else None
+def epilogue_of(spec: Any) -> Epilogue | None:
+    return getattr(spec, "epilogue", None)  # (a cuda_mma.Spec has none; a conv_gemm.Spec may)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ class Plan:
     row_pairs: bool = False  # (a_regs) C's rows contiguous: a thread's rows pr, pr+1 stored at once
     c_bytes: int = 2
     cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
+    maxnreg: bool = True  # setmaxnreg: the producer's registers go to the consumers
+    regs: tuple[int, int] = (PRODUCER_REGS, CONSUMER_REGS)  # (producer, consumer) after setmaxnreg
 
     @property
     def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
@@ -317,7 +322,10 @@ def swizzle128(offset: int) -> int:
 # the kernel
 
 
-def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
+def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
+    """`gather` (kernels/wgmma_conv.py): instead of TMA, every producer thread t stages its part
+    of slice kt with cp.async, `gather(t, a_stage, b_stage, m0, n0, kt)`, and its copies arrive
+    on full[s] when they land (3b'); the consumers order them before wgmma's reads (4a')."""
     es = ESIZE[_elem(spec)]
     c = b.const
     S = p.stages
@@ -359,7 +367,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
     # 2. barriers
     def init() -> None:
         for s in range(S):
-            b.mbar_init(full(c(s)), 1)
+            b.mbar_init(full(c(s)), WG if gather else 1)
             b.mbar_init(empty(c(s)), 2 * cl)  # one arrival per consumer warpgroup of the cluster
         b.asm("fence.mbarrier_init.release.cluster;")
 
@@ -375,8 +383,29 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
         at = {spec.k: k0, outer: b.add(o0, c(shift))}
         return [at.get(d, bz) for d in reversed(op.dims)]  # innermost first; the batch: bz
 
+    def stage_at(base: int, side: Side, s: Any) -> Any:
+        return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(side.stage_bytes))))
+
+    def gathered() -> None:  # 3' (gather): all producer threads, their copies per slice
+        def one_tile(tl: Any) -> None:
+            m0, n0, _ = tile(tl)
+
+            def body(kt: Any) -> None:
+                s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
+                b.mbar_wait(empty(s), b.xor1(phase))  # 3a
+                gather(tid, stage_at(a_base, p.a, s), stage_at(b_base, p.b, s), m0, n0, kt)
+                b.asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", args=[(full(s), "r", "i32")])  # 3b'
+
+            b.loop(c(0), c(nk), body)
+
+        b.loop(c(0), mine, one_tile)
+        b.asm("cp.async.wait_all;")  # (no copy outlives its thread)
+
     def producer() -> None:
-        b.asm(f"setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};")
+        if p.maxnreg:
+            b.asm(f"setmaxnreg.dec.sync.aligned.u32 {p.regs[0]};")
+        if gather is not None:
+            return gathered()
 
         def one_tile(tl: Any) -> None:
             m0, n0, bz = tile(tl)
@@ -415,7 +444,8 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
 
     # 4. consumers
     def consumer() -> None:
-        b.asm(f"setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};")
+        if p.maxnreg:
+            b.asm(f"setmaxnreg.inc.sync.aligned.u32 {p.regs[1]};")
         t = b.rem(tid, c(WG))
         warp, lane = b.div(t, c(32)), b.rem(t, c(32))
         g, tq = b.div(lane, c(4)), b.rem(lane, c(4))
@@ -450,6 +480,11 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
             if spec.fill:
                 init = b.init_f32()
                 accs = [init] * len(frag)
+                if os.environ.get("GAC_WGMMA_FILL_COPIES") != "0":  # (bisects) each its own
+                    # register, set here: else LLVM sinks a constant fill's copies past
+                    # wgmma.fence into a peeled first slice, and ptxas makes the wgmmas wait
+                    # (C7519: ResNet-50's 1x1s; C7520, serialized: the conv's producers)
+                    accs = [b.opaque_f32(init) for _ in frag]
             else:
                 accs = [b.load_c(*at(i, q)) for i, q in frag]
             first = b.mul(tl, c(nk))
@@ -458,6 +493,8 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan) -> None:
                 it = b.add(first, kt)
                 s, phase = stage_phase(it)
                 b.mbar_wait(full(s), phase)  # 4a
+                if gather is not None:  # 4a': cp.async wrote it (generic proxy), wgmma reads it
+                    b.asm("fence.proxy.async.shared::cta;")
                 if p.a_regs:  # 4b'
                     a_stage = b.i32_add(smem, b.i32_add(b.i32(a_base), b.i32_mul(b.to_i32(s), b.i32(p.a.stage_bytes))))
                     regs = [[x for off in a_offs
@@ -559,6 +596,17 @@ def tensor_map_type(box: list[int], elem: str) -> str:
             "l2promo = l2promo_256b, oob = zero, interleave = none>")
 
 
+def launch_lines(p: Plan) -> list[str]:
+    """The gpu.launch's opening: p.grid CTAs of THREADS, p.smem_bytes of dynamic shared memory."""
+    gx, gy, gz = p.grid
+    return [f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
+            f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
+            f"%nt = arith.constant {THREADS} : index", f"%smem = arith.constant {p.smem_bytes} : i32",
+            ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
+             "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
+             "dynamic_shared_memory_size %smem {")]
+
+
 def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     """`func.func @tmpl(%A, %B, %C, [%E.., %Z,] %init)`: the two TMA descriptors created on the host
     (read into the host program as data: built by the runtime once per buffer address), then
@@ -570,7 +618,6 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     b = WgmmaText(spec, p, init_type)
     _kernel(b, spec, p)
     e = _elem(spec)
-    gx, gy, gz = p.grid
     ep = epilogue_of(spec)  # its operands (E<k>, Z) follow C, read through flat views
     extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
     flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], strides: [1] "
@@ -585,15 +632,7 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
         head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
         head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
                     + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
-    head += [
-        f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
-        f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
-        f"%nt = arith.constant {THREADS} : index",
-        f"%smem = arith.constant {p.smem_bytes} : i32",
-        ("gpu.launch blocks(%bx, %by, %bz) in (%sgx = %gx, %sgy = %gy, %sgz = %gz) "
-         "threads(%tid, %tyy, %tzz) in (%stx = %nt, %sty = %one, %stz = %one) "
-         "dynamic_shared_memory_size %smem {"),
-    ]
+    head += launch_lines(p)
     casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
              for w in ("A", "B")]
     return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -24,6 +24,7 @@ EPILOGUE_CHUNK, EPILOGUE_CHUNK_SMALL, EPILOGUE_LOAD_REGS = 16, 8, 40
 
 
 class WgmmaText(gemm_epilogue.TextMixin, Text):
+    epilogue_chunk = EPILOGUE_CHUNK
     def __init__(self, spec: Spec, p: Plan, init_type: str):
         super().__init__(hoist=True)
         self.spec, self.p, self.init_type = spec, p, init_type
@@ -49,6 +50,12 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         mma.sync's operands)."""
         return self.asm("{\n.reg .f32 F, G;\nld.shared.v2.f32 {F, G}, [$2];\ncvt.rna.tf32.f32 $0, F;\n"
                         "cvt.rna.tf32.f32 $1, G;\n}", args=[(addr, "r", "i32")], results=2)
+
+    def opaque_f32(self, x: str) -> str:
+        """A copy of f32 `x` the compiler cannot rematerialize or move across other asm."""
+        r = self.fresh()
+        self.w(f'{r} = llvm.inline_asm has_side_effects asm_dialect = att "mov.b32 $0, $1;", "=f,f" {x} : (f32) -> f32')
+        return r
 
     def xor1(self, x: str) -> str:
         return self.binop("arith.xori", x, self.i32(1), "i32")
@@ -234,7 +241,7 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         return locate
 
     def _varies_along_m(self, x: tuple[Any, tuple[int, ...] | None] | None) -> bool:
-        return x is not None and not (x[1] is None and x[0].coef[self.spec.m] == 0)
+        return x is not None and not (x[1] is None and self._const_along_m(x[0]))
 
     def _light_epilogue(self) -> bool:
         """Whether a chunk of EPILOGUE_CHUNK accumulators' operand loads fit in
@@ -293,8 +300,8 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         own accumulator writes (epilogue._consumer)."""
         spec, ep = self.spec, self.spec.epilogue
         light = self._light_epilogue()
-        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", 0)) or (
-            EPILOGUE_CHUNK if not self.p.a_regs and light else EPILOGUE_CHUNK_SMALL)
+        n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", 0)) or min(self.epilogue_chunk, (
+            EPILOGUE_CHUNK if not self.p.a_regs and light else EPILOGUE_CHUNK_SMALL))
         n += n % 2
         pre = pre or []
         pair_out = self._pairable(ep.out)
@@ -342,6 +349,9 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         x = self.fresh()
         self.w(f"{x} = vector.from_elements {v0}, {v1} : vector<2x{op.elem}>")
         self.w(f"vector.store {x}, %Zf[{addr}] {{alignment = {2 * ESIZE[op.elem]}}} : {op.flat}, vector<2x{op.elem}>")
+
+    def _const_along_m(self, op: Any) -> bool:
+        return op.coef[self.spec.m] == 0
 
     def _ref(self, r: tuple, args: list[str], results: list[str]) -> str:
         return args[r[1]] if r[0] == "arg" else results[r[1]] if r[0] == "op" else self.econst(r[1], r[2])

@@ -134,7 +134,7 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
             return GpuStage(module, stage.program, opts)
         chip, features = opts.arch, opts.ptx_features
         for name, f in host.kernel_funcs(module).items():
-            if name.endswith(("_wgmma", "_fa3")):  # wgmma / setmaxnreg exist only on sm_90a: the whole
+            if name.endswith(("_wgmma", "_cwgmma", "_fa3")):  # wgmma / setmaxnreg exist only on sm_90a: the whole
                 # module targets it then (it loads on compute capability 9.0 only, as sm_90 does)
                 chip, features = opts.accel_arch or chip, opts.accel_ptx or features
                 _tensor_maps_as_pointers(f)

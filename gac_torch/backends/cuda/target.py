@@ -58,7 +58,7 @@ def compile_options(options: Any) -> Any:
     (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
     from gac_torch.backends.gpu.strategies import (
-        flash_attention, flash_wgmma, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
+        conv_wgmma, flash_attention, flash_wgmma, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
     )
     from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.options import CudaOptions, resolve
@@ -88,6 +88,8 @@ def compile_options(options: Any) -> Any:
         # (wgmma before igemm: it also takes a GEMM whose M is several dims, nn.Linear on 3-D)
         *([wgmma.strategy(allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))]
           if arch in ACCEL_ARCH else []),
+        # (conv_wgmma: the convs whose channels come in 16-byte vectors; igemm the rest)
+        *([conv_wgmma.strategy(igemm)] if arch in ACCEL_ARCH else []),
         *([implicit_gemm.strategy(igemm, simt=False)] if mma_ok else []),
         implicit_gemm.strategy(igemm, simt=True),
         *([mma.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),

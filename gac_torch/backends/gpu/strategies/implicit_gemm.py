@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from mlir import ir
 
@@ -87,8 +88,9 @@ def fused_strategy() -> Strategy:
     return Strategy("fused", lambda g, limits: g if FUSED in g.op.attributes else None, emit)
 
 
-def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
-    """The implicit-GEMM plan for `g`, or None (nothing is changed)."""
+def _match(g: Generic, limits: GpuLimits, params: Params, inner: int = 32) -> _Match | None:
+    """The implicit-GEMM plan for `g`, or None (nothing is changed). `inner`: a K dim whose
+    extent is a multiple of it goes innermost (weight_layout.c_inner)."""
     if len(g.inputs) != 2 or len(g.outputs) != 1 or g.dynamic:
         return None
     if not all(isinstance(v.type, ir.MemRefType) for v in (*g.inputs, *g.outputs)):
@@ -129,7 +131,7 @@ def _match(g: Generic, limits: GpuLimits, params: Params) -> _Match | None:
             or CONV_CONTRACTION in g.op.attributes)  # (a 1x1 conv as a plain contraction)
     # a zero-padded weight (a stem's channels padded to 4, passes/channels_last.py): c innermost
     # (the input's 16-byte vectors), the weight copied from the padded buffer into that order
-    moved = weight_layout.c_inner(ks, r, a if pads[1] is not None else None)  # type: ignore[arg-type]
+    moved = weight_layout.c_inner(ks, r, inner, a if pads[1] is not None else None)  # type: ignore[arg-type]
     if conv and moved != ks and pads[1] is not None:
         pads[1], b = None, operand_at(g.inputs[1], g.maps[1])
         ops[1] = b
@@ -190,7 +192,9 @@ def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool,
     return alts[tuning.choose(key, tuple(alts), heuristic)]
 
 
-def _emit(m: _Match, name: str, params: Params) -> bool:
+def _emit(m: _Match, name: str, params: Params, text_of: Any = None) -> bool:
+    """Splice the kernel for `m` in; `text_of(spec)`: another template's text for the final
+    spec (conv_wgmma's), else conv_gemm's."""
     g, spec, plan, pads, fill = m.g, m.spec, m.plan, m.pads, m.fill
     ec = spec.c.elem
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
@@ -205,7 +209,8 @@ def _emit(m: _Match, name: str, params: Params) -> bool:
         spec = conv_gemm.Spec(**{**spec.__dict__, "epilogue": fused[1]})
     if fused is not None and buffer_root(fused[2][-1]) in {buffer_root(v) for v in ins}:
         fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
-    text = template_text(("igemm", spec, plan), lambda: conv_gemm_text.template(spec, plan))
+    text = (text_of(spec) if text_of is not None
+            else template_text(("igemm", spec, plan), lambda: conv_gemm_text.template(spec, plan)))
     splice_template(text, g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
                     fill[1] if fill is not None else None, ec, name)
     if fill is not None:

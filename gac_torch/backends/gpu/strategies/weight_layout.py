@@ -32,19 +32,21 @@ class Relayout:
     operand: conv_gemm.Operand
 
 
-def c_inner(ks: list[int], r: tuple[int, ...], a: conv_gemm.Operand | None = None) -> list[int]:
-    """`ks` with a K dim whose extent is a multiple of 32 moved innermost (a conv: (kh, kw, c)):
-    each K slice then shares the outer K dims, so the im2col indices are computed once per slice.
+def c_inner(ks: list[int], r: tuple[int, ...], multiple: int = 32,
+            a: conv_gemm.Operand | None = None) -> list[int]:
+    """`ks` with a K dim whose extent is a multiple of `multiple` moved innermost (a conv: (kh,
+    kw, c)): each K slice then shares the outer K dims, so the im2col indices are computed once
+    per slice (igemm: 32); conv_wgmma gathers 16-byte vectors along it (4: a tf32 vector).
     Without one, given `a` (the input of a conv whose weights are zero-padded: an RGB stem's 4
     channels on NHWC, passes/channels_last.py), the dim that is a's unit stride, its extent a
     multiple of 4: the input then stages in whole vectors."""
     wide = [d for d in ks if r[d] > 1]
-    if not wide or r[wide[-1]] % 32 == 0:
+    if not wide or r[wide[-1]] % multiple == 0:
         return ks
-    if not any(r[d] % 32 == 0 for d in wide):
+    if not any(r[d] % multiple == 0 for d in wide):
         unit = [d for d in wide if a is not None and a.coef[d] == 1 and r[d] % 4 == 0]
         return [d for d in ks if d != unit[0]] + unit[:1] if unit else ks
-    inner = max((d for d in wide if r[d] % 32 == 0), key=lambda d: r[d])
+    inner = max((d for d in wide if r[d] % multiple == 0), key=lambda d: r[d])
     return [d for d in ks if d != inner] + [inner]
 
 

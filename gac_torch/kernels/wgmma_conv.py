@@ -1,0 +1,166 @@
+"""Hopper implicit-GEMM convolution for the cuda target (sm_90a): the wgmma GEMM
+(wgmma_gemm.py) with its A and B tiles gathered by the producer warpgroup's cp.async instead of
+TMA, so A can be the im2col rows of an NHWC activation, never materialised.
+
+    C[m, n] = init + sum_k A[m, k] * B[n, k],   m = (n, oh, ow), n = (f), k = (kh, kw, c)
+
+with conv_gemm.Spec's affine addressing (each operand's address linear in the iteration dims,
+a fused zero padding as guards). Requirements (else None: the mma.sync implicit GEMM takes it):
+f16/bf16 or tf32, no groups, the innermost K dim (c) unit-stride in A and B with an extent
+that is a multiple of the 16-byte vector (VEC_BYTES), every other address coefficient a multiple of
+it (16-byte aligned sources), no guard along it (a vector never straddles the padding).
+
+Per K slice (BK = 128 bytes of K: 32 tf32, 64 f16/bf16) the 128 producer threads stage a
+BM x BK tile of A and a BN x BK tile of B, K-major, in the 128-byte-swizzled layout TMA would
+write (so the consumers' wgmma descriptors are the GEMM's):
+
+  g1. thread t owns 16-byte chunk j = t % 8 of rows r0 = t / 8, r0 + 16, ... of both tiles;
+      its chunk lands at row * 128 + (j ^ (row % 8)) * 16, and row % 8 = r0 % 8 for all of them
+  g2. its k = kt*BK + j*VEC, delinearised once per slice into (kh, kw, c): each operand's K
+      part of the address and of every padding guard
+  g3. per row: the row's M (N) part, the bound checks (row inside M / N, k inside K, every
+      guard inside [0, upper)); outside, cp.async's source size 0 zero-fills the chunk
+  g4. the thread's copies arrive on the stage's full barrier when they land (wgmma_gemm 3b')
+
+The consumers (wgmma_gemm 4-5) are unchanged; C and the fused epilogue's operands are addressed
+through the conv's dims (wgmma_conv_text.ConvText). GAC_CONV_WGMMA_STAGES forces the depth;
+GAC_CONV_WGMMA_BN the tile width (64 | 128; 256 would need setmaxnreg's registers).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gac_torch.kernels import wgmma_gemm as W
+from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
+from gac_torch.kernels.wgmma_gemm import BM, ESIZE, SMEM_LIMIT, ALIGN, Plan, Side
+
+VEC_BYTES = 16
+MIN_VEC = VEC_BYTES // 4  # elements in a 16-byte vector, at least (tf32)
+STAGES = 6  # (cp.async: the producers wait for their copies; deeper than the TMA GEMM)
+# setmaxnreg (producer, consumers), (0, 0): none, 168 registers each. The producers' hoisted
+# per-row addresses and guards (64-bit) spilled at 96 and 112 (ResNet's 3x3 convs); without it
+# nothing spills with the epilogue's loads 4 accumulators at a time (ConvText). (being tuned:
+# GAC_CONV_WGMMA_REGS=p,c)
+REGS = (0, 0)
+ROW_THREADS = 8  # producer threads per 128-byte tile row (one 16-byte chunk each)
+PASS_ROWS = W.WG // ROW_THREADS  # rows the producer warpgroup stages at once
+
+
+def _elem(kind: str) -> str:
+    return "f32" if kind == "tf32" else kind
+
+
+def _aligned(op: Operand, vec: int, skip: int, ranges: tuple[int, ...]) -> bool:
+    """Every address term but dim `skip`'s (coefficient 1; unit dims move nothing), the constant
+    and the view's offset are multiples of `vec`: each chunk's source is 16-byte aligned."""
+    return (all(k % vec == 0 for d, k in enumerate(op.coef) if d != skip and ranges[d] > 1)
+            and op.const % vec == 0 and op.offset % vec == 0)
+
+
+def applies(spec: Spec) -> str | None:
+    """Why the template does not take `spec` (None: it does)."""
+    if spec.kind not in ("tf32", "f16", "bf16"):
+        return f"kind {spec.kind}"
+    e = _elem(spec.kind)
+    if spec.a.elem != e or spec.b.elem != e:
+        return "operand types"
+    if spec.ext(spec.batch) != 1:
+        return "groups"
+    if 0 in (spec.M, spec.N, spec.K):
+        return "empty"
+    vec = VEC_BYTES // ESIZE[e]
+    kc = spec.ks[-1]
+    if spec.ranges[kc] % vec or spec.a.coef[kc] != 1 or spec.b.coef[kc] != 1:
+        return "the innermost K dim is not a whole number of 16-byte vectors in A and B"
+    if any(gc[kc] for gc, _, _ in spec.a.guards) or spec.b.guards:
+        return "padding along the vector"
+    if not (_aligned(spec.a, vec, kc, spec.ranges) and _aligned(spec.b, vec, kc, spec.ranges)):
+        return "16-byte alignment"
+    return None
+
+
+def narrow(spec: Spec) -> bool:
+    """Every index and address the producers form (operand spans, rows and columns past the
+    last tile, k past K) fits 31 bits: their math can be i32."""
+    return max(spec.a.span, spec.b.span, spec.M + BM, spec.N + 256, spec.K + 64) < 2**31
+
+
+NARROW_COST = 1.15  # a 64-wide tile's time per output vs a 128-wide one's (more A per MAC: a guess)
+
+
+def heuristic_bn(spec: Spec) -> int:
+    """64 or 128: the fewer rounds of persistent tiles over the SMs, times the tile's cost (a
+    ResNet-50 layer-3 3x3 conv, M = 9000, N = 256: 142 wide tiles take two rounds on 132 SMs,
+    284 narrow ones three of half the work)."""
+    if spec.N <= 64:
+        return 64
+    m_tiles = -(-spec.M // BM)
+
+    def cost(bn: int) -> float:
+        rounds = -(-(m_tiles * -(-spec.N // bn)) // W.SM_COUNT_HINT)
+        return rounds * bn * (NARROW_COST if bn == 64 else 1.0)
+
+    return min((128, 64), key=cost)
+
+
+def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan | None:
+    """The tiling (wgmma_gemm.Plan: K-major A and B sides, BK = 128 bytes), or None."""
+    if applies(spec) is not None:
+        return None
+    es = ESIZE[_elem(spec.kind)]
+    bk = W.SWIZZLE // es
+    bn = bn or int(os.environ.get("GAC_CONV_WGMMA_BN") or 0) or heuristic_bn(spec)
+    if bn not in (64, 128):
+        return None
+    sa = Side(True, BM, (bk, BM), 1, BM * W.SWIZZLE)
+    sb = Side(True, bn, (bk, bn), 1, bn * W.SWIZZLE)
+    per_stage = sa.stage_bytes + sb.stage_bytes + 16
+    want = stages or int(os.environ.get("GAC_CONV_WGMMA_STAGES") or 0) or STAGES
+    stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
+    if stages < 2:
+        return None
+    tiles = -(-spec.N // bn) * -(-spec.M // BM)
+    c, n_in = spec.c, [d for d in spec.ns if spec.ranges[d] > 1]
+    pair = (len(n_in) == 1 and c.coef[n_in[0]] == 1 and spec.N % 2 == 0 and c.const % 2 == 0
+            and c.offset % 2 == 0 and all(k % 2 == 0 for d, k in enumerate(c.coef) if d != n_in[0]))
+    regs = tuple(int(x) for x in os.environ.get("GAC_CONV_WGMMA_REGS", "").split(",") if x) or REGS
+    return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb,
+                (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=regs[0] > 0,
+                regs=regs)  # type: ignore[arg-type]
+
+
+def gather(b: Any, spec: Spec, p: Plan) -> Any:
+    """The producer threads' part of a K slice (g1-g3) as wgmma_gemm._kernel's `gather` hook,
+    against builder `b` (the text builder, or the twin's numpy one): b.cp16(which, dst, addr,
+    ok) copies 16 bytes from flat element `addr` of operand `which` to shared byte `dst`."""
+    c, R = b.const, spec.ranges
+    es = ESIZE[_elem(spec.kind)]
+    vec = VEC_BYTES // es
+
+    def fn(t: Any, a_stage: Any, b_stage: Any, m0: Any, n0: Any, kt: Any) -> None:
+        j, r0 = b.rem(t, c(ROW_THREADS)), b.div(t, c(ROW_THREADS))  # g1
+        chunk = b.to_i32(b.mul(b.xor(j, b.rem(r0, c(8))), c(16)))
+        k = b.add(b.mul(kt, c(p.bk)), b.mul(j, c(vec)))  # g2
+        ik = _split(b, k, spec.ks, R)
+        ok_k = b.lt(k, c(spec.K))
+        for which, op, dims, o0, ext, side, stage in (
+                ("A", spec.a, spec.ms, m0, spec.M, p.a, a_stage), ("B", spec.b, spec.ns, n0, spec.N, p.b, b_stage)):
+            addr_k = _addr(b, op, ik, spec.ks, c(op.const))
+            guards = [(gc, _addr(b, _coef(gc), ik, spec.ks, c(g0)), upper) for gc, g0, upper in op.guards]
+            for i in range(side.rows // PASS_ROWS):
+                row = b.add(r0, c(i * PASS_ROWS))
+                o = b.add(o0, row)  # g3
+                io = _split(b, o, dims, R)
+                ok = b.and_(ok_k, b.lt(o, c(ext)))
+                for gc, gk, upper in guards:
+                    ok = b.and_(ok, b.inb(_addr(b, _coef(gc), io, dims, gk), c(upper)))
+                dst = b.i32_add(stage, b.i32_add(b.to_i32(b.mul(row, c(W.SWIZZLE))), chunk))
+                b.cp16(which, dst, _addr(b, op, io, dims, addr_k), ok)
+
+    return fn
+
+
+def _coef(gc: tuple[int, ...]) -> Operand:
+    return Operand("", "", gc, 0, 0, 0)
