@@ -18,6 +18,7 @@ from gac_torch.kernels import conv_gemm_twin as twin
 from gac_torch.kernels.builder import round_to
 from models import randomize_bn
 from test_conv_gemm import _TOL, nhwc_spec
+from test_cuda_conv import _cudnn_tf32
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 
@@ -57,12 +58,8 @@ def _stem_copies(kind: str) -> tuple[set[str], str]:
     """The cp.async widths of the stem's igemm kernel (the first) and ptxas's log of the program."""
     torch.manual_seed(0)
     model, x = randomize_bn(Stem()).eval().to(DTYPES[kind]), torch.randn(2, 3, 37, 53).to(DTYPES[kind])
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = True
-    try:
+    with _cudnn_tf32(True):  # (flags set through it: another test may have frozen them)
         ptx = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False}).ir("ptx")
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
     stem = next(k for k in ptx.split(".entry ")[1:] if k.split("(")[0].endswith("_igemm"))
     widths = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^\[]*\[[^\]]*\], \[[^\]]*\], (\d+)", stem))
     return widths, ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas()).log
@@ -86,11 +83,7 @@ def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...]) -> None:
     model, x = randomize_bn(Stem()).eval(), torch.randn(shape)
     ref = model.double()(x.double())
     model, x = model.to("cuda", DTYPES[kind]), x.to("cuda", DTYPES[kind])
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = True
-    try:
+    with _cudnn_tf32(True):
         got = torch.compile(model, backend="gac")(x)
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
     err = ((got.double().cpu() - ref).norm() / ref.norm()).item()
     assert got.dtype == x.dtype and got.shape == ref.shape and err < {"tf32": 3e-3, "bf16": 2e-2}[kind], err
