@@ -1,8 +1,10 @@
 """Shared by the benchmark scripts: CUDA-event timing (METHOD.md: events, after warm-up), the
-small workloads several scripts time, parity enforcement, and writing the report."""
+small workloads several scripts time, parity enforcement, writing the report, and compiling a
+model once per env-switch variant."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -92,3 +94,50 @@ def write_report(text: str, out) -> None:
     if _FAILED:
         print("parity FAILED:\n  " + "\n  ".join(_FAILED), file=sys.stderr)
         sys.exit(1)
+
+
+# env-switch variants (gemm_variants.py, wgmma_tiles.py, conv1x1_variants.py)
+
+
+def variant_env(variant: str) -> dict[str, str]:
+    """A variant's switches: `NAME=VALUE[+NAME=VALUE...]`, or `default` (none)."""
+    return {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split("+"))
+
+
+class VariantEnv:
+    """The variant's switches while gac compiles (torch.compile compiles at the first calls)."""
+
+    def __init__(self, variant: str) -> None:
+        self.env = variant_env(variant)
+
+    def __enter__(self) -> None:
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc) -> None:
+        for k, old in self.saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def compile_variants(model, sets, variants: list[str], tf32: bool, ref, name: str = "",
+                     aliases: dict[str, str] | None = None) -> dict:
+    """gac's compile of `model` per variant (its switches set while it compiles, cache off),
+    keyed by the variant, its error against `ref` and its launches; a failure is reported."""
+    import gac_torch  # (here: common's other users need no MLIR)
+
+    fns = {}
+    for v in variants:
+        try:
+            with VariantEnv((aliases or {}).get(v, v)):
+                compiled = gac_torch.compile(model, sets[0], target="cuda",
+                                             options={"cache": False, "allow_tf32": tf32, "fallback": False})
+            launches = [ln.split("launch ")[1].split(" (")[0] for ln in compiled.ir("ptx").splitlines()
+                        if ln.startswith("// launch")]
+            err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
+            fns[f"{v} err {err:.1e} {launches}"] = compiled
+        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+            print(f"  {name} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return fns

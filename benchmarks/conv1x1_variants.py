@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_variants import _device_ms, compile_variants  # noqa: E402
+from common import compile_variants  # noqa: E402
+from gemm_variants import _device_ms  # noqa: E402
 from wgmma_tiles import _race  # noqa: E402
 
 ALIASES = {"old": "GAC_WGMMA_NARROW=0+GAC_WGMMA_EPILOGUE_CHUNK=8+GAC_WGMMA_EPILOGUE_PREFETCH=0"

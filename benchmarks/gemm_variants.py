@@ -17,7 +17,6 @@ each variant's gradients checked against eager's from the same weights.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gac_torch  # noqa: E402
+import gac_torch  # noqa: E402, F401 (registers the "gac" torch.compile backend)
+from common import VariantEnv, compile_variants  # noqa: E402
 from wgmma_tiles import _race, _sample  # noqa: E402
 
 FNS = {"nn": lambda a, b: a @ b, "nt": lambda a, b: a @ b.t(), "tn": lambda a, b: a.t() @ b,
@@ -59,28 +59,6 @@ def _device_ms(fn, sets, iters: int = 20) -> float | None:
         return None
 
 
-def _env(variant: str) -> dict[str, str]:
-    return {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split("+"))
-
-
-class _Env:
-    """The variant's switches while gac compiles (torch.compile compiles at the first calls)."""
-
-    def __init__(self, variant: str) -> None:
-        self.env = _env(variant)
-
-    def __enter__(self) -> None:
-        self.saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc) -> None:
-        for k, old in self.saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
-
-
 def train(n: int, variants: list[str], rounds: int) -> None:
     import copy
 
@@ -96,7 +74,7 @@ def train(n: int, variants: list[str], rounds: int) -> None:
     for v in variants:
         step = torch.compile(TrainStep(copy.deepcopy(mlp)), backend="gac", options={"cache": False})
         try:
-            with _Env(v):
+            with VariantEnv(v):
                 got = step(*sets[0])  # (compiles forward, backward and update)
                 step(*sets[1])
             err = max(((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref))
@@ -109,25 +87,6 @@ def train(n: int, variants: list[str], rounds: int) -> None:
     eager = times["eager"][0]
     for k, (med, best) in times.items():
         print(f"  train_mlp {n}: {k}: median {med:.3f} ms (min {best:.3f}), vs eager {med / eager:.3f}x", flush=True)
-
-
-def compile_variants(model, sets, variants: list[str], tf32: bool, ref, name: str = "",
-                     aliases: dict[str, str] | None = None) -> dict:
-    """gac's compile of `model` per variant (its switches set while it compiles, cache off),
-    keyed by the variant, its error against `ref` and its launches; a failure is reported."""
-    fns = {}
-    for v in variants:
-        try:
-            with _Env((aliases or {}).get(v, v)):
-                compiled = gac_torch.compile(model, sets[0], target="cuda",
-                                             options={"cache": False, "allow_tf32": tf32, "fallback": False})
-            launches = [ln.split("launch ")[1].split(" (")[0] for ln in compiled.ir("ptx").splitlines()
-                        if ln.startswith("// launch")]
-            err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
-            fns[f"{v} err {err:.1e} {launches}"] = compiled
-        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
-            print(f"  {name} {v}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    return fns
 
 
 def main() -> None:

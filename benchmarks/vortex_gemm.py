@@ -26,7 +26,7 @@ import torch
 import gac_torch
 from gac_torch.backends import vortex
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import write_report  # also puts tests/ on sys.path
 from parity import Fn
 
 
@@ -94,10 +94,7 @@ def main() -> None:
                          f"{ipc} | {c['wall']:.1f} |")
     lines += ["", "| size | speedup in cycles (scalar / tiled) | instruction ratio |", "|---|---|---|"]
     lines += [f"| {n}^3 | {ratio(s, t, 'cycles')} | {ratio(s, t, 'instructions')} |" for n, t, s in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import gac_torch
 from gac_torch.backends import vortex
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import write_report  # also puts tests/ on sys.path
 from models import MODEL_TOL
 from parity import check_op
 from test_vortex_target import CASES, _models
@@ -111,10 +111,7 @@ def main() -> None:
         ipc = s["instructions"] / s["cycles"] if s["cycles"] else 0
         lines.append(f"| {r['name']} | {ok} | {s['launches']} | {s['instructions']} | {s['cycles']} | "
                      f"{ipc:.2f} | {s['wall']:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

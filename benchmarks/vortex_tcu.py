@@ -29,7 +29,7 @@ import torch
 import gac_torch
 from gac_torch.backends import vortex
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import write_report  # also puts tests/ on sys.path
 from parity import Fn
 
 TOL = {"tcu": 1e-3, "tcu-gemm": 1e-3, "tiled": 1e-5}   # max |err| / max |ref|
@@ -109,10 +109,7 @@ def main() -> None:
             lines.append(f"| {shape} | {t['gemm']['cycles'] / u['gemm']['cycles']:.2f}x | "
                          f"{t['gemm']['instructions'] / u['gemm']['instructions']:.2f}x | "
                          f"{t['cycles'] / f['cycles']:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ A variant is bn:stages, then optionally :direct (no staged store) and :c2 (CTA p
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -18,9 +17,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import gac_torch  # noqa: E402
+from common import compile_variants  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}  # tf32: f32, TF32 on
+
+
+def switches(variant: str) -> str:
+    """bn:stages[:direct][:c2] as common.compile_variants' NAME=VALUE+... form."""
+    bn, stages, *more = variant.split(":")
+    return (f"GAC_WGMMA_BN={bn}+GAC_WGMMA_STAGES={stages}+GAC_WGMMA_EPILOGUE={'direct' if 'direct' in more else 'smem'}"
+            f"+GAC_WGMMA_CLUSTER={'2' if 'c2' in more else '1'}")
 
 
 class Mm(torch.nn.Module):
@@ -73,30 +79,14 @@ def main() -> None:
                 for _ in range(5)]  # 5 x 64 MiB: past the L2
         ref = sets[0][0].double() @ sets[0][1].double()
         flops = 2 * n**3
-        fns = {"eager": torch.matmul}
-        for v in args.variants.split(","):
-            bn, stages, *more = v.split(":")  # bn:stages[:smem|direct][:c2]
-            os.environ["GAC_WGMMA_BN"], os.environ["GAC_WGMMA_STAGES"] = bn, stages
-            os.environ["GAC_WGMMA_EPILOGUE"] = "direct" if "direct" in more else "smem"
-            os.environ["GAC_WGMMA_CLUSTER"] = "2" if "c2" in more else "1"
-            epi = more
-            try:
-                compiled = gac_torch.compile(Mm(), sets[0], target="cuda", options={"cache": False, "allow_tf32": name == "tf32"})
-                strategies = [ln.split("[")[1].split("]")[0] for ln in compiled.ir("ptx").splitlines()
-                              if ln.startswith("// launch")]
-                err = ((compiled(*sets[0]).double() - ref).norm() / ref.norm()).item()
-                fns[f"bn={bn} stages={stages} {epi} {strategies} err {err:.1e}"] = compiled
-            except Exception as e:  # noqa: BLE001 - report and go on to the next variant
-                print(f"  bn={bn} stages={stages}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        variants = args.variants.split(",")
+        fns = {"eager": torch.matmul, **compile_variants(Mm(), sets, variants, name == "tf32", ref, name,
+                                                           {v: switches(v) for v in variants})}
         times = _race(fns, sets)
         eager = times["eager"][0]
         for k, (med, best) in times.items():
             print(f"  {name} {k}: median {med:.4f} ms (min {best:.4f}), {flops / med / 1e12:.0f} TFLOP/s, "
                   f"throughput vs eager {eager / med:.2f}", flush=True)
-    os.environ.pop("GAC_WGMMA_BN", None)
-    os.environ.pop("GAC_WGMMA_STAGES", None)
-    os.environ.pop("GAC_WGMMA_EPILOGUE", None)
-    os.environ.pop("GAC_WGMMA_CLUSTER", None)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_plan as cgp
 from gac_torch.kernels import conv_gemm_twin as twin
 from gac_torch.kernels import cuda_mma_twin as cmt
 from gac_torch.kernels.builder import RaceError, round_to
@@ -83,7 +84,7 @@ CONVS = [  # kind, n, g, cg, h, w, fg, kh, kw, stride, dil, pad, ec, fill, big
 def test_conv_twin_matches_float64(case) -> None:
     kind, n, g, c, h, w, f, kh, kw, s, d, pad, ec, fill, big = case
     spec, shapes, strides = conv_spec(kind, n, g, c, h, w, f, kh, kw, s, d, pad, ec, fill)
-    p = cg.plan(spec, big=big)
+    p = cgp.plan(spec, big=big)
     assert p is not None
     rng = np.random.default_rng(sum(shapes[0]) + f)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
@@ -115,7 +116,7 @@ def test_gemm_over_dim_sets_with_transposed_operands() -> None:
             aa, _ = _op("f32", (3, 2, 5, 7, 6), [({K1: 1}, 0), ({B_: 1}, 0), ({I_: 1}, 0), ({J_: 1}, 0), ({K2: 1}, 0)], 6)
             bb, _ = _op("f32", (9, 2, 6, 3), [({Nn: 1}, 0), ({B_: 1}, 0), ({K2: 1}, 0), ({K1: 1}, 0)], 6)
         spec = cg.Spec(kind, (I_, J_), (Nn,), (K1, K2), (B_,), r, aa, bb, c, True)
-        p = cg.plan(spec)
+        p = cgp.plan(spec)
         src = (A, Bm) if kind == "f32" else (round_to(A, "bf16"), round_to(Bm, "bf16"))
         ref = np.einsum("xbijy,nbyx->bijn", *(x.astype(np.float64) for x in src))
         out = twin.emulate(spec, p, *src, np.zeros((2, 5, 7, 9), np.float32), (sa, sb, sc))
@@ -125,7 +126,7 @@ def test_gemm_over_dim_sets_with_transposed_operands() -> None:
 
 def test_twin_catches_a_missing_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
     spec, shapes, strides = conv_spec("f32", 1, 1, 8, 10, 10, 16, 3, 3, pad=1)
-    p = cg.plan(spec, big=False)
+    p = cgp.plan(spec, big=False)
     calls = []
     real = cmt.MmaNumpy.barrier
 
@@ -144,15 +145,15 @@ def test_vector_widths_follow_the_unit_stride_runs() -> None:
     # 1x1 stride 1: A's run is the whole (oh, ow) plane along M -> 16-byte loads of f16 (8 wide);
     # the weight's run is the whole K (c, kh, kw) of a dense [f, c, kh, kw] -> 8 wide too
     spec, _, _ = conv_spec("f16", 1, 1, 64, 16, 24, 64, 1, 1)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert (p.a.glob_k, p.a.vec, p.b.glob_k, p.b.vec) == (False, 8, True, 8)
     # 3x3 padded: A's runs break at each kw shift -> scalars; weight K = 64*9 still 8 wide
     spec, _, _ = conv_spec("f16", 1, 1, 64, 16, 24, 64, 3, 3, pad=1)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert (p.a.vec, p.b.vec) == (1, 8)
     # the stem: K = 3*7*7 = 147 is odd -> scalar weight loads
     spec, _, _ = conv_spec("f32", 1, 1, 3, 32, 32, 64, 7, 7, 2, 1, 3)
-    assert cg.plan(spec).b.vec == 1
+    assert cgp.plan(spec).b.vec == 1
 
 
 @pytest.mark.parametrize("kind", ["tf32", "bf16"])
@@ -161,7 +162,7 @@ def test_strided_conv_input_is_walked_along_ow(kind: str) -> None:
     # sector serves several), not a whole c plane (one word a sector) -- and stay exact
     spec, shapes, strides = conv_spec(kind, 2, 1, 32, 12, 14, 24, 3, 3, 2, 1, 1, fold_pad=True,
                                       channels_last_k=True)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert not p.a.glob_k and p.a.cp == (kind == "tf32")
     rng = np.random.default_rng(11)
     X, W = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
@@ -209,7 +210,7 @@ def test_conv_with_fused_batchnorm_residual_relu(kind: str, out_elem: str, direc
     spec, shapes, strides = conv_spec(kind, 2, 1, 5, 9, 10, 12, 3, 3, pad=1)
     ep = _bn_relu_residual_epilogue(shapes[2], out_elem, direct)
     spec = dataclasses.replace(spec, epilogue=ep)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     rng = np.random.default_rng(5)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
     W = rng.standard_normal(shapes[1]).astype(np.float32)
@@ -239,7 +240,7 @@ def test_fused_padding_reads_zeros_outside(kind: str, k: int, stride: int, dil: 
     # the padding kernel folded into the loads: the unpadded input, guarded rows and columns
     spec, shapes, strides = conv_spec(kind, 2, 1, 3, 11, 13, 9, k, k, stride, dil, pad, fold_pad=True)
     assert spec.a.guards and shapes[0] == (2, 1, 3, 11, 13)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert p.a.vec == 1
     rng = np.random.default_rng(k + pad)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
@@ -258,7 +259,7 @@ def test_k_ordered_kh_kw_c_splits_once_per_slice(kind: str, c: int) -> None:
     # per slice and adds the element's offset to c (the backend's order for convs)
     spec, shapes, strides = conv_spec(kind, 1, 1, c, 7, 9, 12, 3, 3, 1, 1, 1, fold_pad=True,
                                       channels_last_k=True)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert spec.ranges[spec.ks[-1]] % p.bk == 0
     rng = np.random.default_rng(c)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
@@ -275,7 +276,7 @@ def test_twin_catches_a_cp_async_read_before_its_wait(kind: str, pad: int, monke
     # the cp.async pipeline: slice kt is read after cp.async.wait_group(stages - 2) + barrier;
     # waiting for one group fewer reads shared memory the copies have not filled yet
     spec, shapes, strides = conv_spec(kind, 1, 1, 16, 6, 9, 24, 3, 3, pad=pad)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert (p.a.cp or p.b.cp) and p.stages >= 3
     X, W, C0 = (np.random.default_rng(1).standard_normal(s).astype(np.float32) for s in shapes)
     ok = twin.emulate(spec, p, X, W, C0, strides).reshape(shapes[2])
@@ -298,7 +299,7 @@ def test_ldmatrix_fragments_in_every_operand_layout(kind: str, a_km: bool, b_kn:
     b, sb = _op(kind, (48, 24) if b_kn else (24, 48), [({K_: 1}, 0), ({N_: 1}, 0)][:: 1 if b_kn else -1], 3)
     c, sc = _op("f32", (37, 24), [({M_: 1}, 0), ({N_: 1}, 0)], 3)
     spec = cg.Spec(kind, (M_,), (N_,), (K_,), (), r, a, b, c, True)
-    p = cg.plan(spec, big=True)
+    p = cgp.plan(spec, big=True)
     assert (p.a.smem_k, p.b.smem_k) == (not a_km, not b_kn)
     rng = np.random.default_rng(7)
     A = round_to(rng.standard_normal((48, 37) if a_km else (37, 48)).astype(np.float32), kind)
@@ -316,14 +317,14 @@ def test_weights_copied_into_the_k_order_are_staged_in_vectors(kind: str, c: int
 
     spec, shapes, strides = conv_spec(kind, 2, 1, c, 7, 9, f, 3, 3, stride, 1, 1, fold_pad=True,
                                       channels_last_k=True)
-    assert cg.plan(spec).b.vec == 1
+    assert cgp.plan(spec).b.vec == 1
     e = spec.b.elem
     rl = weight_layout.permuted(spec.b.type, e, shapes[1], strides[1], 0, (G_, F_, C_, KH_, KW_), 8,
                                 spec.ks, spec.ranges)
     assert rl is not None and rl.perm == (0, 1, 3, 4, 2)
     spec2 = cg.Spec(**{**spec.__dict__, "b": rl.operand})
-    p = cg.plan(spec2)
-    assert (p.b.glob_k, p.b.vec, p.b.cp) == (True, 16 // cg.ESIZE[e], kind != "f32")
+    p = cgp.plan(spec2)
+    assert (p.b.glob_k, p.b.vec, p.b.cp) == (True, 16 // cgp.ESIZE[e], kind != "f32")
     rng = np.random.default_rng(c + f)
     X = rng.standard_normal(shapes[0]).astype(np.float32)
     W = rng.standard_normal(shapes[1]).astype(np.float32)
@@ -364,9 +365,9 @@ def test_channels_last_input_is_staged_in_vectors_through_the_padding(kind, c, f
     # 16-byte vector is inside or outside the padding together (NCHW's padded input: scalars);
     # big: 128-wide tiles, 4 cp.async stages (the twin checks every read waits for its copy)
     spec, shapes, strides = nhwc_spec(kind, 2, c, 7, 9, f, 3, stride, dil, pad)
-    p = cg.plan(spec, big=big or None, dynamic_limit=cg.DYNAMIC_SMEM_PER_BLOCK if big else 0)
+    p = cgp.plan(spec, big=big or None, dynamic_limit=cgp.DYNAMIC_SMEM_PER_BLOCK if big else 0)
     assert p.bm == (128 if big else 64) and (p.stages == 4 or not big)
-    es = cg.ESIZE[spec.a.elem]
+    es = cgp.ESIZE[spec.a.elem]
     assert p.a.glob_k and p.a.vec == 16 // es, p.a
     assert p.a.cp == (kind != "f32") and p.b.vec == 16 // es
     rng = np.random.default_rng(c + f + stride)

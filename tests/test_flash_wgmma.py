@@ -15,7 +15,7 @@ from gac_torch.backends.cuda import ptxas
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.kernels import flash_wgmma as fw
 from gac_torch.kernels import flash_wgmma_twin as tw
-from gac_torch.kernels import wgmma_gemm
+from gac_torch.kernels import wgmma_plan
 from gac_torch.kernels.builder import RaceError
 from gac_torch.kernels.flash_attention_twin import reference
 from gac_torch.options import resolve
@@ -108,7 +108,7 @@ def test_exp2_polynomial():
 
 
 def test_descriptor_bits():
-    assert fw.descriptor(0x1230, 16, 1024, 128) == wgmma_gemm.descriptor(0x1230, 16, 1024)
+    assert fw.descriptor(0x1230, 16, 1024, 128) == wgmma_plan.descriptor(0x1230, 16, 1024)
     assert fw.descriptor(0, 16, 512, 64) >> 62 == 2 and fw.descriptor(0, 16, 256, 32) >> 62 == 3
     assert [fw.swizzle(o, 128) for o in (0, 128, 16 + 7 * 128)] == [0, 128 + 16, 7 * 128 + 16 * (1 ^ 7)]
 

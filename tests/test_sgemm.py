@@ -17,6 +17,7 @@ from parity import Fn
 import gac_torch
 from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
 from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_plan as cgp
 from gac_torch.kernels import conv_gemm_twin as twin
 
 M_, N_, K_, B_ = range(4)
@@ -55,7 +56,7 @@ def gemm_spec(layout: str, m: int, n: int, k: int, batch: int = 0, fill: bool = 
 def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: int, batch: int,
                                               big: bool) -> None:
     spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=bool(batch) and k < 1024)
-    p = cg.plan(spec, big=big)  # (split K accumulates into C: the strategy unfolds the fill)
+    p = cgp.plan(spec, big=big)  # (split K accumulates into C: the strategy unfolds the fill)
     assert p is not None and p.tm == p.bm // 16 and (p.bm == 128) == big
     assert (p.splits, p.kchunk) == {2100: (4, 528), 1100: (2, 560)}.get(k, (1, 0))
     # vector loads where the contiguous run allows; cp.async where it runs along the [k][outer] tile
@@ -90,9 +91,9 @@ def test_lean_kernel_on_whole_tiles_matches_float64(layout: str, m: int, n: int,
     from gac_torch.kernels import conv_gemm_text
 
     spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=k < 1024)  # (split K: C holds the init)
-    p = cg.plan(spec, big=big)
+    p = cgp.plan(spec, big=big)
     monkeypatch.setenv("GAC_SGEMM_LEAN", "0")
-    full = cg.plan(spec, big=big)
+    full = cgp.plan(spec, big=big)
     assert p is not None and p.lean and full is not None and not full.lean
     assert (p.splits > 1) == (k == 2048)
     checks = [conv_gemm_text.template(spec, q).count("arith.cmpi ult") for q in (p, full)]
@@ -169,7 +170,7 @@ def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.Monk
     monkeypatch.setenv("GAC_SGEMM_CTAS", "1")
     for layout, m, n, k in (("nn", 130, 300, 40), ("tn", 128, 512, 64)):  # ragged; whole tiles (lean)
         spec, shapes, strides = gemm_spec(layout, m, n, k)
-        p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)  # (over the static 48 KB)
+        p = cgp.plan(spec, big=True, dynamic_limit=227 * 1024)  # (over the static 48 KB)
         assert p is not None and (p.bn, p.tn) == (256, 16)
         rng = np.random.default_rng(m + n + k)
         A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
@@ -192,7 +193,7 @@ def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkey
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     spec, shapes, strides = gemm_spec("nt", 130, 300, 70)
-    p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)
+    p = cgp.plan(spec, big=True, dynamic_limit=227 * 1024)
     assert p is not None and p.dynamic and not (p.a.cp or p.b.cp) and p.stages == 2
     rng = np.random.default_rng(7)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
@@ -213,7 +214,7 @@ def test_128_thread_blocks_hold_8x16_tiles_and_match_float64(layout: str, monkey
     monkeypatch.setenv("GAC_SGEMM_THREADS", "128")
     for m, n, k, fill in ((130, 131, 20, True), (128, 256, 64, False)):
         spec, shapes, strides = gemm_spec(layout, m, n, k, fill=fill)
-        p = cg.plan(spec, big=True, dynamic_limit=227 * 1024)
+        p = cgp.plan(spec, big=True, dynamic_limit=227 * 1024)
         assert p is not None and (p.threads, p.tm, p.tn, p.bm, p.bn) == (128, 8, 16, 128, 128)
         rng = np.random.default_rng(m + n + k)
         A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])

@@ -13,7 +13,7 @@ import torch
 
 import gac_torch
 from gac_torch.backends.cuda import ptxas
-from gac_torch.kernels import conv_gemm as cg
+from gac_torch.kernels import conv_gemm_plan as cgp
 from gac_torch.kernels import conv_gemm_twin as twin
 from gac_torch.kernels.builder import round_to
 from models import randomize_bn
@@ -41,7 +41,7 @@ def test_padded_stem_twin_matches_float64(kind: str) -> None:
     # 4 channels (the 4th zero in the real graph; random here), 7x7 stride 2 through a padding
     # of 3, sizes no tile divides: the input's 4-channel vectors cp.async'd across the guards
     spec, shapes, strides = nhwc_spec(kind, 2, 4, 19, 23, 24, 7, 2, 1, 3)
-    p = cg.plan(spec)
+    p = cgp.plan(spec)
     assert p is not None and p.a.glob_k and p.a.vec == 4 and p.a.cp, p.a
     rng = np.random.default_rng(7)
     X = rng.standard_normal(shapes[0]).astype(np.float32)

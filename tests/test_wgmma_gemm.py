@@ -14,7 +14,7 @@ import torch
 
 from gac_torch.backends.cuda import ptxas
 from gac_torch.backends.gpu.program import BufferRef, KernelLaunch, TensorMapArg, from_json, to_json
-from gac_torch.kernels import wgmma_gemm as W
+from gac_torch.kernels import wgmma_plan as W
 from gac_torch.kernels.cuda_mma import FRAG_A8, Operand, Spec
 from cuda_cases import MLIR, Case, compile_case, matmul
 
@@ -401,7 +401,7 @@ EPILOGUES = [  # M, K, N, dtype, activation, residual, linear layout (else a @ b
     (1000, 520, 1032, torch.float32, "gelu", True, False, 0),  # TF32 C^T = B^T A^T, A from registers
     (200, 136, 262, torch.bfloat16, "relu", True, True, 3),  # batched
     (200, 136, 264, torch.float32, "none", False, False, 2),
-    # narrow tiles (wgmma_gemm.narrow), a 1x1 conv's: N <= 64 in a 64-wide tile, a short K in a
+    # narrow tiles (wgmma_plan.narrow), a 1x1 conv's: N <= 64 in a 64-wide tile, a short K in a
     # 128-wide one, the residual loaded before the main loop (prefetch)
     (1000, 72, 40, torch.bfloat16, "relu", True, True, 0),
     (1000, 72, 200, torch.float32, "relu", True, True, 0),

@@ -9,7 +9,8 @@ import dataclasses
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import WORKGROUP
-from gac_torch.kernels.conv_gemm import ESIZE, Plan, Spec, kernel, smem_bytes, smem_elem
+from gac_torch.kernels.conv_gemm import Spec, kernel
+from gac_torch.kernels.conv_gemm_plan import ESIZE, Plan, smem_bytes, smem_elem
 
 
 class _Text(gemm_epilogue.TextMixin, mma.MmaText):

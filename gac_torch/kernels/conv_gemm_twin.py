@@ -9,7 +9,8 @@ import numpy as np
 from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.cuda_mma_twin import MmaNumpy
 from gac_torch.kernels.builder import Smem, round_to
-from gac_torch.kernels.conv_gemm import Operand, Plan, Spec, kernel, smem_elem
+from gac_torch.kernels.conv_gemm import Operand, Spec, kernel
+from gac_torch.kernels.conv_gemm_plan import Plan, smem_elem
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gac_torch.kernels import wgmma_gemm as W
+from gac_torch.kernels import wgmma_plan as W
 from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
-from gac_torch.kernels.wgmma_gemm import BM, ESIZE, SMEM_LIMIT, ALIGN, Plan, Side
+from gac_torch.kernels.wgmma_plan import BM, ESIZE, SMEM_LIMIT, ALIGN, Plan, Side
 
 VEC_BYTES = 16
 MIN_VEC = VEC_BYTES // 4  # elements in a 16-byte vector, at least (tf32)
@@ -106,7 +106,7 @@ def heuristic_bn(spec: Spec) -> int:
 
 
 def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan | None:
-    """The tiling (wgmma_gemm.Plan: K-major A and B sides, BK = 128 bytes), or None."""
+    """The tiling (wgmma_plan.Plan: K-major A and B sides, BK = 128 bytes), or None."""
     if applies(spec) is not None:
         return None
     es = ESIZE[_elem(spec.kind)]

@@ -10,7 +10,8 @@ from typing import Any
 
 from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
 from gac_torch.kernels.wgmma_conv import gather, narrow
-from gac_torch.kernels.wgmma_gemm import ALIGN, ESIZE, Plan, _kernel, launch_lines
+from gac_torch.kernels.wgmma_gemm import _kernel, launch_lines
+from gac_torch.kernels.wgmma_plan import ALIGN, ESIZE, Plan
 from gac_torch.kernels.wgmma_text import WgmmaText
 
 _WG = "#gpu.address_space<workgroup>"

@@ -2,7 +2,7 @@
 gather code runs on numpy, the 128 producer threads of a CTA in lockstep, its 16-byte copies
 written into a byte model of shared memory (each chunk of a stage exactly once per slice); the
 tiles are then read back the way wgmma reads them, through the kernel's own descriptors
-(wgmma_gemm.desc_layout and the 128-byte swizzle), and multiplied. `emulate` returns C as an
+(wgmma_plan.desc_layout and the 128-byte swizzle), and multiplied. `emulate` returns C as an
 M x N matrix (tests/test_wgmma_conv.py compares it with the convolution)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from gac_torch.kernels.builder import Numpy
 from gac_torch.kernels.conv_gemm import Spec
 from gac_torch.kernels.wgmma_conv import gather
-from gac_torch.kernels.wgmma_gemm import BM, ESIZE, SWIZZLE, WG, Plan, Side, desc_layout, swizzle128
+from gac_torch.kernels.wgmma_plan import BM, ESIZE, SWIZZLE, WG, Plan, Side, desc_layout, swizzle128
 
 
 

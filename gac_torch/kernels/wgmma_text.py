@@ -11,7 +11,7 @@ from gac_torch.kernels import gemm_epilogue
 from gac_torch.kernels.builder import Text
 from gac_torch.kernels.conv_gemm import _addr, _split
 from gac_torch.kernels.cuda_mma import Spec
-from gac_torch.kernels.wgmma_gemm import ESIZE, ALIGN, Plan, Side, descriptor
+from gac_torch.kernels.wgmma_plan import ESIZE, ALIGN, Plan, Side, descriptor
 
 
 # 5c: accumulators whose epilogue loads are issued together: 16 (8 before: a 1x1 conv's

@@ -30,7 +30,7 @@ from mlir.dialects import gpu
 from gac_torch.backends.cuda import kernel_jobs, ptxas
 from gac_torch.backends.gpu import host, tuning
 from gac_torch.errors import CompileError
-from gac_torch.kernels import conv_gemm
+from gac_torch.kernels import conv_gemm_plan
 from gac_torch.backends.gpu.irutil import run_passes
 from gac_torch.backends.gpu.program import Cubin, GpuProgram
 from gac_torch.backends.gpu.stage import read_scheduled, schedule_module
@@ -153,10 +153,10 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
                 # block runs while the first waits at its barrier. The exact-f32 sgemm fits 2 in
                 # 128 registers too (64 accumulators; checked in tests/test_sgemm.py): the other
                 # block hides the late global loads ptxas sinks toward the slice's end.
-                sgemm2 = name.endswith("_sgemm") and conv_gemm.sgemm_blocks_per_sm() == 2  # (GAC_SGEMM_CTAS=1 bisects)
+                sgemm2 = name.endswith("_sgemm") and conv_gemm_plan.sgemm_blocks_per_sm() == 2  # (GAC_SGEMM_CTAS=1 bisects)
                 blocks = 2 if sgemm2 or (name.endswith("_igemm") and not _global_vector_loads(f)) else 1
                 f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
-                if name.endswith("_sgemm") and conv_gemm.EARLY_LOADS and "arg_attrs" in f.attributes:
+                if name.endswith("_sgemm") and conv_gemm_plan.EARLY_LOADS and "arg_attrs" in f.attributes:
                     # plain ld.global, not ld.global.nc (which noalias + read-only allows): ptxas keeps
                     # those before the slice's barrier (conv_gemm.kernel 4), .nc ones it sinks past it
                     del f.attributes["arg_attrs"]

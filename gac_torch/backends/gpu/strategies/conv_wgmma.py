@@ -21,7 +21,7 @@ from gac_torch.backends.gpu.analysis import Generic
 from gac_torch.backends.gpu.strategies import implicit_gemm
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, template_text
 from gac_torch.kernels import wgmma_conv, wgmma_conv_text
-from gac_torch.kernels.wgmma_gemm import Plan
+from gac_torch.kernels.wgmma_plan import Plan
 from gac_torch.lowering.structured import CONV_CONTRACTION
 
 

@@ -34,7 +34,7 @@ from gac_torch.backends.gpu.strategies import weight_layout
 from gac_torch.backends.gpu.strategies.epilogue import (
     FUSED, affine_terms, erase_fused, fused_epilogue, operand_at, rename_from,
 )
-from gac_torch.kernels import conv_gemm, conv_gemm_text, cuda_mma
+from gac_torch.kernels import conv_gemm, conv_gemm_plan, conv_gemm_text, cuda_mma
 from gac_torch.lowering.structured import CONV_CONTRACTION
 
 
@@ -51,7 +51,7 @@ class Params:
 class _Match:
     g: Generic
     spec: conv_gemm.Spec
-    plan: conv_gemm.Plan
+    plan: conv_gemm_plan.Plan
     pads: list
     fill: tuple[ir.Operation, ir.Value] | None
     relayout: weight_layout.Relayout | None = None
@@ -173,15 +173,15 @@ def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool,
     (exact-f32 GEMMs: or 128-wide tiles with 32-deep K slices, or held by 128 threads, 8 x 16
     accumulators each) where the GPU measured it faster for this problem (gpu/tuning.py).
     cp.async needs sm_80+ (as mma.sync); split-K is for plain GEMMs, never convolutions."""
-    def make(big: bool | None, bk: int | None = None, threads: int = 256) -> conv_gemm.Plan | None:
-        return conv_gemm.plan(spec, limits.max_grid, limits.max_static_shared_bytes, big=big,
+    def make(big: bool | None, bk: int | None = None, threads: int = 256) -> conv_gemm_plan.Plan | None:
+        return conv_gemm_plan.plan(spec, limits.max_grid, limits.max_static_shared_bytes, big=big,
                               dynamic_limit=dynamic, simt_cp=cp, split_k=split_k, bk=bk, simt_threads=threads)
 
     plan = make(None)
     cands = [("tile128", make(True)), ("tile64", make(False))]
     if spec.kind == "f32" and split_k:  # (plain GEMMs; 128 threads: 8 x 16 accumulators each)
         cands += [("tile128bk32", make(True, 32)), ("tile128t128", make(True, threads=128))]
-    alts: dict[str, conv_gemm.Plan] = {}
+    alts: dict[str, conv_gemm_plan.Plan] = {}
     for k, p in cands:
         if p is not None and p not in alts.values():
             alts[k] = p

@@ -21,7 +21,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu.analysis import map_dims
 from gac_torch.backends.gpu.irutil import block_ops, func_block, static_memref
-from gac_torch.kernels import conv_gemm
+from gac_torch.kernels import conv_gemm, conv_gemm_plan
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def keeps_runs(ks: list[int], moved: list[int], r: tuple[int, ...], a: conv_gemm
     """Whether K order `moved` keeps both operands' unit-stride runs along K (up to a vector's
     8): not so for an NCHW conv's weights when they are not copied (`relayout`), c then a
     gather at a stride of kh*kw. GAC_IGEMM_KORDER=cinner reorders anyway (bisects)."""
-    run = conv_gemm.unit_run
+    run = conv_gemm_plan.unit_run
     return os.environ.get("GAC_IGEMM_KORDER") == "cinner" or all(
         run(op, tuple(moved), r)[0] >= min(run(op, tuple(ks), r)[0], 8) for op in (a, b))
 
@@ -86,8 +86,8 @@ def permuted(type_text: str, elem: str, shape: tuple[int, ...], strides: tuple[i
     text = "memref<" + "".join(f"{n}x" for n in new_shape) + f"{elem}>"
     op = conv_gemm.operand(text, elem, new_shape, tuple(dense), 0, [({dims[j]: 1}, 0) for j in perm], ndims)
     old = conv_gemm.operand(type_text, elem, shape, strides, offset, [({d: 1}, 0) for d in dims], ndims)
-    run_old, run_new = (conv_gemm.unit_run(o, ks, ranges)[0] for o in (old, op))
-    want = 16 // conv_gemm.ESIZE.get(elem, 4)
+    run_old, run_new = (conv_gemm_plan.unit_run(o, ks, ranges)[0] for o in (old, op))
+    want = 16 // conv_gemm_plan.ESIZE.get(elem, 4)
     if run_old >= want or run_new < want:
         return None
     return Relayout(perm, op)

@@ -25,7 +25,7 @@ from gac_torch.backends.gpu.irutil import buffer_root, defining_op, ops_after, o
 from gac_torch.backends.gpu.strategies import merged_rows, mma
 from gac_torch.backends.gpu.strategies.epilogue import FUSED, fused_epilogue, rename_from
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
-from gac_torch.kernels import wgmma_gemm
+from gac_torch.kernels import wgmma_gemm, wgmma_plan
 from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.lowering.structured import CONV_CONTRACTION
 
@@ -90,15 +90,15 @@ def _read_permuted(g: Generic) -> bool:
     return False
 
 
-def _tuned_plan(spec: Spec) -> wgmma_gemm.Plan | None:
+def _tuned_plan(spec: Spec) -> wgmma_plan.Plan | None:
     """The heuristic tile width (256 once it still fills the GPU, narrower for a narrow N or a
     short K), or another where the GPU measured it faster for this problem (gpu/tuning.py; 64
     only a candidate for N <= 128)."""
-    plan = wgmma_gemm.plan(spec)
+    plan = wgmma_plan.plan(spec)
     if plan is None:
         return None
     alts = {f"bn{bn}": p for bn in (64, 128, 256)[spec.N > 128:]
-            if (p := wgmma_gemm.plan(spec, bn=bn)) is not None}
+            if (p := wgmma_plan.plan(spec, bn=bn)) is not None}
     if len(alts) < 2 or f"bn{plan.bn}" not in alts:
         return plan
     key = f"wgmma:{spec.kind}:{tuning.problem_key(spec)}"
@@ -131,7 +131,7 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
         if rounding is not None:
             c = mma.operand(rounding.outputs[0], g.maps[2])
             spec = Spec(**{**spec.__dict__, "c": rows.merge(c) if rows is not None else c})
-        oriented = wgmma_gemm.orient(spec)  # (tf32, B N-major: C^T = B^T A^T)
+        oriented = wgmma_plan.orient(spec)  # (tf32, B N-major: C^T = B^T A^T)
         plan = _tuned_plan(oriented)
         return None if plan is None else (g, oriented, plan, fill, rounding, oriented is not spec, rows)
 
@@ -151,7 +151,7 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
                     op.move_before(g.op)
             if buffer_root(fused[2][-1]) in {buffer_root(v) for v in g.inputs}:
                 fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)
-            spec = wgmma_gemm.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
+            spec = wgmma_plan.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
             plan = replace(plan, pair_store=False, staged_store=False)
             extra = fused[2]
         a_in = g.inputs[0]
