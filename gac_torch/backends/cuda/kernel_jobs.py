@@ -110,11 +110,12 @@ def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) 
 
 
 def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
-                    on_progress=None, ptxas: Assembler | None = None, per_name: bool = False
-                    ) -> list[KernelResult]:
+                    on_progress=None, ptxas: Assembler | None = None, per_name: bool = False,
+                    meanwhile=None) -> list[KernelResult]:
     """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
     too, or with `per_name` to one per kernel name where the pool compiles it: KernelResult.named,
-    not kept in this cache); in the kernels' order."""
+    not kept in this cache); in the kernels' order. `meanwhile()` runs in the calling thread
+    once the workers have their jobs (run_jobs)."""
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
@@ -153,7 +154,8 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
         except NotSplittable:  # (join_ptx raises it)
             pass
 
-    results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished)
+    results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished,
+                       meanwhile=meanwhile)
     for j, result in enumerate(results):
         if j not in handled:
             finished(j, result)
@@ -183,16 +185,19 @@ _no_pool: list[bool] = []  # set once a worker process could not start: in-proce
 
 
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
-             names: list[list[str]] | None = None, on_result=None
+             names: list[list[str]] | None = None, on_result=None, meanwhile=None
              ) -> list[tuple[str, str, bytes | None, str, dict | None]]:
     """(llvm, ptx, cubin, ptxas's complaint, named cubins) per text (ptx_worker.compile_kernel):
     in-process for a few, else in min(workers, len) worker processes. `names` (per text, with a
     `ptxas`): the workers assemble the PTX under each name (ptx_worker.assemble_named); in-process
     they do not (named None: pipeline.cubins runs ptxas in threads then). `on_result(i, result)`
-    runs in the calling thread as each result arrives (while the workers compile the rest)."""
+    runs in the calling thread as each result arrives (while the workers compile the rest);
+    `meanwhile()` once, right after the workers got their jobs (other work of the caller's)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
+        if meanwhile:
+            meanwhile()
         for i, text in enumerate(texts):
             try:
                 results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas), None)
@@ -250,6 +255,8 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     threads = [threading.Thread(target=serve, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
+    if meanwhile:
+        meanwhile()
     shown = -1
 
     def hand_over() -> None:
@@ -267,7 +274,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)
+        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)  # (meanwhile: ran)
     if errors:
         raise errors[0]
     return results
