@@ -105,6 +105,24 @@ def test_gpu_stage_text_is_printed_while_the_workers_compile(tmp_path, monkeypat
     assert {s: compiled.ir(s) for s in ("gpu", "llvm", "ptx")} == {s: stages[s] for s in ("gpu", "llvm", "ptx")}
 
 
+def test_workers_started_ahead_are_the_pools(monkeypatch):
+    # a program of many kernels starts its workers before it splits its module; run_jobs takes
+    # them (no further process started) and none is left running afterwards
+    monkeypatch.setattr(kernel_jobs, "PRESTART_KERNELS", 0)
+    started = []
+    real = kernel_jobs._worker
+    monkeypatch.setattr(kernel_jobs, "_worker", lambda: started.append(real()) or started[-1])
+    jobs: list[int] = []
+    pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
+    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 2  # both taken by the pool
+    assert not kernel_jobs._spare and all(p.poll() is not None for p in started)
+    assert _ptx(monkeypatch, workers=1) == pooled
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
+    with kernel_jobs.started_workers(100):  # not taken (e.g. a module compiled whole): ended
+        assert len(kernel_jobs._spare) == 2
+    assert not kernel_jobs._spare and all(p.poll() is not None for p in started[2:]) and len(started) == 4
+
+
 def test_kernel_cache_skips_compiled_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("GAC_CACHE_DIR", str(tmp_path))
     texts = {"k_a": _kernel_text(1.0), "k_b": _kernel_text(1.0), "k_c": _kernel_text(2.0)}

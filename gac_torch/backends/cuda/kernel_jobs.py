@@ -22,6 +22,7 @@ whole, as before, to PTX only.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -47,6 +48,8 @@ KEY_FORMAT = 1
 # a worker takes ~0.3 s of CPU to start: a program with less than this much kernel text (a few
 # large kernels) compiles in-process
 MIN_POOL_BYTES = 1_000_000
+# a program of this many kernels starts its workers before it splits its module (started_workers)
+PRESTART_KERNELS = 64
 
 
 @dataclass
@@ -182,6 +185,46 @@ def worker_count() -> int:
 
 
 _no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
+_spare: list[subprocess.Popen] = []  # workers started ahead (started_workers): run_jobs takes them
+
+
+def _worker() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.stdin.close()  # (the worker's loop ends)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@contextlib.contextmanager
+def started_workers(kernels: int):
+    """The pool's workers start (each a Python interpreter importing the MLIR bindings, ~0.3 s)
+    while the caller prepares and splits a program of `kernels` kernels, so run_jobs finds
+    them ready; those it did not take are ended on exit. A small program starts none (it may
+    well compile in-process: MIN_POOL_BYTES)."""
+    n = 0 if _no_pool or kernels < PRESTART_KERNELS else min(worker_count(), kernels)
+    try:
+        for _ in range(n if n > 1 else 0):
+            _spare.append(_worker())
+    except OSError:
+        pass  # (run_jobs finds out and says so)
+    try:
+        yield
+    finally:
+        while (proc := _take_spare()) is not None:
+            _end(proc)
+
+
+def _take_spare() -> subprocess.Popen | None:
+    try:
+        return _spare.pop()
+    except IndexError:  # (none, or another thread's run_jobs took the last)
+        return None
 
 
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
@@ -217,8 +260,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
 
     def serve() -> None:
         try:
-            proc = subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            proc = _take_spare() or _worker()
         except OSError as e:  # no worker (e.g. an embedded interpreter): in-process, said once
             errors.append(e)
             return
@@ -246,11 +288,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
         except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
             errors.append(e)
         finally:
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _end(proc)
 
     threads = [threading.Thread(target=serve, daemon=True) for _ in range(n)]
     for t in threads:

@@ -130,6 +130,11 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
     """Lower the kernels to NVVM (and on to PTX, kernel by kernel: KernelsStage; a module
     kernel_jobs cannot split is lowered whole). The host function is dropped: it is data in
     `program` now."""
+    with kernel_jobs.started_workers(len(stage.program.launches)):  # (they start while the kernels are split)
+        return _lower(stage)
+
+
+def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
     opts = stage.options
     module = stage.module if not stage.defer_text else _kernels_copy(stage.module)  # (rewritten in place)
     with module.context, ir.Location.unknown():
