@@ -194,11 +194,12 @@ def _worker() -> subprocess.Popen:
 
 
 def _end(proc: subprocess.Popen) -> None:
-    proc.stdin.close()  # (the worker's loop ends)
+    proc.stdin.close()  # (the worker's loop ends; closing twice is harmless)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+    proc.stdout.close()
 
 
 @contextlib.contextmanager
@@ -216,8 +217,12 @@ def started_workers(kernels: int):
     try:
         yield
     finally:
+        left = []  # (e.g. every kernel was in the cache): told to end, reaped off this thread
         while (proc := _take_spare()) is not None:
-            _end(proc)
+            proc.stdin.close()
+            left.append(proc)
+        if left:
+            threading.Thread(target=lambda: [_end(p) for p in left], daemon=True).start()
 
 
 def _take_spare() -> subprocess.Popen | None:
