@@ -68,12 +68,18 @@ def _run_stages(module: ir.Module, target: Target, options: dict):
     annotate_kernels(module, artifact)
     stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
     stages["linalg"] = str(artifact)
+    deferred = {}  # stage name -> an artifact the next stages leave as it is: printed at the end
     for stage in target.stages(options):
         progress.step(f"stage {stage.name}")
         artifact = stage.run(artifact)
-        stages[stage.name] = stage_text(artifact)
+        if getattr(artifact, "defer_text", False):
+            stages[stage.name], deferred[stage.name] = "", artifact  # (the stages' order kept)
+        else:
+            stages[stage.name] = stage_text(artifact)
         if isinstance(getattr(artifact, "binary", None), bytes):
             binaries[stage.name] = artifact.binary
+    for name, done in deferred.items():
+        stages[name] = stage_text(done)
     return artifact, stages, binaries
 
 

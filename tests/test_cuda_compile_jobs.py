@@ -80,13 +80,57 @@ def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch, caplog):
     assert result.ok, result.log
 
 
+def test_gpu_stage_text_is_printed_while_the_workers_compile(tmp_path, monkeypatch):
+    # the "llvm" stage lowers a copy of the "gpu" stage's module and prints the module itself
+    # while its workers compile: the same texts as printing each stage right after it ran
+    # (compile_stage_file does), i.e. the lowering left the printed module as it was
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
+    ran = []
+    real = kernel_jobs.run_jobs
+
+    def run_jobs(texts, *a, meanwhile=None, **k):
+        return real(texts, *a, meanwhile=meanwhile and (lambda: ran.append(len(texts)) or meanwhile()), **k)
+
+    monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
+    options = {"arch": "sm_90", "cache": False}
+    with torch.no_grad():
+        compiled = gac_torch.compile(torch.export.export(Blocks().eval(), (x,)), target="cuda", options=options)
+    assert len(ran) == 1 and ran[0] >= 2  # printed once, beside the pool
+    path = tmp_path / "fused_0.linalg"
+    path.write_text(compiled.ir("linalg"))
+    stages, _ = gac_torch.compile_stage_file(path, target="cuda", options=options)
+    assert "func.func @main" in stages["gpu"] and "gpu.module @gac_kernels" in stages["gpu"]
+    assert {s: compiled.ir(s) for s in ("gpu", "llvm", "ptx")} == {s: stages[s] for s in ("gpu", "llvm", "ptx")}
+
+
+def test_workers_started_ahead_are_the_pools(monkeypatch):
+    # a program of many kernels starts its workers before it splits its module; run_jobs takes
+    # them (no further process started) and none is left running afterwards
+    monkeypatch.setattr(kernel_jobs, "PRESTART_KERNELS", 0)
+    started = []
+    real = kernel_jobs._worker
+    monkeypatch.setattr(kernel_jobs, "_worker", lambda: started.append(real()) or started[-1])
+    jobs: list[int] = []
+    pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
+    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 2  # both taken by the pool
+    assert not kernel_jobs._spare and all(p.poll() is not None for p in started)
+    assert _ptx(monkeypatch, workers=1) == pooled
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
+    with kernel_jobs.started_workers(100):  # not taken (e.g. a module compiled whole): ended
+        assert len(kernel_jobs._spare) == 2
+    assert not kernel_jobs._spare and len(started) == 4
+    assert all(p.wait(timeout=30) == 0 for p in started[2:])  # told to end (reaped in a thread)
+
+
 def test_kernel_cache_skips_compiled_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("GAC_CACHE_DIR", str(tmp_path))
     texts = {"k_a": _kernel_text(1.0), "k_b": _kernel_text(1.0), "k_c": _kernel_text(2.0)}
     lower, binary = LOWER, BINARY
     ran: list[int] = []
     real = kernel_jobs.run_jobs
-    monkeypatch.setattr(kernel_jobs, "run_jobs", lambda t, *a: ran.append(len(t)) or real(t, *a))
+    monkeypatch.setattr(kernel_jobs, "run_jobs", lambda t, *a, **k: ran.append(len(t)) or real(t, *a, **k))
     first = kernel_jobs.compile_kernels(texts, lower, binary, use_cache=True)
     assert ran == [2] and [r.names for r in first] == [["k_a", "k_b"], ["k_c"]]
     again = kernel_jobs.compile_kernels(texts, lower, binary, use_cache=True)
@@ -127,9 +171,9 @@ def test_pool_results_are_taken_as_they_arrive(tmp_path, monkeypatch):
     arrived = []
     real = kernel_jobs.run_jobs
 
-    def run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result):
+    def run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result, **k):
         return real(texts, lower, binary, on_progress, ptxas, names,
-                    lambda i, r: arrived.append(i) or on_result(i, r))
+                    lambda i, r: arrived.append(i) or on_result(i, r), **k)
 
     monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
     results = kernel_jobs.compile_kernels(texts, LOWER, BINARY, True)

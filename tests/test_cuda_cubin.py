@@ -74,7 +74,7 @@ def test_kernel_cache_keeps_cubins(tmp_path, monkeypatch):
     texts = {"k_a": _kernel_text(1.0), "k_b": _kernel_text(1.0), "k_c": _kernel_text(2.0)}
     ran: list[int] = []
     real = kernel_jobs.run_jobs
-    monkeypatch.setattr(kernel_jobs, "run_jobs", lambda t, *a: ran.append(len(t)) or real(t, *a))
+    monkeypatch.setattr(kernel_jobs, "run_jobs", lambda t, *a, **k: ran.append(len(t)) or real(t, *a, **k))
     a = _assembler()
     first = kernel_jobs.compile_kernels(texts, LOWER, BINARY, True, ptxas=a)
     assert ran == [2] and all(r.cubin and r.cubin[:4] == b"\x7fELF" for r in first)

@@ -22,6 +22,7 @@ whole, as before, to PTX only.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -47,6 +48,8 @@ KEY_FORMAT = 1
 # a worker takes ~0.3 s of CPU to start: a program with less than this much kernel text (a few
 # large kernels) compiles in-process
 MIN_POOL_BYTES = 1_000_000
+# a program of this many kernels starts its workers before it splits its module (started_workers)
+PRESTART_KERNELS = 64
 
 
 @dataclass
@@ -110,11 +113,12 @@ def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) 
 
 
 def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
-                    on_progress=None, ptxas: Assembler | None = None, per_name: bool = False
-                    ) -> list[KernelResult]:
+                    on_progress=None, ptxas: Assembler | None = None, per_name: bool = False,
+                    meanwhile=None) -> list[KernelResult]:
     """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
     too, or with `per_name` to one per kernel name where the pool compiles it: KernelResult.named,
-    not kept in this cache); in the kernels' order."""
+    not kept in this cache); in the kernels' order. `meanwhile()` runs in the calling thread
+    once the workers have their jobs (run_jobs)."""
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
@@ -153,7 +157,8 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
         except NotSplittable:  # (join_ptx raises it)
             pass
 
-    results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished)
+    results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished,
+                       meanwhile=meanwhile)
     for j, result in enumerate(results):
         if j not in handled:
             finished(j, result)
@@ -180,19 +185,67 @@ def worker_count() -> int:
 
 
 _no_pool: list[bool] = []  # set once a worker process could not start: in-process from then on
+_spare: list[subprocess.Popen] = []  # workers started ahead (started_workers): run_jobs takes them
+
+
+def _worker() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.stdin.close()  # (the worker's loop ends; closing twice is harmless)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    proc.stdout.close()
+
+
+@contextlib.contextmanager
+def started_workers(kernels: int):
+    """The pool's workers start (each a Python interpreter importing the MLIR bindings, ~0.3 s)
+    while the caller prepares and splits a program of `kernels` kernels, so run_jobs finds
+    them ready; those it did not take are ended on exit. A small program starts none (it may
+    well compile in-process: MIN_POOL_BYTES)."""
+    n = 0 if _no_pool or kernels < PRESTART_KERNELS else min(worker_count(), kernels)
+    try:
+        for _ in range(n if n > 1 else 0):
+            _spare.append(_worker())
+    except OSError:
+        pass  # (run_jobs finds out and says so)
+    try:
+        yield
+    finally:
+        left = []  # (e.g. every kernel was in the cache): told to end, reaped off this thread
+        while (proc := _take_spare()) is not None:
+            proc.stdin.close()
+            left.append(proc)
+        if left:
+            threading.Thread(target=lambda: [_end(p) for p in left], daemon=True).start()
+
+
+def _take_spare() -> subprocess.Popen | None:
+    try:
+        return _spare.pop()
+    except IndexError:  # (none, or another thread's run_jobs took the last)
+        return None
 
 
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
-             names: list[list[str]] | None = None, on_result=None
+             names: list[list[str]] | None = None, on_result=None, meanwhile=None
              ) -> list[tuple[str, str, bytes | None, str, dict | None]]:
     """(llvm, ptx, cubin, ptxas's complaint, named cubins) per text (ptx_worker.compile_kernel):
     in-process for a few, else in min(workers, len) worker processes. `names` (per text, with a
     `ptxas`): the workers assemble the PTX under each name (ptx_worker.assemble_named); in-process
     they do not (named None: pipeline.cubins runs ptxas in threads then). `on_result(i, result)`
-    runs in the calling thread as each result arrives (while the workers compile the rest)."""
+    runs in the calling thread as each result arrives (while the workers compile the rest);
+    `meanwhile()` once, right after the workers got their jobs (other work of the caller's)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
+        if meanwhile:
+            meanwhile()
         for i, text in enumerate(texts):
             try:
                 results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas), None)
@@ -212,8 +265,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
 
     def serve() -> None:
         try:
-            proc = subprocess.Popen([sys.executable, str(Path(ptx_worker.__file__))],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            proc = _take_spare() or _worker()
         except OSError as e:  # no worker (e.g. an embedded interpreter): in-process, said once
             errors.append(e)
             return
@@ -241,15 +293,13 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
         except BaseException as e:  # noqa: BLE001  (re-raised in the calling thread)
             errors.append(e)
         finally:
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _end(proc)
 
     threads = [threading.Thread(target=serve, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
+    if meanwhile:
+        meanwhile()
     shown = -1
 
     def hand_over() -> None:
@@ -267,7 +317,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)
+        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)  # (meanwhile: ran)
     if errors:
         raise errors[0]
     return results

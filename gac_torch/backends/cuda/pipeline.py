@@ -62,11 +62,17 @@ class GpuStage:
     module: ir.Module
     program: GpuProgram  # ptx still empty
     options: CudaCodegen
+    # map_stage's: the driver records the text after the "llvm" stage, which lowers a copy and
+    # prints this one while its workers compile (a 37 MB print on BEVFormer-tiny, ~2 s)
+    defer_text: bool = False
+    printed: str | None = None
 
     @property
     def text(self) -> str:  # what the driver records for this stage
-        described = "\n".join("// " + line for line in self.program.describe().splitlines())
-        return f"{described}\n{self.module}"
+        if self.printed is None:
+            described = "\n".join("// " + line for line in self.program.describe().splitlines())
+            self.printed = f"{described}\n{self.module}"
+        return self.printed
 
     def __str__(self) -> str:
         return self.text
@@ -107,7 +113,7 @@ def map_stage(artifact: Any, options: CudaCodegen) -> GpuStage:
     module = _as_module(artifact)
     with tuning.session(tuning.load_table(options.arch)):  # measured tiles (gpu/tuning.py)
         program = schedule_module(module, options.limits, options.strategies, "cuda", options.arch)
-    return GpuStage(module, program, options)
+    return GpuStage(module, program, options, defer_text=True)
 
 
 def parse_gpu_stage(text: str, options: CudaCodegen) -> GpuStage:
@@ -124,8 +130,13 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
     """Lower the kernels to NVVM (and on to PTX, kernel by kernel: KernelsStage; a module
     kernel_jobs cannot split is lowered whole). The host function is dropped: it is data in
     `program` now."""
+    with kernel_jobs.started_workers(len(stage.program.launches)):  # (they start while the kernels are split)
+        return _lower(stage)
+
+
+def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
     opts = stage.options
-    module = stage.module  # in place: the "gpu" stage's text is recorded already
+    module = stage.module if not stage.defer_text else _kernels_copy(stage.module)  # (rewritten in place)
     with module.context, ir.Location.unknown():
         for op in list(module.body.operations):
             if op.operation.name == "func.func":
@@ -177,13 +188,36 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
                 lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
-                assembler, True)
+                assembler, True, meanwhile=lambda: _print_and_release(stage) if stage.defer_text else None)
             return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
                                 assembler, opts.cache)
         except kernel_jobs.NotSplittable as e:
             log.debug("gac cuda: kernels compiled as one module (%s)", e)
         run_passes(module, lower)
     return GpuStage(module, stage.program, opts)
+
+
+def _print_and_release(stage: GpuStage) -> None:
+    """The "gpu" stage's text printed, then its module freed (~0.25 s for BEVFormer-tiny's,
+    else paid after the pool when the driver drops the stage): only the text is needed now."""
+    stage.printed = stage.text  # (the property prints once)
+    stage.module = None  # type: ignore[assignment]
+
+
+def _kernels_copy(module: ir.Module) -> ir.Module:
+    """The module without its host function, copied: what lower_stage rewrites, leaving the
+    "gpu" stage's module to be printed later (cloning is C++ only, printing calls back into
+    Python for every token)."""
+    with module.context, ir.Location.unknown():
+        copy = ir.Module.create()
+        attributes = module.operation.attributes
+        for name in list(attributes):
+            copy.operation.attributes[name] = attributes[name]
+        at = ir.InsertionPoint(copy.body)
+        for op in module.body.operations:
+            if op.operation.name != "func.func":
+                op.operation.clone(at)
+    return copy
 
 
 def _tensor_maps_as_pointers(kernel: ir.Operation) -> None:
