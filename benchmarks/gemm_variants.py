@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -59,7 +60,19 @@ def _device_ms(fn, sets, iters: int = 20) -> float | None:
         return None
 
 
+def _own_code(step: torch.nn.Module) -> torch.nn.Module:
+    """`step` with its forward on a code object of its own: dynamo keeps compiled graphs per code
+    object, and module instances share it (inline_inbuilt_nn_modules), so without this every
+    variant would run the first one's kernels (the H200 run of 2026-12-02 did)."""
+    f = type(step).forward
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    step.forward = types.MethodType(g, step)
+    return step
+
+
 def train(n: int, variants: list[str], rounds: int) -> None:
+    """The MLP training step per variant against eager, each compiled on its own. Switches read
+    at import (GAC_SGEMM_EARLY, GAC_SGEMM_SPLIT_K, the LDMATRIX bisect) need a process each."""
     import copy
 
     from bench_h200 import TrainStep
@@ -72,7 +85,7 @@ def train(n: int, variants: list[str], rounds: int) -> None:
     ref = [g.double() for g in TrainStep(copy.deepcopy(mlp))(*sets[0])]
     fns = {"eager": TrainStep(copy.deepcopy(mlp))}
     for v in variants:
-        step = torch.compile(TrainStep(copy.deepcopy(mlp)), backend="gac", options={"cache": False})
+        step = torch.compile(_own_code(TrainStep(copy.deepcopy(mlp))), backend="gac", options={"cache": False})
         try:
             with VariantEnv(v):
                 got = step(*sets[0])  # (compiles forward, backward and update)
