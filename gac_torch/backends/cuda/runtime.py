@@ -159,6 +159,15 @@ def _launched(err: Any, bound: _Bound, i: int, stream: Any) -> None:
     _check(_driver.cuStreamSynchronize(stream), f"kernel {k.kernel}")
 
 
+def _launch(launches: list[tuple], bound: _Bound, stream: Any) -> None:
+    """cuLaunchKernel over each of `launches` (its full arguments), checked as `_launched` says."""
+    launch = _driver.cuLaunchKernel
+    for i, args in enumerate(launches):
+        err = launch(*args)[0]
+        if err or SYNC_AFTER_LAUNCH:
+            _launched(err, bound, i, stream)
+
+
 def _as_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
@@ -510,15 +519,10 @@ class CudaExecutable:
                     raise CudaError(f"cuGraphLaunch: {_error_text(err)}")
                 self.stats["graph_calls"] += 1
                 return
-        direct = entry.direct
+        direct = entry.direct  # (the launch arguments are built once per stream)
         if direct is None or direct[0] != lane.handle:
-            direct = entry.direct = (lane.handle, [(*head, lane.stream, argv, 0) for head, argv
-                                                   in zip(self._heads(state, bound), entry.table.argv)])
-        launch = _driver.cuLaunchKernel
-        for i, args in enumerate(direct[1]):
-            err = launch(*args)[0]
-            if err or SYNC_AFTER_LAUNCH:
-                _launched(err, bound, i, lane.stream)
+            direct = entry.direct = (lane.handle, self._launch_args(state, entry.table, lane.stream, bound))
+        _launch(direct[1], bound, lane.stream)
         self.stats["direct_calls"] += 1
 
     def _graphs_pay(self) -> bool:
@@ -549,12 +553,9 @@ class CudaExecutable:
                 for k, (grid, block, smem) in zip(bound.program.launches, bound.launches)]
         return heads
 
-    def _launch(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> None:
-        launch = _driver.cuLaunchKernel
-        for i, (head, argv) in enumerate(zip(self._heads(state, bound), table.argv)):
-            err = launch(*head, stream, argv, 0)[0]
-            if err or SYNC_AFTER_LAUNCH:
-                _launched(err, bound, i, stream)
+    def _launch_args(self, state: _Context, table: ArgTable, stream: Any, bound: _Bound) -> list[tuple]:
+        """cuLaunchKernel's arguments per launch of `bound` over `table` on `stream`."""
+        return [(*head, stream, argv, 0) for head, argv in zip(self._heads(state, bound), table.argv)]
 
     def _capture(self, state: _Context, entry: _Entry, bound: _Bound) -> None:
         """Record the launch sequence for this pointer set as a CUDA graph (captured on a
@@ -568,7 +569,7 @@ class CudaExecutable:
                 side, _driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "cuStreamBeginCapture")
             try:
-                self._launch(state, entry.table, side, bound)
+                _launch(self._launch_args(state, entry.table, side, bound), bound, side)
             finally:
                 graph = _check(_driver.cuStreamEndCapture(side), "cuStreamEndCapture")
             exe = _check(_driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
