@@ -95,27 +95,9 @@ class ConvText(WgmmaText):
         self.w(f"{t} = nvgpu.device_async_copy %{which}f[{at}], %SM[{idx}], {vec}, {n}{l1} "
                f": {op.flat} to {self._sm_type()}")
 
-    def load_c(self, row: str, col: str) -> str:
+    def _c_at(self, row: str, col: str) -> tuple[str, str, list[str]]:
         c = self.spec.c
-        return self.if_(self._inside(row, col), "f32",
-                        lambda: self._to_f32(self.load("%Cf", c.flat, [self._flat_at(c, row, col)]), c.elem),
-                        lambda: self.const(0.0, "f32"))
-
-    def store_c(self, row: str, col: str, v: str) -> None:
-        c = self.spec.c
-        self.when(self._inside(row, col),
-                  lambda: self.store(self._round(v), "%Cf", c.flat, [self._flat_at(c, row, col)]))
-
-    def store_pair(self, row: str, col: str, v0: str, v1: str) -> None:
-        c = self.spec.c
-
-        def st() -> None:
-            x = self.fresh()
-            self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{c.elem}>")
-            self.w(f"vector.store {x}, %Cf[{self._flat_at(c, row, col)}] {{alignment = {2 * ESIZE[c.elem]}}}"
-                   f" : {c.flat}, vector<2x{c.elem}>")
-
-        self.when(self._inside(row, col), st)
+        return "%Cf", c.flat, [self._flat_at(c, row, col)]
 
     def _locator(self, row: str, col: str) -> Any:
         """Where an epilogue operand (Operand, space) is read / written for C[row, col]: over

@@ -207,10 +207,14 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
     def _inside(self, row: str, col: str) -> str:
         return self.and_(self.lt(row, self.const(self.spec.M)), self.lt(col, self.const(self.spec.N)))
 
+    def _c_at(self, row: str, col: str) -> tuple[str, str, list[str]]:
+        """C[row, col] as (memref, its type, indices): the memref over the contraction's dims
+        (a conv's ConvText: its flat view)."""
+        return "%C", self.spec.c.type, self._cidx(row, col)
+
     def load_c(self, row: str, col: str) -> str:
-        spec = self.spec
         return self.if_(self._inside(row, col), "f32",
-                        lambda: self._to_f32(self.load("%C", spec.c.type, self._cidx(row, col)), spec.c.elem),
+                        lambda: self._to_f32(self.load(*self._c_at(row, col)), self.spec.c.elem),
                         lambda: self.const(0.0, "f32"))
 
     def _round(self, v: str) -> str:
@@ -357,8 +361,7 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         return args[r[1]] if r[0] == "arg" else results[r[1]] if r[0] == "op" else self.econst(r[1], r[2])
 
     def store_c(self, row: str, col: str, v: str) -> None:
-        self.when(self._inside(row, col),
-                  lambda: self.store(self._round(v), "%C", self.spec.c.type, self._cidx(row, col)))
+        self.when(self._inside(row, col), lambda: self.store(self._round(v), *self._c_at(row, col)))
 
     def smem_store_pair(self, addr: str, v0: str, v1: str) -> None:
         ec = self.spec.c.elem
@@ -383,12 +386,13 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         self.when(self._inside(row, col), st)
 
     def store_pair(self, row: str, col: str, v0: str, v1: str) -> None:
-        ec, ct = self.spec.c.elem, self.spec.c.type
+        ec = self.spec.c.elem
 
         def st() -> None:
             x = self.fresh()
             self.w(f"{x} = vector.from_elements {self._round(v0)}, {self._round(v1)} : vector<2x{ec}>")
-            self.w(f"vector.store {x}, %C[{', '.join(self._cidx(row, col))}] {{alignment = {2 * ESIZE[ec]}}}"
+            c, ct, idx = self._c_at(row, col)
+            self.w(f"vector.store {x}, {c}[{', '.join(idx)}] {{alignment = {2 * ESIZE[ec]}}}"
                    f" : {ct}, vector<2x{ec}>")
 
         self.when(self._inside(row, col), st)
