@@ -33,3 +33,19 @@ def test_within_tolerance_exits_zero(tmp_path):
 def test_a_raising_variant_fails_the_run(tmp_path):
     p = _run("write_report(failed('gemm gac', 'RuntimeError: boom'), None)", tmp_path)
     assert p.returncode == 1 and "FAIL (RuntimeError: boom)" in p.stdout
+
+
+def test_each_train_variant_compiles_its_own_graph(tmp_path):
+    # gemm_variants --train compiles one step per variant; module instances share forward's code
+    # object, where dynamo keeps compiled graphs, so without _own_code every variant ran the
+    # first one's kernels (3 instances: 1 compile)
+    p = _run("import torch\nimport gemm_variants as gv\n"
+             "n = [0]\n"
+             "def count(gm, ex):\n    n[0] += 1\n    return gm.forward\n"
+             "class Step(torch.nn.Module):\n"
+             "    def __init__(self):\n        super().__init__()\n        self.l = torch.nn.Linear(4, 4)\n"
+             "    def forward(self, x):\n        return self.l(x).relu().sum()\n"
+             "for _ in range(3):\n    torch.compile(gv._own_code(Step()), backend=count)(torch.randn(2, 4))\n"
+             "print(n[0])", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "3"
