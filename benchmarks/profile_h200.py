@@ -26,7 +26,7 @@ def all_workloads():
         yield from g()
 
 
-def profile(w, iters: int) -> str:
+def profile(w, iters: int, top: int = 30) -> str:
     torch._dynamo.reset()
     x = w.make_inputs(0)
     fn = torch.compile(w.model, backend="gac")
@@ -63,7 +63,7 @@ def profile(w, iters: int) -> str:
     total = sum(v[0] for v in per.values()) / iters / 1e3
     lines += [f"device time per call: {total:.3f} ms over {sum(v[1] for v in per.values()) / iters:.0f} kernels",
               "", "| kernel | ms/call | share | launches/call | strategy grid block smem |", "|---|---|---|---|---|"]
-    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:30]:
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
         ms = us / iters / 1e3
         lines.append(f"| `{name[:90]}` | {ms:.4f} | {ms / max(total, 1e-9):.1%} | {n / iters:.1f} "
                      f"| {launch_of.get(name, '')} |")
@@ -124,6 +124,7 @@ def main() -> int:
     ap.add_argument("--only", required=True, help="comma-separated workload names")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--top", type=int, default=30, help="kernels listed per workload")
     args = ap.parse_args()
     want = args.only.split(",")
     found = {w.name: w for w in all_workloads() if w.name in want}
@@ -133,7 +134,7 @@ def main() -> int:
             out.append(f"## {name}: unknown workload\n")
             continue
         try:
-            out.append(profile(found[name], args.iters))
+            out.append(profile(found[name], args.iters, args.top))
         except Exception as e:  # noqa: BLE001  (report and go on to the next workload)
             out.append(f"## {name}: {type(e).__name__}: {e}\n")
         print(out[-1], flush=True)
