@@ -152,7 +152,7 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
             if buffer_root(fused[2][-1]) in {buffer_root(v) for v in g.inputs}:
                 fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)
             spec = wgmma_plan.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
-            plan = replace(plan, pair_store=False, staged_store=False)
+            plan = wgmma_plan.stage_epilogue(spec, replace(plan, pair_store=False, staged_store=False))
             extra = fused[2]
         a_in = g.inputs[0]
         if rows is not None:  # A and C through views with the M run as one dim
