@@ -491,17 +491,19 @@ def test_staged_epilogue_moves_each_element_once(es: int, bn: int) -> None:
     assert (chunks == 1).all()
 
 
-@pytest.mark.parametrize("M,K,N,dtype,residual,staged", [
-    (1000, 72, 200, torch.float32, True, True),  # TF32, a 1x1 conv's 128-wide tile, two buffers
-    (1000, 72, 40, torch.bfloat16, True, True),  # N 40 in a 64-wide tile
-    (999, 136, 104, torch.float16, False, True),  # no residual: the buffer only stages Z
-    (1000, 520, 1030, torch.float16, True, False),  # rows of 2060 bytes: not 16-byte chunks
-    (4000, 264, 1024, torch.float32, True, False),  # f32 in a 256-wide tile: 128 KiB a buffer
+@pytest.mark.parametrize("M,K,N,dtype,residual,staged,bn", [
+    (1000, 72, 200, torch.float32, True, True, (128, 128)),  # TF32, a 1x1 conv's 128-wide tile, two buffers
+    (1000, 72, 40, torch.bfloat16, True, True, (64, 64)),  # N 40 in a 64-wide tile
+    (999, 136, 104, torch.float16, False, True, (128, 128)),  # no residual: the buffer only stages Z
+    (1000, 520, 1030, torch.float16, True, False, (128, 128)),  # rows of 2060 bytes: not 16-byte chunks
+    (4000, 264, 1024, torch.float32, True, True, (128, 256)),  # a 256-wide f32 tile's buffer: 128 KiB
+    (4300, 264, 1024, torch.bfloat16, False, True, (256, 256)),  # one 64 KiB buffer, no residual to wait for
 ])
-def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, monkeypatch) -> None:
+def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, bn, monkeypatch) -> None:
     # 5d: the residual comes by TMA (a third tensor map, read by the producer), Z leaves as
     # 16-byte chunks; where it does not apply, and with GAC_WGMMA_EPILOGUE_STAGE=0, the loads
-    # and stores stay in registers (5c)
+    # and stores stay in registers (5c); with a residual, a 256-wide tile goes 128 wide (two
+    # buffers: the next tile's residual loads while this one is stored)
     import gac_torch
 
     args = tuple(torch.randn(s).to(dtype) for s in epilogue_shapes(M, K, N, True, 0))
@@ -514,6 +516,7 @@ def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, monkey
                                     options={"arch": "sm_90", "cache": False}).ir("ptx")
         head, body = ptx.split("\n.version")[0], ptx.split("setmaxnreg.inc")[1]
         five_d = on and staged
+        assert f".m64n{bn[0] if on else bn[1]}k" in body
         assert head.count("tma(") == (3 if five_d and residual else 2), head
         assert ("st.global.v4" in body) == five_d == ("ld.shared.v4.b32" in body)
         loads[on] = body.count("ld.global")  # the per-column operands' (the bias) only, in 5d

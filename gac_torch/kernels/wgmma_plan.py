@@ -293,8 +293,8 @@ def stage_epilogue(spec: Any, p: Plan) -> Plan:
     """`p` with the fused epilogue staged through shared memory (5d), where it applies: the
     output and at most one operand that varies along M (the residual) are row-major M x N views
     of one element size, every other operand constant along M, N whole 16-byte chunks, no batch,
-    A not in registers; two tile buffers (one where two do not fit beside 3 A/B stages).
-    GAC_WGMMA_EPILOGUE_STAGE=0: never (the loads and stores from registers, 5c)."""
+    A not in registers; two tile buffers (one where two do not fit beside 3 A/B stages; with a
+    residual, a 256-wide tile goes 128 wide instead). GAC_WGMMA_EPILOGUE_STAGE=0: never (the loads and stores from registers, 5c)."""
     ep = epilogue_of(spec)
     if (ep is None or os.environ.get("GAC_WGMMA_EPILOGUE_STAGE") == "0" or p.a_regs or p.cluster > 1
             or spec.batch or ep.out[1] is not None or ep.out[0].elem not in ESIZE):
@@ -310,14 +310,20 @@ def stage_epilogue(spec: Any, p: Plan) -> Plan:
         op = ep.inputs[res]
         if op[1] is not None or op[0].elem not in ESIZE or ESIZE[op[0].elem] != es or not _rows_view(op[0], spec, es):
             return p
-    ring_bytes = BM * p.bn * es
-    per_stage = p.a.stage_bytes + p.b.stage_bytes + 16
-    for ring in (2, 1):
-        room = SMEM_LIMIT - ALIGN - ring * (ring_bytes + 16)
-        stages = min(p.stages, room // per_stage)
-        if stages >= min(3, p.stages):
-            return replace(p, stages=stages, ring=ring, ring_bytes=ring_bytes, res=res, out_es=es,
-                           pair_store=False, staged_store=False)
+    for q in (p, *([plan(spec, bn=128)] if p.bn == 256 and res >= 0 else [])):
+        if q is None:
+            continue
+        ring_bytes = BM * q.bn * es
+        per_stage = q.a.stage_bytes + q.b.stage_bytes + 16
+        # a residual tile's load waits for the buffer's previous tile to be read out: with one
+        # buffer, each tile would wait for its residual; a 256-wide tile then goes 128 wide (f32:
+        # a 128 KiB buffer leaves no room for a second; ResNet's layer-3/4 1x1s, M 9000 / 2250)
+        for ring in (2,) if res >= 0 and q is p and p.bn == 256 else (2, 1):
+            room = SMEM_LIMIT - ALIGN - ring * (ring_bytes + 16)
+            stages = min(q.stages, room // per_stage)
+            if stages >= min(3, q.stages):
+                return replace(q, stages=stages, ring=ring, ring_bytes=ring_bytes, res=res, out_es=es,
+                               pair_store=False, staged_store=False)
     return p
 
 
