@@ -541,18 +541,21 @@ class BlockEnd(torch.nn.Module):
         return torch.relu(a + b)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heavy_epilogue_in_a_wide_tile_does_not_spill(dtype) -> None:
+def test_heavy_epilogue_in_a_wide_tile_does_not_spill(dtype, staged, monkeypatch) -> None:
     # ResNet's block-3 first conv (K 256 -> N 1024, a 256-wide tile, the downsample's BatchNorm
-    # fused): 16-accumulator chunks with pairs spilled 132 bytes; such an epilogue loads 8 at a time
+    # fused): 16-accumulator chunks with pairs spilled 132 bytes; such an epilogue loads 8 at a
+    # time (5c). Staged (5d, the default), the residual comes by TMA into a 128-wide tile's buffer
     import gac_torch
 
+    monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", "1" if staged else "0")
     M, K, N = 9000, 256, 1024
     args = (torch.randn(M, K), torch.randn(N, K), torch.randn(M, N), *[torch.rand(N) + 0.5 for _ in range(8)])
     with matmul_tf32(True):
         ptx = gac_torch.compile(BlockEnd(), tuple(a.to(dtype) for a in args), target="cuda",
                                 options={"arch": "sm_90", "cache": False}).ir("ptx")
-    assert "m64n256k" in ptx and [ln.split("[")[1].split("]")[0] for ln in ptx.splitlines()
+    assert f"m64n{128 if staged else 256}k" in ptx and [ln.split("[")[1].split("]")[0] for ln in ptx.splitlines()
                                    if ln.startswith("// launch")] == ["wgmma"], ptx.split("\n.version")[0]
     result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
     assert result.ok and " 0 bytes spill stores" in result.log, result.log
