@@ -501,28 +501,31 @@ def test_staged_epilogue_moves_each_element_once(es: int, bn: int) -> None:
 ])
 def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, bn, monkeypatch) -> None:
     # 5d: the residual comes by TMA (a third tensor map, read by the producer), Z leaves as
-    # 16-byte chunks; where it does not apply, and with GAC_WGMMA_EPILOGUE_STAGE=0, the loads
-    # and stores stay in registers (5c); with a residual, a 256-wide tile goes 128 wide (two
-    # buffers: the next tile's residual loads while this one is stored)
+    # 16-byte chunks (=tma: by TMA stores, a tensor map the kernel writes); where it does not
+    # apply, and with GAC_WGMMA_EPILOGUE_STAGE=0, the loads and stores stay in registers (5c);
+    # with a residual, a 256-wide tile goes 128 wide (two buffers: the next tile's residual
+    # loads while this one is stored)
     import gac_torch
 
     args = tuple(torch.randn(s).to(dtype) for s in epilogue_shapes(M, K, N, True, 0))
     loads = {}
-    for on in (True, False):
-        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", "1" if on else "0")
+    for mode in ("1", "tma", "0"):
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", mode)
         with matmul_tf32(dtype == torch.float32):
             model = Epilogue("relu", residual, True) if residual else _NoResidual()
             ptx = gac_torch.compile(model, args if residual else args[:3], target="cuda",
                                     options={"arch": "sm_90", "cache": False}).ir("ptx")
         head, body = ptx.split("\n.version")[0], ptx.split("setmaxnreg.inc")[1]
-        five_d = on and staged
-        assert f".m64n{bn[0] if on else bn[1]}k" in body
-        assert head.count("tma(") == (3 if five_d and residual else 2), head
-        assert ("st.global.v4" in body) == five_d == ("ld.shared.v4.b32" in body)
-        loads[on] = body.count("ld.global")  # the per-column operands' (the bias) only, in 5d
+        five_d = mode != "0" and staged
+        assert f".m64n{bn[0] if mode != '0' else bn[1]}k" in body
+        assert head.count("tma(") == 2 + (five_d and residual) + (five_d and mode == "tma"), head
+        assert (":w)" in head or ":w, " in head) == (five_d and mode == "tma"), head
+        assert ("st.global.v4" in body) == (five_d and mode == "1") == ("ld.shared.v4.b32" in body)
+        assert ("global.shared::cta.bulk_group" in body) == (five_d and mode == "tma")
+        loads[mode] = body.count("ld.global")  # the per-column operands' (the bias) only, in 5d
         result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
         assert result.ok and " 0 bytes spill stores" in result.log, result.log
-    assert (loads[True] < loads[False]) == (staged and residual), loads
+    assert (loads["1"] < loads["0"]) == (staged and residual), loads
 
 
 class _NoResidual(torch.nn.Module):

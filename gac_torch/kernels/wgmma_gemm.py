@@ -138,7 +138,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             b.mbar_init(empty(c(s)), 2 * cl)  # one arrival per consumer warpgroup of the cluster
         for r in range(p.ring if p.res >= 0 else 0):
             b.mbar_init(rfull(c(r)), 1)
-            b.mbar_init(rempty(c(r)), 2 * WG)
+            b.mbar_init(rempty(c(r)), 2 if p.tma_store else 2 * WG)  # (TMA store: the leaders)
         b.asm("fence.mbarrier_init.release.cluster;")
 
     b.when(b.eq(tid, c(0)), init)
@@ -394,6 +394,22 @@ def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, re
                         for k, x in enumerate(ep.inputs)]
                 ys.append(b.body_value(accs[j + h], args))
             b.sts_pair(addr, ys[0], ys[1], out_elem)
+    if p.tma_store:  # the warpgroup's rows of each box, by its first thread, once all wrote
+        # them (and made them visible to the async proxy); the buffer is free again once the
+        # stores read it (the residual's next tile may come)
+        b.asm("fence.proxy.async.shared::cta;")
+        b.asm("bar.sync $0, $1;", args=sync)
+
+        def store() -> None:
+            for j in range(p.bn * p.out_es // SWIZZLE):
+                box = b.i32_add(at, b.i32_add(b.i32(j * BM * SWIZZLE), b.i32_mul(b.to_i32(cw), b.i32(64 * SWIZZLE))))
+                b.tma_store("Z", box, [b.add(n0, c(j * SWIZZLE // p.out_es)), b.add(m0, b.mul(cw, c(64)))])
+            b.asm("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;")
+            if p.res >= 0:
+                b.mbar_arrive(rempty(r))
+
+        b.when(b.eq(t, c(0)), store)
+        return
     b.asm("bar.sync $0, $1;", args=sync)
     per_row = p.bn * p.out_es // 16
     for k in range(64 * per_row // WG):
@@ -405,6 +421,19 @@ def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, re
     if p.res >= 0:  # the buffer's next tile comes by TMA (the async proxy)
         b.asm("fence.proxy.async.shared::cta;")
         b.mbar_arrive(rempty(r))
+
+
+def _rows_map(name: str, buf: str, op: Any, spec: Spec, rows: int, span: int) -> list[str]:
+    """5d: the TMA descriptor %tm<name>d of epilogue operand `op` (memref `buf`) as a row-major
+    M x N view, in boxes of [rows][span] (128 bytes)."""
+    off = op.offset + op.const
+    view = f"memref<{spec.M}x{spec.N}x{op.elem}, strided<[{op.coef[spec.m]}, 1], offset: {off}>>"
+    return [f"%v{name} = memref.reinterpret_cast {buf} to offset: [{off}], sizes: [{spec.M}, {spec.N}], "
+            f"strides: [{op.coef[spec.m]}, 1] : {op.type} to {view}",
+            f"%u{name} = memref.cast %v{name} : {view} to memref<*x{op.elem}>",
+            f"%bx{name}0 = arith.constant {rows} : index", f"%bx{name}1 = arith.constant {span} : index",
+            f"%tm{name}d = nvgpu.tma.create.descriptor %u{name} box[%bx{name}0, %bx{name}1] : memref<*x{op.elem}> -> "
+            + tensor_map_type([rows, span], op.elem)]
 
 
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
@@ -456,14 +485,11 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
                     + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
     if p.res >= 0:  # 5d: the residual as a row-major M x N view, read in [BM][128 bytes] boxes
         op = ep.inputs[p.res][0]
-        span, off, view = SWIZZLE // p.out_es, op.offset + op.const, f"%E{p.res}"
-        rows = f"memref<{spec.M}x{spec.N}x{op.elem}, strided<[{op.coef[spec.m]}, 1], offset: {off}>>"
-        types["R"] = tm = tensor_map_type([BM, span], op.elem)
-        head += [f"%vR = memref.reinterpret_cast {view} to offset: [{off}], sizes: [{spec.M}, {spec.N}], "
-                 f"strides: [{op.coef[spec.m]}, 1] : {op.type} to {rows}",
-                 f"%uR = memref.cast %vR : {rows} to memref<*x{op.elem}>",
-                 f"%bxR0 = arith.constant {BM} : index", f"%bxR1 = arith.constant {span} : index",
-                 f"%tmRd = nvgpu.tma.create.descriptor %uR box[%bxR0, %bxR1] : memref<*x{op.elem}> -> {tm}"]
+        types["R"] = tensor_map_type([BM, SWIZZLE // p.out_es], op.elem)
+        head += _rows_map("R", f"%E{p.res}", op, spec, BM, SWIZZLE // p.out_es)
+    if p.tma_store:  # Z likewise, stored in [64 rows][128 bytes] boxes (a warpgroup's rows)
+        types["Z"] = tensor_map_type([64, SWIZZLE // p.out_es], ep.out[0].elem)
+        head += _rows_map("Z", "%Z", ep.out[0], spec, 64, SWIZZLE // p.out_es)
     head += launch_lines(p)
     casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
              for w in types]

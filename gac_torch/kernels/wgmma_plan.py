@@ -81,6 +81,7 @@ class Plan:
     ring_bytes: int = 0
     res: int = -1
     out_es: int = 4
+    tma_store: bool = False  # 5d: Z leaves by TMA (bulk tensor stores of [64 rows][128 B] boxes)
 
     @property
     def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
@@ -294,9 +295,12 @@ def stage_epilogue(spec: Any, p: Plan) -> Plan:
     output and at most one operand that varies along M (the residual) are row-major M x N views
     of one element size, every other operand constant along M, N whole 16-byte chunks, no batch,
     A not in registers; two tile buffers (one where two do not fit beside 3 A/B stages; with a
-    residual, a 256-wide tile goes 128 wide instead). GAC_WGMMA_EPILOGUE_STAGE=0: never (the loads and stores from registers, 5c)."""
+    residual, a 256-wide tile goes 128 wide instead). GAC_WGMMA_EPILOGUE_STAGE=0: never (the
+    loads and stores from registers, 5c); =tma: Z leaves by TMA stores instead of the threads'
+    16-byte ones."""
     ep = epilogue_of(spec)
-    if (ep is None or os.environ.get("GAC_WGMMA_EPILOGUE_STAGE") == "0" or p.a_regs or p.cluster > 1
+    mode = os.environ.get("GAC_WGMMA_EPILOGUE_STAGE", "1")
+    if (ep is None or mode == "0" or p.a_regs or p.cluster > 1
             or spec.batch or ep.out[1] is not None or ep.out[0].elem not in ESIZE):
         return p
     es = ESIZE[ep.out[0].elem]
@@ -323,7 +327,7 @@ def stage_epilogue(spec: Any, p: Plan) -> Plan:
             stages = min(q.stages, room // per_stage)
             if stages >= min(3, q.stages):
                 return replace(q, stages=stages, ring=ring, ring_bytes=ring_bytes, res=res, out_es=es,
-                               pair_store=False, staged_store=False)
+                               pair_store=False, staged_store=False, tma_store=mode == "tma")
     return p
 
 

@@ -143,6 +143,15 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
                        *[(self.to_i32(x), "r", "i32") for x in coords], (bar, "r", "i32"),
                        *([(self.const(multicast, "i16"), "h", "i16")] if multicast else [])])
 
+    def tma_store(self, which: str, src: str, coords: list[str]) -> None:
+        """The box at shared `src` to the tensor at `coords` (innermost first; the part outside
+        the tensor is not written), in the thread's bulk async-group."""
+        n = len(coords)
+        cs = ", ".join(f"${i + 1}" for i in range(n))
+        self.asm(f"cp.async.bulk.tensor.{n}d.global.shared::cta.bulk_group [$0, {{{cs}}}], [${n + 1}];",
+                 args=[(f"%tm{which}", "l", "!llvm.ptr"), *[(self.to_i32(x), "r", "i32") for x in coords],
+                       (src, "r", "i32")])
+
     def desc(self, smem: str, base: int, side: Side, s: str, layout: tuple[int, int, int],
              part: str | None, part_bytes: int) -> str:
         """The i64 descriptor of stage `s`'s tile + `layout`'s offset (+ part * part_bytes:
