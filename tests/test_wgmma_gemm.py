@@ -498,6 +498,8 @@ def test_staged_epilogue_moves_each_element_once(es: int, bn: int) -> None:
     (1000, 520, 1030, torch.float16, True, False, (128, 128)),  # rows of 2060 bytes: not 16-byte chunks
     (4000, 200, 1024, torch.float32, True, True, (128, 256)),  # a 256-wide f32 tile's buffer: 128 KiB
     (4300, 264, 1024, torch.bfloat16, False, True, (256, 256)),  # one 64 KiB buffer, no residual to wait for
+    (1000, 1032, 200, torch.float32, False, False, (128, 128)),  # long K, no residual: all 6 stages
+    (1000, 1032, 200, torch.float32, True, True, (128, 128)),  # with one: 3 stages, two buffers
 ])
 def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, bn, monkeypatch) -> None:
     # 5d: the residual comes by TMA (a third tensor map, read by the producer), Z leaves as

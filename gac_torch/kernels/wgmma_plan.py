@@ -325,9 +325,12 @@ def stage_epilogue(spec: Any, p: Plan) -> Plan:
         for ring in (2,) if res >= 0 and q is p and p.bn == 256 else (2, 1):
             room = SMEM_LIMIT - ALIGN - ring * (ring_bytes + 16)
             stages = min(q.stages, room // per_stage)
-            # 3 stages at least; all of them for a long K (compute-bound: the mainloop's depth
-            # pays, the epilogue's bytes are a small part of the tile's time)
-            if stages >= min(3 if -(-spec.K // q.bk) <= 8 else q.stages, q.stages):
+            # 3 stages at least; without a residual, all of them for a long K (compute-bound:
+            # the mainloop's depth pays, the epilogue is a small part of the tile's time; a
+            # residual read from registers costs a memory latency per chunk: ResNet's layer-4
+            # 1x1s, K 512, 65-78 us for ~12 us of MMAs)
+            short = res >= 0 or -(-spec.K // q.bk) <= 8
+            if stages >= min(3 if short else q.stages, q.stages):
                 return replace(q, stages=stages, ring=ring, ring_bytes=ring_bytes, res=res, out_es=es,
                                pair_store=False, staged_store=False, tma_store=mode == "tma")
     return p
