@@ -46,17 +46,25 @@ ahead into the next tile while the consumers store the last one.
                (C itself is not written); a chunk's operand loads first, then its stores;
                operands contiguous along N two columns per load / store (FRAG_C's pairs);
                with BN <= 128 the loads along M (a residual) of the first PREFETCH
-               accumulators are issued before the main loop (its MMAs hide their latency)
+               accumulators are issued before the main loop (its MMAs hide their latency);
+               5d. (wgmma_plan.stage_epilogue, where the output and a residual are row-major
+               M x N views) the tile goes through one of `ring` tile buffers after the A/B
+               stages: the producer TMA-loads the tile's residual there (3c, once the buffer's
+               previous tile was read out: rempty/rfull barriers), each consumer thread reads
+               its pairs, runs the body with the per-column operands and writes the result
+               over them; after a warpgroup barrier, its 64 rows leave as 16-byte row chunks
+               (=tma: as TMA stores of [64][128 B] boxes)
 
-Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
-mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
+Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, (5d) the tile
+buffers, then the 2*S mbarriers (5d: and 2 per tile buffer). An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
 swizzle span): K-major, a box [rows][BK] per tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
 tiling (`plan`, the tile width) and the descriptor math are plain Python on ints in
 wgmma_plan.py; the MLIR text builder is wgmma_text.py.
 
 Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (64 | 128 | 256),
 GAC_WGMMA_NARROW=0, GAC_WGMMA_EPILOGUE_CHUNK, GAC_WGMMA_EPILOGUE_PREFETCH, GAC_WGMMA_EPILOGUE_PAIRS=0,
-GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_CLUSTER=2 (CTA pairs
+GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_EPILOGUE_STAGE=0|tma
+(5d off | Z by TMA stores), GAC_WGMMA_CLUSTER=2 (CTA pairs
 sharing B through TMA multicast: compiled and ptxas-checked, not yet run on a GPU);
 benchmarks/wgmma_tiles.py races them.
 """
