@@ -530,6 +530,34 @@ def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, bn, mo
     assert (loads["1"] < loads["0"]) == (staged and residual), loads
 
 
+@pytest.mark.parametrize("M,K,N,batch,staged", [
+    (1000, 72, 200, 0, True), (200, 136, 264, 2, True),  # short K (8 slices at most), a batch
+    (1000, 1032, 200, 0, False),  # a long K keeps its 6 stages and the paired stores
+])
+def test_short_k_f32_c_through_shared_memory(M, K, N, batch, staged, monkeypatch) -> None:
+    # 5d without an epilogue (wgmma_plan.stage_c): a TF32 product's f32 C, whose bytes are the
+    # tile's time, leaves as 16-byte row chunks; GAC_WGMMA_EPILOGUE_STAGE=0: pairs from registers
+    import gac_torch
+
+    lead = (batch,) if batch else ()
+    args = (torch.randn(lead + (M, K)), torch.randn(lead + (N, K)))
+    for on in (True, False):
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", "1" if on else "0")
+        with matmul_tf32(True):
+            ptx = gac_torch.compile(_Mm(False, True), args, target="cuda",
+                                    options={"arch": "sm_90", "cache": False}).ir("ptx")
+        assert launches_of(ptx) == ["wgmma"]
+        body = ptx.split("setmaxnreg.inc")[1]
+        assert ("st.global.v4" in body) == (on and staged) != ("st.global.v2.b32" in body)
+        result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+        assert result.ok and " 0 bytes spill stores" in result.log, result.log
+
+
+def launches_of(ptx: str) -> list[str]:
+    return [line.rsplit("[", 1)[1].split("]")[0] for line in ptx.split("\n.version")[0].splitlines()
+            if line.startswith("// launch")]
+
+
 class _NoResidual(torch.nn.Module):
     def forward(self, x, w, bias):
         return torch.relu(torch.nn.functional.linear(x, w, bias))

@@ -320,7 +320,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             last = b.rem(b.add(first, c(nk - 1)), c(S))
             b.when(leader, lambda: release(last))
             # 5. store (the producer is already loading the next tile)
-            if p.ring:  # 5d
+            if p.ring:  # 5d (also C itself, wgmma_plan.stage_c)
                 ring_epilogue(b, p, tl, ring_slot, rfull, rempty, m0, n0, cw, t, local, tq, accs)
                 return
             if epilogue_of(spec) is not None:  # 5c
@@ -371,8 +371,9 @@ def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, re
     from the buffer (TMA put it there, 3c), the per-column operands from global memory, the
     body's result written back over the residual; then the warpgroup's 64 rows to Z in 16-byte
     row chunks, consecutive threads on consecutive chunks (whole 32-byte sectors and 128-byte
-    lines, where the fragment's pairs wrote 8 rows x 16 bytes per warp instruction)."""
-    c, ep = b.const, b.spec.epilogue
+    lines, where the fragment's pairs wrote 8 rows x 16 bytes per warp instruction). Without an
+    epilogue (wgmma_plan.stage_c), C's rounded accumulators go the same way."""
+    c, ep = b.const, epilogue_of(b.spec)
     at, r, phase = ring_slot(tl)
     sync = [(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32"), (b.i32(WG), "r", "i32")]
     if p.res >= 0:
@@ -380,8 +381,9 @@ def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, re
     elif p.ring == 1:  # the previous tile's chunks are out before the buffer is rewritten
         b.asm("bar.sync $0, $1;", args=sync)
     res_elem = ep.inputs[p.res][0].elem if p.res >= 0 else None
-    out_elem = ep.out[0].elem
-    n_col = sum(1 for k, x in enumerate(ep.inputs) if x is not None and k != p.res)
+    out_elem = ep.out[0].elem if ep is not None else b.spec.c.elem
+    inputs = ep.inputs if ep is not None else ()
+    n_col = sum(1 for k, x in enumerate(inputs) if x is not None and k != p.res)
     per = max(1, 24 // max(1, n_col))  # columns pairs whose operand loads go together
     cols_i = list(range(p.bn // 8))
     for s0 in range(0, len(cols_i), per):
@@ -398,8 +400,11 @@ def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, re
             j = 4 * i + (2 if rq else 0)
             ys = []
             for h in (0, 1):
+                if ep is None:
+                    ys.append(b.round_to(accs[j + h], out_elem))
+                    continue
                 args = [None if x is None else rv[h] if k == p.res else loaded[2 * ii + h][k]
-                        for k, x in enumerate(ep.inputs)]
+                        for k, x in enumerate(inputs)]
                 ys.append(b.body_value(accs[j + h], args))
             b.sts_pair(addr, ys[0], ys[1], out_elem)
     if p.tma_store:  # the warpgroup's rows of each box, by its first thread, once all wrote

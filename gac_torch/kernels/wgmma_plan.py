@@ -336,6 +336,23 @@ def stage_epilogue(spec: Any, p: Plan) -> Plan:
     return p
 
 
+def stage_c(spec: Spec, p: Plan) -> Plan:
+    """`p` with an f32 C (no epilogue) stored through two tile buffers as 16-byte row chunks
+    (5d without a residual; 16-bit C has 5b) where K is short (8 slices at most: the tile's
+    time is its bytes, ResNet's downsample 1x1 with its BatchNorm fused into the block's last
+    conv) and C's rows are 16-byte aligned; GAC_WGMMA_EPILOGUE_STAGE=0: never."""
+    c = spec.c
+    if (os.environ.get("GAC_WGMMA_EPILOGUE_STAGE") == "0" or epilogue_of(spec) is not None or c.elem != "f32"
+            or p.a_regs or p.cluster > 1 or p.staged_store or not p.pair_store or -(-spec.K // p.bk) > 8
+            or c.dims[-1] != spec.n or spec.N % 4 or c.offset % 4 or any(x % 4 for x in c.strides[:-1])):
+        return p
+    ring_bytes = BM * p.bn * 4
+    stages = min(p.stages, (SMEM_LIMIT - ALIGN - 2 * (ring_bytes + 16)) // (p.a.stage_bytes + p.b.stage_bytes + 16))
+    if stages < min(3, p.stages):
+        return p
+    return replace(p, stages=stages, ring=2, ring_bytes=ring_bytes, res=-1, out_es=4, pair_store=False)
+
+
 def ring_offset(b: Any, row: Any, col: Any, es: int) -> Any:
     """Byte offset in a tile buffer (5d) of element (row, col) of the BM x BN tile: the layout
     TMA's 128-byte swizzled boxes of [BM rows][128 bytes] give it, box col * es // 128 after

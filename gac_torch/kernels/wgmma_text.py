@@ -381,17 +381,22 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
 
     def store_z_chunk(self, addr: str, row: str, col: str) -> None:
         """5d: 16 bytes of the staged output from shared `addr` to Z at C[row, col..] (inside
-        the matrix: the chunk is wholly inside, N being whole chunks)."""
-        out = self.spec.epilogue.out[0]
+        the matrix: the chunk is wholly inside, N being whole chunks); without an epilogue, to C."""
+        ep = getattr(self.spec, "epilogue", None)
+        elem = ep.out[0].elem if ep is not None else self.spec.c.elem
         regs = self.asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", args=[(addr, "r", "i32")], results=4)
 
         def st() -> None:
             v, h = self.fresh(), self.fresh()
             self.w(f"{v} = vector.from_elements {', '.join(regs)} : vector<4xi32>")
-            n = 16 // ESIZE[out.elem]
-            self.w(f"{h} = vector.bitcast {v} : vector<4xi32> to vector<{n}x{out.elem}>")
-            z = self._locator(row, col)(self.spec.epilogue.out)
-            self.w(f"vector.store {h}, %Zf[{z}] {{alignment = 16}} : {out.flat}, vector<{n}x{out.elem}>")
+            n = 16 // ESIZE[elem]
+            self.w(f"{h} = vector.bitcast {v} : vector<4xi32> to vector<{n}x{elem}>")
+            if ep is None:
+                c, ct, idx = self._c_at(row, col)
+                self.w(f"vector.store {h}, {c}[{', '.join(idx)}] {{alignment = 16}} : {ct}, vector<{n}x{elem}>")
+                return
+            z = self._locator(row, col)(ep.out)
+            self.w(f"vector.store {h}, %Zf[{z}] {{alignment = 16}} : {ep.out[0].flat}, vector<{n}x{elem}>")
 
         self.when(self._inside(row, col), st)
 

@@ -154,6 +154,8 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
             spec = wgmma_plan.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
             plan = wgmma_plan.stage_epilogue(spec, replace(plan, pair_store=False, staged_store=False))
             extra = fused[2]
+        elif rounding is None:  # (an f32 C with a short K: through shared memory, 5d)
+            plan = wgmma_plan.stage_c(spec, plan)
         a_in = g.inputs[0]
         if rows is not None:  # A and C through views with the M run as one dim
             a_in, out = rows.collapse(a_in, g.maps[0], g.op), rows.collapse(out, g.maps[2], g.op)
