@@ -425,15 +425,19 @@ def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, re
         return
     b.asm("bar.sync $0, $1;", args=sync)
     per_row = p.bn * p.out_es // 16
-    for k in range(64 * per_row // WG):
+    chunks = []
+    for k in range(64 * per_row // WG):  # the thread's chunks out of the buffer, then (the
+        # buffer released: its next tile's residual comes by TMA, the async proxy) to Z
         idx = b.add(t, c(k * WG))
         tr, ch = b.add(b.mul(cw, c(64)), b.div(idx, c(per_row))), b.rem(idx, c(per_row))
         tc = b.mul(ch, c(16 // p.out_es))
         addr = b.i32_add(at, b.to_i32(ring_offset(b, tr, tc, p.out_es)))
-        b.store_z_chunk(addr, b.add(m0, tr), b.add(n0, tc))
-    if p.res >= 0:  # the buffer's next tile comes by TMA (the async proxy)
+        chunks.append((b.lds_chunk(addr), b.add(m0, tr), b.add(n0, tc)))
+    if p.res >= 0:
         b.asm("fence.proxy.async.shared::cta;")
         b.mbar_arrive(rempty(r))
+    for regs, row, col in chunks:
+        b.store_z_chunk(regs, row, col)
 
 
 def _rows_map(name: str, buf: str, op: Any, spec: Spec, rows: int, span: int) -> list[str]:

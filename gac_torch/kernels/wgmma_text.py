@@ -379,12 +379,15 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         self.w(f"{r} = vector.extract {v}[0] : i32 from vector<1xi32>")
         return r
 
-    def store_z_chunk(self, addr: str, row: str, col: str) -> None:
-        """5d: 16 bytes of the staged output from shared `addr` to Z at C[row, col..] (inside
+    def lds_chunk(self, addr: str) -> list[str]:
+        """16 bytes from shared `addr` as four i32."""
+        return self.asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", args=[(addr, "r", "i32")], results=4)
+
+    def store_z_chunk(self, regs: list[str], row: str, col: str) -> None:
+        """5d: 16 bytes of the staged output (`regs`, lds_chunk's) to Z at C[row, col..] (inside
         the matrix: the chunk is wholly inside, N being whole chunks); without an epilogue, to C."""
         ep = getattr(self.spec, "epilogue", None)
         elem = ep.out[0].elem if ep is not None else self.spec.c.elem
-        regs = self.asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", args=[(addr, "r", "i32")], results=4)
 
         def st() -> None:
             v, h = self.fresh(), self.fresh()
