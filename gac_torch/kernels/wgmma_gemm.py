@@ -56,8 +56,9 @@ ahead into the next tile while the consumers store the last one.
                (=tma: as TMA stores of [64][128 B] boxes)
 
 Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, (5d) the tile
-buffers, then the 2*S mbarriers (5d: and 2 per tile buffer). An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
-swizzle span): K-major, a box [rows][BK] per tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
+buffers, then the 2*S mbarriers (5d: and 2 per tile buffer). An operand's tile is one or more
+TMA boxes whose inner extent is 128 bytes (the swizzle span): K-major, a box [rows][BK] per
+tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
 tiling (`plan`, the tile width) and the descriptor math are plain Python on ints in
 wgmma_plan.py; the MLIR text builder is wgmma_text.py.
 
