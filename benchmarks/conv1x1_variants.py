@@ -72,12 +72,15 @@ def main() -> None:
     ap.add_argument("--prec", default="tf32,bf16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--what", default="gemm,stem")
+    ap.add_argument("--gemms", default="", help="MxKxN[r],... (r: with the residual) instead of GEMMS")
     args = ap.parse_args()
+    gemms = GEMMS if not args.gemms else [
+        (*map(int, g.rstrip("r").split("x")), g.endswith("r")) for g in args.gemms.split(",")]
     for prec in args.prec.split(","):
         tf32, dt = prec == "tf32", torch.bfloat16 if prec == "bf16" else torch.float32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
         es = 2 if dt == torch.bfloat16 else 4
-        for i, (M, K, N, res) in enumerate(GEMMS if "gemm" in args.what else []):
+        for i, (M, K, N, res) in enumerate(gemms if "gemm" in args.what else []):
             gen = torch.Generator().manual_seed(M + K + N)
             w, s, t = torch.randn(N, K, generator=gen) / K**0.5, torch.rand(N, generator=gen) + 0.5, torch.randn(N, generator=gen)
             x = torch.randn(M, K, generator=gen)

@@ -128,6 +128,14 @@ def test_epilogue_in_the_store_on_gpu(M, K, N, dtype, act, residual, linear, bat
     _one_wgmma_kernel_matches_float64(Epilogue(act, residual, linear), epilogue_shapes(M, K, N, linear, batch), dtype)
 
 
+@pytest.mark.parametrize("M,K,N,batch", [(1000, 72, 200, 0), (520, 200, 1032, 0), (200, 136, 264, 2)])
+def test_short_k_f32_c_staged_epilogue_on_gpu(M, K, N, batch) -> None:
+    # TF32 x @ w.T with a short K: C through the tile buffers, 16-byte row chunks (5d, stage_c);
+    # M, N not tile multiples, a batch
+    lead = (batch,) if batch else ()
+    _one_wgmma_kernel_matches_float64(_Mm(False, True), [lead + (M, K), lead + (N, K)], torch.float32)
+
+
 @pytest.mark.parametrize("B,M,K,N,dtype,act,residual,linear", LINEAR_3D)
 def test_linear_on_3d_input_on_gpu(B, M, K, N, dtype, act, residual, linear) -> None:
     _one_wgmma_kernel_matches_float64(Epilogue(act, residual, linear), linear_3d_shapes(B, M, K, N, linear), dtype)

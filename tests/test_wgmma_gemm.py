@@ -15,7 +15,7 @@ import torch
 from gac_torch.backends.cuda import ptxas
 from gac_torch.backends.gpu.program import BufferRef, KernelLaunch, TensorMapArg, from_json, to_json
 from gac_torch.kernels import wgmma_plan as W
-from gac_torch.kernels.cuda_mma import FRAG_A8, Operand, Spec
+from gac_torch.kernels.cuda_mma import FRAG_A8, FRAG_C, Operand, Spec
 from cuda_cases import MLIR, Case, compile_case, matmul
 
 # ------------------------------------------------------------------------------------------------
@@ -433,6 +433,7 @@ def test_epilogue_loads_pairs_before_the_main_loop(pairs, monkeypatch) -> None:
     # pairs; GAC_WGMMA_EPILOGUE_PAIRS=0 and PREFETCH=0: scalar loads, after the main loop
     import gac_torch
 
+    monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", "0")  # (5d, the default, reads it by TMA)
     if not pairs:
         monkeypatch.setenv("GAC_WGMMA_EPILOGUE_PAIRS", "0")
         monkeypatch.setenv("GAC_WGMMA_EPILOGUE_PREFETCH", "0")
@@ -446,6 +447,122 @@ def test_epilogue_loads_pairs_before_the_main_loop(pairs, monkeypatch) -> None:
     assert ("st.global.v2" in body) == pairs
 
 
+@pytest.mark.parametrize("es,bn", [(2, 128), (4, 128), (2, 64), (4, 64), (2, 256)])
+def test_staged_epilogue_moves_each_element_once(es: int, bn: int) -> None:
+    # 5d: TMA writes the residual tile as [BM][128-byte] swizzled boxes; each consumer thread
+    # reads its FRAG_C pairs at ring_offset and writes its results there; the read-out then
+    # takes 16-byte chunks at ring_offset: every element is read back where TMA put it, and
+    # the chunks cover the tile once, row-contiguous
+    dt = {2: np.float16, 4: np.float32}[es]
+    span = W.SWIZZLE // es
+    tile = np.arange(W.BM * bn).reshape(W.BM, bn).astype(dt)  # (exact in f16 below 2048)
+    tile = tile if es == 4 else (np.arange(W.BM * bn) % 2039).reshape(W.BM, bn).astype(dt)
+    smem = np.zeros(W.BM * bn * es, dtype=np.uint8)
+    for j in range(bn // span):
+        _tma_write(smem, j * W.BM * W.SWIZZLE, np.ascontiguousarray(tile[:, j * span:(j + 1) * span]), es)
+    seen = np.zeros((W.BM, bn), dtype=int)
+    for cw in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                g, tq = lane // 4, lane % 4
+                local = cw * 64 + warp * 16 + g
+                for i in range(bn // 8):
+                    for (rq, cq) in FRAG_C[::2]:  # the pairs (q, q + 1)
+                        r, col = local + rq, 2 * tq + 8 * i
+                        at = W.ring_offset(_Ints, r, col, es)
+                        assert at % (2 * es) == 0
+                        got = smem[at:at + 2 * es].view(dt)
+                        assert (got == tile[r, col:col + 2]).all(), (r, col)
+                        seen[r, col:col + 2] += 1
+    assert (seen == 1).all()
+    per_row, chunks = bn * es // 16, np.zeros((W.BM, bn), dtype=int)
+    for cw in range(2):
+        for t in range(W.WG):
+            for k in range(64 * per_row // W.WG):
+                idx = t + k * W.WG
+                r, col = cw * 64 + idx // per_row, (idx % per_row) * (16 // es)
+                at = W.ring_offset(_Ints, r, col, es)
+                assert at % 16 == 0 and (smem[at:at + 16].view(dt) == tile[r, col:col + 16 // es]).all()
+                chunks[r, col:col + 16 // es] += 1
+                if t % 32:  # a warp's consecutive threads: consecutive chunks of a row (or the next row's first)
+                    prev = t - 1 + k * W.WG
+                    assert (r, col) == ((cw * 64 + prev // per_row, (prev % per_row + 1) * (16 // es))
+                                        if (prev % per_row) + 1 < per_row else (r, 0))
+    assert (chunks == 1).all()
+
+
+@pytest.mark.parametrize("M,K,N,dtype,residual,staged,bn", [
+    (1000, 72, 200, torch.float32, True, True, (128, 128)),  # TF32, a 1x1 conv's 128-wide tile, two buffers
+    (1000, 72, 40, torch.bfloat16, True, True, (64, 64)),  # N 40 in a 64-wide tile
+    (999, 136, 104, torch.float16, False, True, (128, 128)),  # no residual: the buffer only stages Z
+    (1000, 520, 1030, torch.float16, True, False, (128, 128)),  # rows of 2060 bytes: not 16-byte chunks
+    (4000, 200, 1024, torch.float32, True, True, (128, 256)),  # a 256-wide f32 tile's buffer: 128 KiB
+    (4300, 264, 1024, torch.bfloat16, False, True, (256, 256)),  # one 64 KiB buffer, no residual to wait for
+    (1000, 1032, 200, torch.float32, False, False, (128, 128)),  # long K, no residual: all 6 stages
+    (1000, 1032, 200, torch.float32, True, True, (128, 128)),  # with one: 3 stages, two buffers
+])
+def test_epilogue_through_shared_memory(M, K, N, dtype, residual, staged, bn, monkeypatch) -> None:
+    # 5d: the residual comes by TMA (a third tensor map, read by the producer), Z leaves as
+    # 16-byte chunks (=tma: by TMA stores, a tensor map the kernel writes); where it does not
+    # apply, and with GAC_WGMMA_EPILOGUE_STAGE=0, the loads and stores stay in registers (5c);
+    # with a residual, a 256-wide tile goes 128 wide (two buffers: the next tile's residual
+    # loads while this one is stored)
+    import gac_torch
+
+    args = tuple(torch.randn(s).to(dtype) for s in epilogue_shapes(M, K, N, True, 0))
+    loads = {}
+    for mode in ("1", "tma", "0"):
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", mode)
+        with matmul_tf32(dtype == torch.float32):
+            model = Epilogue("relu", residual, True) if residual else _NoResidual()
+            ptx = gac_torch.compile(model, args if residual else args[:3], target="cuda",
+                                    options={"arch": "sm_90", "cache": False}).ir("ptx")
+        head, body = ptx.split("\n.version")[0], ptx.split("setmaxnreg.inc")[1]
+        five_d = mode != "0" and staged
+        assert f".m64n{bn[0] if mode != '0' else bn[1]}k" in body
+        assert head.count("tma(") == 2 + (five_d and residual) + (five_d and mode == "tma"), head
+        assert (":w)" in head or ":w, " in head) == (five_d and mode == "tma"), head
+        assert ("st.global.v4" in body) == (five_d and mode == "1") == ("ld.shared.v4.b32" in body)
+        assert ("global.shared::cta.bulk_group" in body) == (five_d and mode == "tma")
+        loads[mode] = body.count("ld.global")  # the per-column operands' (the bias) only, in 5d
+        result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+        assert result.ok and " 0 bytes spill stores" in result.log, result.log
+    assert (loads["1"] < loads["0"]) == (staged and residual), loads
+
+
+@pytest.mark.parametrize("M,K,N,batch,staged", [
+    (1000, 72, 200, 0, True), (200, 136, 264, 2, True),  # short K (8 slices at most), a batch
+    (1000, 1032, 200, 0, False),  # a long K keeps its 6 stages and the paired stores
+])
+def test_short_k_f32_c_through_shared_memory(M, K, N, batch, staged, monkeypatch) -> None:
+    # 5d without an epilogue (wgmma_plan.stage_c): a TF32 product's f32 C, whose bytes are the
+    # tile's time, leaves as 16-byte row chunks; GAC_WGMMA_EPILOGUE_STAGE=0: pairs from registers
+    import gac_torch
+
+    lead = (batch,) if batch else ()
+    args = (torch.randn(lead + (M, K)), torch.randn(lead + (N, K)))
+    for on in (True, False):
+        monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", "1" if on else "0")
+        with matmul_tf32(True):
+            ptx = gac_torch.compile(_Mm(False, True), args, target="cuda",
+                                    options={"arch": "sm_90", "cache": False}).ir("ptx")
+        assert launches_of(ptx) == ["wgmma"]
+        body = ptx.split("setmaxnreg.inc")[1]
+        assert ("st.global.v4" in body) == (on and staged) != ("st.global.v2.b32" in body)
+        result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
+        assert result.ok and " 0 bytes spill stores" in result.log, result.log
+
+
+def launches_of(ptx: str) -> list[str]:
+    return [line.rsplit("[", 1)[1].split("]")[0] for line in ptx.split("\n.version")[0].splitlines()
+            if line.startswith("// launch")]
+
+
+class _NoResidual(torch.nn.Module):
+    def forward(self, x, w, bias):
+        return torch.relu(torch.nn.functional.linear(x, w, bias))
+
+
 class BlockEnd(torch.nn.Module):
     """A bottleneck's end as one GEMM: its BatchNorm and the downsample branch's (unfolded: mean,
     var, weight, bias each), the add, ReLU: nine epilogue operands, eight of them per column."""
@@ -457,18 +574,21 @@ class BlockEnd(torch.nn.Module):
         return torch.relu(a + b)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heavy_epilogue_in_a_wide_tile_does_not_spill(dtype) -> None:
+def test_heavy_epilogue_in_a_wide_tile_does_not_spill(dtype, staged, monkeypatch) -> None:
     # ResNet's block-3 first conv (K 256 -> N 1024, a 256-wide tile, the downsample's BatchNorm
-    # fused): 16-accumulator chunks with pairs spilled 132 bytes; such an epilogue loads 8 at a time
+    # fused): 16-accumulator chunks with pairs spilled 132 bytes; such an epilogue loads 8 at a
+    # time (5c). Staged (5d, the default), the residual comes by TMA into a 128-wide tile's buffer
     import gac_torch
 
+    monkeypatch.setenv("GAC_WGMMA_EPILOGUE_STAGE", "1" if staged else "0")
     M, K, N = 9000, 256, 1024
     args = (torch.randn(M, K), torch.randn(N, K), torch.randn(M, N), *[torch.rand(N) + 0.5 for _ in range(8)])
     with matmul_tf32(True):
         ptx = gac_torch.compile(BlockEnd(), tuple(a.to(dtype) for a in args), target="cuda",
                                 options={"arch": "sm_90", "cache": False}).ir("ptx")
-    assert "m64n256k" in ptx and [ln.split("[")[1].split("]")[0] for ln in ptx.splitlines()
+    assert f"m64n{128 if staged else 256}k" in ptx and [ln.split("[")[1].split("]")[0] for ln in ptx.splitlines()
                                    if ln.startswith("// launch")] == ["wgmma"], ptx.split("\n.version")[0]
     result = ptxas.assemble(ptx, "sm_90a", _PTXAS)
     assert result.ok and " 0 bytes spill stores" in result.log, result.log

@@ -46,17 +46,26 @@ ahead into the next tile while the consumers store the last one.
                (C itself is not written); a chunk's operand loads first, then its stores;
                operands contiguous along N two columns per load / store (FRAG_C's pairs);
                with BN <= 128 the loads along M (a residual) of the first PREFETCH
-               accumulators are issued before the main loop (its MMAs hide their latency)
+               accumulators are issued before the main loop (its MMAs hide their latency);
+               5d. (wgmma_plan.stage_epilogue, where the output and a residual are row-major
+               M x N views) the tile goes through one of `ring` tile buffers after the A/B
+               stages: the producer TMA-loads the tile's residual there (3c, once the buffer's
+               previous tile was read out: rempty/rfull barriers), each consumer thread reads
+               its pairs, runs the body with the per-column operands and writes the result
+               over them; after a warpgroup barrier, its 64 rows leave as 16-byte row chunks
+               (=tma: as TMA stores of [64][128 B] boxes)
 
-Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, then the 2*S
-mbarriers. An operand's tile is one or more TMA boxes whose inner extent is 128 bytes (the
-swizzle span): K-major, a box [rows][BK] per tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
+Shared memory (dynamic, from a 1024-byte aligned base): A stages, B stages, (5d) the tile
+buffers, then the 2*S mbarriers (5d: and 2 per tile buffer). An operand's tile is one or more
+TMA boxes whose inner extent is 128 bytes (the swizzle span): K-major, a box [rows][BK] per
+tile; MN-major, BM/64 (BN/64) boxes [BK][64]. The
 tiling (`plan`, the tile width) and the descriptor math are plain Python on ints in
 wgmma_plan.py; the MLIR text builder is wgmma_text.py.
 
 Tuning knobs (not in the compile cache's key: use with GAC_CACHE=0): GAC_WGMMA_BN (64 | 128 | 256),
 GAC_WGMMA_NARROW=0, GAC_WGMMA_EPILOGUE_CHUNK, GAC_WGMMA_EPILOGUE_PREFETCH, GAC_WGMMA_EPILOGUE_PAIRS=0,
-GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_CLUSTER=2 (CTA pairs
+GAC_WGMMA_STAGES, GAC_WGMMA_EPILOGUE=direct (no staged store), GAC_WGMMA_EPILOGUE_STAGE=0|tma
+(5d off | Z by TMA stores), GAC_WGMMA_CLUSTER=2 (CTA pairs
 sharing B through TMA multicast: compiled and ptxas-checked, not yet run on a GPU);
 benchmarks/wgmma_tiles.py races them.
 """
@@ -68,7 +77,8 @@ from typing import Any
 
 from gac_torch.kernels.cuda_mma import FRAG_C, Operand, Spec
 from gac_torch.kernels.wgmma_plan import (BM, ESIZE, SWIZZLE, THREADS, WG, Plan, Side, _elem, a_frag_offset,
-                                          a_pair_row, box_origins, desc_layout, epilogue_of, prefetch)
+                                          a_pair_row, box_origins, desc_layout, epilogue_of, prefetch,
+                                          ring_offset)
 from gac_torch.kernels.wgmma_text import WgmmaText
 
 
@@ -84,7 +94,8 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
     c = b.const
     S = p.stages
     a_base, b_base = 0, S * p.a.stage_bytes
-    bar_base = S * (p.a.stage_bytes + p.b.stage_bytes)
+    ring_base = S * (p.a.stage_bytes + p.b.stage_bytes)  # 5d's tile buffers (p.ring of them)
+    bar_base = ring_base + p.ring * p.ring_bytes
     tn, tm = -(-spec.N // p.bn), -(-spec.M // BM)
     nk = -(-spec.K // p.bk)
     # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
@@ -118,11 +129,25 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
     def empty(s: Any) -> Any:
         return bar(bar_base + 8 * S, s)
 
+    def rfull(r: Any) -> Any:  # 5d: tile buffer r holds its tile's residual
+        return bar(bar_base + 16 * S, r)
+
+    def rempty(r: Any) -> Any:  # 5d: every consumer thread read its tile out of buffer r
+        return bar(bar_base + 16 * S + 8 * p.ring, r)
+
+    def ring_slot(tl: Any) -> tuple[Any, Any, Any]:  # tile tl's buffer: address, index, phase
+        r = b.rem(tl, c(p.ring))
+        at = b.i32_add(smem, b.i32_add(b.i32(ring_base), b.i32_mul(b.to_i32(r), b.i32(p.ring_bytes))))
+        return at, r, b.to_i32(b.rem(b.div(tl, c(p.ring)), c(2)))
+
     # 2. barriers
     def init() -> None:
         for s in range(S):
             b.mbar_init(full(c(s)), WG if gather else 1)
             b.mbar_init(empty(c(s)), 2 * cl)  # one arrival per consumer warpgroup of the cluster
+        for r in range(p.ring if p.res >= 0 else 0):
+            b.mbar_init(rfull(c(r)), 1)
+            b.mbar_init(rempty(c(r)), 2 if p.tma_store else 2 * WG)  # (TMA store: the leaders)
         b.asm("fence.mbarrier_init.release.cluster;")
 
     b.when(b.eq(tid, c(0)), init)
@@ -163,6 +188,14 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
 
         def one_tile(tl: Any) -> None:
             m0, n0, bz = tile(tl)
+            if p.res >= 0:  # 3c (5d): the tile's residual into its buffer, once the tile
+                # p.ring before it was read out
+                at, r, phase = ring_slot(tl)
+                b.mbar_wait(rempty(r), b.xor1(phase))
+                b.mbar_expect(rfull(r), p.ring_bytes)
+                span = SWIZZLE // p.out_es
+                for j in range(p.bn // span):
+                    b.tma_load("R", b.i32_add(at, b.i32(j * BM * SWIZZLE)), [b.add(n0, c(j * span)), m0], rfull(r))
 
             def body(kt: Any) -> None:
                 s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
@@ -229,7 +262,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
                 return b.add(rows, c(row_of(rq))), b.add(cols, c(8 * i + cq))
 
             ep_pre = None  # 5c: the epilogue's loads along M, issued before the main loop
-            if epilogue_of(spec) is not None and prefetch(p):
+            if epilogue_of(spec) is not None and prefetch(p) and not p.ring:
                 ep_pre = b.epilogue_prefetch([at(i, q) for i, q in frag[:prefetch(p)]])
             if spec.fill:
                 init = b.init_f32()
@@ -288,6 +321,9 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             last = b.rem(b.add(first, c(nk - 1)), c(S))
             b.when(leader, lambda: release(last))
             # 5. store (the producer is already loading the next tile)
+            if p.ring:  # 5d (also C itself, wgmma_plan.stage_c)
+                ring_epilogue(b, p, tl, ring_slot, rfull, rempty, m0, n0, cw, t, local, tq, accs)
+                return
             if epilogue_of(spec) is not None:  # 5c
                 b.epilogue_store_all([at(i, q) for i, q in frag], accs, ep_pre)
                 return
@@ -328,6 +364,94 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
     b.if_else(b.eq(wg, c(0)), producer, consumer)
     if cl > 1:  # no CTA leaves while its peer may still multicast into it or arrive on it
         b.cluster_barrier()
+
+
+def ring_epilogue(b: WgmmaText, p: Plan, tl: Any, ring_slot: Any, rfull: Any, rempty: Any, m0: Any, n0: Any,
+                  cw: Any, t: Any, local: Any, tq: Any, accs: list) -> None:
+    """5d: the fused epilogue through tile tl's buffer: per accumulator pair, the residual pair
+    from the buffer (TMA put it there, 3c), the per-column operands from global memory, the
+    body's result written back over the residual; then the warpgroup's 64 rows to Z in 16-byte
+    row chunks, consecutive threads on consecutive chunks (whole 32-byte sectors and 128-byte
+    lines, where the fragment's pairs wrote 8 rows x 16 bytes per warp instruction). Without an
+    epilogue (wgmma_plan.stage_c), C's rounded accumulators go the same way."""
+    c, ep = b.const, epilogue_of(b.spec)
+    at, r, phase = ring_slot(tl)
+    sync = [(b.i32_add(b.to_i32(cw), b.i32(1)), "r", "i32"), (b.i32(WG), "r", "i32")]
+    if p.res >= 0:
+        b.mbar_wait(rfull(r), phase)
+    elif p.ring == 1:  # the previous tile's chunks are out before the buffer is rewritten
+        b.asm("bar.sync $0, $1;", args=sync)
+    res_elem = ep.inputs[p.res][0].elem if p.res >= 0 else None
+    out_elem = ep.out[0].elem if ep is not None else b.spec.c.elem
+    inputs = ep.inputs if ep is not None else ()
+    n_col = sum(1 for k, x in enumerate(inputs) if x is not None and k != p.res)
+    per = max(1, 24 // max(1, n_col))  # columns pairs whose operand loads go together
+    cols_i = list(range(p.bn // 8))
+    for s0 in range(0, len(cols_i), per):
+        part = cols_i[s0:s0 + per]
+        pts = [(b.add(m0, local), b.add(n0, b.add(b.mul(tq, c(2)), c(8 * i + cq)))) for i in part for cq in (0, 1)]
+        loaded = b.column_loads(pts, p.res) if n_col else [{} for _ in pts]
+        # FRAG_C's q = 0, 1 (row g) and 2, 3 (row g + 8): the chunk's residual pairs first (a
+        # shared load after a shared store waits for it), then the body and the stores
+        where = [(ii, i, rq, b.i32_add(at, b.to_i32(ring_offset(b, b.add(local, c(rq)),
+                                                             b.add(b.mul(tq, c(2)), c(8 * i)), p.out_es))))
+                 for ii, i in enumerate(part) for rq in (0, 8)]
+        rvs = [b.lds_pair(addr, res_elem) if res_elem else (None, None) for *_, addr in where]
+        for (ii, i, rq, addr), rv in zip(where, rvs):
+            j = 4 * i + (2 if rq else 0)
+            ys = []
+            for h in (0, 1):
+                if ep is None:
+                    ys.append(b.round_to(accs[j + h], out_elem))
+                    continue
+                args = [None if x is None else rv[h] if k == p.res else loaded[2 * ii + h][k]
+                        for k, x in enumerate(inputs)]
+                ys.append(b.body_value(accs[j + h], args))
+            b.sts_pair(addr, ys[0], ys[1], out_elem)
+    if p.tma_store:  # the warpgroup's rows of each box, by its first thread, once all wrote
+        # them (and made them visible to the async proxy); the buffer is free again once the
+        # stores read it (the residual's next tile may come)
+        b.asm("fence.proxy.async.shared::cta;")
+        b.asm("bar.sync $0, $1;", args=sync)
+
+        def store() -> None:
+            for j in range(p.bn * p.out_es // SWIZZLE):
+                box = b.i32_add(at, b.i32_add(b.i32(j * BM * SWIZZLE), b.i32_mul(b.to_i32(cw), b.i32(64 * SWIZZLE))))
+                b.tma_store("Z", box, [b.add(n0, c(j * SWIZZLE // p.out_es)), b.add(m0, b.mul(cw, c(64)))])
+            b.asm("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;")
+            if p.res >= 0:
+                b.mbar_arrive(rempty(r))
+
+        b.when(b.eq(t, c(0)), store)
+        return
+    b.asm("bar.sync $0, $1;", args=sync)
+    per_row = p.bn * p.out_es // 16
+    chunks = []
+    for k in range(64 * per_row // WG):  # the thread's chunks out of the buffer, then (the
+        # buffer released: its next tile's residual comes by TMA, the async proxy) to Z
+        idx = b.add(t, c(k * WG))
+        tr, ch = b.add(b.mul(cw, c(64)), b.div(idx, c(per_row))), b.rem(idx, c(per_row))
+        tc = b.mul(ch, c(16 // p.out_es))
+        addr = b.i32_add(at, b.to_i32(ring_offset(b, tr, tc, p.out_es)))
+        chunks.append((b.lds_chunk(addr), b.add(m0, tr), b.add(n0, tc)))
+    if p.res >= 0:
+        b.asm("fence.proxy.async.shared::cta;")
+        b.mbar_arrive(rempty(r))
+    for regs, row, col in chunks:
+        b.store_z_chunk(regs, row, col)
+
+
+def _rows_map(name: str, buf: str, op: Any, spec: Spec, rows: int, span: int) -> list[str]:
+    """5d: the TMA descriptor %tm<name>d of epilogue operand `op` (memref `buf`) as a row-major
+    M x N view, in boxes of [rows][span] (128 bytes)."""
+    off = op.offset + op.const
+    view = f"memref<{spec.M}x{spec.N}x{op.elem}, strided<[{op.coef[spec.m]}, 1], offset: {off}>>"
+    return [f"%v{name} = memref.reinterpret_cast {buf} to offset: [{off}], sizes: [{spec.M}, {spec.N}], "
+            f"strides: [{op.coef[spec.m]}, 1] : {op.type} to {view}",
+            f"%u{name} = memref.cast %v{name} : {view} to memref<*x{op.elem}>",
+            f"%bx{name}0 = arith.constant {rows} : index", f"%bx{name}1 = arith.constant {span} : index",
+            f"%tm{name}d = nvgpu.tma.create.descriptor %u{name} box[%bx{name}0, %bx{name}1] : memref<*x{op.elem}> -> "
+            + tensor_map_type([rows, span], op.elem)]
 
 
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
@@ -377,7 +501,14 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
         head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
         head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
                     + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
+    if p.res >= 0:  # 5d: the residual as a row-major M x N view, read in [BM][128 bytes] boxes
+        op = ep.inputs[p.res][0]
+        types["R"] = tensor_map_type([BM, SWIZZLE // p.out_es], op.elem)
+        head += _rows_map("R", f"%E{p.res}", op, spec, BM, SWIZZLE // p.out_es)
+    if p.tma_store:  # Z likewise, stored in [64 rows][128 bytes] boxes (a warpgroup's rows)
+        types["Z"] = tensor_map_type([64, SWIZZLE // p.out_es], ep.out[0].elem)
+        head += _rows_map("Z", "%Z", ep.out[0], spec, 64, SWIZZLE // p.out_es)
     head += launch_lines(p)
     casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
-             for w in ("A", "B")]
+             for w in types]
     return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -74,6 +74,14 @@ class Plan:
     cluster: int = 1  # 2: CTA pairs on M-adjacent tiles, each loading half of B for both
     maxnreg: bool = True  # setmaxnreg: the producer's registers go to the consumers
     regs: tuple[int, int] = (PRODUCER_REGS, CONSUMER_REGS)  # (producer, consumer) after setmaxnreg
+    # 5d (stage_epilogue): `ring` tile buffers of ring_bytes after the A/B stages, each a fused
+    # epilogue's tile (its M-varying operand `res` TMA-loaded by the producer, -1: none) that the
+    # consumers overwrite with the output and store as 16-byte row chunks (`out_es` bytes each)
+    ring: int = 0
+    ring_bytes: int = 0
+    res: int = -1
+    out_es: int = 4
+    tma_store: bool = False  # 5d: Z leaves by TMA (bulk tensor stores of [64 rows][128 B] boxes)
 
     @property
     def stage_row(self) -> int:  # bytes per row of the C staging buffer (padded: no conflicts)
@@ -82,7 +90,8 @@ class Plan:
     @property
     def smem_bytes(self) -> int:
         staging = BM * self.stage_row if self.staged_store else 0
-        return self.stages * (self.a.stage_bytes + self.b.stage_bytes) + 16 * self.stages + staging + ALIGN
+        return (self.stages * (self.a.stage_bytes + self.b.stage_bytes) + 16 * self.stages + staging + ALIGN
+                + self.ring * (self.ring_bytes + 16))
 
 
 def _elem(spec: Spec) -> str:
@@ -265,3 +274,93 @@ def swizzle128(offset: int) -> int:
     """Where TMA's 128-byte swizzle puts byte `offset` of a 1024-byte aligned tile: the
     16-byte chunk index (bits 4-6) XOR the row within the 8-row atom (bits 7-9)."""
     return offset ^ (((offset >> 7) & 7) << 4)
+
+
+# --------------------------------------------------------------------------------------------
+# 5d: the fused epilogue through shared memory (the 1x1 convs' kernels are memory-bound: a tile's
+# residual read and output write are ~90 % of its bytes)
+
+
+def _rows_view(op: Any, spec: Spec, es: int) -> bool:
+    """`op` (an epilogue operand over the contraction's dims) is a row-major M x N view TMA and
+    16-byte chunks can address: contiguous along N, rows and start 16-byte aligned."""
+    m, n = spec.m, spec.n
+    return (op.coef[n] == 1 and op.coef[m] > 0 and op.coef[m] * es % 16 == 0 and not op.guards
+            and (op.offset + op.const) * es % 16 == 0
+            and all(k == 0 for d, k in enumerate(op.coef) if d not in (m, n)))
+
+
+def stage_epilogue(spec: Any, p: Plan) -> Plan:
+    """`p` with the fused epilogue staged through shared memory (5d), where it applies: the
+    output and at most one operand that varies along M (the residual) are row-major M x N views
+    of one element size, every other operand constant along M, N whole 16-byte chunks, no batch,
+    A not in registers; two tile buffers (one where two do not fit beside 3 A/B stages; with a
+    residual, a 256-wide tile goes 128 wide instead). GAC_WGMMA_EPILOGUE_STAGE=0: never (the
+    loads and stores from registers, 5c); =tma: Z leaves by TMA stores instead of the threads'
+    16-byte ones."""
+    ep = epilogue_of(spec)
+    mode = os.environ.get("GAC_WGMMA_EPILOGUE_STAGE", "1")
+    if (ep is None or mode == "0" or p.a_regs or p.cluster > 1
+            or spec.batch or ep.out[1] is not None or ep.out[0].elem not in ESIZE):
+        return p
+    es = ESIZE[ep.out[0].elem]
+    if spec.N * es % 16 or not _rows_view(ep.out[0], spec, es):
+        return p
+    along_m = [k for k, x in enumerate(ep.inputs) if x is not None and (x[1] is not None or x[0].coef[spec.m] != 0)]
+    if len(along_m) > 1:
+        return p
+    res = along_m[0] if along_m else -1
+    if res >= 0:
+        op = ep.inputs[res]
+        if op[1] is not None or op[0].elem not in ESIZE or ESIZE[op[0].elem] != es or not _rows_view(op[0], spec, es):
+            return p
+    for q in (p, *([plan(spec, bn=128)] if p.bn == 256 and res >= 0 else [])):
+        if q is None:
+            continue
+        ring_bytes = BM * q.bn * es
+        per_stage = q.a.stage_bytes + q.b.stage_bytes + 16
+        # a residual tile's load waits for the buffer's previous tile to be read out: with one
+        # buffer, each tile would wait for its residual; a 256-wide tile then goes 128 wide (f32:
+        # a 128 KiB buffer leaves no room for a second; ResNet's layer-3/4 1x1s, M 9000 / 2250)
+        for ring in (2,) if res >= 0 and q is p and p.bn == 256 else (2, 1):
+            room = SMEM_LIMIT - ALIGN - ring * (ring_bytes + 16)
+            stages = min(q.stages, room // per_stage)
+            # 3 stages at least; without a residual, all of them for a long K (compute-bound:
+            # the mainloop's depth pays, the epilogue is a small part of the tile's time; a
+            # residual read from registers costs a memory latency per chunk: ResNet's layer-4
+            # 1x1s, K 512, 65-78 us for ~12 us of MMAs)
+            short = res >= 0 or -(-spec.K // q.bk) <= 8
+            if stages >= min(3 if short else q.stages, q.stages):
+                return replace(q, stages=stages, ring=ring, ring_bytes=ring_bytes, res=res, out_es=es,
+                               pair_store=False, staged_store=False, tma_store=mode == "tma")
+    return p
+
+
+def stage_c(spec: Spec, p: Plan) -> Plan:
+    """`p` with an f32 C (no epilogue) stored through two tile buffers as 16-byte row chunks
+    (5d without a residual; 16-bit C has 5b) where K is short (8 slices at most: the tile's
+    time is its bytes, ResNet's downsample 1x1 with its BatchNorm fused into the block's last
+    conv) and C's rows are 16-byte aligned; GAC_WGMMA_EPILOGUE_STAGE=0: never."""
+    c = spec.c
+    if (os.environ.get("GAC_WGMMA_EPILOGUE_STAGE") == "0" or epilogue_of(spec) is not None or c.elem != "f32"
+            or p.a_regs or p.cluster > 1 or p.staged_store or not p.pair_store or -(-spec.K // p.bk) > 8
+            or c.dims[-1] != spec.n or spec.N % 4 or c.offset % 4 or any(x % 4 for x in c.strides[:-1])):
+        return p
+    ring_bytes = BM * p.bn * 4
+    stages = min(p.stages, (SMEM_LIMIT - ALIGN - 2 * (ring_bytes + 16)) // (p.a.stage_bytes + p.b.stage_bytes + 16))
+    if stages < min(3, p.stages):
+        return p
+    return replace(p, stages=stages, ring=2, ring_bytes=ring_bytes, res=-1, out_es=4, pair_store=False)
+
+
+def ring_offset(b: Any, row: Any, col: Any, es: int) -> Any:
+    """Byte offset in a tile buffer (5d) of element (row, col) of the BM x BN tile: the layout
+    TMA's 128-byte swizzled boxes of [BM rows][128 bytes] give it, box col * es // 128 after
+    box; in a box, row `row` of 128 bytes, its 16-byte chunk XOR row % 8. `b`: the kernel's
+    builder, or plain ints (the tests)."""
+    c = b.const
+    byte = b.mul(col, c(es))
+    box = b.mul(b.div(byte, c(SWIZZLE)), c(BM * SWIZZLE))
+    within = b.rem(byte, c(SWIZZLE))
+    chunk = b.xor(b.div(within, c(16)), b.rem(row, c(8)))
+    return b.add(box, b.add(b.mul(row, c(SWIZZLE)), b.add(b.mul(chunk, c(16)), b.rem(within, c(16)))))

@@ -143,6 +143,15 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
                        *[(self.to_i32(x), "r", "i32") for x in coords], (bar, "r", "i32"),
                        *([(self.const(multicast, "i16"), "h", "i16")] if multicast else [])])
 
+    def tma_store(self, which: str, src: str, coords: list[str]) -> None:
+        """The box at shared `src` to the tensor at `coords` (innermost first; the part outside
+        the tensor is not written), in the thread's bulk async-group."""
+        n = len(coords)
+        cs = ", ".join(f"${i + 1}" for i in range(n))
+        self.asm(f"cp.async.bulk.tensor.{n}d.global.shared::cta.bulk_group [$0, {{{cs}}}], [${n + 1}];",
+                 args=[(f"%tm{which}", "l", "!llvm.ptr"), *[(self.to_i32(x), "r", "i32") for x in coords],
+                       (src, "r", "i32")])
+
     def desc(self, smem: str, base: int, side: Side, s: str, layout: tuple[int, int, int],
              part: str | None, part_bytes: int) -> str:
         """The i64 descriptor of stage `s`'s tile + `layout`'s offset (+ part * part_bytes:
@@ -302,7 +311,7 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
         (the compiler cannot tell they do not alias): a memory latency per chunk. Loading
         ahead of earlier stores is safe: an operand reads Z's buffer only at the element its
         own accumulator writes (epilogue._consumer)."""
-        spec, ep = self.spec, self.spec.epilogue
+        ep = self.spec.epilogue
         light = self._light_epilogue()
         n = int(os.environ.get("GAC_WGMMA_EPILOGUE_CHUNK", 0)) or min(self.epilogue_chunk, (
             EPILOGUE_CHUNK if not self.p.a_regs and light else EPILOGUE_CHUNK_SMALL))
@@ -321,20 +330,78 @@ class WgmmaText(gemm_epilogue.TextMixin, Text):
             for j in range(0, len(todo), step):
                 ok, _, z, _ = todo[j]
                 self.begin_if(ok)
-                ys = []
-                for _, args, _, v in todo[j:j + step]:
-                    y = self.round_to(v, spec.c.elem)
-                    vals_ = [y if a is None else a for a in args]
-                    results: list[str] = []
-                    for op in ep.ops:
-                        results.append(self.eop(op, [self._ref(r, vals_, results) for r in op.args]))
-                    ys.append(self._ref(ep.result, vals_, results))
+                ys = [self.body_value(v, args) for _, args, _, v in todo[j:j + step]]
                 if len(ys) == 2:
                     self.store_e2(z, ys[0], ys[1])
                 else:
                     for (_, _, z1, _), y in zip(todo[j:j + step], ys):
                         self.store_e(z1, y)
                 self.end_if()
+
+    def body_value(self, v: str, args: list[str | None]) -> str:
+        """The epilogue body on accumulator `v` (rounded to C's type: args[k] None) and the
+        other operands' values args[k]: the value stored to Z."""
+        ep = self.spec.epilogue
+        vals = [self.round_to(v, self.spec.c.elem) if a is None else a for a in args]
+        results: list[str] = []
+        for op in ep.ops:
+            results.append(self.eop(op, [self._ref(r, vals, results) for r in op.args]))
+        return self._ref(ep.result, vals, results)
+
+    def column_loads(self, points: list[tuple[str, str]], skip: int) -> list[dict[int, str]]:
+        """5d: per point, the epilogue operands constant along M (all but operand `skip`)."""
+        return self._operand_loads(points, 0, lambda j, k, x: k != skip)
+
+    def lds_pair(self, addr: str, elem: str) -> tuple[str, str]:
+        """Two adjacent `elem` values from shared `addr` (aligned to their pair)."""
+        if ESIZE[elem] == 4:
+            lo, hi = self.asm("ld.shared.v2.b32 {$0, $1}, [$2];", args=[(addr, "r", "i32")], results=2)
+            return tuple(self.cast("arith.bitcast", x, "i32", elem) for x in (lo, hi))  # type: ignore[return-value]
+        w = self.asm("ld.shared.b32 $0, [$1];", args=[(addr, "r", "i32")], results=1)[0]
+        v, h = self.fresh(), self.fresh()
+        self.w(f"{v} = vector.from_elements {w} : vector<1xi32>")
+        self.w(f"{h} = vector.bitcast {v} : vector<1xi32> to vector<2x{elem}>")
+        return self._extract(h, 0, elem), self._extract(h, 1, elem)
+
+    def sts_pair(self, addr: str, v0: str, v1: str, elem: str) -> None:
+        if ESIZE[elem] == 4:
+            lo, hi = (self.cast("arith.bitcast", x, elem, "i32") for x in (v0, v1))
+            self.asm("st.shared.v2.b32 [$0], {$1, $2};", args=[(addr, "r", "i32"), (lo, "r", "i32"), (hi, "r", "i32")])
+            return
+        x, w = self.fresh(), self.fresh()
+        self.w(f"{x} = vector.from_elements {v0}, {v1} : vector<2x{elem}>")
+        self.w(f"{w} = vector.bitcast {x} : vector<2x{elem}> to vector<1xi32>")
+        y = self._extract_i32(w)
+        self.asm("st.shared.b32 [$0], $1;", args=[(addr, "r", "i32"), (y, "r", "i32")])
+
+    def _extract_i32(self, v: str) -> str:
+        r = self.fresh()
+        self.w(f"{r} = vector.extract {v}[0] : i32 from vector<1xi32>")
+        return r
+
+    def lds_chunk(self, addr: str) -> list[str]:
+        """16 bytes from shared `addr` as four i32."""
+        return self.asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", args=[(addr, "r", "i32")], results=4)
+
+    def store_z_chunk(self, regs: list[str], row: str, col: str) -> None:
+        """5d: 16 bytes of the staged output (`regs`, lds_chunk's) to Z at C[row, col..] (inside
+        the matrix: the chunk is wholly inside, N being whole chunks); without an epilogue, to C."""
+        ep = getattr(self.spec, "epilogue", None)
+        elem = ep.out[0].elem if ep is not None else self.spec.c.elem
+
+        def st() -> None:
+            v, h = self.fresh(), self.fresh()
+            self.w(f"{v} = vector.from_elements {', '.join(regs)} : vector<4xi32>")
+            n = 16 // ESIZE[elem]
+            self.w(f"{h} = vector.bitcast {v} : vector<4xi32> to vector<{n}x{elem}>")
+            if ep is None:
+                c, ct, idx = self._c_at(row, col)
+                self.w(f"vector.store {h}, {c}[{', '.join(idx)}] {{alignment = 16}} : {ct}, vector<{n}x{elem}>")
+                return
+            z = self._locator(row, col)(ep.out)
+            self.w(f"vector.store {h}, %Zf[{z}] {{alignment = 16}} : {ep.out[0].flat}, vector<{n}x{elem}>")
+
+        self.when(self._inside(row, col), st)
 
     def load_e2(self, k: int, addr: str) -> tuple[str, str]:
         """Epilogue operand k's elements addr, addr + 1 (addr even: one aligned vector load)."""

@@ -96,7 +96,23 @@ def _kernel_access(kfunc: ir.Operation) -> list[str]:
         acc.append(set())
         if isinstance(param.type, ir.MemRefType):
             _uses_of_buffer(param, acc[-1])
+        elif _is_tensor_map(param):
+            _uses_of_tensor_map(param, acc[-1])
     return [("r" if "r" in a else "") + ("w" if "w" in a else "") for a in acc]
+
+
+def _uses_of_tensor_map(v: ir.Value, acc: set[str]) -> None:
+    """A TMA descriptor reads its buffer (a load into shared memory), or writes it where an
+    inline asm using it copies shared memory to global (a bulk tensor store); through casts."""
+    for use in v.uses:
+        op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        if op.name == "llvm.inline_asm":
+            acc.add("w" if "global.shared::cta" in str(op.attributes["asm_string"]) else "r")
+        elif op.name == "builtin.unrealized_conversion_cast":
+            for res in op.results:
+                _uses_of_tensor_map(res, acc)
+    if not acc:
+        acc.add("r")
 
 
 def _uses_of_buffer(v: ir.Value, acc: set[str]) -> None:
@@ -270,7 +286,7 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
                     # a kernel mapped from a linalg op writes each element of its output; a
                     # serial kernel (host scalar code) may store single elements
                     m = m.replace("w", "W")
-                access.append(m if isinstance(v.type, ir.MemRefType) else "r" if _is_tensor_map(v) else "")
+                access.append(m if isinstance(v.type, ir.MemRefType) or _is_tensor_map(v) else "")
 
             def buffer_ref(v: ir.Value) -> BufferRef:
                 root = buffer_root(v)

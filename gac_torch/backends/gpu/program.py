@@ -144,7 +144,8 @@ class TensorMapArg:
     bytes) of `buffer` viewed as `dims` (innermost first, elements) with byte `strides` (of
     dims[1:]), starting `offset` elements into it, read in boxes of `box` elements with a
     `swizzle`-byte swizzle (0, 32, 64, 128); out-of-range elements read as zero. The runtime
-    encodes it once per buffer address (the kernel reads the buffer through it: access "r")."""
+    encodes it once per buffer address (the kernel reads the buffer through it, access "r", or
+    writes it by bulk tensor stores, "w": host._uses_of_tensor_map)."""
 
     buffer: BufferRef
     elem: str

@@ -152,8 +152,10 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
             if buffer_root(fused[2][-1]) in {buffer_root(v) for v in g.inputs}:
                 fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)
             spec = wgmma_plan.GemmSpec(**{**spec.__dict__, "epilogue": fused[1]})
-            plan = replace(plan, pair_store=False, staged_store=False)
+            plan = wgmma_plan.stage_epilogue(spec, replace(plan, pair_store=False, staged_store=False))
             extra = fused[2]
+        elif rounding is None:  # (an f32 C with a short K: through shared memory, 5d)
+            plan = wgmma_plan.stage_c(spec, plan)
         a_in = g.inputs[0]
         if rows is not None:  # A and C through views with the M run as one dim
             a_in, out = rows.collapse(a_in, g.maps[0], g.op), rows.collapse(out, g.maps[2], g.op)
