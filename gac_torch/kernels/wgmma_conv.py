@@ -30,6 +30,7 @@ GAC_CONV_WGMMA_BN the tile width (64 | 128; 256 would need setmaxnreg's register
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from gac_torch.kernels import wgmma_plan as W
@@ -105,8 +106,128 @@ def heuristic_bn(spec: Spec) -> int:
     return min((128, 64), key=cost)
 
 
-def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan | None:
-    """The tiling (wgmma_plan.Plan: K-major A and B sides, BK = 128 bytes), or None."""
+@dataclass(frozen=True)
+class Window:
+    """A conv whose im2col rows TMA can load as tiled boxes (GAC_CONV_WGMMA_TMA): A is read as
+    a 4-D view x[n, h, w, c] (`a_view`: element offset of x[0, 0, 0, 0], sizes, strides) with
+    h = oh + kh * dil_h + h0 and w = ow + kw * dil_w + w0 (stride 1 in the view; h0, w0: minus
+    the padding), B as the 2-D [f, (kh, kw, c)] view `b_view`. A tile's BM rows are a th x tw
+    rectangle of output pixels of one image, so the rows of tap (kh, kw) and channels
+    [c0, c0 + BK) are one box [1, th, tw, BK] at (n, oh0 + kh*dil_h + h0, ow0 + kw*dil_w + w0, c0):
+    TMA fills what lies outside x (the padding, the rectangle past the image) with zeros and
+    writes the box swizzled, row = pixel, exactly the K-major tile wgmma reads. One box per K
+    slice, issued by one thread (the producer's per-thread gather and its address math go)."""
+
+    th: int
+    tw: int
+    tiles_h: int
+    tiles_w: int
+    oh: int
+    ow: int
+    kw: int
+    dil: tuple[int, int]
+    h0: int
+    w0: int
+    chunks: int  # K slices per tap (channels / BK)
+    a_view: tuple[int, tuple[int, int, int, int], tuple[int, int, int, int]]  # offset, [n,h,w,c], strides
+    b_view: tuple[int, tuple[int, int], tuple[int, int]]  # offset, [f, K], strides
+
+    @property
+    def m_tiles(self) -> int:
+        return self.a_view[1][0] * self.tiles_h * self.tiles_w
+
+
+def _tile_shape(oh: int, ow: int) -> tuple[int, int]:
+    """(th, tw), th * tw = BM: the fewest tiles (pixels past the image are computed and
+    dropped), then the widest rows (longer runs of contiguous pixels per box row)."""
+    shapes = [(BM // tw, tw) for tw in (128, 64, 32, 16, 8, 4, 2, 1)]
+    return min(shapes, key=lambda s: -(-oh // s[0]) * -(-ow // s[1]))
+
+
+def window(spec: Spec, bk: int) -> Window | None:
+    """The Window of `spec` (dims (n, oh, ow) x (f) x (kh, kw, c), as implicit_gemm._match gives
+    an NHWC conv), or None: A's pixel steps along oh / ow and its padding guards must make a
+    stride-1 view (a strided conv: the gather), whole BK-channel slices per tap, B dense
+    [f][kh][kw][c], every view 16-byte aligned (TMA)."""
+    if len(spec.ms) != 3 or len(spec.ks) != 3 or len(spec.ns) != 1 or spec.ext(spec.batch) != 1:
+        return None
+    R, a, b = spec.ranges, spec.a, spec.b
+    (dn, doh, dow), (dkh, dkw, dc), (df,) = spec.ms, spec.ks, spec.ns
+    es = ESIZE[_elem(spec.kind)]
+    C, KH, KW = R[dc], R[dkh], R[dkw]
+    if C % bk or a.coef[df] or any(b.coef[d] for d in spec.ms):
+        return None
+    if b.coef[dc] != 1 or KW > 1 and b.coef[dkw] != C or KH > 1 and b.coef[dkh] != KW * C or b.coef[df] < spec.K:
+        return None  # (B's rows: k = (kh, kw, c) flat)
+    s_n, s_h, s_w = a.coef[dn], a.coef[doh], a.coef[dow]
+    if min(s_h, s_w) <= 0 or KH > 1 and a.coef[dkh] % s_h or KW > 1 and a.coef[dkw] % s_w:
+        return None
+    dil = (a.coef[dkh] // s_h if KH > 1 else 0, a.coef[dkw] // s_w if KW > 1 else 0)  # (0: one tap)
+    ext, off = [R[doh] + (KH - 1) * dil[0], R[dow] + (KW - 1) * dil[1]], [0, 0]
+    for gc, g0, upper in a.guards:  # padding: the view's coordinate is the guarded index
+        j = next((j for j, (do, dk) in enumerate(((doh, dkh), (dow, dkw))) if gc[do]), None)
+        if j is None or gc[(doh, dow)[j]] != 1 or gc[(dkh, dkw)[j]] != dil[j] or sum(map(bool, gc)) > 2:
+            return None
+        ext[j], off[j] = upper, g0
+    a_off = a.offset + a.const - off[0] * s_h - off[1] * s_w
+    b_off = b.offset + b.const
+    if a_off < 0 or any(x * es % 16 for x in (a_off, s_n, s_h, s_w, b_off, b.coef[df])):
+        return None
+    th, tw = _tile_shape(R[doh], R[dow])
+    return Window(th, tw, -(-R[doh] // th), -(-R[dow] // tw), R[doh], R[dow], KW, dil, off[0], off[1],
+                  C // bk, (a_off, (R[dn], ext[0], ext[1], C), (s_n, s_h, s_w, 1)),
+                  (b_off, (R[df], spec.K), (b.coef[df], 1)))
+
+
+@dataclass(frozen=True)
+class ConvPlan(Plan):
+    window: Window | None = None  # TMA boxes instead of the gather
+
+
+class WindowHooks:
+    """wgmma_gemm._kernel's `conv` hook for a Window: the TMA coordinates of slice kt of the
+    tile at m0 (m0 / BM: the tile's image and rectangle) and where its rows go in C. Against
+    builder `b` (the text builder, or numpy's in the twin)."""
+
+    def __init__(self, b: Any, win: Window, bk: int):
+        self.b, self.w, self.bk = b, win, bk
+
+    def _origin(self, m0: Any) -> tuple[Any, Any, Any]:
+        b, w, c = self.b, self.w, self.b.const
+        per = w.tiles_h * w.tiles_w
+        mt = b.div(m0, c(BM))
+        rest = b.rem(mt, c(per))
+        return b.div(mt, c(per)), b.mul(b.div(rest, c(w.tiles_w)), c(w.th)), b.mul(b.rem(rest, c(w.tiles_w)), c(w.tw))
+
+    def a_coords(self, m0: Any, kt: Any) -> list[Any]:
+        """[c0, w, h, n] (innermost first) of A's box for slice kt = (kh, kw, channel chunk)."""
+        b, w, c = self.b, self.w, self.b.const
+        n, oh0, ow0 = self._origin(m0)
+        tap = b.div(kt, c(w.chunks))
+        kh, kw = b.div(tap, c(w.kw)), b.rem(tap, c(w.kw))
+        h = b.add(b.add(oh0, b.mul(kh, c(w.dil[0]))), c(w.h0))
+        x = b.add(b.add(ow0, b.mul(kw, c(w.dil[1]))), c(w.w0))
+        return [b.mul(b.rem(kt, c(w.chunks)), c(self.bk)), x, h, n]
+
+    def b_coords(self, n0: Any, kt: Any) -> list[Any]:
+        return [self.b.mul(kt, self.b.const(self.bk)), n0]
+
+    def rows(self, m0: Any, local: Any) -> Any:
+        """The flat output row (n, oh, ow) of tile row `local` (a pixel past the image: M, so
+        the store's bounds check drops it)."""
+        b, w, c = self.b, self.w, self.b.const
+        n, oh0, ow0 = self._origin(m0)
+        oh, ow = b.add(oh0, b.div(local, c(w.tw))), b.add(ow0, b.rem(local, c(w.tw)))
+        m = b.add(b.mul(b.add(b.mul(n, c(w.oh)), oh), c(w.ow)), ow)
+        inside = b.and_(b.lt(oh, c(w.oh)), b.lt(ow, c(w.ow)))
+        return b.select(inside, m, c(self.w.a_view[1][0] * w.oh * w.ow), "index")
+
+
+def plan(spec: Spec, bn: int | None = None, stages: int | None = None,
+         tma: bool | None = None) -> Plan | None:
+    """The tiling (wgmma_plan.Plan: K-major A and B sides, BK = 128 bytes), or None; a ConvPlan
+    with a Window (TMA boxes, see there) where `window` finds one and `tma` (default:
+    GAC_CONV_WGMMA_TMA, on unless "0") allows it."""
     if applies(spec) is not None:
         return None
     es = ESIZE[_elem(spec.kind)]
@@ -121,14 +242,16 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None) -> Plan |
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    tiles = -(-spec.N // bn) * -(-spec.M // BM)
+    tma = os.environ.get("GAC_CONV_WGMMA_TMA") != "0" if tma is None else tma
+    win = window(spec, bk) if tma else None
+    tiles = -(-spec.N // bn) * (win.m_tiles if win else -(-spec.M // BM))
     c, n_in = spec.c, [d for d in spec.ns if spec.ranges[d] > 1]
     pair = (len(n_in) == 1 and c.coef[n_in[0]] == 1 and spec.N % 2 == 0 and c.const % 2 == 0
             and c.offset % 2 == 0 and all(k % 2 == 0 for d, k in enumerate(c.coef) if d != n_in[0]))
     regs = tuple(int(x) for x in os.environ.get("GAC_CONV_WGMMA_REGS", "").split(",") if x) or REGS
-    return Plan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb,
-                (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=regs[0] > 0,
-                regs=regs)  # type: ignore[arg-type]
+    return ConvPlan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb,
+                    (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=regs[0] > 0,
+                    regs=regs, window=win)  # type: ignore[arg-type]
 
 
 def gather(b: Any, spec: Spec, p: Plan) -> Any:

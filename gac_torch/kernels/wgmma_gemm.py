@@ -76,10 +76,12 @@ from gac_torch.kernels.wgmma_text import WgmmaText
 # the kernel
 
 
-def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
+def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None, conv: Any = None) -> None:
     """`gather` (kernels/wgmma_conv.py): instead of TMA, every producer thread t stages its part
     of slice kt with cp.async, `gather(t, a_stage, b_stage, m0, n0, kt)`, and its copies arrive
-    on full[s] when they land (3b'); the consumers order them before wgmma's reads (4a')."""
+    on full[s] when they land (3b'); the consumers order them before wgmma's reads (4a').
+    `conv` (wgmma_conv.WindowHooks): TMA boxes at conv.a_coords(m0, kt) / b_coords(n0, kt), and
+    tile row r of the tile at m0 stored to C's row conv.rows(m0, r) (3b, 5)."""
     es = ESIZE[_elem(spec)]
     c = b.const
     S = p.stages
@@ -168,6 +170,10 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
                 s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
                 b.mbar_wait(empty(s), b.xor1(phase), cluster=cl > 1)  # 3a
                 b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
+                if conv is not None:  # one box per operand (wgmma_conv.Window)
+                    b.tma_load("A", stage_at(a_base, p.a, s), conv.a_coords(m0, kt), full(s))
+                    b.tma_load("B", stage_at(b_base, p.b, s), conv.b_coords(n0, kt), full(s))
+                    return
                 k0 = b.mul(kt, c(p.bk))
                 for which, op, side, outer, o0, base in (
                         ("A", spec.a, p.a, spec.m, m0, a_base), ("B", spec.b, p.b, spec.n, n0, b_base)):
@@ -223,10 +229,13 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             b.batch = bz
             rows = b.add(m0, local)
             cols = b.add(n0, b.mul(tq, c(2)))
+            placed = {} if conv is None else {  # each of the thread's rows' place in C, once
+                r: conv.rows(m0, b.add(local, c(r))) for r in sorted({row_of(rq) for rq, _ in FRAG_C})}
 
             def at(i: int, q: int) -> tuple[Any, Any]:
                 rq, cq = FRAG_C[q]
-                return b.add(rows, c(row_of(rq))), b.add(cols, c(8 * i + cq))
+                row = placed[row_of(rq)] if placed else b.add(rows, c(row_of(rq)))
+                return row, b.add(cols, c(8 * i + cq))
 
             ep_pre = None  # 5c: the epilogue's loads along M, issued before the main loop
             if epilogue_of(spec) is not None and prefetch(p):
@@ -343,6 +352,17 @@ def tensor_map_type(box: list[int], elem: str) -> str:
             "l2promo = l2promo_256b, oob = zero, interleave = none>")
 
 
+def tensor_map_lines(which: str, src: str, src_type: str, box: list[int], elem: str) -> tuple[list[str], str]:
+    """The host lines making %tm<which>d, the TMA descriptor of view `src` with `box` (outermost
+    first), and the kernel's line casting it to %tm<which>, the pointer tma_load reads."""
+    tm = tensor_map_type(box, elem)
+    lines = [f"%u{which} = memref.cast {src} : {src_type} to memref<*x{elem}>"]
+    lines += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
+    lines.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
+                 + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{elem}> -> {tm}")
+    return lines, f"%tm{which} = builtin.unrealized_conversion_cast %tm{which}d : {tm} to !llvm.ptr"
+
+
 def launch_lines(p: Plan) -> list[str]:
     """The gpu.launch's opening: p.grid CTAs of THREADS, p.smem_bytes of dynamic shared memory."""
     gx, gy, gz = p.grid
@@ -369,15 +389,8 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
             f": {op.type} to {op.flat}" for n, op in extra]
     head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
             + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{"]
-    types = {}
-    for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b)):
-        box = box_dims(op, side, spec)
-        types[which] = tm = tensor_map_type(box, e)
-        head.append(f"%u{which} = memref.cast %{which} : {op.type} to memref<*x{e}>")
-        head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
-        head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
-                    + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
-    head += launch_lines(p)
-    casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
-             for w in ("A", "B")]
+    maps = [tensor_map_lines(which, f"%{which}", op.type, box_dims(op, side, spec), e)
+            for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b))]
+    head += [x for m in maps for x in m[0]] + launch_lines(p)
+    casts = [m[1] for m in maps]
     return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])
