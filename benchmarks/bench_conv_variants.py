@@ -3,7 +3,7 @@
 compiled by gac once per variant (environment switches read at compile time, the program cache
 off) and timed with CUDA events next to eager (cuDNN); or the whole body, gac only.
 
-    python benchmarks/bench_conv_variants.py --prec tf32,bf16 [--variants gather,copy] [--out-dir D]
+    python benchmarks/bench_conv_variants.py --prec tf32,bf16 [--variants gather,copy] [--match k3s1] [--out-dir D]
     python benchmarks/bench_conv_variants.py --resnet default [--wait FILE]   # whole body, gac
 
 Variants: `gather` as before weight_layout.py: the weights read as [f, c, kh, kw] with K =
@@ -28,12 +28,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 os.environ["GAC_CACHE"] = "0"  # (the cache does not key on the switches)
 
-_OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": ""}
+_OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": "",
+        "GAC_CONV_WGMMA_TMA": "", "GAC_CONV_WGMMA_BN": ""}
 VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": "cinner",
                        "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
             "natural": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0"},
             "peracc": {**_OFF, "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
-            "copy": _OFF}
+            "copy": _OFF,
+            # cwgmma (sm_90, TF32 / bf16 convs with whole 16-byte channel vectors): `copy` is
+            # its default too (TMA boxes for stride-1 convs); `cpasync` the producers' cp.async
+            # gather instead; `tma128` 128-wide tiles
+            "cpasync": {**_OFF, "GAC_CONV_WGMMA_TMA": "0"},
+            "tma128": {**_OFF, "GAC_CONV_WGMMA_BN": "128"}}
 # (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body), two 1x1
 SHAPES = [(64, 120, 200, 64, 3, 1), (128, 120, 200, 128, 3, 2), (128, 60, 100, 128, 3, 1),
           (256, 60, 100, 256, 3, 2), (256, 30, 50, 256, 3, 1), (512, 30, 50, 512, 3, 2),
@@ -69,12 +75,14 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def convs(precs: list[str], variants: list[str], budget_s: float = 1e9) -> list[dict]:
+def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: str = "") -> list[dict]:
     from models import randomize_bn
 
     rows: list[dict] = []
     t0 = time.time()
     for i, (cin, h, w, cout, k, s) in enumerate(SHAPES):  # (each shape in every precision first)
+        if match and not any(m in f"{cin}x{h}x{w}_{cout}_k{k}s{s}" for m in match.split(",")):
+            continue
         if time.time() - t0 > budget_s:
             print(f"budget: {SHAPES[i:]} not run", flush=True)
             break
@@ -133,7 +141,7 @@ def resnet(flags: str, wait: str | None) -> dict:
                 time.sleep(0.5)
             ms = _time(lambda _: [f(x) for x in xs], None, iters=3) / len(xs)
     row = {"workload": f"resnet50_body_{flags}", "gac_ms": round(ms, 3), "rel_err": float(f"{err:.2e}"),
-           "compile_s": round(compile_s, 1), "env": {k: v for k, v in os.environ.items() if k.startswith("GAC_IGEMM")}}
+           "compile_s": round(compile_s, 1), "env": {k: v for k, v in os.environ.items() if k.startswith("GAC_")}}
     print(json.dumps(row), flush=True)
     return row
 
@@ -145,6 +153,7 @@ def main() -> int:
     ap.add_argument("--resnet", default="", help="time the whole body under these bench_h200 flags instead")
     ap.add_argument("--wait", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no conv after this many seconds")
+    ap.add_argument("--match", default="", help="only the convs whose name contains one of these (comma-separated)")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.resnet:
@@ -152,7 +161,7 @@ def main() -> int:
         name = f"resnet_{args.resnet}.json"
     else:
         variants = args.variants.split(",")
-        rows = convs(args.prec.split(","), variants, args.budget_s)
+        rows = convs(args.prec.split(","), variants, args.budget_s, args.match)
         name = "conv_variants.json"
         for prec in args.prec.split(","):  # the body's 3x3 convs, each as often as the body has it
             mine = [r for r in rows if r["prec"] == prec]

@@ -58,8 +58,8 @@ def test_twin_stages_the_im2col_tiles_of_odd_convs(name: str, kind: str, bn: int
     if kind == "bf16" and c % 8:
         c += 4  # (whole 16-byte vectors of bf16)
     spec = nhwc_spec(kind, n, h, w, c, f, k, s, p, d)
-    plan = wgmma_conv.plan(spec, bn=bn)
-    assert plan is not None and plan.bn == bn
+    plan = wgmma_conv.plan(spec, bn=bn, tma=False)
+    assert plan is not None and plan.bn == bn and plan.window is None
     rng = np.random.default_rng(sum(SHAPES[name]))
     x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
     wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
@@ -68,6 +68,73 @@ def test_twin_stages_the_im2col_tiles_of_odd_convs(name: str, kind: str, bn: int
                                      torch.from_numpy(wt).double().permute(0, 3, 1, 2), stride=s, padding=p, dilation=d)
     ref = ref.permute(0, 2, 3, 1).reshape(spec.M, spec.N).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9)
+
+
+# n, h, w, c, f, k, stride, pad, dilation: whole 128-byte channel slices per tap (C % BK == 0)
+WINDOWS = {
+    "3x3": (2, 9, 11, 64, 20, 3, 1, 1, 1),  # two slices per tap in tf32; 20 of 64 / 128 columns
+    "dilated": (1, 12, 9, 64, 72, 3, 1, 2, 2),  # a second N tile, mostly outside
+    "unpadded": (2, 7, 5, 64, 16, 3, 1, 0, 1),  # no guards: the view is the window's extent
+    "tall": (1, 37, 6, 64, 24, 3, 1, 1, 1),  # 8 x 16 rectangles, 10 of 16 columns past the image
+    "1x1s2": (2, 11, 9, 128, 72, 1, 2, 0, 1),  # a strided view: stride 2 is the view's step
+}
+
+
+def _conv_ref(x: np.ndarray, wt: np.ndarray, s: int, p: int, d: int) -> np.ndarray:
+    ref = torch.nn.functional.conv2d(torch.from_numpy(x).double().permute(0, 3, 1, 2),
+                                     torch.from_numpy(wt).double().permute(0, 3, 1, 2), stride=s, padding=p, dilation=d)
+    return ref.permute(0, 2, 3, 1).reshape(-1, wt.shape[0]).numpy()
+
+
+@pytest.mark.parametrize("bn", [64, 128])
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_twin_window_boxes_are_the_convolution(name: str, kind: str, bn: int) -> None:
+    # TMA's boxes at the kernel's coordinates (zero fill outside x: the padding and the
+    # rectangles' overhang), swizzled and read back through wgmma's descriptors, rows stored
+    # where WindowHooks.rows says
+    n, h, w, c, f, k, s, p, d = WINDOWS[name]
+    spec = nhwc_spec(kind, n, h, w, c, f, k, s, p, d)
+    plan = wgmma_conv.plan(spec, bn=bn, tma=True)
+    assert plan is not None and plan.window is not None and plan.bn == bn
+    assert plan.tiles == plan.window.m_tiles * -(-f // bn)
+    rng = np.random.default_rng(sum(WINDOWS[name]))
+    prec = "bf16" if kind == "bf16" else "f32"
+    x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), prec)
+    wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), prec)
+    got = wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1))
+    np.testing.assert_allclose(got, _conv_ref(x, wt, s, p, d), rtol=1e-9, atol=1e-9)
+
+
+def test_twin_catches_rows_past_the_image(monkeypatch) -> None:
+    # the rectangle's pixels past the image stored as if inside: they overwrite real rows
+    n, h, w, c, f, k, s, p, d = WINDOWS["tall"]
+    spec = nhwc_spec("tf32", n, h, w, c, f, k, s, p, d)
+    plan = wgmma_conv.plan(spec, tma=True)
+    rng = np.random.default_rng(1)
+    x, wt = rng.standard_normal((n, h, w, c)), rng.standard_normal((f, k, k, c))
+    ref = _conv_ref(x, wt, s, p, d)
+    np.testing.assert_allclose(wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1)), ref, rtol=1e-9)
+    rows = wgmma_conv.WindowHooks.rows
+    monkeypatch.setattr(wgmma_conv.WindowHooks, "rows", lambda self, m0, r: rows(self, m0, r) % spec.M)
+    assert not np.allclose(wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1)), ref)
+
+
+@pytest.mark.parametrize("kind,shape,why", [
+    ("tf32", (2, 9, 11, 64, 20, 3, 2, 1, 1), "stride 2 with padding"),
+    ("tf32", (2, 9, 11, 48, 20, 3, 1, 1, 1), "channels not whole slices"),
+    ("bf16", (2, 9, 11, 32, 20, 3, 1, 1, 1), "channels not whole slices"),
+])
+def test_window_declines_to_the_gather(kind: str, shape: tuple, why: str) -> None:
+    plan = wgmma_conv.plan(nhwc_spec(kind, *shape), tma=True)
+    assert plan is not None and plan.window is None, why
+
+
+def test_window_rectangles_follow_the_image() -> None:
+    # the fewest rectangles, then the widest: ResNet-50's layers at 480x800
+    assert wgmma_conv._tile_shape(120, 200) == (8, 16)  # 15 x 13 rectangles (16 x 8: 8 x 25)
+    assert wgmma_conv._tile_shape(1, 300) == (1, 128)
+    assert all(th * tw == wgmma_conv.BM for th, tw in map(lambda s: wgmma_conv._tile_shape(*s), [(60, 100), (15, 25)]))
 
 
 def test_twin_catches_a_wrong_swizzle(monkeypatch) -> None:
@@ -154,6 +221,30 @@ def test_convs_run_on_cwgmma_without_spills(dtype: torch.dtype, bn: str, monkeyp
     assert "cwgmma" not in _kernels(_sm90(dtype)) and "igemm" in _kernels(_sm90(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stride_1_convs_load_tma_boxes_without_spills(dtype: torch.dtype, monkeypatch) -> None:
+    # 64 / 96 channels: whole slices per tap. tf32: the 3x3, the dilated 3x3 and the strided
+    # 1x1 take 4-D boxes, the stride-2 3x3 gathers; bf16 (BK = 64): 96 channels gather too
+    from gac_torch.backends.cuda import ptxas
+
+    def cwgmma_ptx() -> list[str]:
+        model = randomize_bn(Net(64, 96, 136)).eval().to(dtype)
+        with _cudnn_tf32(True):
+            compiled = gac_torch.compile(model, (torch.randn(2, 3, 19, 21).to(dtype),), target="cuda", options={
+                "arch": "sm_90", "fallback": False, "cache": False, "channels_last": True})
+        (part,) = compiled.compiled.partitions.values()
+        ptx = part.ir("ptx")
+        result = ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas())
+        spills = re.findall(r"(\d+) bytes spill stores", result.log)
+        assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
+        return [k for k in ptx.split(".entry")[1:] if k.split("(")[0].strip().endswith("_cwgmma")]
+
+    boxes = ["cp.async.bulk.tensor.4d" in k for k in cwgmma_ptx()]
+    assert boxes.count(True) == (3 if dtype == torch.float32 else 2) and boxes.count(False) == len(boxes) - boxes.count(True)
+    monkeypatch.setenv("GAC_CONV_WGMMA_TMA", "0")  # the A/B switch: every conv gathers
+    assert not any("cp.async.bulk.tensor" in k for k in cwgmma_ptx())
+
+
 def test_exact_f32_and_the_switch_in_the_cache_key(monkeypatch) -> None:
     from gac_torch.runtime import cache
 
@@ -169,17 +260,21 @@ def _biased() -> nn.Module:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["big", "big128", "bias"])
+@pytest.mark.parametrize("case", ["big", "big128", "gather", "bias"])
 @pytest.mark.parametrize("precision", ["tf32", "bf16autocast"])
 def test_net_matches_float64_on_gpu(precision: str, case: str, monkeypatch) -> None:
     # big: 64-wide tiles (the heuristic's, one round of tiles), big128: 128-wide ones; bias:
-    # small convs with a bias and no BatchNorm
+    # small convs with a bias and no BatchNorm; gather: every conv's tiles by cp.async (no TMA
+    # boxes, GAC_CONV_WGMMA_TMA=0)
     if case == "big128":
         monkeypatch.setenv("GAC_CONV_WGMMA_BN", "128")
+    if case == "gather":
+        monkeypatch.setenv("GAC_CONV_WGMMA_TMA", "0")
     torch.manual_seed(3)
-    model = randomize_bn(Net(64, 96, 136)) if case.startswith("big") else _biased()
+    big = case != "bias"
+    model = randomize_bn(Net(64, 96, 136)) if big else _biased()
     model.eval()
-    x = torch.randn(3, 3, 45, 37) if case.startswith("big") else torch.randn(2, 3, 19, 21)
+    x = torch.randn(3, 3, 45, 37) if big else torch.randn(2, 3, 19, 21)
     ref = copy.deepcopy(model).double()(x.double())
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()

@@ -164,11 +164,15 @@ def window(spec: Spec, bk: int) -> Window | None:
         return None
     dil = (a.coef[dkh] // s_h if KH > 1 else 0, a.coef[dkw] // s_w if KW > 1 else 0)  # (0: one tap)
     ext, off = [R[doh] + (KH - 1) * dil[0], R[dow] + (KW - 1) * dil[1]], [0, 0]
-    for gc, g0, upper in a.guards:  # padding: the view's coordinate is the guarded index
+    for gc, g0, upper in a.guards:  # padding: the view's coordinate is the guarded index /
+        # the conv's stride (a stride-2 1x1's rows 0, 2, ..; 3x3 stride 2, padding 1: gather)
         j = next((j for j, (do, dk) in enumerate(((doh, dkh), (dow, dkw))) if gc[do]), None)
-        if j is None or gc[(doh, dow)[j]] != 1 or gc[(dkh, dkw)[j]] != dil[j] or sum(map(bool, gc)) > 2:
+        if j is None or sum(map(bool, gc)) > 2:
             return None
-        ext[j], off[j] = upper, g0
+        step = gc[(doh, dow)[j]]
+        if g0 % step or R[(dkh, dkw)[j]] > 1 and gc[(dkh, dkw)[j]] != dil[j] * step:
+            return None
+        ext[j], off[j] = -(-upper // step), g0 // step
     a_off = a.offset + a.const - off[0] * s_h - off[1] * s_w
     b_off = b.offset + b.const
     if a_off < 0 or any(x * es % 16 for x in (a_off, s_n, s_h, s_w, b_off, b.coef[df])):
