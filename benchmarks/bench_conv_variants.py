@@ -37,9 +37,9 @@ VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER
             "copy": _OFF,
             # cwgmma (sm_90, TF32 / bf16 convs with whole 16-byte channel vectors): `copy` is
             # its default too (TMA boxes for stride-1 convs); `cpasync` the producers' cp.async
-            # gather instead; `tma128` 128-wide tiles
+            # gather instead; `tma64` 64-wide tiles (the default: 128 for N > 64)
             "cpasync": {**_OFF, "GAC_CONV_WGMMA_TMA": "0"},
-            "tma128": {**_OFF, "GAC_CONV_WGMMA_BN": "128"}}
+            "tma64": {**_OFF, "GAC_CONV_WGMMA_BN": "64"}}
 # (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body), two 1x1
 SHAPES = [(64, 120, 200, 64, 3, 1), (128, 120, 200, 128, 3, 2), (128, 60, 100, 128, 3, 1),
           (256, 60, 100, 256, 3, 2), (256, 30, 50, 256, 3, 1), (512, 30, 50, 512, 3, 2),
@@ -75,7 +75,11 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: str = "") -> list[dict]:
+def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: str = "",
+          chain: bool = False) -> list[dict]:
+    """`chain`: each conv twice (the second cout -> cout, stride 1, + BatchNorm + ReLU) on a
+    channels-last input: gac's layout pass keeps a chain's activations NHWC (what the ResNet
+    body runs: cwgmma on sm_90), a lone NCHW conv stays NCHW (igemm)."""
     from models import randomize_bn
 
     rows: list[dict] = []
@@ -90,16 +94,19 @@ def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: s
             torch.backends.cudnn.allow_tf32 = prec == "tf32"
             dt = torch.bfloat16 if prec == "bf16" else torch.float32
             torch.manual_seed(i)
-            model = randomize_bn(torch.nn.Sequential(
-                torch.nn.Conv2d(cin, cout, k, s, k // 2, bias=False), torch.nn.BatchNorm2d(cout),
-                torch.nn.ReLU())).eval().to(DEV)
+            blocks = [(cin, s), (cout, 1)] if chain else [(cin, s)]
+            model = randomize_bn(torch.nn.Sequential(*[m for c, st in blocks for m in (
+                torch.nn.Conv2d(c, cout, k, st, k // 2, bias=False), torch.nn.BatchNorm2d(cout),
+                torch.nn.ReLU())])).eval().to(DEV)
             x = torch.randn(6 if DEV == "cuda" else 1, cin, h // 8 if DEV == "cpu" else h, w // 8 if DEV == "cpu" else w, device=DEV)
+            if chain:
+                x = x.to(memory_format=torch.channels_last)
             with torch.no_grad():
                 ref = model.double()(x.double())
                 model = model.to(dt)
                 x = x.to(dt)
-                flop = 2 * x.shape[0] * cout * ref.shape[2] * ref.shape[3] * cin * k * k
-                row = {"conv": f"{cin}x{h}x{w}_{cout}_k{k}s{s}", "prec": prec, "count": COUNT[SHAPES[i]],
+                flop = 2 * x.shape[0] * cout * ref.shape[2] * ref.shape[3] * k * k * sum(c for c, _ in blocks)
+                row = {"conv": f"{cin}x{h}x{w}_{cout}_k{k}s{s}" + ("_x2" if chain else ""), "prec": prec, "count": COUNT[SHAPES[i]],
                        "eager_ms": round(_time(model, x), 4)}
                 for v in variants:
                     os.environ.update(VARIANTS[v])
@@ -153,6 +160,7 @@ def main() -> int:
     ap.add_argument("--resnet", default="", help="time the whole body under these bench_h200 flags instead")
     ap.add_argument("--wait", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no conv after this many seconds")
+    ap.add_argument("--chain", action="store_true", help="each conv twice, NHWC (see convs)")
     ap.add_argument("--match", default="", help="only the convs whose name contains one of these (comma-separated)")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -161,7 +169,7 @@ def main() -> int:
         name = f"resnet_{args.resnet}.json"
     else:
         variants = args.variants.split(",")
-        rows = convs(args.prec.split(","), variants, args.budget_s, args.match)
+        rows = convs(args.prec.split(","), variants, args.budget_s, args.match, args.chain)
         name = "conv_variants.json"
         for prec in args.prec.split(","):  # the body's 3x3 convs, each as often as the body has it
             mine = [r for r in rows if r["prec"] == prec]

@@ -155,8 +155,11 @@ def test_twin_catches_a_wrong_swizzle(monkeypatch) -> None:
 def test_tile_width_follows_the_rounds_of_tiles() -> None:
     # ResNet-50's layer-3 3x3 (M = 9000, N = 256): 142 wide tiles are two rounds on 132 SMs, 284
     # narrow ones three; layer 4's (M = 2250, N = 512): 72 wide tiles, one round
-    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 30, 50, 256, 256, 3, 1, 1, 1)).bn == 64
-    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 15, 25, 512, 512, 3, 1, 1, 1)).bn == 128
+    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 30, 50, 256, 256, 3, 1, 1, 1), tma=False).bn == 64
+    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 15, 25, 512, 512, 3, 1, 1, 1), tma=False).bn == 128
+    # TMA boxes: wide tiles (each N tile reads the taps of A again), narrow for N <= 64
+    assert wgmma_conv.plan(nhwc_spec("bf16", 6, 30, 50, 256, 256, 3, 1, 1, 1), tma=True).bn == 128
+    assert wgmma_conv.plan(nhwc_spec("bf16", 6, 120, 200, 64, 64, 3, 1, 1, 1), tma=True).bn == 64
 
 
 @pytest.mark.parametrize("kind,c,why", [

@@ -91,12 +91,17 @@ def narrow(spec: Spec) -> bool:
 NARROW_COST = 1.15  # a 64-wide tile's time per output vs a 128-wide one's (more A per MAC: a guess)
 
 
-def heuristic_bn(spec: Spec) -> int:
+def heuristic_bn(spec: Spec, win: Window | None = None) -> int:
     """64 or 128: the fewer rounds of persistent tiles over the SMs, times the tile's cost (a
     ResNet-50 layer-3 3x3 conv, M = 9000, N = 256: 142 wide tiles take two rounds on 132 SMs,
-    284 narrow ones three of half the work)."""
+    284 narrow ones three of half the work). With a Window, 128 once N > 64: every N tile
+    reads the tile's A again, 9 taps of it for a 3x3, and the boxes' L2 traffic, not the
+    rounds, bounds those convs (H200 profile 94f1c50: ~5 TB/s of L2 -> SM at 128 x 64 in both
+    precisions; an estimate, GAC_CONV_WGMMA_BN=64 to compare)."""
     if spec.N <= 64:
         return 64
+    if win is not None:
+        return 128
     m_tiles = -(-spec.M // BM)
 
     def cost(bn: int) -> float:
@@ -236,7 +241,9 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None,
         return None
     es = ESIZE[_elem(spec.kind)]
     bk = W.SWIZZLE // es
-    bn = bn or int(os.environ.get("GAC_CONV_WGMMA_BN") or 0) or heuristic_bn(spec)
+    tma = os.environ.get("GAC_CONV_WGMMA_TMA") != "0" if tma is None else tma
+    win = window(spec, bk) if tma else None
+    bn = bn or int(os.environ.get("GAC_CONV_WGMMA_BN") or 0) or heuristic_bn(spec, win)
     if bn not in (64, 128):
         return None
     sa = Side(True, BM, (bk, BM), 1, BM * W.SWIZZLE)
@@ -246,8 +253,6 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None,
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    tma = os.environ.get("GAC_CONV_WGMMA_TMA") != "0" if tma is None else tma
-    win = window(spec, bk) if tma else None
     tiles = -(-spec.N // bn) * (win.m_tiles if win else -(-spec.M // BM))
     c, n_in = spec.c, [d for d in spec.ns if spec.ranges[d] > 1]
     pair = (len(n_in) == 1 and c.coef[n_in[0]] == 1 and spec.N % 2 == 0 and c.const % 2 == 0
