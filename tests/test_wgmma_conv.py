@@ -77,6 +77,8 @@ WINDOWS = {
     "unpadded": (2, 7, 5, 64, 16, 3, 1, 0, 1),  # no guards: the view is the window's extent
     "tall": (1, 37, 6, 64, 24, 3, 1, 1, 1),  # 8 x 16 rectangles, 10 of 16 columns past the image
     "1x1s2": (2, 11, 9, 128, 72, 1, 2, 0, 1),  # a strided view: stride 2 is the view's step
+    "3x3s2": (2, 10, 14, 64, 24, 3, 2, 1, 1),  # row pairs: taps off the stride's grid
+    "3x3s2d2": (1, 13, 11, 64, 16, 3, 2, 2, 2),  # every tap on the grid: a strided view
 }
 
 
@@ -121,7 +123,8 @@ def test_twin_catches_rows_past_the_image(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("kind,shape,why", [
-    ("tf32", (2, 9, 11, 64, 20, 3, 2, 1, 1), "stride 2 with padding"),
+    ("tf32", (2, 9, 11, 64, 20, 3, 2, 1, 1), "stride 2 off its grid, an odd input"),
+    ("bf16", (1, 12, 12, 64, 20, 3, 3, 1, 1), "stride 3"),
     ("tf32", (2, 9, 11, 48, 20, 3, 1, 1, 1), "channels not whole slices"),
     ("bf16", (2, 9, 11, 32, 20, 3, 1, 1, 1), "channels not whole slices"),
 ])
@@ -227,7 +230,8 @@ def test_convs_run_on_cwgmma_without_spills(dtype: torch.dtype, bn: str, monkeyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stride_1_convs_load_tma_boxes_without_spills(dtype: torch.dtype, monkeypatch) -> None:
     # 64 / 96 channels: whole slices per tap. tf32: the 3x3, the dilated 3x3 and the strided
-    # 1x1 take 4-D boxes, the stride-2 3x3 gathers; bf16 (BK = 64): 96 channels gather too
+    # 1x1 take 4-D boxes, the stride-2 3x3 (odd 19 x 21 input) gathers; bf16 (BK = 64): 96
+    # channels gather too
     from gac_torch.backends.cuda import ptxas
 
     def cwgmma_ptx() -> list[str]:

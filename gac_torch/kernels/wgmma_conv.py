@@ -113,15 +113,19 @@ def heuristic_bn(spec: Spec, win: Window | None = None) -> int:
 
 @dataclass(frozen=True)
 class Window:
-    """A conv whose im2col rows TMA can load as tiled boxes (GAC_CONV_WGMMA_TMA): A is read as
-    a 4-D view x[n, h, w, c] (`a_view`: element offset of x[0, 0, 0, 0], sizes, strides) with
-    h = oh + kh * dil_h + h0 and w = ow + kw * dil_w + w0 (stride 1 in the view; h0, w0: minus
-    the padding), B as the 2-D [f, (kh, kw, c)] view `b_view`. A tile's BM rows are a th x tw
-    rectangle of output pixels of one image, so the rows of tap (kh, kw) and channels
-    [c0, c0 + BK) are one box [1, th, tw, BK] at (n, oh0 + kh*dil_h + h0, ow0 + kw*dil_w + w0, c0):
-    TMA fills what lies outside x (the padding, the rectangle past the image) with zeros and
-    writes the box swizzled, row = pixel, exactly the K-major tile wgmma reads. One box per K
-    slice, issued by one thread (the producer's per-thread gather and its address math go)."""
+    """A conv whose im2col rows TMA loads as tiled boxes (GAC_CONV_WGMMA_TMA). A is read as a
+    5-D view x[n, h, ph, w, pc] (`a_view`: element offset of the pixel (0, 0), sizes, strides;
+    4-D without ph when P = 1):
+    per spatial dim, the input index r = P*v + phase (P = 1: v = r, or a strided conv's own
+    rows; P = 2: a stride-2 conv's input split into row pairs, h's phase its own dim of 2, w's
+    folded into the channels: pc = phase * C + c, the pixel pair's 2C channels). Output pixel o
+    and tap k read r = S*o + D*k + G (S = P, or the stride already in the view's step), so
+    v = o + floor((D*k + G) / P) and phase = (D*k + G) mod P. A tile's BM rows are a th x tw
+    rectangle of output pixels of one image: the rows of tap (kh, kw) and channels
+    [c0, c0 + BK) are one box [1, th, 1, tw, BK]; TMA fills what lies outside x (the padding,
+    the rectangle past the image) with zeros and writes the box swizzled, row = pixel, the
+    K-major tile wgmma reads. One box per K slice, issued by one thread. B is the 2-D
+    [f, (kh, kw, c)] view `b_view`."""
 
     th: int
     tw: int
@@ -130,16 +134,20 @@ class Window:
     oh: int
     ow: int
     kw: int
-    dil: tuple[int, int]
-    h0: int
-    w0: int
-    chunks: int  # K slices per tap (channels / BK)
-    a_view: tuple[int, tuple[int, int, int, int], tuple[int, int, int, int]]  # offset, [n,h,w,c], strides
+    c: int
+    dil: tuple[int, int]  # D per spatial dim
+    g0: tuple[int, int]  # G
+    phases: tuple[int, int]  # P
+    a_view: tuple[int, tuple[int, ...], tuple[int, ...]]  # offset, [n, h, ph, w, pc], strides
     b_view: tuple[int, tuple[int, int], tuple[int, int]]  # offset, [f, K], strides
 
     @property
     def m_tiles(self) -> int:
         return self.a_view[1][0] * self.tiles_h * self.tiles_w
+
+    def box(self, bk: int) -> list[int]:
+        """A's box, outermost first ([1, th, 1, tw, BK]; without the phase dim of stride 1)."""
+        return [1, self.th, *([1] if self.phases[0] > 1 else []), self.tw, bk]
 
 
 def _tile_shape(oh: int, ow: int) -> tuple[int, int]:
@@ -149,10 +157,35 @@ def _tile_shape(oh: int, ow: int) -> tuple[int, int]:
     return min(shapes, key=lambda s: -(-oh // s[0]) * -(-ow // s[1]))
 
 
+def _axis(spec: Spec, do: int, dk: int) -> tuple[int, int, int, int, int] | None:
+    """One spatial dim of A's view: (P, D, G, extent in v, the input's stride per r) from the
+    output dim `do`, the tap dim `dk` and their padding guard, or None."""
+    a, R = spec.a, spec.ranges
+    guard = [(gc, g0, up) for gc, g0, up in a.guards if gc[do] or gc[dk]]
+    if not guard:  # unpadded: a view stepping the output dim's own stride (a strided 1x1)
+        step = a.coef[do]
+        if step <= 0 or R[dk] > 1 and a.coef[dk] % step:
+            return None
+        d = a.coef[dk] // step if R[dk] > 1 else 0
+        return 1, d, 0, R[do] + (R[dk] - 1) * d, step
+    (gc, g0, upper), = guard if len(guard) == 1 else [(None, 0, 0)]
+    if gc is None or sum(map(bool, gc)) > 2 or gc[do] <= 0 or a.coef[do] % gc[do]:
+        return None
+    s, rs = gc[do], a.coef[do] // gc[do]  # the stride, the input's step per index r
+    d = gc[dk] if R[dk] > 1 else 0
+    if R[dk] > 1 and a.coef[dk] != d * rs:
+        return None
+    if g0 % s == 0 and d % s == 0:  # every tap on the stride's grid: a view of every s-th r
+        return 1, d // s, g0 // s, -(-upper // s), s * rs
+    if s == 2 and upper % 2 == 0:  # row pairs (ResNet's 3x3 stride-2 convs, padding 1)
+        return 2, d, g0, upper // 2, rs
+    return None
+
+
 def window(spec: Spec, bk: int) -> Window | None:
     """The Window of `spec` (dims (n, oh, ow) x (f) x (kh, kw, c), as implicit_gemm._match gives
-    an NHWC conv), or None: A's pixel steps along oh / ow and its padding guards must make a
-    stride-1 view (a strided conv: the gather), whole BK-channel slices per tap, B dense
+    an NHWC conv), or None (the gather takes it): whole BK-channel slices per tap, strides 1 or
+    2 (2 with a padding off its grid: even input sizes, dense pixels), B dense
     [f][kh][kw][c], every view 16-byte aligned (TMA)."""
     if len(spec.ms) != 3 or len(spec.ks) != 3 or len(spec.ns) != 1 or spec.ext(spec.batch) != 1:
         return None
@@ -164,28 +197,20 @@ def window(spec: Spec, bk: int) -> Window | None:
         return None
     if b.coef[dc] != 1 or KW > 1 and b.coef[dkw] != C or KH > 1 and b.coef[dkh] != KW * C or b.coef[df] < spec.K:
         return None  # (B's rows: k = (kh, kw, c) flat)
-    s_n, s_h, s_w = a.coef[dn], a.coef[doh], a.coef[dow]
-    if min(s_h, s_w) <= 0 or KH > 1 and a.coef[dkh] % s_h or KW > 1 and a.coef[dkw] % s_w:
-        return None
-    dil = (a.coef[dkh] // s_h if KH > 1 else 0, a.coef[dkw] // s_w if KW > 1 else 0)  # (0: one tap)
-    ext, off = [R[doh] + (KH - 1) * dil[0], R[dow] + (KW - 1) * dil[1]], [0, 0]
-    for gc, g0, upper in a.guards:  # padding: the view's coordinate is the guarded index /
-        # the conv's stride (a stride-2 1x1's rows 0, 2, ..; 3x3 stride 2, padding 1: gather)
-        j = next((j for j, (do, dk) in enumerate(((doh, dkh), (dow, dkw))) if gc[do]), None)
-        if j is None or sum(map(bool, gc)) > 2:
-            return None
-        step = gc[(doh, dow)[j]]
-        if g0 % step or R[(dkh, dkw)[j]] > 1 and gc[(dkh, dkw)[j]] != dil[j] * step:
-            return None
-        ext[j], off[j] = -(-upper // step), g0 // step
-    a_off = a.offset + a.const - off[0] * s_h - off[1] * s_w
+    h, w = _axis(spec, doh, dkh), _axis(spec, dow, dkw)
+    if h is None or w is None or w[0] == 2 and w[4] != C:
+        return None  # (a w pair's channels must be one run of 2C)
+    (ph, dh, gh, eh, rh), (pw, dw, gw, ew, rw) = h, w
+    a_off = a.offset + a.const - gh * rh - gw * rw
     b_off = b.offset + b.const
-    if a_off < 0 or any(x * es % 16 for x in (a_off, s_n, s_h, s_w, b_off, b.coef[df])):
+    sizes, strides = (R[dn], eh, ph, ew, pw * C), (a.coef[dn], ph * rh, rh, pw * rw, 1)
+    if ph == 1:  # (no phase dim of 1: a plain 4-D view)
+        sizes, strides = sizes[:2] + sizes[3:], strides[:2] + strides[3:]
+    if a_off < 0 or any(x * es % 16 for x in (a_off, b_off, b.coef[df], *strides[:-1])):
         return None
     th, tw = _tile_shape(R[doh], R[dow])
-    return Window(th, tw, -(-R[doh] // th), -(-R[dow] // tw), R[doh], R[dow], KW, dil, off[0], off[1],
-                  C // bk, (a_off, (R[dn], ext[0], ext[1], C), (s_n, s_h, s_w, 1)),
-                  (b_off, (R[df], spec.K), (b.coef[df], 1)))
+    return Window(th, tw, -(-R[doh] // th), -(-R[dow] // tw), R[doh], R[dow], KW, C, (dh, dw), (gh, gw),
+                  (ph, pw), (a_off, sizes, strides), (b_off, (R[df], spec.K), (b.coef[df], 1)))
 
 
 @dataclass(frozen=True)
@@ -208,15 +233,25 @@ class WindowHooks:
         rest = b.rem(mt, c(per))
         return b.div(mt, c(per)), b.mul(b.div(rest, c(w.tiles_w)), c(w.th)), b.mul(b.rem(rest, c(w.tiles_w)), c(w.tw))
 
+    def _tap(self, o0: Any, k: Any, j: int) -> tuple[Any, Any]:
+        """(v, phase) of tap index k along spatial dim j at the rectangle's origin o0: the
+        floor division of D*k + G by P on a non-negative t (t + E, E a multiple of P >= -G)."""
+        b, c, w = self.b, self.b.const, self.w
+        p, e = w.phases[j], w.phases[j] * max(0, -(-(-w.g0[j]) // w.phases[j]))
+        t = b.add(b.mul(k, c(w.dil[j])), c(w.g0[j] + e))
+        if p == 1:
+            return b.add(o0, b.sub(t, c(e))), c(0)
+        return b.sub(b.add(o0, b.div(t, c(p))), c(e // p)), b.rem(t, c(p))
+
     def a_coords(self, m0: Any, kt: Any) -> list[Any]:
-        """[c0, w, h, n] (innermost first) of A's box for slice kt = (kh, kw, channel chunk)."""
+        """[pc, w, (ph,) h, n] (innermost first) of A's box for slice kt = (kh, kw, channel chunk)."""
         b, w, c = self.b, self.w, self.b.const
         n, oh0, ow0 = self._origin(m0)
-        tap = b.div(kt, c(w.chunks))
-        kh, kw = b.div(tap, c(w.kw)), b.rem(tap, c(w.kw))
-        h = b.add(b.add(oh0, b.mul(kh, c(w.dil[0]))), c(w.h0))
-        x = b.add(b.add(ow0, b.mul(kw, c(w.dil[1]))), c(w.w0))
-        return [b.mul(b.rem(kt, c(w.chunks)), c(self.bk)), x, h, n]
+        chunks = w.c // self.bk
+        tap = b.div(kt, c(chunks))
+        (h, ph), (x, pw) = self._tap(oh0, b.div(tap, c(w.kw)), 0), self._tap(ow0, b.rem(tap, c(w.kw)), 1)
+        c0 = b.mul(b.rem(kt, c(chunks)), c(self.bk))
+        return [c0 if w.phases[1] == 1 else b.add(b.mul(pw, c(w.c)), c0), x, *([ph] if w.phases[0] > 1 else []), h, n]
 
     def b_coords(self, n0: Any, kt: Any) -> list[Any]:
         return [self.b.mul(kt, self.b.const(self.bk)), n0]

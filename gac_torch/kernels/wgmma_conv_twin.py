@@ -130,7 +130,7 @@ def emulate_window(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndar
             for kt in range(spec.K // p.bk):
                 smem = np.zeros((p.a.stage_bytes + p.b.stage_bytes) // es)
                 at_a = [int(v[0]) for v in hooks.a_coords(c(mt * BM), c(kt))][::-1]
-                _tma_write(smem, 0, _box(x, at_a, [1, win.th, win.tw, p.bk]).reshape(BM, p.bk), es)
+                _tma_write(smem, 0, _box(x, at_a, win.box(p.bk)).reshape(BM, p.bk), es)
                 at_b = [int(v[0]) for v in hooks.b_coords(c(n0), c(kt))][::-1]
                 _tma_write(smem, p.a.stage_bytes, _box(w, at_b, [p.bn, p.bk]), es)
                 acc += _read(smem, 0, p.a, es, p.ks, p.bk) @ _read(smem, p.a.stage_bytes, p.b, es, p.ks, p.bk).T
