@@ -1,6 +1,7 @@
 """Hopper implicit-GEMM convolution for the cuda target (sm_90a): the wgmma GEMM
-(wgmma_gemm.py) with its A and B tiles gathered by the producer warpgroup's cp.async instead of
-TMA, so A can be the im2col rows of an NHWC activation, never materialised.
+(wgmma_gemm.py) with A the im2col rows of an NHWC activation, never materialised: loaded by TMA
+as one box per tap (`Window`, below: stride 1 or 2, whole 128-byte channel slices per tap), else
+gathered by the producer warpgroup's cp.async.
 
     C[m, n] = init + sum_k A[m, k] * B[n, k],   m = (n, oh, ow), n = (f), k = (kh, kw, c)
 
@@ -25,6 +26,12 @@ write (so the consumers' wgmma descriptors are the GEMM's):
 The consumers (wgmma_gemm 4-5) are unchanged; C and the fused epilogue's operands are addressed
 through the conv's dims (wgmma_conv_text.ConvText). GAC_CONV_WGMMA_STAGES forces the depth;
 GAC_CONV_WGMMA_BN the tile width (64 | 128; 256 would need setmaxnreg's registers).
+
+Why TMA (H200 profile, main 94f1c50): the gather's 3x3 convs moved ~24 bytes per SM cycle in
+both precisions (~5 TB/s of L2 -> SM over 132 SMs; 112 TFLOP/s TF32, 183 bf16), the per-thread
+16-byte copies, their address math and guards on 128 threads per slice; a Window's slice is
+two TMA instructions from one thread, the padding TMA's zero fill. GAC_CONV_WGMMA_TMA=0: the
+gather for every conv (A/B; a code-picking switch, so part of the compile cache's key).
 """
 
 from __future__ import annotations
