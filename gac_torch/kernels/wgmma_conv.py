@@ -47,10 +47,11 @@ from gac_torch.kernels.wgmma_plan import BM, ESIZE, SMEM_LIMIT, ALIGN, Plan, Sid
 VEC_BYTES = 16
 MIN_VEC = VEC_BYTES // 4  # elements in a 16-byte vector, at least (tf32)
 STAGES = 6  # (cp.async: the producers wait for their copies; deeper than the TMA GEMM)
-# setmaxnreg (producer, consumers), (0, 0): none, 168 registers each. The producers' hoisted
-# per-row addresses and guards (64-bit) spilled at 96 and 112 (ResNet's 3x3 convs); without it
-# nothing spills with the epilogue's loads 4 accumulators at a time (ConvText). (being tuned:
-# GAC_CONV_WGMMA_REGS=p,c)
+# setmaxnreg (producer, consumers) of the gather, (0, 0): none, 168 registers each. The producers'
+# hoisted per-row addresses and guards (64-bit) spilled at 96 and 112 (ResNet's 3x3 convs);
+# without it nothing spills with the epilogue's loads 4 accumulators at a time (ConvText). A
+# Window's producer (one thread, two TMA loads per slice) takes the GEMM's 40 and gives the
+# consumers 232: room for the epilogue's loads 16 accumulators at a time. (GAC_CONV_WGMMA_REGS=p,c)
 REGS = (0, 0)
 ROW_THREADS = 8  # producer threads per 128-byte tile row (one 16-byte chunk each)
 PASS_ROWS = W.WG // ROW_THREADS  # rows the producer warpgroup stages at once
@@ -299,7 +300,8 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None,
     c, n_in = spec.c, [d for d in spec.ns if spec.ranges[d] > 1]
     pair = (len(n_in) == 1 and c.coef[n_in[0]] == 1 and spec.N % 2 == 0 and c.const % 2 == 0
             and c.offset % 2 == 0 and all(k % 2 == 0 for d, k in enumerate(c.coef) if d != n_in[0]))
-    regs = tuple(int(x) for x in os.environ.get("GAC_CONV_WGMMA_REGS", "").split(",") if x) or REGS
+    regs = (tuple(int(x) for x in os.environ.get("GAC_CONV_WGMMA_REGS", "").split(",") if x)
+            or ((W.PRODUCER_REGS, W.CONSUMER_REGS) if win else REGS))
     return ConvPlan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb,
                     (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=regs[0] > 0,
                     regs=regs, window=win)  # type: ignore[arg-type]

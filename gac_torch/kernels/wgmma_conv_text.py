@@ -26,7 +26,14 @@ def _merges(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> bool
 
 class ConvText(WgmmaText):
     spec: Spec  # type: ignore[assignment]
-    epilogue_chunk = 4  # (8: a BatchNorm epilogue on a 128-wide tile spilled under 168 registers)
+
+    @property
+    def epilogue_chunk(self) -> int:  # type: ignore[override]
+        """Accumulators whose epilogue loads go together: each chunk's loads wait for the last
+        chunk's stores (one memory latency per chunk: 16 of them per 128 x 128 tile at 4). 4
+        under 168 registers (8: a BatchNorm epilogue on a 128-wide tile spilled); 16 with a
+        Window's setmaxnreg (232 for the consumers: wgmma_conv.plan)."""
+        return 16 if getattr(self.p, "window", None) is not None and self.p.maxnreg else 4
 
     def _part(self, op: Operand, dims: tuple[int, ...], idx: str) -> str:
         """op's address part of merged index `idx` over `dims`: a multiple of idx where the
