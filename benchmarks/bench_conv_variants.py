@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 os.environ["GAC_CACHE"] = "0"  # (the cache does not key on the switches)
 
 _OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": "",
-        "GAC_CONV_WGMMA_TMA": "", "GAC_CONV_WGMMA_BN": ""}
+        "GAC_CONV_WGMMA_TMA": "", "GAC_CONV_WGMMA_BN": "", "GAC_WGMMA_EPILOGUE_CHUNK": ""}
 VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": "cinner",
                        "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
             "natural": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0"},
@@ -39,7 +39,8 @@ VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER
             # its default too (TMA boxes for stride-1 convs); `cpasync` the producers' cp.async
             # gather instead; `tma64` 64-wide tiles (the default: 128 for N > 64)
             "cpasync": {**_OFF, "GAC_CONV_WGMMA_TMA": "0"},
-            "tma64": {**_OFF, "GAC_CONV_WGMMA_BN": "64"}}
+            "tma64": {**_OFF, "GAC_CONV_WGMMA_BN": "64"},
+            "chunk4": {**_OFF, "GAC_WGMMA_EPILOGUE_CHUNK": "4"}}  # (the TMA path's epilogue as before)
 # (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body), two 1x1
 SHAPES = [(64, 120, 200, 64, 3, 1), (128, 120, 200, 128, 3, 2), (128, 60, 100, 128, 3, 1),
           (256, 60, 100, 256, 3, 2), (256, 30, 50, 256, 3, 1), (512, 30, 50, 512, 3, 2),
@@ -109,7 +110,8 @@ def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: s
                 row = {"conv": f"{cin}x{h}x{w}_{cout}_k{k}s{s}" + ("_x2" if chain else ""), "prec": prec, "count": COUNT[SHAPES[i]],
                        "eager_ms": round(_time(model, x), 4)}
                 for v in variants:
-                    os.environ.update(VARIANTS[v])
+                    for key, val in VARIANTS[v].items():  # ("": unset)
+                        os.environ.pop(key, None) if val == "" else os.environ.__setitem__(key, val)
                     torch._dynamo.reset()
                     t = time.time()
                     try:

@@ -267,21 +267,23 @@ def _biased() -> nn.Module:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["big", "big128", "gather", "bias"])
+@pytest.mark.parametrize("case", ["big", "big128", "even", "gather", "bias"])
 @pytest.mark.parametrize("precision", ["tf32", "bf16autocast"])
 def test_net_matches_float64_on_gpu(precision: str, case: str, monkeypatch) -> None:
-    # big: 64-wide tiles (the heuristic's, one round of tiles), big128: 128-wide ones; bias:
-    # small convs with a bias and no BatchNorm; gather: every conv's tiles by cp.async (no TMA
-    # boxes, GAC_CONV_WGMMA_TMA=0)
+    # big: the heuristic's tiles, TMA boxes where channels come in whole slices (the 3x3 and
+    # the strided 1x1; the stride-2 3x3 on an odd input gathers); big128: 128-wide tiles;
+    # even: 128 channels on an even input, so the stride-2 3x3 takes row-pair boxes too;
+    # gather: every conv's tiles by cp.async (GAC_CONV_WGMMA_TMA=0); bias: small convs with a
+    # bias and no BatchNorm
     if case == "big128":
         monkeypatch.setenv("GAC_CONV_WGMMA_BN", "128")
     if case == "gather":
         monkeypatch.setenv("GAC_CONV_WGMMA_TMA", "0")
     torch.manual_seed(3)
     big = case != "bias"
-    model = randomize_bn(Net(64, 96, 136)) if big else _biased()
+    model = randomize_bn(Net(64, 128 if case == "even" else 96, 136)) if big else _biased()
     model.eval()
-    x = torch.randn(3, 3, 45, 37) if big else torch.randn(2, 3, 19, 21)
+    x = torch.randn(2, 3, 44, 38) if case == "even" else torch.randn(3, 3, 45, 37) if big else torch.randn(2, 3, 19, 21)
     ref = copy.deepcopy(model).double()(x.double())
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()
