@@ -44,7 +44,8 @@ def choose(spec) -> Plan | None:
     alts = {f"bn{bn}": p for bn in (64, 128) if (p := wgmma_conv.plan(spec, bn=bn)) is not None}
     if len(alts) < 2 or spec.N <= 64:
         return plan
-    return alts[tuning.choose(f"cwgmma:{spec.kind}:{tuning.problem_key(spec)}", tuple(alts), f"bn{plan.bn}")]
+    way = "tma:" if getattr(plan, "window", None) is not None else ""  # (a gather's measurement is not a window's)
+    return alts[tuning.choose(f"cwgmma:{spec.kind}:{way}{tuning.problem_key(spec)}", tuple(alts), f"bn{plan.bn}")]
 
 
 def strategy(params: implicit_gemm.Params) -> Strategy:
