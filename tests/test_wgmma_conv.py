@@ -75,7 +75,8 @@ WINDOWS = {
     "3x3": (2, 9, 11, 64, 20, 3, 1, 1, 1),  # two slices per tap in tf32; 20 of 64 / 128 columns
     "dilated": (1, 12, 9, 64, 72, 3, 1, 2, 2),  # a second N tile, mostly outside
     "unpadded": (2, 7, 5, 64, 16, 3, 1, 0, 1),  # no guards: the view is the window's extent
-    "tall": (1, 37, 6, 64, 24, 3, 1, 1, 1),  # 8 x 16 rectangles, 10 of 16 columns past the image
+    "tall": (1, 37, 6, 64, 24, 3, 1, 1, 1),  # 16 x 8 rectangles, 2 of 8 columns past the image
+    "ragged": (3, 45, 37, 64, 20, 3, 1, 1, 1),  # 45 rectangles, more than M / BM = 40 tiles
     "1x1s2": (2, 11, 9, 128, 72, 1, 2, 0, 1),  # a strided view: stride 2 is the view's step
     "3x3s2": (2, 10, 14, 64, 24, 3, 2, 1, 1),  # row pairs: taps off the stride's grid
     "3x3s2d2": (1, 13, 11, 64, 16, 3, 2, 2, 2),  # every tap on the grid: a strided view

@@ -233,6 +233,7 @@ class WindowHooks:
 
     def __init__(self, b: Any, win: Window, bk: int):
         self.b, self.w, self.bk = b, win, bk
+        self.m_tiles = win.m_tiles  # (the kernel's M tiles: rectangles, not M / BM)
 
     def _origin(self, m0: Any) -> tuple[Any, Any, Any]:
         b, w, c = self.b, self.w, self.b.const

@@ -12,6 +12,7 @@ import numpy as np
 from gac_torch.kernels.builder import Numpy
 from gac_torch.kernels.conv_gemm import Spec
 from gac_torch.kernels.wgmma_conv import WindowHooks, gather
+from gac_torch.kernels.wgmma_gemm import m_tile_count, tile_origin
 from gac_torch.kernels.wgmma_plan import BM, ESIZE, SWIZZLE, WG, Plan, Side, desc_layout, swizzle128
 
 
@@ -123,18 +124,22 @@ def emulate_window(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndar
     c = bld.const
     hooks = WindowHooks(bld, win, p.bk)
     C = np.zeros((spec.M + 1, spec.N))
-    for mt in range(win.m_tiles):
-        rows = [int(hooks.rows(c(mt * BM), c(r))[0]) for r in range(BM)]
-        for n0 in range(0, spec.N, p.bn):
-            acc = np.zeros((BM, p.bn))
-            for kt in range(spec.K // p.bk):
-                smem = np.zeros((p.a.stage_bytes + p.b.stage_bytes) // es)
-                at_a = [int(v[0]) for v in hooks.a_coords(c(mt * BM), c(kt))][::-1]
-                _tma_write(smem, 0, _box(x, at_a, win.box(p.bk)).reshape(BM, p.bk), es)
-                at_b = [int(v[0]) for v in hooks.b_coords(c(n0), c(kt))][::-1]
-                _tma_write(smem, p.a.stage_bytes, _box(w, at_b, [p.bn, p.bk]), es)
-                acc += _read(smem, 0, p.a, es, p.ks, p.bk) @ _read(smem, p.a.stage_bytes, p.b, es, p.ks, p.bk).T
-            cols = min(p.bn, spec.N - n0)
-            for r, row in enumerate(rows):
-                C[row, n0:n0 + cols] = acc[r, :cols]
+    tn = -(-spec.N // p.bn)
+    done = set()
+    for u in range(p.tiles):  # the kernel's work units, located as wgmma_gemm._kernel does
+        m0, n0, bz = (int(v[0]) for v in tile_origin(bld, c(u), tn, m_tile_count(spec, hooks), 1, c(0), p.bn))
+        assert bz == 0 and (m0, n0) not in done, "a tile twice, or past the rectangles"
+        done.add((m0, n0))
+        rows = [int(hooks.rows(c(m0), c(r))[0]) for r in range(BM)]
+        acc = np.zeros((BM, p.bn))
+        for kt in range(spec.K // p.bk):
+            smem = np.zeros((p.a.stage_bytes + p.b.stage_bytes) // es)
+            at_a = [int(v[0]) for v in hooks.a_coords(c(m0), c(kt))][::-1]
+            _tma_write(smem, 0, _box(x, at_a, win.box(p.bk)).reshape(BM, p.bk), es)
+            at_b = [int(v[0]) for v in hooks.b_coords(c(n0), c(kt))][::-1]
+            _tma_write(smem, p.a.stage_bytes, _box(w, at_b, [p.bn, p.bk]), es)
+            acc += _read(smem, 0, p.a, es, p.ks, p.bk) @ _read(smem, p.a.stage_bytes, p.b, es, p.ks, p.bk).T
+        cols = min(p.bn, spec.N - n0)
+        for r, row in enumerate(rows):
+            C[row, n0:n0 + cols] = acc[r, :cols]
     return C[:spec.M]

@@ -87,7 +87,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None, conv: Any = N
     S = p.stages
     a_base, b_base = 0, S * p.a.stage_bytes
     bar_base = S * (p.a.stage_bytes + p.b.stage_bytes)
-    tn, tm = -(-spec.N // p.bn), -(-spec.M // BM)
+    tn, tm = -(-spec.N // p.bn), m_tile_count(spec, conv)
     nk = -(-spec.K // p.bk)
     # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
     # (tile number tl, K slice kt: it = tl*nk + kt) uses stage it % S at phase (it / S) % 2
@@ -103,10 +103,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None, conv: Any = N
     tmc = -(-tm // cl)
 
     def tile(tl: Any) -> tuple[Any, Any, Any]:
-        u = b.add(cid, b.mul(tl, c(units)))
-        bz, rest = b.div(u, c(tn * tmc)), b.rem(u, c(tn * tmc))
-        mt = b.add(b.mul(b.div(rest, c(tn)), c(cl)), rank)
-        return b.mul(mt, c(BM)), b.mul(b.rem(rest, c(tn)), c(p.bn)), bz
+        return tile_origin(b, b.add(cid, b.mul(tl, c(units))), tn, tmc, cl, rank, p.bn)
 
     def bar(base: int, s: Any) -> Any:
         return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(8))))
@@ -337,6 +334,21 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None, conv: Any = N
     b.if_else(b.eq(wg, c(0)), producer, consumer)
     if cl > 1:  # no CTA leaves while its peer may still multicast into it or arrive on it
         b.cluster_barrier()
+
+
+def m_tile_count(spec: Spec, conv: Any = None) -> int:
+    """M tiles of the kernel: BM rows of M each, or a conv Window's rectangles (more than M / BM
+    where they overhang the image: the units past M / BM would otherwise redo the first ones)."""
+    return conv.m_tiles if conv is not None else -(-spec.M // BM)
+
+
+def tile_origin(b: Any, u: Any, tn: int, tmc: int, cl: int, rank: Any, bn: int) -> tuple[Any, Any, Any]:
+    """1. Work unit u -> (m0, n0, batch index) of its tile (N tiles fastest, then the tmc
+    (pairs of) M tiles, then the batch); cluster rank `rank` of `cl` takes M tile cl*pm + rank."""
+    c = b.const
+    bz, rest = b.div(u, c(tn * tmc)), b.rem(u, c(tn * tmc))
+    mt = b.add(b.mul(b.div(rest, c(tn)), c(cl)), rank)
+    return b.mul(mt, c(BM)), b.mul(b.rem(rest, c(tn)), c(bn)), bz
 
 
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
