@@ -109,6 +109,22 @@ def test_twin_window_boxes_are_the_convolution(name: str, kind: str, bn: int) ->
     np.testing.assert_allclose(got, _conv_ref(x, wt, s, p, d), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", ["ragged", "3x3s2"])
+def test_twin_cluster_pairs_share_b_halves(name: str, monkeypatch) -> None:
+    # GAC_CONV_WGMMA_CLUSTER=2: CTA pairs on M-adjacent rectangles (45: the last pair's second
+    # one past the image), each rank's half of B multicast to both
+    monkeypatch.setenv("GAC_CONV_WGMMA_CLUSTER", "2")
+    n, h, w, c, f, k, s, p, d = WINDOWS[name]
+    spec = nhwc_spec("bf16", n, h, w, c, f, k, s, p, d)
+    plan = wgmma_conv.plan(spec, bn=128, tma=True)
+    assert plan.cluster == 2 and plan.tiles == -(-plan.window.m_tiles // 2) and plan.grid[0] % 2 == 0
+    rng = np.random.default_rng(5)
+    x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16")
+    wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), "bf16")
+    got = wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1))
+    np.testing.assert_allclose(got, _conv_ref(x, wt, s, p, d), rtol=1e-9, atol=1e-9)
+
+
 def test_twin_catches_rows_past_the_image(monkeypatch) -> None:
     # the rectangle's pixels past the image stored as if inside: they overwrite real rows
     n, h, w, c, f, k, s, p, d = WINDOWS["tall"]

@@ -266,8 +266,9 @@ class WindowHooks:
         return [self.b.mul(kt, self.b.const(self.bk)), n0]
 
     def rows(self, m0: Any, local: Any) -> Any:
-        """The flat output row (n, oh, ow) of tile row `local` (a pixel past the image: M, so
-        the store's bounds check drops it)."""
+        """The flat output row (n, oh, ow) of tile row `local` (a pixel past the image: M; of a
+        rectangle past the last image, a cluster pair's spare: >= M; the store's bounds check
+        drops both)."""
         b, w, c = self.b, self.w, self.b.const
         n, oh0, ow0 = self._origin(m0)
         oh, ow = b.add(oh0, b.div(local, c(w.tw))), b.add(ow0, b.rem(local, c(w.tw)))
@@ -297,14 +298,21 @@ def plan(spec: Spec, bn: int | None = None, stages: int | None = None,
     stages = min(want, (SMEM_LIMIT - ALIGN) // per_stage)
     if stages < 2:
         return None
-    tiles = -(-spec.N // bn) * (win.m_tiles if win else -(-spec.M // BM))
+    # GAC_CONV_WGMMA_CLUSTER=2 (a Window; compiled and ptxas-checked, not yet run on a GPU):
+    # CTA pairs on M-adjacent rectangles, each loading half of their B tile for both (TMA
+    # multicast: B's L2 traffic halves; an odd rectangle count's last pair has one past the
+    # image: zeros, not stored)
+    cl = 2 if win and os.environ.get("GAC_CONV_WGMMA_CLUSTER") == "2" else 1
+    if cl == 2:
+        sb = Side(True, bn, (bk, bn // 2), 2, sb.stage_bytes)
+    tiles = -(-spec.N // bn) * (-(-win.m_tiles // cl) if win else -(-spec.M // BM))
     c, n_in = spec.c, [d for d in spec.ns if spec.ranges[d] > 1]
     pair = (len(n_in) == 1 and c.coef[n_in[0]] == 1 and spec.N % 2 == 0 and c.const % 2 == 0
             and c.offset % 2 == 0 and all(k % 2 == 0 for d, k in enumerate(c.coef) if d != n_in[0]))
     regs = (tuple(int(x) for x in os.environ.get("GAC_CONV_WGMMA_REGS", "").split(",") if x)
             or ((W.PRODUCER_REGS, W.CONSUMER_REGS) if win else REGS))
     return ConvPlan(bn, bk, 8 if spec.kind == "tf32" else 16, stages, sa, sb,
-                    (min(tiles, W.SM_COUNT_HINT), 1, 1), pair, tiles, maxnreg=regs[0] > 0,
+                    (cl * min(tiles, W.SM_COUNT_HINT // cl), 1, 1), pair, tiles, cluster=cl, maxnreg=regs[0] > 0,
                     regs=regs, window=win)  # type: ignore[arg-type]
 
 

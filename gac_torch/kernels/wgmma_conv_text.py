@@ -190,10 +190,10 @@ def _producer(b: ConvText, spec: Spec, p: Plan) -> Any:
 
 def _tensor_maps(spec: Spec, win: Window, p: Plan) -> tuple[list[str], list[str]]:
     """The host lines of A's 4-D (5-D) and B's 2-D TMA descriptors over the Window's views (boxes
-    Window.box and [BN, BK]), and the kernel's casts of them."""
+    Window.box and [BN, BK] (a cluster's half: [BN / 2, BK])), and the kernel's casts of them."""
     head, casts = [], []
     for which, op, (off, sizes, strides), box in (
-            ("A", spec.a, win.a_view, win.box(p.bk)), ("B", spec.b, win.b_view, [p.bn, p.bk])):
+            ("A", spec.a, win.a_view, win.box(p.bk)), ("B", spec.b, win.b_view, [p.bn // p.cluster, p.bk])):
         shape = "x".join(map(str, sizes))
         view = f"memref<{shape}x{op.elem}, strided<[{', '.join(map(str, strides))}], offset: {off}>>"
         head.append(f"%{which}v = memref.reinterpret_cast %{which} to offset: [{off}], sizes: "

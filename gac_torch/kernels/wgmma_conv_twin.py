@@ -112,7 +112,7 @@ def emulate_window(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndar
     """C = A @ B^T (M x N) as the Window kernel computes it (wgmma_conv.Window): per tile and
     K slice, the boxes at the coordinates WindowHooks gives (on numpy), cut from the tensor
     maps' views with TMA's zero fill, written swizzled and read back through the kernel's
-    descriptors; each tile row stored to the C row WindowHooks.rows names (M: dropped)."""
+    descriptors; each tile row stored to the C row WindowHooks.rows names (>= M: dropped)."""
     win = p.window
     es = ESIZE[spec.a.elem]
     views = []
@@ -124,10 +124,13 @@ def emulate_window(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndar
     c = bld.const
     hooks = WindowHooks(bld, win, p.bk)
     C = np.zeros((spec.M + 1, spec.N))
-    tn = -(-spec.N // p.bn)
+    tn, cl = -(-spec.N // p.bn), p.cluster
+    half = p.bn // cl
     done = set()
-    for u in range(p.tiles):  # the kernel's work units, located as wgmma_gemm._kernel does
-        m0, n0, bz = (int(v[0]) for v in tile_origin(bld, c(u), tn, m_tile_count(spec, hooks), 1, c(0), p.bn))
+    for u, rank in ((u, r) for u in range(p.tiles) for r in range(cl)):  # the kernel's work
+        # units (cluster 2: a pair of CTAs, rank r's B half multicast to both), as _kernel does
+        m0, n0, bz = (int(v[0]) for v in tile_origin(bld, c(u), tn, -(-m_tile_count(spec, hooks) // cl), cl,
+                                                     c(rank), p.bn))
         assert bz == 0 and (m0, n0) not in done, "a tile twice, or past the rectangles"
         done.add((m0, n0))
         rows = [int(hooks.rows(c(m0), c(r))[0]) for r in range(BM)]
@@ -136,10 +139,11 @@ def emulate_window(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndar
             smem = np.zeros((p.a.stage_bytes + p.b.stage_bytes) // es)
             at_a = [int(v[0]) for v in hooks.a_coords(c(m0), c(kt))][::-1]
             _tma_write(smem, 0, _box(x, at_a, win.box(p.bk)).reshape(BM, p.bk), es)
-            at_b = [int(v[0]) for v in hooks.b_coords(c(n0), c(kt))][::-1]
-            _tma_write(smem, p.a.stage_bytes, _box(w, at_b, [p.bn, p.bk]), es)
+            for r in range(cl):
+                at_b = [int(v[0]) for v in hooks.b_coords(c(n0 + r * half), c(kt))][::-1]
+                _tma_write(smem, p.a.stage_bytes + r * half * SWIZZLE, _box(w, at_b, [half, p.bk]), es)
             acc += _read(smem, 0, p.a, es, p.ks, p.bk) @ _read(smem, p.a.stage_bytes, p.b, es, p.ks, p.bk).T
         cols = min(p.bn, spec.N - n0)
-        for r, row in enumerate(rows):
-            C[row, n0:n0 + cols] = acc[r, :cols]
+        for r, row in enumerate(rows):  # (>= M: dropped by the store's bounds check)
+            C[min(row, spec.M), n0:n0 + cols] = acc[r, :cols]
     return C[:spec.M]

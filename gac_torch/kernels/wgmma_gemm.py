@@ -167,9 +167,14 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None, conv: Any = N
                 s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
                 b.mbar_wait(empty(s), b.xor1(phase), cluster=cl > 1)  # 3a
                 b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
-                if conv is not None:  # one box per operand (wgmma_conv.Window)
+                if conv is not None:  # one box per operand (wgmma_conv.Window); clustered,
+                    # this rank's half of B's rows, to both CTAs of the pair
                     b.tma_load("A", stage_at(a_base, p.a, s), conv.a_coords(m0, kt), full(s))
-                    b.tma_load("B", stage_at(b_base, p.b, s), conv.b_coords(n0, kt), full(s))
+                    dst, nb = stage_at(b_base, p.b, s), n0
+                    if cl > 1:
+                        dst = b.i32_add(dst, b.i32_mul(b.to_i32(rank), b.i32(p.bn // cl * SWIZZLE)))
+                        nb = b.add(n0, b.mul(rank, c(p.bn // cl)))
+                    b.tma_load("B", dst, conv.b_coords(nb, kt), full(s), multicast=(1 << cl) - 1 if cl > 1 else 0)
                     return
                 k0 = b.mul(kt, c(p.bk))
                 for which, op, side, outer, o0, base in (
