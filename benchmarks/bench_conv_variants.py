@@ -29,7 +29,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 os.environ["GAC_CACHE"] = "0"  # (the cache does not key on the switches)
 
 _OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": "",
-        "GAC_CONV_WGMMA_TMA": "", "GAC_CONV_WGMMA_BN": "", "GAC_WGMMA_EPILOGUE_CHUNK": ""}
+        "GAC_CONV_WGMMA_TMA": "", "GAC_CONV_WGMMA_BN": "", "GAC_WGMMA_EPILOGUE_CHUNK": "",
+        "GAC_CONV_WGMMA_CLUSTER": ""}
 VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": "cinner",
                        "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
             "natural": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0"},
@@ -40,7 +41,8 @@ VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER
             # gather instead; `tma64` 64-wide tiles (the default: 128 for N > 64)
             "cpasync": {**_OFF, "GAC_CONV_WGMMA_TMA": "0"},
             "tma64": {**_OFF, "GAC_CONV_WGMMA_BN": "64"},
-            "chunk4": {**_OFF, "GAC_WGMMA_EPILOGUE_CHUNK": "4"}}  # (the TMA path's epilogue as before)
+            "chunk4": {**_OFF, "GAC_WGMMA_EPILOGUE_CHUNK": "4"},  # (the TMA path's epilogue as before)
+            "cluster2": {**_OFF, "GAC_CONV_WGMMA_CLUSTER": "2"}}  # (CTA pairs multicasting B)
 # (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body), two 1x1
 SHAPES = [(64, 120, 200, 64, 3, 1), (128, 120, 200, 128, 3, 2), (128, 60, 100, 128, 3, 1),
           (256, 60, 100, 256, 3, 2), (256, 30, 50, 256, 3, 1), (512, 30, 50, 512, 3, 2),
@@ -85,11 +87,14 @@ def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: s
 
     rows: list[dict] = []
     t0 = time.time()
-    for i, (cin, h, w, cout, k, s) in enumerate(SHAPES):  # (each shape in every precision first)
-        if match and not any(m in f"{cin}x{h}x{w}_{cout}_k{k}s{s}" for m in match.split(",")):
-            continue
+    pats = match.split(",") if match else [""]
+    order = sorted((min(j for j, m in enumerate(pats) if m in f"{cin}x{h}x{w}_{cout}_k{k}s{s}"), i)
+                   for i, (cin, h, w, cout, k, s) in enumerate(SHAPES)
+                   if any(m in f"{cin}x{h}x{w}_{cout}_k{k}s{s}" for m in pats))
+    for pos, (_, i) in enumerate(order):  # (each shape in every precision first; --match's order)
+        cin, h, w, cout, k, s = SHAPES[i]
         if time.time() - t0 > budget_s:
-            print(f"budget: {SHAPES[i:]} not run", flush=True)
+            print(f"budget: {[SHAPES[j] for _, j in order[pos:]]} not run", flush=True)
             break
         for prec in precs:
             torch.backends.cudnn.allow_tf32 = prec == "tf32"
