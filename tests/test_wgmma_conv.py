@@ -125,6 +125,25 @@ def test_twin_cluster_pairs_share_b_halves(name: str, monkeypatch) -> None:
     np.testing.assert_allclose(got, _conv_ref(x, wt, s, p, d), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_twin_window_of_a_1x1_without_tap_dims(kind: str) -> None:
+    # a 1x1 whose contraction has K = (c) alone (ResNet's last conv, NCHW output): dims
+    # (n, oh, ow, f, c); the Window reads it with taps of range 1
+    n, h, w, c, f = 2, 7, 45, 64, 72
+    e = "f32" if kind == "tf32" else kind
+    a = Operand(f"memref<{n}x{h}x{w}x{c}x{e}>", e, (h * w * c, w * c, c, 0, 1), 0, 0, n * h * w * c)
+    b = Operand(f"memref<{f}x{c}x{e}>", e, (0, 0, 0, c, 1), 0, 0, f * c)
+    y = Operand(f"memref<{n}x{h}x{w}x{f}xf32>", "f32", (h * w * f, w * f, f, 1, 0), 0, 0, n * h * w * f)
+    spec = Spec(kind, (0, 1, 2), (3,), (4,), (), (n, h, w, f, c), a, b, y, True)
+    plan = wgmma_conv.plan(spec, tma=True)
+    assert plan is not None and plan.window is not None
+    rng = np.random.default_rng(7)
+    x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
+    wt = round_to(rng.standard_normal((f, 1, 1, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
+    got = wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1))
+    np.testing.assert_allclose(got, _conv_ref(x, wt, 1, 0, 1), rtol=1e-9, atol=1e-9)
+
+
 def test_twin_catches_rows_past_the_image(monkeypatch) -> None:
     # the rectangle's pixels past the image stored as if inside: they overwrite real rows
     n, h, w, c, f, k, s, p, d = WINDOWS["tall"]

@@ -37,7 +37,7 @@ gather for every conv (A/B; a code-picking switch, so part of the compile cache'
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gac_torch.kernels import wgmma_plan as W
@@ -190,11 +190,25 @@ def _axis(spec: Spec, do: int, dk: int) -> tuple[int, int, int, int, int] | None
     return None
 
 
+def _with_taps(spec: Spec) -> Spec:
+    """A 1x1 conv's spec (K = (c) alone) with two tap dims of range 1 added, so `window` reads
+    it as (kh, kw, c) (the spec is only read there)."""
+    if len(spec.ks) != 1:
+        return spec
+    nd = len(spec.ranges)
+
+    def ext(op: Operand) -> Operand:
+        return replace(op, coef=op.coef + (0, 0), guards=tuple((gc + (0, 0), g0, up) for gc, g0, up in op.guards))
+
+    return replace(spec, ks=(nd, nd + 1, spec.ks[0]), ranges=spec.ranges + (1, 1), a=ext(spec.a), b=ext(spec.b))
+
+
 def window(spec: Spec, bk: int) -> Window | None:
     """The Window of `spec` (dims (n, oh, ow) x (f) x (kh, kw, c), as implicit_gemm._match gives
     an NHWC conv), or None (the gather takes it): whole BK-channel slices per tap, strides 1 or
     2 (2 with a padding off its grid: even input sizes, dense pixels), B dense
     [f][kh][kw][c], every view 16-byte aligned (TMA)."""
+    spec = _with_taps(spec)
     if len(spec.ms) != 3 or len(spec.ks) != 3 or len(spec.ns) != 1 or spec.ext(spec.batch) != 1:
         return None
     R, a, b = spec.ranges, spec.a, spec.b
