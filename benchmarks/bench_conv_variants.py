@@ -3,7 +3,7 @@
 compiled by gac once per variant (environment switches read at compile time, the program cache
 off) and timed with CUDA events next to eager (cuDNN); or the whole body, gac only.
 
-    python benchmarks/bench_conv_variants.py --prec tf32,bf16 [--variants gather,copy] [--out-dir D]
+    python benchmarks/bench_conv_variants.py --prec tf32,bf16 [--variants gather,copy] [--match k3s1] [--out-dir D]
     python benchmarks/bench_conv_variants.py --resnet default [--wait FILE]   # whole body, gac
 
 Variants: `gather` as before weight_layout.py: the weights read as [f, c, kh, kw] with K =
@@ -28,12 +28,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 os.environ["GAC_CACHE"] = "0"  # (the cache does not key on the switches)
 
-_OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": ""}
+_OFF = {"GAC_IGEMM_WEIGHT_LAYOUT": "", "GAC_IGEMM_KORDER": "", "GAC_IGEMM_EPILOGUE_PER_ACC": "",
+        "GAC_CONV_WGMMA_TMA": "", "GAC_CONV_WGMMA_BN": "", "GAC_WGMMA_EPILOGUE_CHUNK": "",
+        "GAC_CONV_WGMMA_CLUSTER": ""}
 VARIANTS = {"gather": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0", "GAC_IGEMM_KORDER": "cinner",
                        "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
             "natural": {**_OFF, "GAC_IGEMM_WEIGHT_LAYOUT": "0"},
             "peracc": {**_OFF, "GAC_IGEMM_EPILOGUE_PER_ACC": "1"},
-            "copy": _OFF}
+            "copy": _OFF,
+            # cwgmma (sm_90, TF32 / bf16 convs with whole 16-byte channel vectors): `copy` is
+            # its default too (TMA boxes for stride-1 convs); `cpasync` the producers' cp.async
+            # gather instead; `tma64` 64-wide tiles (the default: 128 for N > 64)
+            "cpasync": {**_OFF, "GAC_CONV_WGMMA_TMA": "0"},
+            "tma64": {**_OFF, "GAC_CONV_WGMMA_BN": "64"},
+            "chunk4": {**_OFF, "GAC_WGMMA_EPILOGUE_CHUNK": "4"},  # (the TMA path's epilogue as before)
+            "cluster2": {**_OFF, "GAC_CONV_WGMMA_CLUSTER": "2"}}  # (CTA pairs multicasting B)
 # (cin, h, w, cout, k, stride): ResNet-50's 3x3 convs at batch 6 (x count in the body), two 1x1
 SHAPES = [(64, 120, 200, 64, 3, 1), (128, 120, 200, 128, 3, 2), (128, 60, 100, 128, 3, 1),
           (256, 60, 100, 256, 3, 2), (256, 30, 50, 256, 3, 1), (512, 30, 50, 512, 3, 2),
@@ -69,32 +78,45 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def convs(precs: list[str], variants: list[str], budget_s: float = 1e9) -> list[dict]:
+def convs(precs: list[str], variants: list[str], budget_s: float = 1e9, match: str = "",
+          chain: bool = False) -> list[dict]:
+    """`chain`: each conv twice (the second cout -> cout, stride 1, + BatchNorm + ReLU) on a
+    channels-last input: gac's layout pass keeps a chain's activations NHWC (what the ResNet
+    body runs: cwgmma on sm_90), a lone NCHW conv stays NCHW (igemm)."""
     from models import randomize_bn
 
     rows: list[dict] = []
     t0 = time.time()
-    for i, (cin, h, w, cout, k, s) in enumerate(SHAPES):  # (each shape in every precision first)
+    pats = match.split(",") if match else [""]
+    order = sorted((min(j for j, m in enumerate(pats) if m in f"{cin}x{h}x{w}_{cout}_k{k}s{s}"), i)
+                   for i, (cin, h, w, cout, k, s) in enumerate(SHAPES)
+                   if any(m in f"{cin}x{h}x{w}_{cout}_k{k}s{s}" for m in pats))
+    for pos, (_, i) in enumerate(order):  # (each shape in every precision first; --match's order)
+        cin, h, w, cout, k, s = SHAPES[i]
         if time.time() - t0 > budget_s:
-            print(f"budget: {SHAPES[i:]} not run", flush=True)
+            print(f"budget: {[SHAPES[j] for _, j in order[pos:]]} not run", flush=True)
             break
         for prec in precs:
             torch.backends.cudnn.allow_tf32 = prec == "tf32"
             dt = torch.bfloat16 if prec == "bf16" else torch.float32
             torch.manual_seed(i)
-            model = randomize_bn(torch.nn.Sequential(
-                torch.nn.Conv2d(cin, cout, k, s, k // 2, bias=False), torch.nn.BatchNorm2d(cout),
-                torch.nn.ReLU())).eval().to(DEV)
+            blocks = [(cin, s), (cout, 1)] if chain else [(cin, s)]
+            model = randomize_bn(torch.nn.Sequential(*[m for c, st in blocks for m in (
+                torch.nn.Conv2d(c, cout, k, st, k // 2, bias=False), torch.nn.BatchNorm2d(cout),
+                torch.nn.ReLU())])).eval().to(DEV)
             x = torch.randn(6 if DEV == "cuda" else 1, cin, h // 8 if DEV == "cpu" else h, w // 8 if DEV == "cpu" else w, device=DEV)
+            if chain:
+                x = x.to(memory_format=torch.channels_last)
             with torch.no_grad():
                 ref = model.double()(x.double())
                 model = model.to(dt)
                 x = x.to(dt)
-                flop = 2 * x.shape[0] * cout * ref.shape[2] * ref.shape[3] * cin * k * k
-                row = {"conv": f"{cin}x{h}x{w}_{cout}_k{k}s{s}", "prec": prec, "count": COUNT[SHAPES[i]],
+                flop = 2 * x.shape[0] * cout * ref.shape[2] * ref.shape[3] * k * k * sum(c for c, _ in blocks)
+                row = {"conv": f"{cin}x{h}x{w}_{cout}_k{k}s{s}" + ("_x2" if chain else ""), "prec": prec, "count": COUNT[SHAPES[i]],
                        "eager_ms": round(_time(model, x), 4)}
                 for v in variants:
-                    os.environ.update(VARIANTS[v])
+                    for key, val in VARIANTS[v].items():  # ("": unset)
+                        os.environ.pop(key, None) if val == "" else os.environ.__setitem__(key, val)
                     torch._dynamo.reset()
                     t = time.time()
                     try:
@@ -133,7 +155,7 @@ def resnet(flags: str, wait: str | None) -> dict:
                 time.sleep(0.5)
             ms = _time(lambda _: [f(x) for x in xs], None, iters=3) / len(xs)
     row = {"workload": f"resnet50_body_{flags}", "gac_ms": round(ms, 3), "rel_err": float(f"{err:.2e}"),
-           "compile_s": round(compile_s, 1), "env": {k: v for k, v in os.environ.items() if k.startswith("GAC_IGEMM")}}
+           "compile_s": round(compile_s, 1), "env": {k: v for k, v in os.environ.items() if k.startswith("GAC_")}}
     print(json.dumps(row), flush=True)
     return row
 
@@ -145,6 +167,8 @@ def main() -> int:
     ap.add_argument("--resnet", default="", help="time the whole body under these bench_h200 flags instead")
     ap.add_argument("--wait", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no conv after this many seconds")
+    ap.add_argument("--chain", action="store_true", help="each conv twice, NHWC (see convs)")
+    ap.add_argument("--match", default="", help="only the convs whose name contains one of these (comma-separated)")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.resnet:
@@ -152,7 +176,7 @@ def main() -> int:
         name = f"resnet_{args.resnet}.json"
     else:
         variants = args.variants.split(",")
-        rows = convs(args.prec.split(","), variants, args.budget_s)
+        rows = convs(args.prec.split(","), variants, args.budget_s, args.match, args.chain)
         name = "conv_variants.json"
         for prec in args.prec.split(","):  # the body's 3x3 convs, each as often as the body has it
             mine = [r for r in rows if r["prec"] == prec]

@@ -165,9 +165,10 @@ def test_chains_on_nhwc_match_float64_on_gpu(name: str, precision: str) -> None:
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_nhwc_convs_stage_16_byte_vectors_without_spills(precision: str) -> None:
-    # offline (sm_90): a 1x1 -> 3x3 (padded) -> 1x1 chain on NHWC: every operand of every conv,
-    # the 3x3's input through its padding guards too, is staged by 16-byte cp.async (NCHW: the
-    # 3x3's input was gathered one 4-byte element at a time); ptxas spills nothing
+    # offline (sm_90): a 1x1 -> 3x3 (padded) -> 1x1 chain on NHWC: the first conv's operands
+    # (igemm: NCHW input) are staged by 16-byte cp.async, the two NHWC convs' by TMA boxes (the
+    # 3x3's padding as their zero fill; NCHW: the 3x3's input was gathered one 4-byte element
+    # at a time); ptxas spills nothing
     from test_cuda_conv import PRECISIONS, _cudnn_tf32
 
     from gac_torch.backends.cuda.ptxas import assemble
@@ -186,7 +187,8 @@ def test_nhwc_convs_stage_16_byte_vectors_without_spills(precision: str) -> None
     assert sorted(kernels) == ["cwgmma"] * 2 + ["igemm", "loops"], kernels
     convs = [k for k in part.ir("ptx").split(".entry")[1:] if "mma.sync" in k or "wgmma.mma_async" in k]
     copies = [re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\d+)", k) for k in convs]
-    assert len(convs) == 3 and all(c and set(c) == {"16"} for c in copies), copies
+    boxes = ["cp.async.bulk.tensor.4d" in k for k in convs]  # (cwgmma: TMA boxes, wgmma_conv.Window)
+    assert len(convs) == 3 and all(b or c and set(c) == {"16"} for b, c in zip(boxes, copies)) and sum(boxes) == 2, copies
     result = assemble(part.ir("ptx"), "sm_90a")  # (wgmma: the module targets sm_90a)
     spills = re.findall(r"(\d+) bytes spill stores", result.log)
     assert result.ok and spills and all(int(m) == 0 for m in spills), result.log

@@ -58,8 +58,8 @@ def test_twin_stages_the_im2col_tiles_of_odd_convs(name: str, kind: str, bn: int
     if kind == "bf16" and c % 8:
         c += 4  # (whole 16-byte vectors of bf16)
     spec = nhwc_spec(kind, n, h, w, c, f, k, s, p, d)
-    plan = wgmma_conv.plan(spec, bn=bn)
-    assert plan is not None and plan.bn == bn
+    plan = wgmma_conv.plan(spec, bn=bn, tma=False)
+    assert plan is not None and plan.bn == bn and plan.window is None
     rng = np.random.default_rng(sum(SHAPES[name]))
     x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
     wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
@@ -68,6 +68,112 @@ def test_twin_stages_the_im2col_tiles_of_odd_convs(name: str, kind: str, bn: int
                                      torch.from_numpy(wt).double().permute(0, 3, 1, 2), stride=s, padding=p, dilation=d)
     ref = ref.permute(0, 2, 3, 1).reshape(spec.M, spec.N).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9)
+
+
+# n, h, w, c, f, k, stride, pad, dilation: whole 128-byte channel slices per tap (C % BK == 0)
+WINDOWS = {
+    "3x3": (2, 9, 11, 64, 20, 3, 1, 1, 1),  # two slices per tap in tf32; 20 of 64 / 128 columns
+    "dilated": (1, 12, 9, 64, 72, 3, 1, 2, 2),  # a second N tile, mostly outside
+    "unpadded": (2, 7, 5, 64, 16, 3, 1, 0, 1),  # no guards: the view is the window's extent
+    "tall": (1, 37, 6, 64, 24, 3, 1, 1, 1),  # 16 x 8 rectangles, 2 of 8 columns past the image
+    "ragged": (3, 45, 37, 64, 20, 3, 1, 1, 1),  # 45 rectangles, more than M / BM = 40 tiles
+    "1x1s2": (2, 11, 9, 128, 72, 1, 2, 0, 1),  # a strided view: stride 2 is the view's step
+    "3x3s2": (2, 10, 14, 64, 24, 3, 2, 1, 1),  # row pairs: taps off the stride's grid
+    "3x3s2d2": (1, 13, 11, 64, 16, 3, 2, 2, 2),  # every tap on the grid: a strided view
+}
+
+
+def _conv_ref(x: np.ndarray, wt: np.ndarray, s: int, p: int, d: int) -> np.ndarray:
+    ref = torch.nn.functional.conv2d(torch.from_numpy(x).double().permute(0, 3, 1, 2),
+                                     torch.from_numpy(wt).double().permute(0, 3, 1, 2), stride=s, padding=p, dilation=d)
+    return ref.permute(0, 2, 3, 1).reshape(-1, wt.shape[0]).numpy()
+
+
+@pytest.mark.parametrize("bn", [64, 128])
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_twin_window_boxes_are_the_convolution(name: str, kind: str, bn: int) -> None:
+    # TMA's boxes at the kernel's coordinates (zero fill outside x: the padding and the
+    # rectangles' overhang), swizzled and read back through wgmma's descriptors, rows stored
+    # where WindowHooks.rows says
+    n, h, w, c, f, k, s, p, d = WINDOWS[name]
+    spec = nhwc_spec(kind, n, h, w, c, f, k, s, p, d)
+    plan = wgmma_conv.plan(spec, bn=bn, tma=True)
+    assert plan is not None and plan.window is not None and plan.bn == bn
+    assert plan.tiles == plan.window.m_tiles * -(-f // bn)
+    rng = np.random.default_rng(sum(WINDOWS[name]))
+    prec = "bf16" if kind == "bf16" else "f32"
+    x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), prec)
+    wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), prec)
+    got = wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1))
+    np.testing.assert_allclose(got, _conv_ref(x, wt, s, p, d), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ragged", "3x3s2"])
+def test_twin_cluster_pairs_share_b_halves(name: str, monkeypatch) -> None:
+    # GAC_CONV_WGMMA_CLUSTER=2: CTA pairs on M-adjacent rectangles (45: the last pair's second
+    # one past the image), each rank's half of B multicast to both
+    monkeypatch.setenv("GAC_CONV_WGMMA_CLUSTER", "2")
+    n, h, w, c, f, k, s, p, d = WINDOWS[name]
+    spec = nhwc_spec("bf16", n, h, w, c, f, k, s, p, d)
+    plan = wgmma_conv.plan(spec, bn=128, tma=True)
+    assert plan.cluster == 2 and plan.tiles == -(-plan.window.m_tiles // 2) and plan.grid[0] % 2 == 0
+    rng = np.random.default_rng(5)
+    x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16")
+    wt = round_to(rng.standard_normal((f, k, k, c)).astype(np.float32), "bf16")
+    got = wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1))
+    np.testing.assert_allclose(got, _conv_ref(x, wt, s, p, d), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_twin_window_of_a_1x1_without_tap_dims(kind: str) -> None:
+    # a 1x1 whose contraction has K = (c) alone (ResNet's last conv, NCHW output): dims
+    # (n, oh, ow, f, c); the Window reads it with taps of range 1
+    n, h, w, c, f = 2, 7, 45, 64, 72
+    e = "f32" if kind == "tf32" else kind
+    a = Operand(f"memref<{n}x{h}x{w}x{c}x{e}>", e, (h * w * c, w * c, c, 0, 1), 0, 0, n * h * w * c)
+    b = Operand(f"memref<{f}x{c}x{e}>", e, (0, 0, 0, c, 1), 0, 0, f * c)
+    y = Operand(f"memref<{n}x{h}x{w}x{f}xf32>", "f32", (h * w * f, w * f, f, 1, 0), 0, 0, n * h * w * f)
+    spec = Spec(kind, (0, 1, 2), (3,), (4,), (), (n, h, w, f, c), a, b, y, True)
+    plan = wgmma_conv.plan(spec, tma=True)
+    assert plan is not None and plan.window is not None
+    rng = np.random.default_rng(7)
+    x = round_to(rng.standard_normal((n, h, w, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
+    wt = round_to(rng.standard_normal((f, 1, 1, c)).astype(np.float32), "bf16" if kind == "bf16" else "f32")
+    got = wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1))
+    np.testing.assert_allclose(got, _conv_ref(x, wt, 1, 0, 1), rtol=1e-9, atol=1e-9)
+
+
+def test_twin_catches_rows_past_the_image(monkeypatch) -> None:
+    # the rectangle's pixels past the image stored as if inside: they overwrite real rows
+    n, h, w, c, f, k, s, p, d = WINDOWS["tall"]
+    spec = nhwc_spec("tf32", n, h, w, c, f, k, s, p, d)
+    plan = wgmma_conv.plan(spec, tma=True)
+    rng = np.random.default_rng(1)
+    x, wt = rng.standard_normal((n, h, w, c)), rng.standard_normal((f, k, k, c))
+    ref = _conv_ref(x, wt, s, p, d)
+    np.testing.assert_allclose(wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1)), ref, rtol=1e-9)
+    rows = wgmma_conv.WindowHooks.rows
+    monkeypatch.setattr(wgmma_conv.WindowHooks, "rows", lambda self, m0, r: rows(self, m0, r) % spec.M)
+    assert not np.allclose(wgmma_conv_twin.emulate_window(spec, plan, x.reshape(-1), wt.reshape(-1)), ref)
+
+
+@pytest.mark.parametrize("kind,shape,why", [
+    ("tf32", (2, 9, 11, 64, 20, 3, 2, 1, 1), "stride 2 off its grid, an odd input"),
+    ("bf16", (1, 12, 12, 64, 20, 3, 3, 1, 1), "stride 3"),
+    ("tf32", (2, 9, 11, 48, 20, 3, 1, 1, 1), "channels not whole slices"),
+    ("bf16", (2, 9, 11, 32, 20, 3, 1, 1, 1), "channels not whole slices"),
+])
+def test_window_declines_to_the_gather(kind: str, shape: tuple, why: str) -> None:
+    plan = wgmma_conv.plan(nhwc_spec(kind, *shape), tma=True)
+    assert plan is not None and plan.window is None, why
+
+
+def test_window_rectangles_follow_the_image() -> None:
+    # the fewest rectangles, then the widest: ResNet-50's layers at 480x800
+    assert wgmma_conv._tile_shape(120, 200) == (8, 16)  # 15 x 13 rectangles (16 x 8: 8 x 25)
+    assert wgmma_conv._tile_shape(1, 300) == (1, 128)
+    assert all(th * tw == wgmma_conv.BM for th, tw in map(lambda s: wgmma_conv._tile_shape(*s), [(60, 100), (15, 25)]))
 
 
 def test_twin_catches_a_wrong_swizzle(monkeypatch) -> None:
@@ -88,8 +194,11 @@ def test_twin_catches_a_wrong_swizzle(monkeypatch) -> None:
 def test_tile_width_follows_the_rounds_of_tiles() -> None:
     # ResNet-50's layer-3 3x3 (M = 9000, N = 256): 142 wide tiles are two rounds on 132 SMs, 284
     # narrow ones three; layer 4's (M = 2250, N = 512): 72 wide tiles, one round
-    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 30, 50, 256, 256, 3, 1, 1, 1)).bn == 64
-    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 15, 25, 512, 512, 3, 1, 1, 1)).bn == 128
+    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 30, 50, 256, 256, 3, 1, 1, 1), tma=False).bn == 64
+    assert wgmma_conv.plan(nhwc_spec("tf32", 6, 15, 25, 512, 512, 3, 1, 1, 1), tma=False).bn == 128
+    # TMA boxes: wide tiles (each N tile reads the taps of A again), narrow for N <= 64
+    assert wgmma_conv.plan(nhwc_spec("bf16", 6, 30, 50, 256, 256, 3, 1, 1, 1), tma=True).bn == 128
+    assert wgmma_conv.plan(nhwc_spec("bf16", 6, 120, 200, 64, 64, 3, 1, 1, 1), tma=True).bn == 64
 
 
 @pytest.mark.parametrize("kind,c,why", [
@@ -154,6 +263,31 @@ def test_convs_run_on_cwgmma_without_spills(dtype: torch.dtype, bn: str, monkeyp
     assert "cwgmma" not in _kernels(_sm90(dtype)) and "igemm" in _kernels(_sm90(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stride_1_convs_load_tma_boxes_without_spills(dtype: torch.dtype, monkeypatch) -> None:
+    # 64 / 96 channels: whole slices per tap. tf32: the 3x3, the dilated 3x3 and the strided
+    # 1x1 take 4-D boxes, the stride-2 3x3 (odd 19 x 21 input) gathers; bf16 (BK = 64): 96
+    # channels gather too
+    from gac_torch.backends.cuda import ptxas
+
+    def cwgmma_ptx() -> list[str]:
+        model = randomize_bn(Net(64, 96, 136)).eval().to(dtype)
+        with _cudnn_tf32(True):
+            compiled = gac_torch.compile(model, (torch.randn(2, 3, 19, 21).to(dtype),), target="cuda", options={
+                "arch": "sm_90", "fallback": False, "cache": False, "channels_last": True})
+        (part,) = compiled.compiled.partitions.values()
+        ptx = part.ir("ptx")
+        result = ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas())
+        spills = re.findall(r"(\d+) bytes spill stores", result.log)
+        assert result.ok and spills and all(int(m) == 0 for m in spills), result.log
+        return [k for k in ptx.split(".entry")[1:] if k.split("(")[0].strip().endswith("_cwgmma")]
+
+    boxes = ["cp.async.bulk.tensor.4d" in k for k in cwgmma_ptx()]
+    assert boxes.count(True) == (3 if dtype == torch.float32 else 2) and boxes.count(False) == len(boxes) - boxes.count(True)
+    monkeypatch.setenv("GAC_CONV_WGMMA_TMA", "0")  # the A/B switch: every conv gathers
+    assert not any("cp.async.bulk.tensor" in k for k in cwgmma_ptx())
+
+
 def test_exact_f32_and_the_switch_in_the_cache_key(monkeypatch) -> None:
     from gac_torch.runtime import cache
 
@@ -169,17 +303,23 @@ def _biased() -> nn.Module:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["big", "big128", "bias"])
+@pytest.mark.parametrize("case", ["big", "big128", "even", "gather", "bias"])
 @pytest.mark.parametrize("precision", ["tf32", "bf16autocast"])
 def test_net_matches_float64_on_gpu(precision: str, case: str, monkeypatch) -> None:
-    # big: 64-wide tiles (the heuristic's, one round of tiles), big128: 128-wide ones; bias:
-    # small convs with a bias and no BatchNorm
+    # big: the heuristic's tiles, TMA boxes where channels come in whole slices (the 3x3 and
+    # the strided 1x1; the stride-2 3x3 on an odd input gathers); big128: 128-wide tiles;
+    # even: 128 channels on an even input, so the stride-2 3x3 takes row-pair boxes too;
+    # gather: every conv's tiles by cp.async (GAC_CONV_WGMMA_TMA=0); bias: small convs with a
+    # bias and no BatchNorm
     if case == "big128":
         monkeypatch.setenv("GAC_CONV_WGMMA_BN", "128")
+    if case == "gather":
+        monkeypatch.setenv("GAC_CONV_WGMMA_TMA", "0")
     torch.manual_seed(3)
-    model = randomize_bn(Net(64, 96, 136)) if case.startswith("big") else _biased()
+    big = case != "bias"
+    model = randomize_bn(Net(64, 128 if case == "even" else 96, 136)) if big else _biased()
     model.eval()
-    x = torch.randn(3, 3, 45, 37) if case.startswith("big") else torch.randn(2, 3, 19, 21)
+    x = torch.randn(2, 3, 44, 38) if case == "even" else torch.randn(3, 3, 45, 37) if big else torch.randn(2, 3, 19, 21)
     ref = copy.deepcopy(model).double()(x.double())
     model, x = model.cuda(), x.cuda()
     torch._dynamo.reset()

@@ -9,8 +9,8 @@ import os
 from typing import Any
 
 from gac_torch.kernels.conv_gemm import Operand, Spec, _addr, _split
-from gac_torch.kernels.wgmma_conv import gather, narrow
-from gac_torch.kernels.wgmma_gemm import _kernel, launch_lines
+from gac_torch.kernels.wgmma_conv import Window, WindowHooks, gather, narrow
+from gac_torch.kernels.wgmma_gemm import _kernel, launch_lines, tensor_map_lines
 from gac_torch.kernels.wgmma_plan import ALIGN, ESIZE, Plan
 from gac_torch.kernels.wgmma_text import WgmmaText
 
@@ -26,7 +26,14 @@ def _merges(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> bool
 
 class ConvText(WgmmaText):
     spec: Spec  # type: ignore[assignment]
-    epilogue_chunk = 4  # (8: a BatchNorm epilogue on a 128-wide tile spilled under 168 registers)
+
+    @property
+    def epilogue_chunk(self) -> int:  # type: ignore[override]
+        """Accumulators whose epilogue loads go together: each chunk's loads wait for the last
+        chunk's stores (one memory latency per chunk: 16 of them per 128 x 128 tile at 4). 4
+        under 168 registers (8: a BatchNorm epilogue on a 128-wide tile spilled); 16 with a
+        Window's setmaxnreg (232 for the consumers: wgmma_conv.plan)."""
+        return 16 if getattr(self.p, "window", None) is not None and self.p.maxnreg else 4
 
     def _part(self, op: Operand, dims: tuple[int, ...], idx: str) -> str:
         """op's address part of merged index `idx` over `dims`: a multiple of idx where the
@@ -181,17 +188,39 @@ def _producer(b: ConvText, spec: Spec, p: Plan) -> Any:
     return hook
 
 
+def _tensor_maps(spec: Spec, win: Window, p: Plan) -> tuple[list[str], list[str]]:
+    """The host lines of A's 4-D (5-D) and B's 2-D TMA descriptors over the Window's views (boxes
+    Window.box and [BN, BK] (a cluster's half: [BN / 2, BK])), and the kernel's casts of them."""
+    head, casts = [], []
+    for which, op, (off, sizes, strides), box in (
+            ("A", spec.a, win.a_view, win.box(p.bk)), ("B", spec.b, win.b_view, [p.bn // p.cluster, p.bk])):
+        shape = "x".join(map(str, sizes))
+        view = f"memref<{shape}x{op.elem}, strided<[{', '.join(map(str, strides))}], offset: {off}>>"
+        head.append(f"%{which}v = memref.reinterpret_cast %{which} to offset: [{off}], sizes: "
+                    f"[{', '.join(map(str, sizes))}], strides: [{', '.join(map(str, strides))}] : {op.type} to {view}")
+        lines, cast = tensor_map_lines(which, f"%{which}v", view, box, op.elem)
+        head += lines
+        casts.append(cast)
+    return head, casts
+
+
 def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
     """`func.func @tmpl(%A, %B, %C, [%E.., %Z,] %init)` holding the gpu.launch (see
-    wgmma_conv's banner); no tensor maps: the producers address A and B themselves."""
+    wgmma_conv's banner); tensor maps for a Window's boxes, else none: the producers address A
+    and B themselves."""
     init_type = init_type or spec.c.elem
     b = ConvText(spec, p, init_type)  # type: ignore[arg-type]
-    _kernel(b, spec, p, _producer(b, spec, p))  # type: ignore[arg-type]
+    win = getattr(p, "window", None)
+    if win is not None:
+        _kernel(b, spec, p, conv=WindowHooks(b, win, p.bk))  # type: ignore[arg-type]
+    else:
+        _kernel(b, spec, p, _producer(b, spec, p))  # type: ignore[arg-type]
     ep = spec.epilogue
     extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
     uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
     flat = [f"%{n}f = memref.reinterpret_cast %{n} to offset: [{op.offset}], sizes: [{op.span}], strides: [1] "
             f": {op.type} to {op.flat}" for n, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra)]
+    maps, casts = _tensor_maps(spec, win, p) if win is not None else ([], [])
     head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
-            + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{", *launch_lines(p)]
-    return "\n".join(head + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])
+            + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{", *maps, *launch_lines(p)]
+    return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -11,9 +11,9 @@ import numpy as np
 
 from gac_torch.kernels.builder import Numpy
 from gac_torch.kernels.conv_gemm import Spec
-from gac_torch.kernels.wgmma_conv import gather
+from gac_torch.kernels.wgmma_conv import WindowHooks, gather
+from gac_torch.kernels.wgmma_gemm import m_tile_count, tile_origin
 from gac_torch.kernels.wgmma_plan import BM, ESIZE, SWIZZLE, WG, Plan, Side, desc_layout, swizzle128
-
 
 
 class _Producers(Numpy):
@@ -89,3 +89,61 @@ def emulate(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             rows, cols = min(BM, spec.M - m0), min(p.bn, spec.N - n0)
             C[m0:m0 + rows, n0:n0 + cols] = acc[:rows, :cols]
     return C
+
+
+def _box(x: np.ndarray, at: list[int], box: list[int]) -> np.ndarray:
+    """A TMA tiled box of `x` at `at` (both outermost first): zeros where it lies outside x."""
+    out = np.zeros(box)
+    src = tuple(slice(max(a, 0), min(a + n, s)) for a, n, s in zip(at, box, x.shape))
+    dst = tuple(slice(s.start - a, s.stop - a) for s, a in zip(src, at))
+    if all(s.stop > s.start for s in src):
+        out[dst] = x[src]
+    return out
+
+
+def _tma_write(smem: np.ndarray, base: int, tile: np.ndarray, es: int) -> None:
+    """TMA's swizzled write of a [rows][128 bytes] box at byte `base` (1024-byte aligned)."""
+    for r in range(tile.shape[0]):
+        for k in range(tile.shape[1]):
+            smem[swizzle128(base + r * SWIZZLE + k * es) // es] = tile[r, k]
+
+
+def emulate_window(spec: Spec, p: Plan, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """C = A @ B^T (M x N) as the Window kernel computes it (wgmma_conv.Window): per tile and
+    K slice, the boxes at the coordinates WindowHooks gives (on numpy), cut from the tensor
+    maps' views with TMA's zero fill, written swizzled and read back through the kernel's
+    descriptors; each tile row stored to the C row WindowHooks.rows names (>= M: dropped)."""
+    win = p.window
+    es = ESIZE[spec.a.elem]
+    views = []
+    for flat, (off, sizes, strides) in ((np.asarray(a, np.float64), win.a_view), (np.asarray(b, np.float64), win.b_view)):
+        assert off + sum((n - 1) * s for n, s in zip(sizes, strides)) < flat.size, "a view past its buffer"
+        views.append(np.lib.stride_tricks.as_strided(flat[off:], sizes, [s * 8 for s in strides]))
+    x, w = views
+    bld = Numpy(1, (0, 0, 0))
+    c = bld.const
+    hooks = WindowHooks(bld, win, p.bk)
+    C = np.zeros((spec.M + 1, spec.N))
+    tn, cl = -(-spec.N // p.bn), p.cluster
+    half = p.bn // cl
+    done = set()
+    for u, rank in ((u, r) for u in range(p.tiles) for r in range(cl)):  # the kernel's work
+        # units (cluster 2: a pair of CTAs, rank r's B half multicast to both), as _kernel does
+        m0, n0, bz = (int(v[0]) for v in tile_origin(bld, c(u), tn, -(-m_tile_count(spec, hooks) // cl), cl,
+                                                     c(rank), p.bn))
+        assert bz == 0 and (m0, n0) not in done, "a tile twice, or past the rectangles"
+        done.add((m0, n0))
+        rows = [int(hooks.rows(c(m0), c(r))[0]) for r in range(BM)]
+        acc = np.zeros((BM, p.bn))
+        for kt in range(spec.K // p.bk):
+            smem = np.zeros((p.a.stage_bytes + p.b.stage_bytes) // es)
+            at_a = [int(v[0]) for v in hooks.a_coords(c(m0), c(kt))][::-1]
+            _tma_write(smem, 0, _box(x, at_a, win.box(p.bk)).reshape(BM, p.bk), es)
+            for r in range(cl):
+                at_b = [int(v[0]) for v in hooks.b_coords(c(n0 + r * half), c(kt))][::-1]
+                _tma_write(smem, p.a.stage_bytes + r * half * SWIZZLE, _box(w, at_b, [half, p.bk]), es)
+            acc += _read(smem, 0, p.a, es, p.ks, p.bk) @ _read(smem, p.a.stage_bytes, p.b, es, p.ks, p.bk).T
+        cols = min(p.bn, spec.N - n0)
+        for r, row in enumerate(rows):  # (>= M: dropped by the store's bounds check)
+            C[min(row, spec.M), n0:n0 + cols] = acc[r, :cols]
+    return C[:spec.M]

@@ -86,17 +86,19 @@ from gac_torch.kernels.wgmma_text import WgmmaText
 # the kernel
 
 
-def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
+def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None, conv: Any = None) -> None:
     """`gather` (kernels/wgmma_conv.py): instead of TMA, every producer thread t stages its part
     of slice kt with cp.async, `gather(t, a_stage, b_stage, m0, n0, kt)`, and its copies arrive
-    on full[s] when they land (3b'); the consumers order them before wgmma's reads (4a')."""
+    on full[s] when they land (3b'); the consumers order them before wgmma's reads (4a').
+    `conv` (wgmma_conv.WindowHooks): TMA boxes at conv.a_coords(m0, kt) / b_coords(n0, kt), and
+    tile row r of the tile at m0 stored to C's row conv.rows(m0, r) (3b, 5)."""
     es = ESIZE[_elem(spec)]
     c = b.const
     S = p.stages
     a_base, b_base = 0, S * p.a.stage_bytes
     ring_base = S * (p.a.stage_bytes + p.b.stage_bytes)  # 5d's tile buffers (p.ring of them)
     bar_base = ring_base + p.ring * p.ring_bytes
-    tn, tm = -(-spec.N // p.bn), -(-spec.M // BM)
+    tn, tm = -(-spec.N // p.bn), m_tile_count(spec, conv)
     nk = -(-spec.K // p.bk)
     # 1. locate: this CTA's tiles are bid, bid + grid, ...; slice `it` of the CTA's sequence
     # (tile number tl, K slice kt: it = tl*nk + kt) uses stage it % S at phase (it / S) % 2
@@ -112,10 +114,7 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
     tmc = -(-tm // cl)
 
     def tile(tl: Any) -> tuple[Any, Any, Any]:
-        u = b.add(cid, b.mul(tl, c(units)))
-        bz, rest = b.div(u, c(tn * tmc)), b.rem(u, c(tn * tmc))
-        mt = b.add(b.mul(b.div(rest, c(tn)), c(cl)), rank)
-        return b.mul(mt, c(BM)), b.mul(b.rem(rest, c(tn)), c(p.bn)), bz
+        return tile_origin(b, b.add(cid, b.mul(tl, c(units))), tn, tmc, cl, rank, p.bn)
 
     def bar(base: int, s: Any) -> Any:
         return b.i32_add(smem, b.i32_add(b.i32(base), b.i32_mul(b.to_i32(s), b.i32(8))))
@@ -201,6 +200,15 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
                 s, phase = stage_phase(b.add(b.mul(tl, c(nk)), kt))
                 b.mbar_wait(empty(s), b.xor1(phase), cluster=cl > 1)  # 3a
                 b.mbar_expect(full(s), p.a.stage_bytes + p.b.stage_bytes)  # 3b
+                if conv is not None:  # one box per operand (wgmma_conv.Window); clustered,
+                    # this rank's half of B's rows, to both CTAs of the pair
+                    b.tma_load("A", stage_at(a_base, p.a, s), conv.a_coords(m0, kt), full(s))
+                    dst, nb = stage_at(b_base, p.b, s), n0
+                    if cl > 1:
+                        dst = b.i32_add(dst, b.i32_mul(b.to_i32(rank), b.i32(p.bn // cl * SWIZZLE)))
+                        nb = b.add(n0, b.mul(rank, c(p.bn // cl)))
+                    b.tma_load("B", dst, conv.b_coords(nb, kt), full(s), multicast=(1 << cl) - 1 if cl > 1 else 0)
+                    return
                 k0 = b.mul(kt, c(p.bk))
                 for which, op, side, outer, o0, base in (
                         ("A", spec.a, p.a, spec.m, m0, a_base), ("B", spec.b, p.b, spec.n, n0, b_base)):
@@ -256,10 +264,13 @@ def _kernel(b: WgmmaText, spec: Spec, p: Plan, gather: Any = None) -> None:
             b.batch = bz
             rows = b.add(m0, local)
             cols = b.add(n0, b.mul(tq, c(2)))
+            placed = {} if conv is None else {  # each of the thread's rows' place in C, once
+                r: conv.rows(m0, b.add(local, c(r))) for r in sorted({row_of(rq) for rq, _ in FRAG_C})}
 
             def at(i: int, q: int) -> tuple[Any, Any]:
                 rq, cq = FRAG_C[q]
-                return b.add(rows, c(row_of(rq))), b.add(cols, c(8 * i + cq))
+                row = placed[row_of(rq)] if placed else b.add(rows, c(row_of(rq)))
+                return row, b.add(cols, c(8 * i + cq))
 
             ep_pre = None  # 5c: the epilogue's loads along M, issued before the main loop
             if epilogue_of(spec) is not None and prefetch(p) and not p.ring:
@@ -454,6 +465,21 @@ def _rows_map(name: str, buf: str, op: Any, spec: Spec, rows: int, span: int) ->
             + tensor_map_type([rows, span], op.elem)]
 
 
+def m_tile_count(spec: Spec, conv: Any = None) -> int:
+    """M tiles of the kernel: BM rows of M each, or a conv Window's rectangles (more than M / BM
+    where they overhang the image: the units past M / BM would otherwise redo the first ones)."""
+    return conv.m_tiles if conv is not None else -(-spec.M // BM)
+
+
+def tile_origin(b: Any, u: Any, tn: int, tmc: int, cl: int, rank: Any, bn: int) -> tuple[Any, Any, Any]:
+    """1. Work unit u -> (m0, n0, batch index) of its tile (N tiles fastest, then the tmc
+    (pairs of) M tiles, then the batch); cluster rank `rank` of `cl` takes M tile cl*pm + rank."""
+    c = b.const
+    bz, rest = b.div(u, c(tn * tmc)), b.rem(u, c(tn * tmc))
+    mt = b.add(b.mul(b.div(rest, c(tn)), c(cl)), rank)
+    return b.mul(mt, c(BM)), b.mul(b.rem(rest, c(tn)), c(bn)), bz
+
+
 def box_dims(op: Operand, side: Side, spec: Spec) -> list[int]:
     """The TMA box per memref dim (outermost first): the inner extent on the contiguous dim,
     1 on the batch dim, the other extent on the remaining one."""
@@ -465,6 +491,17 @@ def tensor_map_type(box: list[int], elem: str) -> str:
     tile = "x".join(map(str, box)) + f"x{elem}"
     return (f"!nvgpu.tensormap.descriptor<tensor = memref<{tile}, 3>, swizzle = swizzle_128b, "
             "l2promo = l2promo_256b, oob = zero, interleave = none>")
+
+
+def tensor_map_lines(which: str, src: str, src_type: str, box: list[int], elem: str) -> tuple[list[str], str]:
+    """The host lines making %tm<which>d, the TMA descriptor of view `src` with `box` (outermost
+    first), and the kernel's line casting it to %tm<which>, the pointer tma_load reads."""
+    tm = tensor_map_type(box, elem)
+    lines = [f"%u{which} = memref.cast {src} : {src_type} to memref<*x{elem}>"]
+    lines += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
+    lines.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
+                 + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{elem}> -> {tm}")
+    return lines, f"%tm{which} = builtin.unrealized_conversion_cast %tm{which}d : {tm} to !llvm.ptr"
 
 
 def launch_lines(p: Plan) -> list[str]:
@@ -493,22 +530,18 @@ def template(spec: Spec, p: Plan, init_type: str | None = None) -> str:
             f": {op.type} to {op.flat}" for n, op in extra]
     head = [f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
             + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {init_type}) {{"]
-    types = {}
-    for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b)):
-        box = box_dims(op, side, spec)
-        types[which] = tm = tensor_map_type(box, e)
-        head.append(f"%u{which} = memref.cast %{which} : {op.type} to memref<*x{e}>")
-        head += [f"%bx{which}{i} = arith.constant {n} : index" for i, n in enumerate(box)]
-        head.append(f"%tm{which}d = nvgpu.tma.create.descriptor %u{which} box["
-                    + ", ".join(f"%bx{which}{i}" for i in range(len(box))) + f"] : memref<*x{e}> -> {tm}")
+    maps = [tensor_map_lines(which, f"%{which}", op.type, box_dims(op, side, spec), e)
+            for which, op, side in (("A", spec.a, p.a), ("B", spec.b, p.b))]
+    head += [x for m in maps for x in m[0]]
+    casts = [m[1] for m in maps]
+    rows_maps = {}
     if p.res >= 0:  # 5d: the residual as a row-major M x N view, read in [BM][128 bytes] boxes
         op = ep.inputs[p.res][0]
-        types["R"] = tensor_map_type([BM, SWIZZLE // p.out_es], op.elem)
+        rows_maps["R"] = tensor_map_type([BM, SWIZZLE // p.out_es], op.elem)
         head += _rows_map("R", f"%E{p.res}", op, spec, BM, SWIZZLE // p.out_es)
     if p.tma_store:  # Z likewise, stored in [64 rows][128 bytes] boxes (a warpgroup's rows)
-        types["Z"] = tensor_map_type([64, SWIZZLE // p.out_es], ep.out[0].elem)
+        rows_maps["Z"] = tensor_map_type([64, SWIZZLE // p.out_es], ep.out[0].elem)
         head += _rows_map("Z", "%Z", ep.out[0], spec, 64, SWIZZLE // p.out_es)
     head += launch_lines(p)
-    casts = [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {types[w]} to !llvm.ptr"
-             for w in types]
+    casts += [f"%tm{w} = builtin.unrealized_conversion_cast %tm{w}d : {t} to !llvm.ptr" for w, t in rows_maps.items()]
     return "\n".join(head + casts + flat + b.const_lines + b.lines + ["gpu.terminator\n}\nreturn\n}"])

@@ -1,6 +1,7 @@
 """`cwgmma`: an implicit-GEMM convolution (3x3 stride 1 or 2, a strided 1x1, dilations,
-fused zero padding) on sm_90a's warpgroup wgmma, its im2col A tile and its weights gathered by
-cp.async straight into the swizzled layout wgmma reads (gac_torch/kernels/wgmma_conv.py).
+fused zero padding) on sm_90a's warpgroup wgmma, its im2col A tile and its weights loaded by TMA
+boxes (one per tap: wgmma_conv.Window; GAC_CONV_WGMMA_TMA=0: never) or gathered by cp.async
+straight into the swizzled layout wgmma reads (gac_torch/kernels/wgmma_conv.py).
 
 The match is igemm's (implicit_gemm._match: the conv as a contraction over dim sets, its
 padding read through guards, NCHW weights copied into (kh, kw, c) order, the precision from
@@ -43,7 +44,8 @@ def choose(spec) -> Plan | None:
     alts = {f"bn{bn}": p for bn in (64, 128) if (p := wgmma_conv.plan(spec, bn=bn)) is not None}
     if len(alts) < 2 or spec.N <= 64:
         return plan
-    return alts[tuning.choose(f"cwgmma:{spec.kind}:{tuning.problem_key(spec)}", tuple(alts), f"bn{plan.bn}")]
+    way = "tma:" if getattr(plan, "window", None) is not None else ""  # (a gather's measurement is not a window's)
+    return alts[tuning.choose(f"cwgmma:{spec.kind}:{way}{tuning.problem_key(spec)}", tuple(alts), f"bn{plan.bn}")]
 
 
 def strategy(params: implicit_gemm.Params) -> Strategy:
