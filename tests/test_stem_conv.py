@@ -75,6 +75,34 @@ def test_stem_stages_vectors_without_spills(kind: str, want: set, before: set, m
     assert _stem_copies(kind)[0] == before
 
 
+def _launches(kind: str) -> list[tuple[str, list[str]]]:
+    """(strategy, buffers with access) of each kernel of the Stem compiled for sm_90 offline."""
+    torch.manual_seed(0)
+    model, x = randomize_bn(Stem()).eval(), torch.randn(2, 3, 37, 53)
+    with _cudnn_tf32(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
+        gpu = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False}).ir("gpu")
+    return [(s, a.split(", ")) for s, a in re.findall(r"// launch \S+ .*\[(\w+)\] \((.*)\)", gpu)]
+
+
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_stem_input_and_pool_are_one_kernel_each(kind: str, monkeypatch) -> None:
+    # the input's channel pad, NHWC transpose (and bf16 cast) are one gather; the max-pool
+    # reads the conv's result at clamped indices: no padded copy (a fill and a copy kernel)
+    ks = _launches(kind)
+    conv = next(i for i, (s, _) in enumerate(ks) if s in ("igemm", "cwgmma"))
+    a = ks[conv][1][0].split(":")[0]
+    prep = [acc for _, acc in ks if f"{a}:W" in acc]  # the kernel writing the conv's input
+    assert len(prep) == 1 and len(prep[0]) == 2 and prep[0][0].startswith("arg"), ks
+    assert sum(acc[0] == prep[0][0] for _, acc in ks) == 1, ks  # the only one reading x
+    out = ks[conv][1][-1].split(":")[0]
+    pool = ks[conv + 1][1]
+    assert ks[conv + 1][0] == "loops" and pool[0] == f"{out}:r" and pool[1].endswith(":W"), ks
+    assert [s for s, acc in ks if acc[0] == pool[1].replace(":W", ":r")] == ["cwgmma"], ks
+    monkeypatch.setenv("GAC_STEM_PAD_GATHER", "0")
+    monkeypatch.setenv("GAC_POOL_CLAMP", "0")
+    assert len(_launches(kind)) == len(ks) + 4 + (kind == "bf16"), ks
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["tf32", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 3, 37, 53), (3, 3, 96, 130)])
