@@ -54,23 +54,51 @@ def test_padded_stem_twin_matches_float64(kind: str) -> None:
     assert err < _TOL[kind], err
 
 
-def _stem_copies(kind: str) -> tuple[set[str], str]:
-    """The cp.async widths of the stem's igemm kernel (the first) and ptxas's log of the program."""
+def _stem_ptx(kind: str, strategy: str = "igemm") -> tuple[str, str]:
+    """The PTX of the stem's conv kernel (the first `strategy` one) and ptxas's log of the program."""
     torch.manual_seed(0)
     model, x = randomize_bn(Stem()).eval().to(DTYPES[kind]), torch.randn(2, 3, 37, 53).to(DTYPES[kind])
     with _cudnn_tf32(True):  # (flags set through it: another test may have frozen them)
         ptx = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False}).ir("ptx")
-    stem = next(k for k in ptx.split(".entry ")[1:] if k.split("(")[0].endswith("_igemm"))
-    widths = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^\[]*\[[^\]]*\], \[[^\]]*\], (\d+)", stem))
-    return widths, ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas()).log
+    stem = next(k for k in ptx.split(".entry ")[1:] if k.split("(")[0].endswith("_" + strategy))
+    return stem, ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas()).log
+
+
+def _widths(ptx: str) -> set[str]:
+    return set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^\[]*\[[^\]]*\], \[[^\]]*\], (\d+)", ptx))
+
+
+def _stem_copies(kind: str) -> tuple[set[str], str]:
+    """The cp.async widths of the stem's igemm kernel (the first) and ptxas's log of the program."""
+    stem, log = _stem_ptx(kind)
+    return _widths(stem), log
+
+
+def _no_spills(log: str) -> bool:
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return bool(spills) and not any(int(n) for n in spills)
+
+
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_wide_padded_stem_on_cwgmma_stores_pairs(kind: str, monkeypatch) -> None:
+    # GAC_STEM_PAD_WIDE=1: a bf16 stem padded to 8 channels (one 16-byte vector per tap) is
+    # cwgmma's; its fused BatchNorm + ReLU epilogue reads and writes 2 columns per access
+    monkeypatch.setenv("GAC_STEM_PAD_WIDE", "1")
+    stem, log = _stem_ptx(kind, "cwgmma")
+    wide = "v2.b32" if kind == "tf32" else "v2.b16"
+    stores = re.findall(r"st\.global\.(\S+)", stem)
+    assert _widths(stem) == {"16"} and _no_spills(log), log
+    assert stores and set(stores) == {wide}, stores
+    assert re.findall(r"ld\.global\.nc\.v2", stem), stem  # BatchNorm's per-channel vectors
+    monkeypatch.setenv("GAC_CONV_WGMMA_PAIRS", "0")
+    assert set(re.findall(r"st\.global\.(\S+)", _stem_ptx(kind, "cwgmma")[0])) == {"b32" if kind == "tf32" else "b16"}
 
 
 @pytest.mark.parametrize("kind,want,before", [("tf32", {"16"}, {"4"}), ("bf16", {"8"}, set())])
 def test_stem_stages_vectors_without_spills(kind: str, want: set, before: set, monkeypatch) -> None:
     monkeypatch.setenv("GAC_CONV_WGMMA", "0")  # (igemm's copies; in tf32 the padded stem is cwgmma's)
     widths, log = _stem_copies(kind)
-    spills = re.findall(r"(\d+) bytes spill stores", log)
-    assert widths == want and spills and not any(int(n) for n in spills), (widths, log)
+    assert widths == want and _no_spills(log), (widths, log)
     monkeypatch.setenv("GAC_STEM_PAD", "0")  # NCHW: 4-byte copies (tf32), scalar loads (bf16)
     assert _stem_copies(kind)[0] == before
 
@@ -104,9 +132,12 @@ def test_stem_input_and_pool_are_one_kernel_each(kind: str, monkeypatch) -> None
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("switches", ["", "GAC_STEM_PAD_WIDE=1", "GAC_CONV_WGMMA_PAIRS=0,GAC_POOL_CLAMP=0"])
 @pytest.mark.parametrize("kind", ["tf32", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 3, 37, 53), (3, 3, 96, 130)])
-def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...]) -> None:
+def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...], switches: str, monkeypatch) -> None:
+    for kv in filter(None, switches.split(",")):
+        monkeypatch.setenv(*kv.split("="))
     torch.manual_seed(sum(shape))
     model, x = randomize_bn(Stem()).eval(), torch.randn(shape)
     ref = model.double()(x.double())

@@ -104,6 +104,14 @@ def _padded(op: ir.Operation) -> bool:
     return op_attrs(op)["groups"] == 1 and ws[1] < PAD_INPUTS and os.environ.get("GAC_STEM_PAD") != "0"
 
 
+def _pad_to(x: ir.Value) -> int:
+    """The channels a padded stem's input gets: PAD_INPUTS; with GAC_STEM_PAD_WIDE=1 a whole
+    16-byte vector of them (f16/bf16: 8), so the sm_90 wgmma implicit GEMM (cwgmma, 16-byte
+    copies) takes a 2-byte stem too instead of mma.sync's (8-byte copies), at twice its K."""
+    es = {"f16": 2, "bf16": 2}.get(str(elem_of(x)), 4)
+    return 16 // es if os.environ.get("GAC_STEM_PAD_WIDE") == "1" else PAD_INPUTS
+
+
 def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
     """The convs whose input or result is joined to another conv's result or input by
     elementwise ops alone (a union of each elementwise op's 4-d operands and result): only there
@@ -143,7 +151,7 @@ def _to_channels_last(b: GacBuilder, op: ir.Operation, inputs: dict) -> None:
     x, w = op.operands
     y = op.results[0]
     ys = shape_of(y.type)
-    pad = PAD_INPUTS - shape_of(w.type)[1] if _padded(op) else 0
+    pad = _pad_to(x) - shape_of(w.type)[1] if _padded(op) else 0
     if (x, pad) not in inputs:
         with ir.InsertionPoint(op), op.location:
             inputs[x, pad] = _permute(b, _pad_input(b, x, pad), TO_LAST)
