@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--prec", default="tf32,bf16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--what", default="gemm,stem")
+    ap.add_argument("--kernels", action="store_true", help="each variant's kernels' device times too")
     args = ap.parse_args()
     for prec in args.prec.split(","):
         tf32, dt = prec == "tf32", torch.bfloat16 if prec == "bf16" else torch.float32
@@ -108,12 +109,13 @@ def main() -> None:
                 fns = {"eager": em, **fns}
                 esets = [(x.contiguous(memory_format=torch.channels_last),) for x in xs]
                 moved = (6 * 3 * 480 * 800 + 6 * 64 * 240 * 400) * es  # (the conv's own)
-                _race_pair(fns, [(x,) for x in xs], esets, moved, args.rounds, f"{prec} stem 7x7s2+pool+1x1")
+                _race_pair(fns, [(x,) for x in xs], esets, moved, args.rounds, f"{prec} stem 7x7s2+pool+1x1",
+                           args.kernels)
 
 
-def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str) -> None:
+def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str, kernels: bool = False) -> None:
     """Each function timed alone (eager on its channels_last views, gac's variants on the
-    plain inputs), then the profiler's kernel time."""
+    plain inputs), then the profiler's kernel time (`kernels`: per kernel too)."""
     times, device = {}, {}
     for k, fn in fns.items():
         ss = esets if k == "eager" else sets
@@ -125,6 +127,24 @@ def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str) -> No
         kern = "" if dev is None else f"; kernels {dev:.4f} ms ({moved / dev / 1e9:.2f} TB/s compulsory)"
         rel = "" if dev is None or eager_dev is None else f", eager/this {eager_dev / dev:.2f}"
         print(f"  {name} {k}: median {med:.4f} ms (min {best:.4f}){kern}{rel}", flush=True)
+        if kernels:
+            ss = esets if k == "eager" else sets
+            print("    " + ", ".join(f"{n[:48]} {ms:.4f}" for n, ms in _per_kernel_ms(fns[k], ss)), flush=True)
+
+
+def _per_kernel_ms(fn, sets, iters: int = 10) -> list[tuple[str, float]]:
+    """(kernel, device ms per call) in launch order, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("gac:"):
+            per[e.name] = per.get(e.name, 0.0) + (getattr(e, "device_time_total", None) or e.cuda_time_total)
+    return [(n, us / iters / 1e3) for n, us in per.items()]
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ conv's spec, the PTX's copy widths offline, and the compiled stem against float6
 
 from __future__ import annotations
 
+import copy
 import re
 
 import numpy as np
@@ -131,13 +132,17 @@ def test_stem_input_and_pool_are_one_kernel_each(kind: str, monkeypatch) -> None
     assert len(_launches(kind)) == len(ks) + 4 + (kind == "bf16"), ks
 
 
+OLD = "GAC_STEM_PAD_GATHER=0,GAC_POOL_CLAMP=0,GAC_CONV_WGMMA_PAIRS=0"  # (the stem before them)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("switches", ["", "GAC_STEM_PAD_WIDE=1", "GAC_CONV_WGMMA_PAIRS=0,GAC_POOL_CLAMP=0"])
-@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+@pytest.mark.parametrize("kind,switches", [("tf32", ""), ("tf32", OLD), ("bf16", ""),
+                                           ("bf16", "GAC_STEM_PAD_WIDE=1"), ("bf16", OLD)])
 @pytest.mark.parametrize("shape", [(2, 3, 37, 53), (3, 3, 96, 130)])
 def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...], switches: str, monkeypatch) -> None:
     for kv in filter(None, switches.split(",")):
         monkeypatch.setenv(*kv.split("="))
+    torch._dynamo.reset()  # (else dynamo may run another case's graph: the switches are compile-time)
     torch.manual_seed(sum(shape))
     model, x = randomize_bn(Stem()).eval(), torch.randn(shape)
     ref = model.double()(x.double())
@@ -146,3 +151,20 @@ def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...], switches
         got = torch.compile(model, backend="gac")(x)
     err = ((got.double().cpu() - ref).norm() / ref.norm()).item()
     assert got.dtype == x.dtype and got.shape == ref.shape and err < {"tf32": 3e-3, "bf16": 2e-2}[kind], err
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gathered_input_pad_matches_float64_on_cpu(autocast: bool) -> None:
+    # the cpu target on NHWC (option channels_last): the input's padded channel is a masked
+    # replicate pad, and under bf16 autocast the input's cast comes after it (one kernel on cuda)
+    torch.manual_seed(3)
+    model, x = randomize_bn(Stem()).eval(), torch.randn(2, 3, 29, 35)
+    ref = copy.deepcopy(model).double()(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        f = gac_torch.compile(model, (x,), target="cpu", options={"channels_last": True, "fallback": False})
+        got = f(x)
+    gac = f.ir("gac")
+    assert re.search(r'"gac.pad".*mode = "replicate".*\n.*\n.*"gac.select"', gac), gac
+    assert bool(re.search(r'"gac.select".*\n.*"gac.cast".*bf16', gac)) == autocast, gac
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < (2e-2 if autocast else 1e-5), err
