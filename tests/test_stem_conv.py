@@ -17,6 +17,7 @@ from gac_torch.backends.cuda import ptxas
 from gac_torch.kernels import conv_gemm_plan as cgp
 from gac_torch.kernels import conv_gemm_twin as twin
 from gac_torch.kernels.builder import round_to
+from gac_torch.passes import space_to_depth
 from models import randomize_bn
 from test_conv_gemm import _TOL, nhwc_spec
 from test_cuda_conv import _cudnn_tf32
@@ -132,13 +133,13 @@ def test_stem_input_and_pool_are_one_kernel_each(kind: str, monkeypatch) -> None
     assert len(_launches(kind)) == len(ks) + 4 + (kind == "bf16"), ks
 
 
-OLD = "GAC_STEM_PAD_GATHER=0,GAC_POOL_CLAMP=0,GAC_CONV_WGMMA_PAIRS=0"  # (the stem before them)
+OLD = "GAC_STEM_S2D=0,GAC_STEM_PAD_GATHER=0,GAC_POOL_CLAMP=0,GAC_CONV_WGMMA_PAIRS=0"  # (the stem before them)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind,switches", [("tf32", ""), ("tf32", OLD), ("bf16", ""),
-                                           ("bf16", "GAC_STEM_PAD_WIDE=1"), ("bf16", OLD)])
-@pytest.mark.parametrize("shape", [(2, 3, 37, 53), (3, 3, 96, 130)])
+                                           ("bf16", "GAC_STEM_S2D=0,GAC_STEM_PAD_WIDE=1"), ("bf16", OLD)])
+@pytest.mark.parametrize("shape", [(2, 3, 37, 53), (3, 3, 96, 130)])  # (odd: the padded stem; even: s2d)
 def test_stem_matches_float64_on_gpu(kind: str, shape: tuple[int, ...], switches: str, monkeypatch) -> None:
     for kv in filter(None, switches.split(",")):
         monkeypatch.setenv(*kv.split("="))
@@ -168,3 +169,59 @@ def test_gathered_input_pad_matches_float64_on_cpu(autocast: bool) -> None:
     assert bool(re.search(r'"gac.select".*\n.*"gac.cast".*bf16', gac)) == autocast, gac
     err = ((got.double() - ref).norm() / ref.norm()).item()
     assert err < (2e-2 if autocast else 1e-5), err
+
+
+class Strided(torch.nn.Module):
+    """A stride-2 conv of few channels (+ BatchNorm, ReLU) joined to a 1x1 conv."""
+
+    def __init__(self, c: int, k: int, p: int) -> None:
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(c, 24, k, 2, p, bias=False), torch.nn.BatchNorm2d(24)
+        self.next = torch.nn.Conv2d(24, 8, 1, bias=False)
+
+    def forward(self, x):
+        return self.next(torch.relu(self.bn(self.conv(x))))
+
+
+@pytest.mark.parametrize("c,k,p,shape,autocast", [
+    (3, 7, 3, (2, 28, 34), False), (3, 7, 3, (1, 30, 32), True), (3, 3, 1, (2, 10, 12), False),
+    (1, 5, 2, (1, 12, 10), False), (2, 4, 1, (1, 14, 8), True), (3, 7, 0, (1, 18, 20), False),
+    (3, 6, 3, (1, 16, 14), False)])
+def test_space_to_depth_stem_matches_float64_on_cpu(c, k, p, shape, autocast) -> None:
+    # passes/space_to_depth.py on the cpu target (option channels_last): odd and even kernels,
+    # odd paddings (q = 1), no padding, blocks past the input (a zero border), bf16 autocast
+    torch.manual_seed(k + p)
+    model, x = randomize_bn(Strided(c, k, p)).eval(), torch.randn(shape[0], c, *shape[1:])
+    ref = copy.deepcopy(model).double()(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        f = gac_torch.compile(model, (x,), target="cpu", options={"channels_last": True, "fallback": False})
+        got = f(x)
+    a = space_to_depth._dim(k, p, 0, 0)[1]
+    conv = next(ln for ln in f.ir("gac").splitlines() if '"gac.conv"' in ln)
+    assert f"x{a}x{a}x" in conv and "stride = array<i64: 1, 1>" in conv, conv  # the A x A stride-1 conv
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < (2e-2 if autocast else 1e-5), err
+
+
+@pytest.mark.parametrize("kind", ["tf32", "bf16"])
+def test_space_to_depth_stem_is_cwgmma_without_spills(kind: str, monkeypatch) -> None:
+    # even sizes: X is one gather kernel, its conv cwgmma's (bf16 too: 16 channels, 32 bytes per
+    # pixel), the weights relaid so the channels are both operands' unit-stride K run
+    torch.manual_seed(0)
+    model, x = randomize_bn(Stem()).eval(), torch.randn(2, 3, 38, 54)
+    with _cudnn_tf32(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
+        f = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False})
+    ks = [(s, a.split(", ")) for s, a in re.findall(r"// launch \S+ .*\[(\w+)\] \((.*)\)", f.ir("gpu"))]
+    conv = next(i for i, (s, _) in enumerate(ks) if s in ("igemm", "cwgmma"))
+    assert ks[conv][0] == "cwgmma", ks
+    a = ks[conv][1][0].split(":")[0]
+    prep = [acc for _, acc in ks if f"{a}:W" in acc]
+    assert len(prep) == 1 and len(prep[0]) == 2 and prep[0][0].startswith("arg"), ks
+    ptx = f.ir("ptx")
+    stem = next(k for k in ptx.split(".entry ")[1:] if k.split("(")[0].endswith("_cwgmma"))
+    assert _widths(stem) == {"16"} and _no_spills(ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas()).log)
+    assert "x4x4x" in next(ln for ln in f.ir("gac").splitlines() if '"gac.conv"' in ln)
+    monkeypatch.setenv("GAC_STEM_S2D", "0")  # the padded 7x7 conv
+    with _cudnn_tf32(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
+        gac = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False}).ir("gac")
+    assert "x7x7x" in next(ln for ln in gac.splitlines() if '"gac.conv"' in ln)

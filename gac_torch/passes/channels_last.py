@@ -28,6 +28,7 @@ from mlir import ir
 
 from gac_torch.ir.builder import GacBuilder, op_attrs
 from gac_torch.ir.types import DYN, elem_of, is_float, shape_of, torch_dtype
+from gac_torch.passes import space_to_depth
 from gac_torch.passes.dce import gac_dce
 
 TO_LAST = (0, 2, 3, 1)  # NCHW -> NHWC
@@ -151,6 +152,16 @@ def _to_channels_last(b: GacBuilder, op: ir.Operation, inputs: dict) -> None:
     x, w = op.operands
     y = op.results[0]
     ys = shape_of(y.type)
+    if _padded(op) and space_to_depth.applies(op):  # an RGB stem: stride 1 on 2x2 pixel blocks
+        with ir.InsertionPoint(op), op.location:
+            elem = elem_of(x)
+            xt = space_to_depth.input_nhwc(b, x, ys[2:], shape_of(w.type), list(a["padding"]), elem)
+            yt = b.conv(xt, space_to_depth.weights(b, w, list(a["padding"]), elem), stride=[1, 1],
+                        padding=[0, 0], dilation=[1, 1], groups=1, channels_last=1,
+                        result_type=_tensor([ys[p] for p in TO_LAST], ir.RankedTensorType(y.type).element_type))
+            y.replace_all_uses_with(b.transpose(yt, perm=list(TO_FIRST)))
+        op.erase()
+        return
     pad = _pad_to(x) - shape_of(w.type)[1] if _padded(op) else 0
     if (x, pad) not in inputs:
         with ir.InsertionPoint(op), op.location:
