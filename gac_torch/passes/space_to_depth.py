@@ -93,7 +93,19 @@ def weights(b: GacBuilder, w: ir.Value, padding: list[int], elem: ir.Type) -> ir
     f, c, kh, kw = shape_of(w.type)
     cp = _channels(c, elem)
     (qh, ah, _, _), (qw, aw, _, _) = (_dim(k, p, 0, 0) for k, p in zip((kh, kw), padding))
-    w8 = b.pad(w, low=[0, 0, qh, qw], high=[0, cp - c, 2 * ah - kh - qh, 2 * aw - kw - qw], mode="constant", value=0.0)
+    # zero-padded to (F, C', 2 A, 2 A) as X is (a masked replicate pad: one kernel with the moves)
+    rep = b.pad(w, low=[0, 0, qh, qw], high=[0, cp - c, 2 * ah - kh - qh, 2 * aw - kw - qw], mode="replicate",
+                value=0.0)
+    i32 = torch.int32
+    mask = None
+    for dim, size, lo, hi in ((1, cp, 0, c), (2, 2 * ah, qh, qh + kh), (3, 2 * aw, qw, qw + kw)):
+        shape = [1] * 4
+        shape[dim] = size
+        i = b.iota(shape, dim=dim, dtype=i32)
+        m = b.binary(b.binary(i, b.constant(lo, i32), kind="ge"), b.binary(i, b.constant(hi, i32), kind="lt"),
+                     kind="logical_and")
+        mask = m if mask is None else b.binary(mask, m, kind="logical_and")
+    w8 = b.select(mask, rep, b.constant(0.0, torch_dtype(elem_of(w)), []))
     # stored (f, a_h, a_w, bh, bw, c), so that X's channels are the weights' unit-stride K run
     # too (the conv reads the transpose to F C KH KW through its indexing)
     w6 = b.transpose(b.reshape(w8, [f, cp, ah, 2, aw, 2]), perm=[0, 2, 4, 3, 5, 1])
