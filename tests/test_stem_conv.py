@@ -220,6 +220,7 @@ def test_space_to_depth_stem_is_cwgmma_without_spills(kind: str, monkeypatch) ->
     ptx = f.ir("ptx")
     stem = next(k for k in ptx.split(".entry ")[1:] if k.split("(")[0].endswith("_cwgmma"))
     assert _widths(stem) == {"16"} and _no_spills(ptxas.assemble(ptx, "sm_90a", ptxas.find_ptxas()).log)
+    assert set(re.findall(r"st\.global\.(\S+)", stem)) == {"v2.b32" if kind == "tf32" else "v2.b16"}  # pairs
     assert "x4x4x" in next(ln for ln in f.ir("gac").splitlines() if '"gac.conv"' in ln)
     monkeypatch.setenv("GAC_STEM_S2D", "0")  # the padded 7x7 conv
     with _cudnn_tf32(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):

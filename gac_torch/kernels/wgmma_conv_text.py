@@ -24,7 +24,7 @@ def _merges(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> bool
     return all(op.coef[dims[i]] == op.coef[dims[i + 1]] * ranges[dims[i + 1]] for i in range(len(dims) - 1))
 
 
-STEM_CHANNELS = 8  # a conv whose innermost K dim (its input channels) is at most this: a stem
+STEM_CHANNELS = 16  # a conv whose innermost K dim is at most this: a stem (padded, or on 2x2 blocks)
 
 
 def pairs(spec: Spec) -> bool:
