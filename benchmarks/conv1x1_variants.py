@@ -116,11 +116,15 @@ def main() -> None:
 def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str, kernels: bool = False) -> None:
     """Each function timed alone (eager on its channels_last views, gac's variants on the
     plain inputs), then the profiler's kernel time (`kernels`: per kernel too)."""
-    times, device = {}, {}
+    times, device, per = {}, {}, {}
     for k, fn in fns.items():
         ss = esets if k == "eager" else sets
         times[k] = _race({k: fn}, ss, rounds=rounds)[k]
-        device[k] = _device_ms(fn, ss)
+        if kernels:  # (one profiler run: the kernels' sum is the device time)
+            per[k] = _per_kernel_ms(fn, ss)
+            device[k] = sum(ms for _, ms in per[k])
+        else:
+            device[k] = _device_ms(fn, ss)
     eager_dev = device["eager"]
     for k, (med, best) in times.items():
         dev = device[k]
@@ -128,8 +132,7 @@ def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str, kerne
         rel = "" if dev is None or eager_dev is None else f", eager/this {eager_dev / dev:.2f}"
         print(f"  {name} {k}: median {med:.4f} ms (min {best:.4f}){kern}{rel}", flush=True)
         if kernels:
-            ss = esets if k == "eager" else sets
-            print("    " + ", ".join(f"{n[:48]} {ms:.4f}" for n, ms in _per_kernel_ms(fns[k], ss)), flush=True)
+            print("    " + ", ".join(f"{n[:48]} {ms:.4f}" for n, ms in per[k]), flush=True)
 
 
 def _per_kernel_ms(fn, sets, iters: int = 10) -> list[tuple[str, float]]:
