@@ -57,15 +57,21 @@ def _dim(k: int, p: int, n: int, o: int) -> tuple[int, int, int, int]:
     return q, a, (p + q) // 2, o + a - 1
 
 
+def _uncast(v: ir.Value) -> ir.Value:
+    """v's source where v is a float cast of a float (cast again after the gather, it fuses)."""
+    d = v.owner.operation if isinstance(v.owner, (ir.Operation, ir.OpView)) else None
+    if d is not None and d.name == "gac.cast" and is_float(elem_of(d.operands[0])) and is_float(elem_of(v)):
+        return d.operands[0]
+    return v
+
+
 def input_nhwc(b: GacBuilder, x: ir.Value, out_hw: tuple[int, int], w_shape: tuple[int, ...],
                padding: list[int], elem: ir.Type) -> ir.Value:
     """X (N, Hb, Wb, 4 C') of the NCHW input x (even H and W; a float cast of x: applied after
     the gather, where it fuses), in `elem`: x as (n, c, i, bh, j, bw) blocks, padded along i, j
     (and c) by a replicate pad (a generic that reads x), moved to (n, i, j, bh, bw, c), and 0
     where the pad read outside x (or a padded channel); one kernel with the moves and the cast."""
-    d = x.owner.operation if isinstance(x.owner, (ir.Operation, ir.OpView)) else None
-    if d is not None and d.name == "gac.cast" and is_float(elem_of(d.operands[0])):
-        x = d.operands[0]
+    x = _uncast(x)
     n, c, h, w = shape_of(x.type)
     cp = _channels(c, elem)
     (_, _, lh, hb), (_, _, lw, wb) = (_dim(k, p, s, o) for k, p, s, o in zip(w_shape[2:], padding, (h, w), out_hw))
@@ -92,6 +98,7 @@ def weights(b: GacBuilder, w: ir.Value, padding: list[int], elem: ir.Type) -> ir
     """W (F, 4 C', A, A) of the F C KH KW weights: w[2 a + b - q], its channels in X's order."""
     f, c, kh, kw = shape_of(w.type)
     cp = _channels(c, elem)
+    welem, w = elem_of(w), _uncast(w)  # (autocast's weight cast: after the gather, fused)
     (qh, ah, _, _), (qw, aw, _, _) = (_dim(k, p, 0, 0) for k, p in zip((kh, kw), padding))
     # zero-padded to (F, C', 2 A, 2 A) as X is (a masked replicate pad: one kernel with the moves)
     rep = b.pad(w, low=[0, 0, qh, qw], high=[0, cp - c, 2 * ah - kh - qh, 2 * aw - kw - qw], mode="replicate",
@@ -105,7 +112,7 @@ def weights(b: GacBuilder, w: ir.Value, padding: list[int], elem: ir.Type) -> ir
         m = b.binary(b.binary(i, b.constant(lo, i32), kind="ge"), b.binary(i, b.constant(hi, i32), kind="lt"),
                      kind="logical_and")
         mask = m if mask is None else b.binary(mask, m, kind="logical_and")
-    w8 = b.select(mask, rep, b.constant(0.0, torch_dtype(elem_of(w)), []))
+    w8 = b.cast(b.select(mask, rep, b.constant(0.0, torch_dtype(elem_of(w)), [])), welem)
     # stored (f, a_h, a_w, bh, bw, c), so that X's channels are the weights' unit-stride K run
     # too (the conv reads the transpose to F C KH KW through its indexing)
     w6 = b.transpose(b.reshape(w8, [f, cp, ah, 2, aw, 2]), perm=[0, 2, 4, 3, 5, 1])
