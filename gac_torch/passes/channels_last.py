@@ -38,9 +38,10 @@ _FLOATS = ("f16", "bf16", "f32", "f64")
 # a conv whose per-group output channels fill under one mma tile (depthwise) is left to the
 # reduction kernels, which walk NCHW's spatial runs; one with under a 16-byte f32 vector of input
 # channels per group reads no vectors on NHWC either, except an ungrouped one (an RGB stem):
-# its input and weights are zero-padded to PAD_INPUTS channels first, so the implicit GEMM
-# stages its NHWC input in whole vectors (K 147 -> 196, scalar 2-byte loads without;
-# GAC_STEM_PAD=0: left on NCHW)
+# a stride-2 one on even sizes becomes a stride-1 conv on 2x2 pixel blocks (space_to_depth.py:
+# 12 or 16 channels), else its input and weights are zero-padded to PAD_INPUTS channels, so the
+# implicit GEMM stages its NHWC input in whole vectors (K 147 -> 196, scalar 2-byte loads
+# without; GAC_STEM_PAD=0: left on NCHW)
 MIN_GROUP_CHANNELS = 8
 MIN_GROUP_INPUTS = PAD_INPUTS = 4
 
