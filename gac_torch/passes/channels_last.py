@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import os
 
-import torch
 from mlir import ir
 
 from gac_torch.ir.builder import GacBuilder, op_attrs
-from gac_torch.ir.types import DYN, elem_of, is_float, shape_of, torch_dtype
+from gac_torch.ir.types import DYN, elem_of, shape_of, torch_dtype
 from gac_torch.passes import space_to_depth
 from gac_torch.passes.dce import gac_dce
 
@@ -194,11 +193,9 @@ def _pad_input(b: GacBuilder, x: ir.Value, n: int) -> ir.Value:
     on the H200). GAC_STEM_PAD_GATHER=0: the constant pad."""
     if not n or os.environ.get("GAC_STEM_PAD_GATHER") == "0":
         return _pad_channels(b, x, n)
-    d, elem = _op(x), elem_of(x)
-    if d is not None and d.name == "gac.cast" and is_float(elem_of(d.operands[0])) and is_float(elem):
-        x = d.operands[0]
+    elem, x = elem_of(x), space_to_depth.uncast(x)
     c = shape_of(x.type)[1]
-    mask = b.binary(b.iota([1, c + n, 1, 1], dim=1, dtype=torch.int32), b.constant(c, torch.int32), kind="lt")
+    mask = space_to_depth.within(b, 4, 1, c + n, 0, c)
     rep = b.pad(x, low=[0] * 4, high=[0, n, 0, 0], mode="replicate", value=0.0)
     zero = b.constant(0.0, torch_dtype(elem_of(x)), [])
     return b.cast(b.select(mask, rep, zero), elem)

@@ -57,7 +57,16 @@ def _dim(k: int, p: int, n: int, o: int) -> tuple[int, int, int, int]:
     return q, a, (p + q) // 2, o + a - 1
 
 
-def _uncast(v: ir.Value) -> ir.Value:
+def within(b: GacBuilder, rank: int, dim: int, size: int, lo: int, hi: int) -> ir.Value:
+    """lo <= i < hi for i along `dim` (of `size`) of a rank-`rank` mask, 1 wide elsewhere."""
+    shape = [1] * rank
+    shape[dim] = size
+    i, i32 = b.iota(shape, dim=dim, dtype=torch.int32), torch.int32
+    return b.binary(b.binary(i, b.constant(lo, i32), kind="ge"), b.binary(i, b.constant(hi, i32), kind="lt"),
+                    kind="logical_and")
+
+
+def uncast(v: ir.Value) -> ir.Value:
     """v's source where v is a float cast of a float (cast again after the gather, it fuses)."""
     d = v.owner.operation if isinstance(v.owner, (ir.Operation, ir.OpView)) else None
     if d is not None and d.name == "gac.cast" and is_float(elem_of(d.operands[0])) and is_float(elem_of(v)):
@@ -71,7 +80,7 @@ def input_nhwc(b: GacBuilder, x: ir.Value, out_hw: tuple[int, int], w_shape: tup
     the gather, where it fuses), in `elem`: x as (n, c, i, bh, j, bw) blocks, padded along i, j
     (and c) by a replicate pad (a generic that reads x), moved to (n, i, j, bh, bw, c), and 0
     where the pad read outside x (or a padded channel); one kernel with the moves and the cast."""
-    x = _uncast(x)
+    x = uncast(x)
     n, c, h, w = shape_of(x.type)
     cp = _channels(c, elem)
     (_, _, lh, hb), (_, _, lw, wb) = (_dim(k, p, s, o) for k, p, s, o in zip(w_shape[2:], padding, (h, w), out_hw))
@@ -79,17 +88,8 @@ def input_nhwc(b: GacBuilder, x: ir.Value, out_hw: tuple[int, int], w_shape: tup
     rep = b.pad(x6, low=[0, 0, lh, 0, lw, 0], high=[0, cp - c, hb - h // 2 - lh, 0, wb - w // 2 - lw, 0],
                 mode="replicate", value=0.0)
     t = b.transpose(rep, perm=[0, 2, 4, 3, 5, 1])  # (n, i, j, bh, bw, c)
-    i32 = torch.int32
-
-    def inside(dim: int, size: int, lo: int, hi: int) -> ir.Value:
-        shape = [1] * 6
-        shape[dim] = size
-        i = b.iota(shape, dim=dim, dtype=i32)
-        return b.binary(b.binary(i, b.constant(lo, i32), kind="ge"), b.binary(i, b.constant(hi, i32), kind="lt"),
-                        kind="logical_and")
-
-    mask = b.binary(b.binary(inside(1, hb, lh, lh + h // 2), inside(2, wb, lw, lw + w // 2), kind="logical_and"),
-                    inside(5, cp, 0, c), kind="logical_and")
+    mask = b.binary(b.binary(within(b, 6, 1, hb, lh, lh + h // 2), within(b, 6, 2, wb, lw, lw + w // 2),
+                             kind="logical_and"), within(b, 6, 5, cp, 0, c), kind="logical_and")
     v = b.cast(b.select(mask, t, b.constant(0.0, torch_dtype(elem_of(x)), [])), elem)
     return b.reshape(v, [n, hb, wb, 4 * cp])
 
@@ -98,19 +98,14 @@ def weights(b: GacBuilder, w: ir.Value, padding: list[int], elem: ir.Type) -> ir
     """W (F, 4 C', A, A) of the F C KH KW weights: w[2 a + b - q], its channels in X's order."""
     f, c, kh, kw = shape_of(w.type)
     cp = _channels(c, elem)
-    welem, w = elem_of(w), _uncast(w)  # (autocast's weight cast: after the gather, fused)
+    welem, w = elem_of(w), uncast(w)  # (autocast's weight cast: after the gather, fused)
     (qh, ah, _, _), (qw, aw, _, _) = (_dim(k, p, 0, 0) for k, p in zip((kh, kw), padding))
     # zero-padded to (F, C', 2 A, 2 A) as X is (a masked replicate pad: one kernel with the moves)
     rep = b.pad(w, low=[0, 0, qh, qw], high=[0, cp - c, 2 * ah - kh - qh, 2 * aw - kw - qw], mode="replicate",
                 value=0.0)
-    i32 = torch.int32
     mask = None
     for dim, size, lo, hi in ((1, cp, 0, c), (2, 2 * ah, qh, qh + kh), (3, 2 * aw, qw, qw + kw)):
-        shape = [1] * 4
-        shape[dim] = size
-        i = b.iota(shape, dim=dim, dtype=i32)
-        m = b.binary(b.binary(i, b.constant(lo, i32), kind="ge"), b.binary(i, b.constant(hi, i32), kind="lt"),
-                     kind="logical_and")
+        m = within(b, 4, dim, size, lo, hi)
         mask = m if mask is None else b.binary(mask, m, kind="logical_and")
     w8 = b.cast(b.select(mask, rep, b.constant(0.0, torch_dtype(elem_of(w)), [])), welem)
     # stored (f, a_h, a_w, bh, bw, c), so that X's channels are the weights' unit-stride K run
