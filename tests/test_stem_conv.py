@@ -226,3 +226,17 @@ def test_space_to_depth_stem_is_cwgmma_without_spills(kind: str, monkeypatch) ->
     with _cudnn_tf32(True), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
         gac = gac_torch.compile(model, (x,), target="cuda", options={"arch": "sm_90", "cache": False}).ir("gac")
     assert "x7x7x" in next(ln for ln in gac.splitlines() if '"gac.conv"' in ln)
+
+
+def test_a_4x4_conv_on_nhwc_is_cwgmmas() -> None:
+    # a patchify-style 4x4 conv (16 channels): its innermost K dim was kw (extent 4, a multiple
+    # of a tf32 vector) with a stride of 16 in the NHWC input, so cwgmma refused it and igemm
+    # took it; the channels (A's unit-stride run) go innermost now, the weights relaid
+    # (after a conv: its input an NHWC intermediate, not the graph's NCHW input read in place)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 32, 4, 4, bias=False), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 16, 3, padding=1, bias=False)).eval()
+    with _cudnn_tf32(True):
+        gpu = gac_torch.compile(model, (torch.randn(1, 8, 32, 48),), target="cuda",
+                                options={"arch": "sm_90", "cache": False}).ir("gpu")
+    assert re.findall(r"// launch \S+ .*\[(igemm|cwgmma)\]", gpu) == ["cwgmma"] * 3, gpu
