@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--what", default="gemm,stem")
     ap.add_argument("--gemms", default="", help="MxKxN[r],... (r: with the residual) instead of GEMMS")
+    ap.add_argument("--kernels", action="store_true", help="each variant's kernels' device times too")
     args = ap.parse_args()
     gemms = GEMMS if not args.gemms else [
         (*map(int, g.rstrip("r").split("x")), g.endswith("r")) for g in args.gemms.split(",")]
@@ -111,23 +112,45 @@ def main() -> None:
                 fns = {"eager": em, **fns}
                 esets = [(x.contiguous(memory_format=torch.channels_last),) for x in xs]
                 moved = (6 * 3 * 480 * 800 + 6 * 64 * 240 * 400) * es  # (the conv's own)
-                _race_pair(fns, [(x,) for x in xs], esets, moved, args.rounds, f"{prec} stem 7x7s2+pool+1x1")
+                _race_pair(fns, [(x,) for x in xs], esets, moved, args.rounds, f"{prec} stem 7x7s2+pool+1x1",
+                           args.kernels)
 
 
-def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str) -> None:
+def _race_pair(fns: dict, sets, esets, moved: int, rounds: int, name: str, kernels: bool = False) -> None:
     """Each function timed alone (eager on its channels_last views, gac's variants on the
-    plain inputs), then the profiler's kernel time."""
-    times, device = {}, {}
+    plain inputs), then the profiler's kernel time (`kernels`: per kernel too)."""
+    times, device, per = {}, {}, {}
     for k, fn in fns.items():
         ss = esets if k == "eager" else sets
         times[k] = _race({k: fn}, ss, rounds=rounds)[k]
-        device[k] = _device_ms(fn, ss)
+        if kernels:  # (one profiler run: the kernels' sum is the device time)
+            per[k] = _per_kernel_ms(fn, ss)
+            device[k] = sum(ms for _, ms in per[k])
+        else:
+            device[k] = _device_ms(fn, ss)
     eager_dev = device["eager"]
     for k, (med, best) in times.items():
         dev = device[k]
         kern = "" if dev is None else f"; kernels {dev:.4f} ms ({moved / dev / 1e9:.2f} TB/s compulsory)"
         rel = "" if dev is None or eager_dev is None else f", eager/this {eager_dev / dev:.2f}"
         print(f"  {name} {k}: median {med:.4f} ms (min {best:.4f}){kern}{rel}", flush=True)
+        if kernels:
+            print("    " + ", ".join(f"{n[:48]} {ms:.4f}" for n, ms in per[k]), flush=True)
+
+
+def _per_kernel_ms(fn, sets, iters: int = 10) -> list[tuple[str, float]]:
+    """(kernel, device ms per call) in launch order, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("gac:"):
+            per[e.name] = per.get(e.name, 0.0) + (getattr(e, "device_time_total", None) or e.cuda_time_total)
+    return [(n, us / iters / 1e3) for n, us in per.items()]
 
 
 if __name__ == "__main__":

@@ -287,6 +287,10 @@ POOLS = {
     "max3s2p1": lambda x: F.max_pool2d(x, 3, 2, 1), "max2": lambda x: F.max_pool2d(x, 2),
     "max_ceil": lambda x: F.max_pool2d(x, 3, 2, 0, ceil_mode=True),
     "max_dil": lambda x: F.max_pool2d(x, 2, 1, 0, dilation=2),
+    # padded max pools read x at clamped indices (lowering/structured.py's _max_pool_clamped)
+    "max_ceil_pad": lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True), "max2p1": lambda x: F.max_pool2d(x, 2, 2, 1),
+    "max_rect": lambda x: F.max_pool2d(x, (3, 2), (1, 2), (1, 1)),
+    "max_dil_pad": lambda x: F.max_pool2d(x, 3, 1, 1, dilation=2),
     "avg3s2p1": lambda x: F.avg_pool2d(x, 3, 2, 1), "avg_nopad": lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False),
     "avg_ceil": lambda x: F.avg_pool2d(x, 2, 2, 0, ceil_mode=True), "avg_div": lambda x: F.avg_pool2d(x, 2, divisor_override=3),
     "adaptive1": lambda x: F.adaptive_avg_pool2d(x, 1), "adaptive_even": lambda x: F.adaptive_avg_pool2d(x, (3, 3)),

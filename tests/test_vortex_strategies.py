@@ -144,9 +144,11 @@ def test_gemm_fused_padding_in_residual_block(mode):
     assert all(k.endswith("_gemm") for k in kernels), kernels
 
 
-def test_padding_fill_and_copy_gain(mode):
+def test_padding_fill_and_copy_gain(mode, monkeypatch):
     """max_pool2d's -inf padding: a flat fill and a row copy instead of two `loops` kernels
-    (no index decomposition per element)."""
+    (no index decomposition per element). (GAC_POOL_CLAMP=0: the padded pool; by default it
+    reads clamped indices, no padding at all.)"""
+    monkeypatch.setenv("GAC_POOL_CLAMP", "0")
     fn = Fn(lambda a: torch.nn.functional.max_pool2d(a, 3, 2, 1))
     x = g(2, 4, 30, 34)
     flat, cf = run(fn, [x], mode)

@@ -47,6 +47,7 @@ SHAPES = {
     "1x1s2": (2, 11, 9, 24, 72, 1, 2, 0, 1),
     "wide": (1, 17, 15, 40, 136, 3, 1, 1, 1),  # two N tiles, the second mostly outside
     "stem": (2, 19, 21, 4, 64, 7, 2, 3, 1),  # an RGB stem padded to 4 channels: one vector per tap
+    "stem_s2d": (2, 13, 11, 12, 64, 4, 1, 0, 1),  # the stem on 2x2 blocks (passes/space_to_depth.py)
 }
 
 

@@ -24,6 +24,18 @@ def _merges(op: Operand, dims: tuple[int, ...], ranges: tuple[int, ...]) -> bool
     return all(op.coef[dims[i]] == op.coef[dims[i + 1]] * ranges[dims[i + 1]] for i in range(len(dims) - 1))
 
 
+STEM_CHANNELS = 16  # a conv whose innermost K dim is at most this: a stem (padded, or on 2x2 blocks)
+
+
+def pairs(spec: Spec) -> bool:
+    """The fused epilogue reads and writes two columns at a time (8-byte f32 accesses, half the
+    store instructions) on an RGB stem's conv: its tiles are short (K = 196) and store 147 MB
+    (ResNet-50 at 6x3x480x800), so the epilogue's accesses weigh; not yet checked on the other
+    convs' registers. GAC_CONV_WGMMA_PAIRS=1: every conv, 0: none."""
+    flag = os.environ.get("GAC_CONV_WGMMA_PAIRS")
+    return flag == "1" or (flag != "0" and spec.ranges[spec.ks[-1]] <= STEM_CHANNELS)
+
+
 class ConvText(WgmmaText):
     spec: Spec  # type: ignore[assignment]
 
@@ -57,7 +69,13 @@ class ConvText(WgmmaText):
         return []
 
     def _pairable(self, x: Any) -> bool:
-        return False
+        """Two columns per access (the GEMM's pairs) where `pairs` allows: an operand over the
+        conv's dims, unit-stride along its one N dim, every other term even."""
+        s, op = self.spec, x[0]
+        n_in = [d for d in s.ns if s.ranges[d] > 1]
+        return (pairs(s) and x[1] is None and len(n_in) == 1 and op.coef[n_in[0]] == 1 and s.N % 2 == 0
+                and (op.offset + op.const) % 2 == 0 and self._light_epilogue()
+                and all(k % 2 == 0 for d, k in enumerate(op.coef) if d != n_in[0] and s.ranges[d] > 1))
 
     def inb(self, x: str, upper: str) -> str:
         return self.lt(x, upper)  # unsigned: a negative index is huge

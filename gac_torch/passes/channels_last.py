@@ -26,7 +26,8 @@ import os
 from mlir import ir
 
 from gac_torch.ir.builder import GacBuilder, op_attrs
-from gac_torch.ir.types import DYN, shape_of
+from gac_torch.ir.types import DYN, elem_of, shape_of, torch_dtype
+from gac_torch.passes import space_to_depth
 from gac_torch.passes.dce import gac_dce
 
 TO_LAST = (0, 2, 3, 1)  # NCHW -> NHWC
@@ -36,9 +37,10 @@ _FLOATS = ("f16", "bf16", "f32", "f64")
 # a conv whose per-group output channels fill under one mma tile (depthwise) is left to the
 # reduction kernels, which walk NCHW's spatial runs; one with under a 16-byte f32 vector of input
 # channels per group reads no vectors on NHWC either, except an ungrouped one (an RGB stem):
-# its input and weights are zero-padded to PAD_INPUTS channels first, so the implicit GEMM
-# stages its NHWC input in whole vectors (K 147 -> 196, scalar 2-byte loads without;
-# GAC_STEM_PAD=0: left on NCHW)
+# a stride-2 one on even sizes becomes a stride-1 conv on 2x2 pixel blocks (space_to_depth.py:
+# 12 or 16 channels), else its input and weights are zero-padded to PAD_INPUTS channels, so the
+# implicit GEMM stages its NHWC input in whole vectors (K 147 -> 196, scalar 2-byte loads
+# without; GAC_STEM_PAD=0: left on NCHW)
 MIN_GROUP_CHANNELS = 8
 MIN_GROUP_INPUTS = PAD_INPUTS = 4
 
@@ -103,6 +105,14 @@ def _padded(op: ir.Operation) -> bool:
     return op_attrs(op)["groups"] == 1 and ws[1] < PAD_INPUTS and os.environ.get("GAC_STEM_PAD") != "0"
 
 
+def _pad_to(x: ir.Value) -> int:
+    """The channels a padded stem's input gets: PAD_INPUTS; with GAC_STEM_PAD_WIDE=1 a whole
+    16-byte vector of them (f16/bf16: 8), so the sm_90 wgmma implicit GEMM (cwgmma, 16-byte
+    copies) takes a 2-byte stem too instead of mma.sync's (8-byte copies), at twice its K."""
+    es = {"f16": 2, "bf16": 2}.get(str(elem_of(x)), 4)
+    return 16 // es if os.environ.get("GAC_STEM_PAD_WIDE") == "1" else PAD_INPUTS
+
+
 def _chained(ops: list[ir.Operation]) -> set[ir.Operation]:
     """The convs whose input or result is joined to another conv's result or input by
     elementwise ops alone (a union of each elementwise op's 4-d operands and result): only there
@@ -142,10 +152,20 @@ def _to_channels_last(b: GacBuilder, op: ir.Operation, inputs: dict) -> None:
     x, w = op.operands
     y = op.results[0]
     ys = shape_of(y.type)
-    pad = PAD_INPUTS - shape_of(w.type)[1] if _padded(op) else 0
+    if _padded(op) and space_to_depth.applies(op):  # an RGB stem: stride 1 on 2x2 pixel blocks
+        with ir.InsertionPoint(op), op.location:
+            elem = elem_of(x)
+            xt = space_to_depth.input_nhwc(b, x, ys[2:], shape_of(w.type), list(a["padding"]), elem)
+            yt = b.conv(xt, space_to_depth.weights(b, w, list(a["padding"]), elem), stride=[1, 1],
+                        padding=[0, 0], dilation=[1, 1], groups=1, channels_last=1,
+                        result_type=_tensor([ys[p] for p in TO_LAST], ir.RankedTensorType(y.type).element_type))
+            y.replace_all_uses_with(b.transpose(yt, perm=list(TO_FIRST)))
+        op.erase()
+        return
+    pad = _pad_to(x) - shape_of(w.type)[1] if _padded(op) else 0
     if (x, pad) not in inputs:
         with ir.InsertionPoint(op), op.location:
-            inputs[x, pad] = _permute(b, _pad_channels(b, x, pad), TO_LAST)
+            inputs[x, pad] = _permute(b, _pad_input(b, x, pad), TO_LAST)
     with ir.InsertionPoint(op), op.location:
         xt = inputs[x, pad]
         w = _pad_channels(b, w, pad)
@@ -162,6 +182,23 @@ def _pad_channels(b: GacBuilder, v: ir.Value, n: int) -> ir.Value:
     if not n:
         return v
     return b.pad(v, low=[0] * 4, high=[0, n, 0, 0], mode="constant", value=0.0)
+
+
+def _pad_input(b: GacBuilder, x: ir.Value, n: int) -> ir.Value:
+    """x (N C H W) with n zero channels after its C, as elementwise ops on a gather: the edge
+    channel repeated (a replicate pad: a generic reading x) where a constant channel mask says
+    so, else 0. The NHWC transpose after it, and a float cast before it (moved after the pad:
+    the cast of 0 is 0), fuse into one kernel with it; a constant pad is a fill and a copy,
+    each a kernel, and the transpose a third (ResNet-50's input, bf16: four kernels, 0.06 ms
+    on the H200). GAC_STEM_PAD_GATHER=0: the constant pad."""
+    if not n or os.environ.get("GAC_STEM_PAD_GATHER") == "0":
+        return _pad_channels(b, x, n)
+    elem, x = elem_of(x), space_to_depth.uncast(x)
+    c = shape_of(x.type)[1]
+    mask = space_to_depth.within(b, 4, 1, c + n, 0, c)
+    rep = b.pad(x, low=[0] * 4, high=[0, n, 0, 0], mode="replicate", value=0.0)
+    zero = b.constant(0.0, torch_dtype(elem_of(x)), [])
+    return b.cast(b.select(mask, rep, zero), elem)
 
 
 def _sink(b: GacBuilder, op: ir.Operation) -> bool:

@@ -131,7 +131,8 @@ def _match(g: Generic, limits: GpuLimits, params: Params, inner: int = 32) -> _M
             or CONV_CONTRACTION in g.op.attributes)  # (a 1x1 conv as a plain contraction)
     # a zero-padded weight (a stem's channels padded to 4, passes/channels_last.py): c innermost
     # (the input's 16-byte vectors), the weight copied from the padded buffer into that order
-    moved = weight_layout.c_inner(ks, r, inner, a if pads[1] is not None else None)  # type: ignore[arg-type]
+    # (cwgmma's vectors, inner < 32: a's unit-stride K dim whenever it is whole vectors)
+    moved = weight_layout.c_inner(ks, r, inner, a if pads[1] is not None or inner < 32 else None)  # type: ignore[arg-type]
     if conv and moved != ks and pads[1] is not None:
         pads[1], b = None, operand_at(g.inputs[1], g.maps[1])
         ops[1] = b

@@ -41,10 +41,14 @@ def c_inner(ks: list[int], r: tuple[int, ...], multiple: int = 32,
     channels on NHWC, passes/channels_last.py), the dim that is a's unit stride, its extent a
     multiple of 4: the input then stages in whole vectors."""
     wide = [d for d in ks if r[d] > 1]
+    unit = [d for d in wide if a is not None and a.coef[d] == 1 and r[d] % 4 == 0]
+    if unit and unit[0] != wide[-1] and r[unit[0]] % multiple == 0:
+        # a's unit-stride run, whole vectors, behind an innermost dim that is a multiple too
+        # (the space-to-depth stem's 4-wide kernel: passes/space_to_depth.py)
+        return [d for d in ks if d != unit[0]] + unit[:1]
     if not wide or r[wide[-1]] % multiple == 0:
         return ks
     if not any(r[d] % multiple == 0 for d in wide):
-        unit = [d for d in wide if a is not None and a.coef[d] == 1 and r[d] % 4 == 0]
         return [d for d in ks if d != unit[0]] + unit[:1] if unit else ks
     inner = max((d for d in wide if r[d] % multiple == 0), key=lambda d: r[d])
     return [d for d in ks if d != inner] + [inner]
