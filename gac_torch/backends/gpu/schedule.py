@@ -36,6 +36,7 @@ from mlir import ir
 from mlir.dialects import arith, gpu, memref, scf
 
 from gac_torch.errors import GacUnsupportedError
+from gac_torch.backends.gpu import combine
 from gac_torch.backends.gpu.analysis import analyze
 from gac_torch.backends.gpu.attention import map_attention
 from gac_torch.backends.gpu.bufferize import (
@@ -80,6 +81,9 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     if merge_added_reductions(fn):  # e.g. the levels of deformable attention: one kernel
         run_passes(module, "canonicalize, cse")
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
+    combining = limits.combine_prep and combine.enabled()
+    if combining:  # weight casts into buffers of their own, so that they can run at once
+        combine.unshare_prep_inits(fn)
     bufferize(module, fn)
     reshapes_to_views(fn)
     copies_to_linalg(fn)
@@ -118,6 +122,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
             serial = []
     if serial:
         wrap_serial(serial, f"gac_k{next(counter)}_serial")
+    if combining:  # per-call input preparation (weight casts, relayouts): one launch a level
+        combine.combine_prep_kernels(fn, counter)
     sink_globals(fn)
     run_passes(module, "gpu-launch-sink-index-computations", verify_each=False)
     dynamic_memrefs_as_metadata(fn)
