@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import gac_torch
 from gac_torch.backends import get_target, stages_only
 from gac_torch.backends.cuda import ptxas
+from gac_torch.backends.gpu import combine
+from gac_torch.backends.gpu.program import BufferRef
 from gac_torch.frontends.fx import compile_graph
 from gac_torch.legalize import decompositions
 from gac_torch.options import resolve
@@ -34,13 +36,31 @@ class _Casts(torch.nn.Module):
 
 
 class _Convs(torch.nn.Module):
-    """Two 3x3 convs on bf16 casts of their f32 inputs and weights (what autocast traces): the
-    weights' casts, then their copies into K order (weight_layout.py), are two levels."""
+    """Two 3x3 convs on bf16 casts of their f32 inputs and weights (what autocast traces): each
+    weight's cast is computed in its copy into K order (weight_layout.py)."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.dtype = dtype
 
     def forward(self, x, w1, w2):
-        bf = torch.bfloat16
-        y = F.relu(F.conv2d(x.to(bf), w1.to(bf), padding=1))
-        return F.conv2d(y, w2.to(bf), padding=1)
+        dt = self.dtype
+        y = F.relu(F.conv2d(x.to(dt), w1.to(dt), padding=1))
+        return F.conv2d(y, w2.to(dt), padding=1)
+
+
+class _Stem(torch.nn.Module):
+    """A 3-channel 7x7 stride-2 conv (its input and weights zero-padded to 4 channels: a fill,
+    a copy into it, a relayout - three levels) and a 3x3 conv, under bf16 casts."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x, w1, w2):
+        dt = self.dtype
+        y = F.relu(F.conv2d(x.to(dt), w1.to(dt), stride=2, padding=3))
+        return F.conv2d(y, w2.to(dt), padding=1)
 
 
 def _inputs(seed: int, shapes) -> list[torch.Tensor]:
@@ -50,6 +70,10 @@ def _inputs(seed: int, shapes) -> list[torch.Tensor]:
 
 def _conv_inputs() -> list[torch.Tensor]:
     return _inputs(1, ((2, 16, 9, 11), (24, 16, 3, 3), (8, 24, 3, 3)))
+
+
+def _stem_inputs() -> list[torch.Tensor]:
+    return _inputs(3, ((2, 3, 20, 22), (16, 3, 7, 7), (16, 16, 3, 3)))
 
 
 def _program(model: torch.nn.Module, inputs: list[torch.Tensor]):
@@ -80,10 +104,29 @@ def test_independent_casts_are_one_launch(dtype, monkeypatch: pytest.MonkeyPatch
     _assembles(program)
 
 
-def test_weight_casts_and_relayouts_are_two_levels() -> None:
+def test_max_params_splits_a_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(combine, "MAX_PARAMS", 4)  # two members' buffers a launch
+    program = _program(_Casts(torch.bfloat16), _inputs(0, (*SIZES, (8, 8))))
+    assert [k.strategy for k in program.launches][:2] == ["combo", "combo"], program.describe()
+    assert all(len(k.args) <= 4 for k in program.launches[:2]), program.describe()
+
+
+def test_weight_casts_fold_into_their_relayouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GAC_COMBO", "0")  # cast, cast, relayout, conv, cast, relayout, conv
+    assert [k.strategy for k in _program(_Convs(), _conv_inputs()).launches].count("loops") == 5
+    monkeypatch.setenv("GAC_COMBO", "1")
     program = _program(_Convs(), _conv_inputs())
+    assert [k.strategy for k in program.launches] == ["combo", "cwgmma", "cwgmma"], program.describe()
+    prep = program.launches[0]  # reads the three inputs, never a cast's buffer
+    assert {a for a, m in zip(prep.args, prep.access) if "r" in m} == {BufferRef("arg", i) for i in range(3)}
+    assert program.dataflow_errors(3) == [], program.describe()
+    _assembles(program)
+
+
+def test_stem_padding_is_three_levels() -> None:
+    program = _program(_Stem(), _stem_inputs())
     kinds = [k.strategy for k in program.launches]
-    assert kinds[:2] == ["combo", "combo"] and "loops" not in kinds[2:], program.describe()
+    assert kinds == ["combo"] * 3 + ["igemm", "cwgmma"], program.describe()
     assert program.dataflow_errors(3) == [], program.describe()
     _assembles(program)
 
@@ -117,13 +160,13 @@ def test_casts_match_torch_exactly(dtype, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.cuda
-def test_convs_combined_or_apart_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    inputs = [t.cuda() for t in _conv_inputs()]
-    model = _Convs()
+@pytest.mark.parametrize("model, make", [(_Convs(), _conv_inputs), (_Stem(), _stem_inputs)])
+def test_convs_combined_or_apart_agree(model, make, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = [t.cuda() for t in make()]
     on = _run(model, inputs, "1", monkeypatch)
     off = _run(model, inputs, "0", monkeypatch)
-    assert torch.equal(on, off)  # the same kernels but the preparation's launches
-    want = F.conv2d(F.relu(F.conv2d(inputs[0].double(), inputs[1].double(), padding=1)),
-                    inputs[2].double(), padding=1)
+    assert torch.equal(on, off)  # the same convs; only the preparation's launches differ
+    want = type(model)(torch.float64)(*(t.double() for t in inputs))
     err = ((on.double() - want).norm() / want.norm()).item()
     assert err < 2e-2, err
+

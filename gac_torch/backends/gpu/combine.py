@@ -38,7 +38,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 
 READ, WRITE = 1, 2
-_READS = ("memref.load", "vector.load", "vector.transfer_read", "vector.maskedload", "memref.dim")
+READS = ("memref.load", "vector.load", "vector.transfer_read", "vector.maskedload", "memref.dim")
 _WRITES = ("memref.store", "vector.store", "vector.transfer_write", "vector.maskedstore")
 # host ops a prep kernel's operands may come from: pure, so they can move to the function's top
 _MOVABLE = ("arith.constant", "ub.poison", "memref.alloc", "memref.get_global", *VIEW_OPS)
@@ -70,13 +70,32 @@ def combine_prep_kernels(fn: ir.Operation, counter) -> int:
                 _define_before(v, anchor)
     saved = 0
     for members in levels:
-        if len(members) > 1:
-            _merge(members, anchor, f"gac_k{next(counter)}_combo")
-            saved += len(members) - 1
-        else:
-            members[0].move_before(anchor)
+        for part in _chunks(members, captured):
+            if len(part) > 1:
+                _merge(part, anchor, f"gac_k{next(counter)}_combo")
+                saved += len(part) - 1
+            else:
+                part[0].move_before(anchor)
     anchor.erase()
     return saved
+
+
+MAX_PARAMS = 384  # a combo's kernel parameters (8 bytes a pointer): well inside CUDA's 4 KB
+
+
+def _chunks(members: list[ir.Operation], captured) -> list[list[ir.Operation]]:
+    """`members` in runs whose kernel parameters (the host values they use) fit MAX_PARAMS."""
+    runs: list[list[ir.Operation]] = [[]]
+    params: set[ir.Value] = set()
+    for m in members:
+        mine = {v for v in captured[m] if defining_op(v) is None or defining_op(v).name != "arith.constant"}
+        new = params | mine  # (constants sink into the kernel: no parameter)
+        if runs[-1] and len(new) > MAX_PARAMS:
+            runs.append([])
+            new = mine
+        runs[-1].append(m)
+        params = new
+    return runs
 
 
 def unshare_prep_inits(fn: ir.Operation) -> None:
@@ -119,7 +138,7 @@ def _accesses(block: ir.Block, ops: list[ir.Operation]):
         for user in users(root):
             top = top_level(user, block)
             if top.name == "gpu.launch":
-                bits = READ if user.name in _READS else WRITE if user.name in _WRITES else READ | WRITE
+                bits = READ if user.name in READS else WRITE if user.name in _WRITES else READ | WRITE
                 access[top][root] |= bits
             else:  # e.g. a TMA descriptor: the launches using it may read and write the buffer
                 for launch in _launches_using(top, block):

@@ -37,6 +37,7 @@ from mlir.dialects import arith, gpu, memref, scf
 
 from gac_torch.errors import GacUnsupportedError
 from gac_torch.backends.gpu import combine
+from gac_torch.backends.gpu.fold_casts import fold_casts_into_copies
 from gac_torch.backends.gpu.analysis import analyze
 from gac_torch.backends.gpu.attention import map_attention
 from gac_torch.backends.gpu.bufferize import (
@@ -95,6 +96,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
             continue
         if not _apply_strategy(op, strategies, limits, counter):
             parallel_dims_first(op)
+    if combining:  # a weight cast computed in its relayout copy
+        fold_casts_into_copies(fn)
 
     # (from here the host function holds every kernel body: verified once, at the end)
     run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
