@@ -19,7 +19,10 @@ Order of work (all in one MLIR module, in place):
    invariant (invariant.py: grid_sample's position math once per point, not per channel).
    A fill of the output right before is folded into the same kernel.
 4. `serial`: scalar leftovers (rank-0 ops) run in a single-thread kernel.
-5. Outlining (outline.py): globals sink into kernels, run-time-sized buffers enter as base
+5. Where the target asks (GpuLimits.combine_prep: cuda), the kernels that only prepare the
+   inputs (bf16 autocast's weight casts, computed in their relayout copies: fold_casts.py) run
+   first, one `combo` launch per dependence level (combine.py).
+6. Outlining (outline.py): globals sink into kernels, run-time-sized buffers enter as base
    pointers plus sizes, `gpu-kernel-outlining` puts every kernel into `gpu.module @gac_kernels`.
 
 Run-time sizes (`?` dims): extents become host index values (`memref.dim` + arith, evaluated per
