@@ -64,6 +64,9 @@ def combine_prep_kernels(fn: ir.Operation, counter) -> int:
         return 0
     with ir.InsertionPoint(launches[0]), launches[0].location:  # (a first kernel may be a member)
         anchor = arith.constant(ir.IndexType.get(), 0).owner.operation
+    for op in ops:  # the host's constants first: any member may use any of them
+        if op.name == "arith.constant" and not op.is_before_in_block(anchor):
+            op.move_before(anchor)
     for members in levels:
         for m in members:
             for v in captured[m]:
@@ -88,8 +91,8 @@ def _chunks(members: list[ir.Operation], captured) -> list[list[ir.Operation]]:
     runs: list[list[ir.Operation]] = [[]]
     params: set[ir.Value] = set()
     for m in members:
-        mine = {v for v in captured[m] if defining_op(v) is None or defining_op(v).name != "arith.constant"}
-        new = params | mine  # (constants sink into the kernel: no parameter)
+        mine = set(captured[m])  # (constants, not among them, sink into the kernel)
+        new = params | mine
         if runs[-1] and len(new) > MAX_PARAMS:
             runs.append([])
             new = mine
@@ -125,13 +128,16 @@ def _from_argument(v: ir.Value) -> bool:
 def _accesses(block: ir.Block, ops: list[ir.Operation]):
     """Per launch: {allocation: READ|WRITE bits} and the host values its body uses."""
     access: dict[ir.Operation, dict[ir.Value, int]] = defaultdict(lambda: defaultdict(int))
-    captured: dict[ir.Operation, list[ir.Value]] = defaultdict(list)
+    captured: dict[ir.Operation, dict[ir.Value, None]] = defaultdict(dict)  # (ordered sets)
     host = list(block.arguments) + [r for op in ops if op.name != "gpu.launch" for r in op.results]
     for v in host:
+        d = defining_op(v)
+        if d is not None and d.name == "arith.constant":
+            continue  # (all move to the top when kernels are combined)
         for use in v.uses:
             top = _top(use.owner, block)
-            if top.name == "gpu.launch" and v not in captured[top]:
-                captured[top].append(v)
+            if top.name == "gpu.launch":
+                captured[top][v] = None
     roots = [v for v in host if isinstance(v.type, ir.MemRefType) and
              (defining_op(v) is None or defining_op(v).name not in VIEW_OPS)]
     for root in roots:
@@ -171,7 +177,7 @@ def _prep_levels(launches: list[ir.Operation], access, captured) -> list[list[ir
     return grouped
 
 
-def _candidate(launch: ir.Operation, captured: list[ir.Value]) -> bool:
+def _candidate(launch: ir.Operation, captured) -> bool:
     """A static 1-D `loops` or `serial` kernel (no shared memory, no barriers: schedule.py's)
     whose operands can be defined at the function's top."""
     lo = launch.opview
