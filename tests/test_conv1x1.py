@@ -128,9 +128,9 @@ def test_one_by_one_convs_run_on_wgmma_without_spills(dtype: torch.dtype, monkey
     kernels = _kernels(compiled)
     # the 1x1s' epilogues (BatchNorm, ReLU, residual add) run in the wgmma store: no loops kernel
     # for them (the input's layout change and the three 3x3s' weight copies into (kh, kw, c) order
-    # aside); the other convs, their channels whole 16-byte vectors, on the wgmma implicit GEMM
-    # (cwgmma: tests/test_wgmma_conv.py)
-    assert sorted(kernels) == sorted(["wgmma"] * ONE_BY_ONE + ["cwgmma"] * 4 + ["loops"] * 4), kernels
+    # aside, one `combo` launch: backends/gpu/combine.py); the other convs, their channels whole
+    # 16-byte vectors, on the wgmma implicit GEMM (cwgmma: tests/test_wgmma_conv.py)
+    assert sorted(kernels) == sorted(["wgmma"] * ONE_BY_ONE + ["cwgmma"] * 4 + ["combo"]), kernels
     (part,) = compiled.compiled.partitions.values()
     ptx = part.ir("ptx")
     wgmma = [k for k in ptx.split(".entry")[1:] if k.split("(")[0].strip().endswith("_wgmma")]
@@ -148,7 +148,7 @@ def test_one_by_one_convs_run_on_wgmma_without_spills(dtype: torch.dtype, monkey
 
 def test_one_by_one_tf32_follows_the_conv_flag() -> None:
     # the matmul flag alone does not let a conv round to TF32 (exact sgemm); the conv flag does
-    assert set(_kernels(_sm90(torch.float32, True, False))) == {"sgemm", "loops"}
+    assert set(_kernels(_sm90(torch.float32, True, False))) == {"sgemm", "combo"}  # (combo: the layout copies)
     assert "wgmma" in _kernels(_sm90(torch.float32, False, True))
 
 

@@ -28,6 +28,8 @@ def test_compiles_and_ptxas_accepts(name: str) -> None:
         kinds = {k.strategy for k in program.launches}
         if "wgmma" in kinds:  # sm_90's tensor-core GEMM for large aligned matmuls (else mma)
             kinds.add("mma")
+        if "combo" in kinds:  # loops kernels reading only inputs, one launch (gpu/combine.py)
+            kinds.add("loops")
         assert case.strategies <= kinds, (case.strategies, program.describe())
         assert all(len(k.access) == len(k.args) for k in program.launches)
         assert program.dataflow_errors(len(case.inputs)) == [], program.describe()

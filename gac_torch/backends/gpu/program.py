@@ -306,6 +306,8 @@ class GpuProgram:
             # A kernel writing several buffers (a multi-result op, e.g. max + argmax) may leave
             # one of them unused; only a kernel whose single result is lost is an error.
             k = self.launches[step]
+            if k.strategy == "combo":  # members writing one buffer each (backends/gpu/combine.py)
+                return False
             return sum("w" in m.lower() for a, m in zip(k.args, k.access)
                        if arg_buffer(a) is not None) > 1
 

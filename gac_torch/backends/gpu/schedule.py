@@ -19,7 +19,10 @@ Order of work (all in one MLIR module, in place):
    invariant (invariant.py: grid_sample's position math once per point, not per channel).
    A fill of the output right before is folded into the same kernel.
 4. `serial`: scalar leftovers (rank-0 ops) run in a single-thread kernel.
-5. Outlining (outline.py): globals sink into kernels, run-time-sized buffers enter as base
+5. Where the target asks (GpuLimits.combine_prep: cuda), the kernels that only prepare the
+   inputs (bf16 autocast's weight casts, computed in their relayout copies: fold_casts.py) run
+   first, one `combo` launch per dependence level (combine.py).
+6. Outlining (outline.py): globals sink into kernels, run-time-sized buffers enter as base
    pointers plus sizes, `gpu-kernel-outlining` puts every kernel into `gpu.module @gac_kernels`.
 
 Run-time sizes (`?` dims): extents become host index values (`memref.dim` + arith, evaluated per
@@ -36,6 +39,8 @@ from mlir import ir
 from mlir.dialects import arith, gpu, memref, scf
 
 from gac_torch.errors import GacUnsupportedError
+from gac_torch.backends.gpu import combine
+from gac_torch.backends.gpu.fold_casts import fold_casts_into_copies
 from gac_torch.backends.gpu.analysis import analyze
 from gac_torch.backends.gpu.attention import map_attention
 from gac_torch.backends.gpu.bufferize import (
@@ -80,6 +85,9 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     if merge_added_reductions(fn):  # e.g. the levels of deformable attention: one kernel
         run_passes(module, "canonicalize, cse")
     map_rows(fn, strategies, limits, counter)  # row groups (norms, softmax): one kernel each
+    combining = limits.combine_prep and combine.enabled()
+    if combining:  # weight casts into buffers of their own, so that they can run at once
+        combine.unshare_prep_inits(fn)
     bufferize(module, fn)
     reshapes_to_views(fn)
     copies_to_linalg(fn)
@@ -91,6 +99,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
             continue
         if not _apply_strategy(op, strategies, limits, counter):
             parallel_dims_first(op)
+    if combining:  # a weight cast computed in its relayout copy
+        fold_casts_into_copies(fn)
 
     # (from here the host function holds every kernel body: verified once, at the end)
     run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
@@ -118,6 +128,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
             serial = []
     if serial:
         wrap_serial(serial, f"gac_k{next(counter)}_serial")
+    if combining:  # per-call input preparation (weight casts, relayouts): one launch a level
+        combine.combine_prep_kernels(fn, counter)
     sink_globals(fn)
     run_passes(module, "gpu-launch-sink-index-computations", verify_each=False)
     dynamic_memrefs_as_metadata(fn)

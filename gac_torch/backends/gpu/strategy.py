@@ -39,6 +39,8 @@ class GpuLimits:
     # `loops`: a dim looped over inside each thread (invariant.py) only while the threads left
     # still fill the device
     serial_min_threads: int = 1 << 15
+    # the `loops` kernels that only prepare inputs (e.g. weight casts) merged per level (combine.py)
+    combine_prep: bool = False
 
 
 @dataclass(frozen=True)
