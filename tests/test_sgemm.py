@@ -59,11 +59,12 @@ def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: in
     p = cgp.plan(spec, big=big)  # (split K accumulates into C: the strategy unfolds the fill)
     assert p is not None and p.tm == p.bm // 16 and (p.bm == 128) == big
     assert (p.splits, p.kchunk) == {2100: (4, 528), 1100: (2, 560)}.get(k, (1, 0))
-    # vector loads where the contiguous run allows; cp.async where it runs along the [k][outer] tile
+    # cp.async everywhere: vectors where the run along outer allows; a run along k element by
+    # element, scattered into the [k][outer] tile
     a_run_k, b_run_k = layout[0] == "n", layout[1] == "t"
     for st, run, along_k in ((p.a, k if a_run_k else m, a_run_k), (p.b, k if b_run_k else n, b_run_k)):
-        assert st.vec == next((v for v in (4, 2) if run % v == 0), 1) and st.glob_k == along_k
-        assert st.cp == (not along_k)
+        assert st.vec == (1 if along_k else next((v for v in (4, 2) if run % v == 0), 1))
+        assert st.glob_k == st.scatter == along_k and st.cp
     rng = np.random.default_rng(m + n + k)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     C0 = rng.standard_normal(shapes[2]).astype(np.float32)
@@ -185,16 +186,23 @@ def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.Monk
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+@pytest.mark.parametrize("cp_k", ["0", "1"])
 @pytest.mark.parametrize("env", [{"GAC_SGEMM_BK": "32"}, {"GAC_SGEMM_BN": "256"}])
-def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    # x @ W^T reads both operands along k: both stage through registers, and 32-deep or
-    # 128x256 tiles pass the static 48 KB. They take dynamic shared memory (before: no plan,
-    # and the GEMM fell back to simt_matmul's kernel); the twin checks a ragged one
-    for k, v in env.items():
+def test_k_run_operands_of_wide_tiles_take_dynamic_shared_memory(env: dict, cp_k: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # x @ W^T reads both operands along k: 4-byte cp.async scatters them into [k][outer] tiles
+    # (GAC_SGEMM_CP_K=0: through registers, 2 buffers); 32-deep or 128x256 tiles pass the
+    # static 48 KB and take dynamic shared memory (before: no plan, and the GEMM fell back to
+    # simt_matmul's kernel); the twin checks a ragged one
+    for k, v in {**env, "GAC_SGEMM_CP_K": cp_k}.items():
         monkeypatch.setenv(k, v)
     spec, shapes, strides = gemm_spec("nt", 130, 300, 70)
     p = cgp.plan(spec, big=True, dynamic_limit=227 * 1024)
-    assert p is not None and p.dynamic and not (p.a.cp or p.b.cp) and p.stages == 2
+    assert p is not None and p.dynamic
+    if cp_k == "1":
+        assert p.a.scatter and p.b.scatter and p.stages >= 3
+    else:
+        assert not (p.a.cp or p.b.cp) and p.stages == 2
     rng = np.random.default_rng(7)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     out = twin.emulate(spec, p, A, Bm, np.zeros(shapes[2], np.float32), tuple(strides), init=0.5)
@@ -204,6 +212,9 @@ def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkey
     launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
     assert "_sgemm" in launches[-1] and "dynamic_shared_memory_size" in launches[-1], launches  # (split K: a fill first)
     assert not any("_matmul" in ln for ln in launches), launches
+    if find_ptxas() is not None and cp_k == "1":  # (through registers, 32-deep slices spill 4 bytes)
+        log = assemble(part.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -231,11 +242,23 @@ def test_128_thread_blocks_hold_8x16_tiles_and_match_float64(layout: str, monkey
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
-def test_register_staged_slice_loads_precede_the_barrier() -> None:
-    # x @ W^T stages both operands through registers. Their global loads come right before the
-    # slice's barrier, as plain ld.global: ptxas does not move those past bar.sync, so they are
-    # in flight during the slice's FMAs (ld.global.nc ones it sank to the end of the FMAs, just
-    # before the shared stores waiting on them: their latency exposed every slice)
+def test_k_runs_stage_by_4_byte_cp_async_like_outer_runs() -> None:
+    # x @ W^T reads both operands along k: by default each element is its own 4-byte cp.async
+    # into the [k][outer] tile, so the kernel is the weight gradient's (dy^T @ x: 16-byte
+    # copies) but for the copies: no register staging, the same FMAs and shared reads
+    parts = {lay: _compile_cuda(_FNS[lay], torch.randn(2048, 2048), torch.randn(2048, 2048)) for lay in ("nt", "tn")}
+    nt, tn = (parts[lay].ir("ptx") for lay in ("nt", "tn"))
+    assert "ld.global" not in nt and nt.count("cp.async.ca.shared.global") == 4 * tn.count("cp.async.cg.shared.global")
+    for op in ("fma.rn.f32", "ld.shared.v4.f32", "bar.sync"):
+        assert nt.count(op) == tn.count(op), op
+
+
+def test_register_staged_slice_loads_precede_the_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_SGEMM_CP_K=0: x @ W^T stages both operands through registers. Their global loads come
+    # right before the slice's barrier, as plain ld.global: ptxas does not move those past
+    # bar.sync, so they are in flight during the slice's FMAs (ld.global.nc ones it sank to the
+    # end of the FMAs, just before the shared stores waiting on them: their latency exposed)
+    monkeypatch.setenv("GAC_SGEMM_CP_K", "0")
     part = _compile_cuda(_FNS["nt"], torch.randn(2048, 2048), torch.randn(2048, 2048))
     ptx = part.ir("ptx")
     assert "ld.global.nc" not in ptx

@@ -25,7 +25,7 @@ never materialised.
                    coefficient and the offset divisible by the width), else scalars; a thread's
                    vectors after its first are the first + a constant where the layout allows;
                    outside M/N/K or the fused padding: zero, not read.
-                   cp.async (4/8/16-byte vectors; simt: runs along outer): slice kt+S-1 -> buffer
+                   cp.async (4/8/16-byte vectors; simt: runs along outer, or k-runs 4 bytes each, transposed): slice kt+S-1 -> buffer
                    (kt+S-1)%S, zero-filled by a source size of 0; else slice kt+1 -> registers.
                    simt (`Plan.lean`): no bound check the tile sizes prove; past K, the last
                    slice again (its buffer is never computed with)
@@ -120,7 +120,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         k); else 0."""
         st = p.a if which == "A" else p.b
         per = (BK if st.glob_k else (BM if which == "A" else BN)) // st.vec
-        return T // per if (not simt or p.lean) and T % per == 0 else 0
+        return T // per if (not simt or p.lean) and T % per == 0 and not st.scatter else 0
 
     def coords(which: str, i: int) -> tuple[Any, Any]:
         """(outer, k) offsets inside the tile of the i-th vector a thread loads."""
@@ -130,6 +130,9 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             lo, lk = coords(which, 0)
             return (b.add(lo, c(i * step(which))), lk) if st.glob_k else (lo, b.add(lk, c(i * step(which))))
         v = b.add(tid, c(i * T))
+        if st.scatter:  # 8 k x 4 rows a warp: k = v % 8 + 8 (v // (8 tile_o)), row = v // 8 % tile_o
+            return (b.rem(b.div(v, c(8)), c(tile_o)),
+                    b.add(b.rem(v, c(8)), b.mul(b.div(v, c(8 * tile_o)), c(8))))
         if st.glob_k:
             per = BK // st.vec
             return b.div(v, c(per)), b.mul(b.rem(v, c(per)), c(st.vec))
