@@ -41,6 +41,21 @@ def test_compiles_and_ptxas_accepts(name: str) -> None:
         assert "spill" not in result.log or " 0 bytes spill stores" in result.log
 
 
+def test_column_sums_are_two_kernels_of_a_thread_per_column() -> None:
+    # a sum over the outer dim (a bias gradient: dy.sum(0)): kernel 1 has a thread per column and
+    # chunk of 64 rows (consecutive threads, consecutive addresses), kernel 2 adds up the
+    # chunks; before, a block per column read it a 4-byte sector at a time. Rows of the inner
+    # dim keep a warp or a block per output
+    program = compile_case(CASES["reduce_middle_1x1000x300"], "sm_90")
+    red = [k for k in program.launches if k.strategy == "reduce"]
+    assert [(k.grid, k.block) for k in red] == [((-(-300 * 16 // 256), 1, 1), (256, 1, 1)),
+                                                 ((2, 1, 1), (256, 1, 1))], program.describe()
+    program = compile_case(CASES["reduce_middle_8x500x33"], "sm_90")
+    assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(-(-8 * 33 * 8 // 256), 1, 1), (2, 1, 1)]
+    program = compile_case(CASES["reduce_last_sum_300x1000_f32"], "sm_90")
+    assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(-(-300 // 8), 1, 1)]
+
+
 def test_stage_texts_and_options() -> None:
     case = CASES["mlp_softmax_graph"]
     artifact = case.mlir()
