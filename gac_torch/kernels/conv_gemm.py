@@ -122,6 +122,15 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         per = (BK if st.glob_k else (BM if which == "A" else BN)) // st.vec
         return T // per if (not simt or p.lean) and T % per == 0 and not st.scatter else 0
 
+    def scatter_off(which: str, i: int) -> tuple[int, int] | None:
+        """scatter: vector i's (outer, k) offset from vector 0's, constants where the T / 8 rows
+        a block's threads cover divide the tile (no vector wraps within it); else None."""
+        tile_o = BM if which == "A" else BN
+        if not (p.a if which == "A" else p.b).scatter or T % 8 or tile_o % (T // 8):
+            return None
+        e = (T // 8) * i
+        return e % tile_o, 8 * (e // tile_o)
+
     def coords(which: str, i: int) -> tuple[Any, Any]:
         """(outer, k) offsets inside the tile of the i-th vector a thread loads."""
         st = p.a if which == "A" else p.b
@@ -163,9 +172,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         # vector i = vector 0 + a constant: along k (the last K dim, which no padding guard
         # reads; K a multiple of BK: in range with vector 0), or along a single outer dim
         # (no guards): one address computation, the rest immediate offsets
+        # (scatter: along both, vector i = vector 0 + rows and 8 k, `scatter_off`)
         d = spec.ks[-1] if not st.glob_k else next((x for x in outer if R[x] > 1), outer[-1])
         wide = [x for x in outer if R[x] > 1]
-        fast = uniform and step(which) and (
+        fast = uniform and (step(which) or scatter_off(which, 0) is not None) and (
             (not st.glob_k and all(gc[d] == 0 for gc, _, _ in op.guards))
             or (st.glob_k and not op.guards and len(wide) <= 1))
         o_exact = p.lean and ext_o % (BM if which == "A" else BN) == 0
@@ -174,9 +184,10 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         for i in range(st.per_thread):
             if fast and first is not None:
                 addr0, ok0, lo0 = first
-                addr = b.add(addr0, c(op.coef[d] * i * step(which)))
+                do, dk = scatter_off(which, i) or (i * step(which), 0)
+                addr = b.add(addr0, c(op.coef[d] * do + op.coef[spec.ks[-1]] * dk))
                 if st.glob_k and not o_exact:  # (k in range as vector 0's; the outer index is not)
-                    ok0 = both(ok0, b.lt(b.add(b.add(o0, lo0), c(i * step(which))), c(ext_o)))
+                    ok0 = both(ok0, b.lt(b.add(b.add(o0, lo0), c(do)), c(ext_o)))
                 yield addr, true if ok0 is None else ok0
                 continue
             lo, lk = coords(which, i)
