@@ -207,7 +207,7 @@ def _emit_columns(g: Generic, name: str, params: ReduceParams, math_: tuple, p_e
         part = memref.AllocOp(ir.MemRefType.get([splits, n_out], acc_t), [], []).result
         launch, body = new_launch(-(-n_out * splits // p.threads), p.threads, name)
         with ir.InsertionPoint(body):
-            b = _ColumnChunks(body.arguments, g, *math_, part, chunk, n_red, n_out, p_ext, r_ext)
+            b = _ColumnChunks(body.arguments, g, *math_, part, chunk, n_red, p_ext, r_ext)
             reduce.kernel(b, p, acc_t, n_out * splits, chunk, chunk, [splits, n_out], [chunk],
                           exact_grid=(n_out * splits) % p.threads == 0, exact_rows=True)
             gpu.TerminatorOp()
@@ -283,8 +283,10 @@ class _Chunks(_Ir):
         super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
         self.part, self.chunk, self.n_red, self.p_ext, self.r_ext = part, chunk, n_red, p_ext, r_ext
 
+    columns = False  # partial[s, o] (_ColumnChunks), not partial[o, s]
+
     def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
-        o, s = p_ivs
+        o, s = p_ivs[::-1] if self.columns else p_ivs
         r = self.add(self.mul(s, self.chunk), r_ivs[0])
 
         def visit() -> ir.Value:
@@ -311,55 +313,26 @@ class _Partials(_Ir):
         super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
         self.part = part
 
+    columns = False  # partial[s, o] (_ColumnPartials), not partial[o, s]
+
     def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
         o = self.const(0)
         for x, n in zip(p_ivs, self.p_ext_of()):
             o = self.add(self.mul(o, n), x)
-        return memref.load(self.part, [o, r_ivs[0]])
+        return memref.load(self.part, [r_ivs[0], o] if self.columns else [o, r_ivs[0]])
 
     def p_ext_of(self) -> list[int]:
         return [self.g.ranges[d] for d in self.par]  # type: ignore[misc]
 
 
-class _ColumnChunks(_Ir):
-    """Kernel 1 of a column reduction: output (s, o) reduces rows s * chunk + j (inside the
-    reduction) of column o into partial[s, o], starting from the identity."""
+class _ColumnChunks(_Chunks):
+    """Kernel 1 of a column reduction: output (s, o), o fastest (consecutive threads on
+    consecutive columns), into partial[s, o]."""
 
-    def __init__(self, ids, g, comb, value, kind, acc_t, par, red, fill, part, chunk, n_red, n_out, p_ext, r_ext):
-        super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
-        self.part, self.chunk, self.n_red, self.p_ext, self.r_ext = part, chunk, n_red, p_ext, r_ext
-
-    def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
-        s, o = p_ivs
-        r = self.add(self.mul(s, self.chunk), r_ivs[0])
-
-        def visit() -> ir.Value:
-            return super(_ColumnChunks, self).element(delinearize(self, o, self.p_ext),
-                                                      delinearize(self, r, self.r_ext))
-
-        if self.n_red % self.chunk == 0:
-            return visit()
-        return self.if_(self.lt(r, self.n_red), self.acc_t, visit, self.identity)
-
-    def out_index(self, p_ivs: list[ir.Value]) -> list[ir.Value]:
-        return list(p_ivs)
-
-    def init(self, idx: list[ir.Value]) -> ir.Value:
-        return self.identity()
-
-    def store(self, idx: list[ir.Value], val: ir.Value) -> None:
-        memref.store(val, self.part, idx)
+    columns = True
 
 
-class _ColumnPartials(_Ir):
+class _ColumnPartials(_Partials):
     """Kernel 2 of a column reduction: out[o] = combine(init, the reduction of partial[:, o])."""
 
-    def __init__(self, ids, g, comb, value, kind, acc_t, par, red, fill, part):
-        super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
-        self.part = part
-
-    def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
-        o = self.const(0)
-        for x, n in zip(p_ivs, [self.g.ranges[d] for d in self.par]):
-            o = self.add(self.mul(o, n), x)
-        return memref.load(self.part, [r_ivs[0], o])
+    columns = True
