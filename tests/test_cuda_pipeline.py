@@ -10,7 +10,7 @@ from gac_torch.backends.cuda import ptxas
 from gac_torch.backends.cuda.target import TARGET, compile_options
 from gac_torch.backends.gpu.program import ArgSpec, BufferRef, GpuProgram, KernelLaunch, TempBuffer
 from gac_torch.passes.memory_plan import BufferUse, MemoryPlan, check_plan, plan_memory
-from cuda_cases import CASES, compile_case
+from cuda_cases import CASES, compile_case, reduce_middle
 
 # ------------------------------------------------------------------------------------------------
 # CPU: compile + ptxas
@@ -54,6 +54,9 @@ def test_column_sums_are_two_kernels_of_a_thread_per_column() -> None:
     assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(-(-8 * 33 * 8 // 256), 1, 1), (2, 1, 1)]
     program = compile_case(CASES["reduce_last_sum_300x1000_f32"], "sm_90")
     assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(-(-300 // 8), 1, 1)]
+    # past 8192 rows (a thread's chain of loads would grow): a block per column, as before
+    program = compile_case(reduce_middle(1, 9000, 40), "sm_90")
+    assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(40, 1, 1)]
 
 
 def test_stage_texts_and_options() -> None:

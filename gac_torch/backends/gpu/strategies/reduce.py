@@ -35,11 +35,14 @@ class ReduceParams:
     split_min: int = 16384
     split_blocks: int = 1024
     # Column sums (the reduced dims outer, the inputs contiguous along the outputs: a bias
-    # gradient): a thread per output and chunk of `column_chunk` rows, consecutive threads on
-    # consecutive addresses; a second kernel adds up the chunks (before: a block per column,
-    # each load a sector of its own).
+    # gradient): a thread per output and chunk of at least `column_chunk` rows, consecutive
+    # threads on consecutive addresses; a second kernel adds up the (at most `column_splits`)
+    # chunks (before: a block per column, each load a sector of its own). Up to `column_max`
+    # rows: longer ones would leave each thread a long chain of loads (unmeasured).
     column_min: int = 256
+    column_max: int = 8192
     column_chunk: int = 64
+    column_splits: int = 64
 
 
 def strategy(params: ReduceParams = ReduceParams()) -> Strategy:
@@ -130,7 +133,7 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
     if is_static(n_out, n_red) and n_out <= params.split_max_outs and n_red >= 2 * params.split_min:
         _emit_split(g, name, limits, params, (comb, value, kind, acc_t, par, red, fill), p_ext, r_ext)
         return True
-    if is_static(n_out, n_red) and n_red >= params.column_min and _columns(g, par):
+    if is_static(n_out, n_red) and params.column_min <= n_red <= params.column_max and _columns(g, par):
         _emit_columns(g, name, params, (comb, value, kind, acc_t, par, red, fill), p_ext, r_ext)
         return True
     p = reduce.plan(n_red if is_static(n_red) else None, limits.warp_size, params.threads, params.warp_max)
@@ -197,10 +200,11 @@ def _columns(g: Generic, par: list[int]) -> bool:
 def _emit_columns(g: Generic, name: str, params: ReduceParams, math_: tuple, p_ext: list[int],
                   r_ext: list[int]) -> None:
     """Two kernels, a thread per output each: partial[s, o] = the reduction of rows
-    s * chunk .. (s + 1) * chunk of column o, then out[o] = combine(init, partial[:, o])."""
+    s * chunk .. (s + 1) * chunk of column o, then out[o] = combine(init, partial[:, o])
+    (at most `column_splits` chunks: the second kernel's loads per thread)."""
     acc_t, fill = math_[3], math_[6]
     n_out, n_red = math.prod(p_ext), math.prod(r_ext)
-    chunk = params.column_chunk
+    chunk = max(params.column_chunk, -(-n_red // params.column_splits))
     splits = -(-n_red // chunk)
     p = reduce.per_thread(params.threads)
     with ir.InsertionPoint(g.op), g.op.location:
