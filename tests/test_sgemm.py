@@ -311,6 +311,42 @@ def test_small_output_long_k_splits_k_after_a_fill_kernel() -> None:
     assert "atom.global.add.f32" in part.ir("ptx") or "red.global.add.f32" in part.ir("ptx")
 
 
+def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
+    # x @ W^T + b is a graph output (the MLP's pre-activation, saved for the backward) that GELU
+    # then reads: both stages run in the GEMM's epilogue, which stores the tap and the final
+    # value (before: a loops kernel re-read the 64 MB pre-activation); twin on a ragged GEMM
+    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+
+    m, n, k = 130, 70, 40
+    spec, shapes, strides = gemm_spec("nt", m, n, k)
+    ranges = (m, n, k)
+    bias, z = _operand((N_,), ranges)[0], _operand((M_, N_), ranges)[0]
+    ops = (EOp("arith.addf", (("arg", 0), ("arg", 1)), "", ("f32", "f32"), "f32"),
+           EOp("math.tanh", (("op", 0),), "", ("f32",), "f32"))
+    ep = Epilogue((None, (bias, None)), (z, None), ops, ("op", 1), taps=((("op", 0), (z, None)),))
+    spec = cg.Spec(**{**spec.__dict__, "epilogue": ep})
+    p = cgp.plan(spec, big=True)
+    rng = np.random.default_rng(3)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    b = rng.standard_normal(n).astype(np.float32)
+    tap, out = np.full((m, n), np.nan, np.float32), np.full((m, n), np.nan, np.float32)
+    got = twin.emulate(spec, p, A, Bm, np.zeros((m, n), np.float32), tuple(strides), epi=(None, (b, (1,))),
+                       out=(out, strides[2]), taps=((tap, strides[2]),)).reshape(m, n)
+    ref = A.astype(np.float64) @ Bm.astype(np.float64).T + b
+    assert np.abs(tap - ref).max() < 1e-5 * np.abs(ref).max()
+    assert np.abs(got - np.tanh(ref)).max() < 1e-5
+
+    def f(x, w, b):
+        y = x @ w.t() + b
+        return y, torch.tanh(y)
+
+    part = _compile_cuda(f, torch.randn(300, 264), torch.randn(136, 264), torch.randn(136))
+    kernels = re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))
+    assert sorted(set(kernels)) == ["sgemm"], kernels
+    if find_ptxas() is not None:
+        assert assemble(part.ir("ptx"), "sm_90").ok
+
+
 def test_dynamic_and_integer_matmuls_stay_on_simt_matmul() -> None:
     part = _compile_cuda(lambda a, b: a @ b, torch.randint(-5, 5, (33, 20)), torch.randint(-5, 5, (20, 17)))
     assert set(re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))) == {"matmul"}
@@ -389,6 +425,8 @@ def test_mlp_step_gemms_and_batched_linear_match_float64_on_gpu() -> None:
     _check_gpu(lambda x, w, bias, dy: (torch.nn.functional.gelu(x @ w.t() + bias), dy.t() @ x, dy @ w,
                                        torch.nn.functional.linear(x.reshape(3, 100, 264), w, bias)),
                x, w, bias, dy)
+    # the pre-activation returned too (the training step's forward): a tap in the epilogue
+    _check_gpu(lambda x, w, bias: (lambda y: (y, torch.nn.functional.gelu(y)))(x @ w.t() + bias), x, w, bias)
 
 
 def test_sm75_stages_through_registers() -> None:
