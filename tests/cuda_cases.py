@@ -657,6 +657,7 @@ def all_cases() -> list[Case]:
         reduce_last("sum", 300, 1000), reduce_last("max", 300, 1000), reduce_last("sum", 40, 50),
         reduce_last("sum", 64, 700, torch.float16), reduce_last("max", 33, 513, torch.bfloat16),
         reduce_middle(8, 500, 33), reduce_middle(16, 64, 1024), _reduce_all(),
+        reduce_middle(1, 1000, 300),  # a column sum (bias gradient): chunks of 64 rows, the last ragged
         matmul(100, 70, 130, torch.float32), matmul(256, 128, 192, torch.float32),
         matmul(1, 300, 77, torch.float32), matmul(96, 64, 80, torch.float16),
         matmul(70, 50, 66, torch.bfloat16), _matmul_transposed_b(),

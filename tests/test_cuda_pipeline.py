@@ -10,7 +10,7 @@ from gac_torch.backends.cuda import ptxas
 from gac_torch.backends.cuda.target import TARGET, compile_options
 from gac_torch.backends.gpu.program import ArgSpec, BufferRef, GpuProgram, KernelLaunch, TempBuffer
 from gac_torch.passes.memory_plan import BufferUse, MemoryPlan, check_plan, plan_memory
-from cuda_cases import CASES, compile_case
+from cuda_cases import CASES, compile_case, reduce_middle
 
 # ------------------------------------------------------------------------------------------------
 # CPU: compile + ptxas
@@ -41,6 +41,24 @@ def test_compiles_and_ptxas_accepts(name: str) -> None:
         result = ptxas.assemble(program.ptx, target, _PTXAS)
         assert result.ok, result.log
         assert "spill" not in result.log or " 0 bytes spill stores" in result.log
+
+
+def test_column_sums_are_two_kernels_of_a_thread_per_column() -> None:
+    # a sum over the outer dim (a bias gradient: dy.sum(0)): kernel 1 has a thread per column and
+    # chunk of 64 rows (consecutive threads, consecutive addresses), kernel 2 adds up the
+    # chunks; before, a block per column read it a 4-byte sector at a time. Rows of the inner
+    # dim keep a warp or a block per output
+    program = compile_case(CASES["reduce_middle_1x1000x300"], "sm_90")
+    red = [k for k in program.launches if k.strategy == "reduce"]
+    assert [(k.grid, k.block) for k in red] == [((-(-300 * 16 // 256), 1, 1), (256, 1, 1)),
+                                                 ((2, 1, 1), (256, 1, 1))], program.describe()
+    program = compile_case(CASES["reduce_middle_8x500x33"], "sm_90")
+    assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(-(-8 * 33 * 8 // 256), 1, 1), (2, 1, 1)]
+    program = compile_case(CASES["reduce_last_sum_300x1000_f32"], "sm_90")
+    assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(-(-300 // 8), 1, 1)]
+    # past 8192 rows (a thread's chain of loads would grow): a block per column, as before
+    program = compile_case(reduce_middle(1, 9000, 40), "sm_90")
+    assert [k.grid for k in program.launches if k.strategy == "reduce"] == [(40, 1, 1)]
 
 
 def test_stage_texts_and_options() -> None:

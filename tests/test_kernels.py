@@ -154,6 +154,17 @@ def test_reduce_emulated_on_cpu(kind, p_ext, r_ext, dtype, acc, fill) -> None:
         assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), np.abs(got - ref).max()
 
 
+def test_reduce_a_thread_per_output_emulated_on_cpu() -> None:
+    # `per_thread` (column sums): each thread reduces its own row in sequence; no shuffles mix
+    # neighbouring outputs
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((70, 45)).astype(np.float32)  # [output, r]: ragged last block
+    out = rng.standard_normal(70).astype(np.float32)
+    got = rd.emulate("add", "f32", lambda p, r: X[p[0], r[0]], (70,), (45,), out.copy(), p=rd.per_thread())
+    ref = out.astype(np.float64) + X.astype(np.float64).sum(1)
+    assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max()
+
+
 def test_reduce_plan() -> None:
     assert rd.plan(37) == rd.Plan(True, 256, 32, 32) and rd.plan(None).per_warp
     assert rd.plan(3000) == rd.Plan(False, 256, 256, 32)

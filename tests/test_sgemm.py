@@ -59,11 +59,12 @@ def test_twin_matches_float64_in_every_layout(layout: str, m: int, n: int, k: in
     p = cgp.plan(spec, big=big)  # (split K accumulates into C: the strategy unfolds the fill)
     assert p is not None and p.tm == p.bm // 16 and (p.bm == 128) == big
     assert (p.splits, p.kchunk) == {2100: (4, 528), 1100: (2, 560)}.get(k, (1, 0))
-    # vector loads where the contiguous run allows; cp.async where it runs along the [k][outer] tile
+    # cp.async everywhere: vectors where the run along outer allows; a run along k element by
+    # element, scattered into the [k][outer] tile
     a_run_k, b_run_k = layout[0] == "n", layout[1] == "t"
     for st, run, along_k in ((p.a, k if a_run_k else m, a_run_k), (p.b, k if b_run_k else n, b_run_k)):
-        assert st.vec == next((v for v in (4, 2) if run % v == 0), 1) and st.glob_k == along_k
-        assert st.cp == (not along_k)
+        assert st.vec == (1 if along_k else next((v for v in (4, 2) if run % v == 0), 1))
+        assert st.glob_k == st.scatter == along_k and st.cp
     rng = np.random.default_rng(m + n + k)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     C0 = rng.standard_normal(shapes[2]).astype(np.float32)
@@ -185,16 +186,23 @@ def test_wide_tiles_fit_one_block_per_sm_without_spills(monkeypatch: pytest.Monk
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+@pytest.mark.parametrize("cp_k", ["0", "1"])
 @pytest.mark.parametrize("env", [{"GAC_SGEMM_BK": "32"}, {"GAC_SGEMM_BN": "256"}])
-def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    # x @ W^T reads both operands along k: both stage through registers, and 32-deep or
-    # 128x256 tiles pass the static 48 KB. They take dynamic shared memory (before: no plan,
-    # and the GEMM fell back to simt_matmul's kernel); the twin checks a ragged one
-    for k, v in env.items():
+def test_k_run_operands_of_wide_tiles_take_dynamic_shared_memory(env: dict, cp_k: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # x @ W^T reads both operands along k: 4-byte cp.async scatters them into [k][outer] tiles
+    # (GAC_SGEMM_CP_K=0: through registers, 2 buffers); 32-deep or 128x256 tiles pass the
+    # static 48 KB and take dynamic shared memory (before: no plan, and the GEMM fell back to
+    # simt_matmul's kernel); the twin checks a ragged one
+    for k, v in {**env, "GAC_SGEMM_CP_K": cp_k}.items():
         monkeypatch.setenv(k, v)
     spec, shapes, strides = gemm_spec("nt", 130, 300, 70)
     p = cgp.plan(spec, big=True, dynamic_limit=227 * 1024)
-    assert p is not None and p.dynamic and not (p.a.cp or p.b.cp) and p.stages == 2
+    assert p is not None and p.dynamic
+    if cp_k == "1":
+        assert p.a.scatter and p.b.scatter and p.stages >= 3
+    else:
+        assert not (p.a.cp or p.b.cp) and p.stages == 2
     rng = np.random.default_rng(7)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     out = twin.emulate(spec, p, A, Bm, np.zeros(shapes[2], np.float32), tuple(strides), init=0.5)
@@ -204,6 +212,9 @@ def test_register_staged_wide_tiles_take_dynamic_shared_memory(env: dict, monkey
     launches = [ln for ln in part.ir("gpu").splitlines() if "gpu.launch_func" in ln]
     assert "_sgemm" in launches[-1] and "dynamic_shared_memory_size" in launches[-1], launches  # (split K: a fill first)
     assert not any("_matmul" in ln for ln in launches), launches
+    if find_ptxas() is not None and cp_k == "1":  # (through registers, 32-deep slices spill 4 bytes)
+        log = assemble(part.ir("ptx"), "sm_90").log
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -231,11 +242,40 @@ def test_128_thread_blocks_hold_8x16_tiles_and_match_float64(layout: str, monkey
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
-def test_register_staged_slice_loads_precede_the_barrier() -> None:
-    # x @ W^T stages both operands through registers. Their global loads come right before the
-    # slice's barrier, as plain ld.global: ptxas does not move those past bar.sync, so they are
-    # in flight during the slice's FMAs (ld.global.nc ones it sank to the end of the FMAs, just
-    # before the shared stores waiting on them: their latency exposed every slice)
+def test_k_runs_stage_by_4_byte_cp_async_like_outer_runs() -> None:
+    # x @ W^T reads both operands along k: by default each element is its own 4-byte cp.async
+    # into the [k][outer] tile, so the kernel is the weight gradient's (dy^T @ x: 16-byte
+    # copies) but for the copies: no register staging, the same FMAs and shared reads
+    parts = {lay: _compile_cuda(_FNS[lay], torch.randn(2048, 2048), torch.randn(2048, 2048)) for lay in ("nt", "tn")}
+    nt, tn = (parts[lay].ir("ptx") for lay in ("nt", "tn"))
+    assert "ld.global" not in nt and nt.count("cp.async.ca.shared.global") == 4 * tn.count("cp.async.cg.shared.global")
+    for op in ("fma.rn.f32", "ld.shared.v4.f32", "bar.sync"):
+        assert nt.count(op) == tn.count(op), op
+
+
+@pytest.mark.parametrize("order", ["", "rows"])
+def test_fmas_go_down_and_up_columns(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a slice's FMAs column by column, every other one bottom-up: consecutive FMAs share b (an
+    # a at the turns), which leaves ptxas fewer FMAs with two uncached sources in one register
+    # bank (sm_90: 26 -> 12 % at 4096^3, same FMA count); GAC_SGEMM_ORDER=rows: row by row
+    if order:
+        monkeypatch.setenv("GAC_SGEMM_ORDER", order)
+    ptx = _compile_cuda(_FNS["tn"], torch.randn(2048, 2048), torch.randn(2048, 2048)).ir("ptx")
+    fmas = re.findall(r"fma\.rn\.f32\s+%r\d+, (%r\d+), (%r\d+), %r\d+;", ptx)[:64]  # k's 8 x 8
+    a, b = [x for x, _ in fmas], [y for _, y in fmas]
+    if order:
+        assert [len(set(b[i:i + 8])) for i in range(0, 64, 8)] == [8] * 8 and len(set(a[:8])) == 1
+    else:
+        assert [len(set(b[i:i + 8])) for i in range(0, 64, 8)] == [1] * 8 and len(set(a[:8])) == 8
+        assert a[8:16] == a[:8][::-1]
+
+
+def test_register_staged_slice_loads_precede_the_barrier(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GAC_SGEMM_CP_K=0: x @ W^T stages both operands through registers. Their global loads come
+    # right before the slice's barrier, as plain ld.global: ptxas does not move those past
+    # bar.sync, so they are in flight during the slice's FMAs (ld.global.nc ones it sank to the
+    # end of the FMAs, just before the shared stores waiting on them: their latency exposed)
+    monkeypatch.setenv("GAC_SGEMM_CP_K", "0")
     part = _compile_cuda(_FNS["nt"], torch.randn(2048, 2048), torch.randn(2048, 2048))
     ptx = part.ir("ptx")
     assert "ld.global.nc" not in ptx
@@ -269,6 +309,42 @@ def test_small_output_long_k_splits_k_after_a_fill_kernel() -> None:
     assert len(launches) == 2 and "_loops" in launches[0], launches
     assert "_sgemm blocks in (%c4, %c4, %c8)" in launches[1], launches
     assert "atom.global.add.f32" in part.ir("ptx") or "red.global.add.f32" in part.ir("ptx")
+
+
+def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
+    # x @ W^T + b is a graph output (the MLP's pre-activation, saved for the backward) that GELU
+    # then reads: both stages run in the GEMM's epilogue, which stores the tap and the final
+    # value (before: a loops kernel re-read the 64 MB pre-activation); twin on a ragged GEMM
+    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+
+    m, n, k = 130, 70, 40
+    spec, shapes, strides = gemm_spec("nt", m, n, k)
+    ranges = (m, n, k)
+    bias, z = _operand((N_,), ranges)[0], _operand((M_, N_), ranges)[0]
+    ops = (EOp("arith.addf", (("arg", 0), ("arg", 1)), "", ("f32", "f32"), "f32"),
+           EOp("math.tanh", (("op", 0),), "", ("f32",), "f32"))
+    ep = Epilogue((None, (bias, None)), (z, None), ops, ("op", 1), taps=((("op", 0), (z, None)),))
+    spec = cg.Spec(**{**spec.__dict__, "epilogue": ep})
+    p = cgp.plan(spec, big=True)
+    rng = np.random.default_rng(3)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    b = rng.standard_normal(n).astype(np.float32)
+    tap, out = np.full((m, n), np.nan, np.float32), np.full((m, n), np.nan, np.float32)
+    got = twin.emulate(spec, p, A, Bm, np.zeros((m, n), np.float32), tuple(strides), epi=(None, (b, (1,))),
+                       out=(out, strides[2]), taps=((tap, strides[2]),)).reshape(m, n)
+    ref = A.astype(np.float64) @ Bm.astype(np.float64).T + b
+    assert np.abs(tap - ref).max() < 1e-5 * np.abs(ref).max()
+    assert np.abs(got - np.tanh(ref)).max() < 1e-5
+
+    def f(x, w, b):
+        y = x @ w.t() + b
+        return y, torch.tanh(y)
+
+    part = _compile_cuda(f, torch.randn(300, 264), torch.randn(136, 264), torch.randn(136))
+    kernels = re.findall(r"gac_k\d+_(\w+)", part.ir("gpu"))
+    assert sorted(set(kernels)) == ["sgemm"], kernels
+    if find_ptxas() is not None:
+        assert assemble(part.ir("ptx"), "sm_90").ok
 
 
 def test_dynamic_and_integer_matmuls_stay_on_simt_matmul() -> None:
@@ -349,6 +425,8 @@ def test_mlp_step_gemms_and_batched_linear_match_float64_on_gpu() -> None:
     _check_gpu(lambda x, w, bias, dy: (torch.nn.functional.gelu(x @ w.t() + bias), dy.t() @ x, dy @ w,
                                        torch.nn.functional.linear(x.reshape(3, 100, 264), w, bias)),
                x, w, bias, dy)
+    # the pre-activation returned too (the training step's forward): a tap in the epilogue
+    _check_gpu(lambda x, w, bias: (lambda y: (y, torch.nn.functional.gelu(y)))(x @ w.t() + bias), x, w, bias)
 
 
 def test_sm75_stages_through_registers() -> None:

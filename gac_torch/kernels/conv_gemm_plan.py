@@ -33,6 +33,7 @@ class Staging:
     vec: int
     per_thread: int
     cp: bool = False  # staged by cp.async (whole vectors of 4, 8 or 16 bytes), not via registers
+    scatter: bool = False  # simt k-runs by 4-byte cp.async into [k][outer]: a warp 8 k x 4 outer
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
             return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, 1)
         run, inside = r[last], {d for d in spec.ks if r[d] == 1} | {last}  # (an NHWC input's c)
     rest = [k for d, k in enumerate(op.coef) if d not in inside and r[d] > 1]
+    plain = not op.guards and sum(r[d] > 1 for d in spec.ks) <= 1  # (one K dim: not a conv's)
     vec = 1
     # (tf32 at 4 wide through registers: sm_90's ptxas caps the 64x64 kernel at 72 registers
     # and spills; 2 wide not. cp.async holds no registers: 4 wide)
@@ -105,7 +107,7 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
                 and cols_g % v == 0 and (tile_o * bk // v) % threads == 0):
             vec = v
             break
-    return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, vec)
+    return _fit(glob_k, simt, simt_cp, op, tile_o, bk, threads, vec, plain)
 
 
 # bisecting switches (read at import; with GAC_CACHE=0, the program cache does not key on them)
@@ -116,8 +118,17 @@ EARLY_LOADS = os.environ.get("GAC_SGEMM_EARLY") != "0"  # simt: register loads b
 
 
 def _fit(glob_k: bool, simt: bool, simt_cp: bool, op: Operand, tile_o: int, bk: int, threads: int,
-         vec: int) -> Staging | None:
+         vec: int, plain: bool = False) -> Staging | None:
     es = ESIZE[op.elem]
+    # simt, a run along k (x @ W^T reads both so): each element by its own 4-byte cp.async,
+    # transposed into the [k][outer] tile the FMAs read (as a run along outer lands), instead of
+    # through registers (16 registers held, stores after the FMAs); a warp covers 8 k x 4 rows:
+    # whole 32-byte sectors, and conflict-free shared stores ((4 k + row) % 32 with the pad of 4).
+    # Plain GEMMs only (`plain`; convolutions unmeasured). GAC_SGEMM_CP_K=0 bisects (read when
+    # planning: part of the cache key)
+    if (plain and simt and simt_cp and glob_k and CP_ASYNC and os.environ.get("GAC_SGEMM_CP_K") != "0"
+            and es == 4 and bk % 8 == 0 and (tile_o * bk) % threads == 0):
+        return Staging(True, False, bk, tile_o, 4, 1, tile_o * bk // threads, True, True)
     if (tile_o * bk // vec) % threads:
         return None
     smem_k = glob_k and not simt

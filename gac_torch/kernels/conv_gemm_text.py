@@ -105,7 +105,8 @@ def template(spec: Spec, p: Plan) -> str:
     kernel(b, spec, p)
     gx, gy, gz = p.grid
     ep = spec.epilogue
-    extra = [] if ep is None else [(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None] + [("Z", ep.out[0])]
+    extra = [] if ep is None else ([(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None]
+                                   + [(f"T{t}", x[0]) for t, (_, x) in enumerate(ep.taps)] + [("Z", ep.out[0])])
     flat = []
     uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
     for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):

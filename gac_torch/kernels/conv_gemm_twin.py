@@ -106,10 +106,12 @@ def _flat(arr: np.ndarray, op: Operand, shape: tuple[int, ...], strides: tuple[i
 def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
             strides: tuple[tuple[int, ...], ...], init: float = 0.0,
             epi: tuple[tuple[np.ndarray, tuple[int, ...]] | None, ...] = (),
-            out: tuple[np.ndarray, tuple[int, ...]] | None = None) -> np.ndarray:
+            out: tuple[np.ndarray, tuple[int, ...]] | None = None,
+            taps: tuple[tuple[np.ndarray, tuple[int, ...]], ...] = ()) -> np.ndarray:
     """Run the kernel on the CPU. A, B, C are arrays shaped like the memrefs, whose strides
     (elements) are `strides`; returns C's new flat view (f32 holding values rounded to C's type),
-    or with an epilogue Z's (`epi`: (array, strides) per epilogue input, None for Y; `out`: Z).
+    or with an epilogue Z's (`epi`: (array, strides) per epilogue input, None for Y; `out`: Z;
+    `taps`: (array, strides) per tapped stage, written in place).
     Raises RaceError on a shared-memory race, AssertionError on out-of-range accesses."""
     rnd = "f32" if spec.kind in ("tf32", "f32") else spec.kind
     fa = _flat(round_to(A, rnd), spec.a, A.shape, strides[0])
@@ -119,10 +121,13 @@ def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
     fe = [None if x is None else _flat(np.asarray(x[0], np.float32), op[0], x[0].shape, x[1])
           for x, op in zip(epi, ep.inputs)] if ep is not None else []
     fz = _flat(np.asarray(out[0], np.float32), ep.out[0], out[0].shape, out[1]) if ep is not None else None
+    ft = [_flat(np.asarray(x, np.float32), t[1][0], x.shape, st) for (x, st), t in zip(taps, ep.taps)] if ep else []
     for bz in range(p.grid[2]):
         for by in range(p.grid[1]):
             for bx in range(p.grid[0]):
                 k = _Numpy(spec, p, fa, fb, fc, init, (bx, by, bz))
-                k.E, k.Z = fe, fz
+                k.E, k.Z, k.taps = fe, fz, ft
                 kernel(k, spec, p)
+    for (x, st), f in zip(taps, ft):  # (the tapped arrays get their values)
+        x[...] = np.lib.stride_tricks.as_strided(f, x.shape, tuple(4 * k for k in st))
     return fc if ep is None else fz

@@ -43,6 +43,10 @@ class Epilogue:
     out: tuple[Any, tuple[int, ...] | None]  # Z, likewise
     ops: tuple[EOp, ...]
     result: Ref  # the stored value
+    # an intermediate stage's value that is also a buffer of its own (a graph output the next
+    # stage reads: x @ W^T + b, saved for the backward, then GELU): (value, (Operand, space));
+    # the conv_gemm template only (implicit_gemm passes `taps` to fused_epilogue)
+    taps: tuple[tuple[Ref, tuple[Any, tuple[int, ...] | None]], ...] = ()
 
 
 def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any, direct: Any) -> None:
@@ -55,7 +59,7 @@ def store(b: Any, spec: Any, addr: Any, val: Any, ok: Any, split: Any, lin: Any,
     y = b.round_to(val, spec.c.elem)  # 1
     at = _locator(b, addr, split, lin, direct)
     args = [y if x is None else b.load_e(k, at(x)) for k, x in enumerate(ep.inputs)]  # 3
-    _body_store(b, ep, args, at(ep.out))
+    _body_store(b, ep, args, at(ep.out), [at(t[1]) for t in ep.taps])
     b.end_if()
 
 
@@ -77,7 +81,7 @@ def store_all(b: Any, spec: Any, points: list, vals: list, places: list, col_ok:
     col_args: dict[tuple[int, int], Any] = {}
     for s in range(0, len(order), chunk):
         part = order[s:s + chunk]
-        outs, args = {}, {}
+        outs, args, taps = {}, {}, {}
         for n in part:
             (addr, ok), (i, j) = points[n], places[n]
             at = _locator(b, addr, split, lin, direct(i, j))
@@ -87,10 +91,11 @@ def store_all(b: Any, spec: Any, points: list, vals: list, places: list, col_ok:
             args[n] = [None if x is None else col_args[k, j] if per_col[k] else
                        b.load_e(k, b.select(ok, at(x), zero, "index")) for k, x in enumerate(ep.inputs)]  # 3
             outs[n] = at(ep.out)
+            taps[n] = [at(t[1]) for t in ep.taps]
         for n in part:
             b.begin_if(points[n][1])
             y = b.round_to(vals[n], spec.c.elem)  # 1
-            _body_store(b, ep, [y if v is None else v for v in args[n]], outs[n])
+            _body_store(b, ep, [y if v is None else v for v in args[n]], outs[n], taps[n])
             b.end_if()
 
 
@@ -110,7 +115,7 @@ def _locator(b: Any, addr: Any, split: Any, lin: Any, direct: Any) -> Any:
     return at
 
 
-def _body_store(b: Any, ep: Epilogue, args: list, out: Any) -> None:
+def _body_store(b: Any, ep: Epilogue, args: list, out: Any, taps: list | None = None) -> None:
     results: list[Any] = []
 
     def value(r: Ref) -> Any:
@@ -118,6 +123,8 @@ def _body_store(b: Any, ep: Epilogue, args: list, out: Any) -> None:
 
     for op in ep.ops:  # 4
         results.append(b.eop(op, [value(r) for r in op.args]))
+    for t, ((ref, x), addr) in enumerate(zip(ep.taps, taps or [])):
+        b.store_e(addr, value(ref), t)  # (an intermediate stage's own buffer)
     b.store_e(out, value(ep.result))  # 5
 
 
@@ -205,8 +212,10 @@ class TextMixin:
         self.w(f'{r} = "{op.name}"({", ".join(ins)}) {op.attrs} : ({", ".join(op.types)}) -> {op.result}')
         return r
 
-    def store_e(self, addr: str, val: str) -> None:
-        self.w(f"memref.store {val}, %Zf[{addr}] : {self.spec.epilogue.out[0].flat}")
+    def store_e(self, addr: str, val: str, tap: int | None = None) -> None:
+        ep = self.spec.epilogue
+        name, op = ("Zf", ep.out[0]) if tap is None else (f"T{tap}f", ep.taps[tap][1][0])
+        self.w(f"memref.store {val}, %{name}[{addr}] : {op.flat}")
 
 
 class NumpyMixin:
@@ -238,8 +247,10 @@ class NumpyMixin:
     def eop(self, op: EOp, ins: list[np.ndarray]) -> np.ndarray:
         return eval_op(op, ins)
 
-    def store_e(self, addr: np.ndarray, val: np.ndarray) -> None:
+    def store_e(self, addr: np.ndarray, val: np.ndarray, tap: int | None = None) -> None:
+        ep = self.spec.epilogue
+        buf, op = (self.Z, ep.out[0]) if tap is None else (self.taps[tap], ep.taps[tap][1][0])
         at = addr[self.emask]
-        assert ((at >= 0) & (at < self.Z.size)).all(), "epilogue store out of bounds"
+        assert ((at >= 0) & (at < buf.size)).all(), "epilogue store out of bounds"
         assert len(np.unique(at)) == len(at), "two threads store one Z element"
-        self.Z[at] = round_to(val[self.emask], self.spec.epilogue.out[0].elem)
+        buf[at] = round_to(val[self.emask], op.elem)

@@ -2,7 +2,8 @@
 group of threads per output element p, with a recognized combiner (add, mul, min/max, and/or/xor).
 
 Short rows (up to `warp_max`, or a run-time length) get one warp per output, `threads / warp`
-outputs per block, combined with a shuffle butterfly; long rows get one block per output
+outputs per block, combined with a shuffle butterfly (or a thread per output: `per_thread`, for
+columns, where consecutive outputs are consecutive addresses); long rows get one block per output
 (a power of two of threads up to `threads`), combined with gpu.all_reduce. f16/bf16 accumulate in
 f32, small ints in i32 (the backend's `acc` type).
 
@@ -51,6 +52,12 @@ def plan(n_red: int | None, warp: int = 32, threads: int = 256, warp_max: int = 
     return Plan(per_warp, threads, warp if per_warp else threads, warp)
 
 
+def per_thread(threads: int = 256, warp: int = 32) -> Plan:
+    """One thread per output (its whole row in sequence): for reductions over an outer dim,
+    where consecutive threads' loads are consecutive addresses."""
+    return Plan(True, threads, 1, warp)
+
+
 def kernel(b: Any, p: Plan, acc: Any, n_out: Any, n_red: Any, trips: Any, p_ext: Sequence[Any],
             r_ext: Sequence[Any], exact_grid: bool, exact_rows: bool) -> None:
     """`exact_grid`: every group has an output; `exact_rows`: every lane's r is in its row."""
@@ -80,7 +87,7 @@ def kernel(b: Any, p: Plan, acc: Any, n_out: Any, n_red: Any, trips: Any, p_ext:
     (total,) = b.for_(0, trips, 1, [b.identity()], [acc], step)
     # 3. combine the group
     if p.per_warp:  # butterfly: every lane ends with the warp's total
-        for off in (o for o in (16, 8, 4, 2, 1) if o < p.warp):  # narrow warps (Vortex: 4)
+        for off in (o for o in (16, 8, 4, 2, 1) if o < p.group):  # narrow warps (Vortex: 4); 1: a thread
             total = b.combine(total, b.shuffle_xor(total, off, p.warp))
     else:
         total = b.block_reduce(total)

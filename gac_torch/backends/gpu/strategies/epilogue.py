@@ -83,10 +83,11 @@ def _numel(t: ir.MemRefType) -> int:
     return n
 
 
-def _consumer(prev: ir.Operation, y: ir.Value, avoid: set, interchange: bool = False):
+def _consumer(prev: ir.Operation, y: ir.Value, avoid: set, interchange: bool = False, tap: bool = False):
     """The elementwise generic right after `prev` (views and constants aside) that reads the
     dense scratch buffer y once, at its own point (`interchange`: or through a permutation, its
-    loops then permuted), or None. Returns (generic, index of its y
+    loops then permuted), or None (`tap`: y may be a buffer of its own, not an allocation, which
+    the epilogue then stores too). Returns (generic, index of its y
     input, (Operand, iteration space) per other input, those inputs, its output, y's root)."""
     at = op_index(prev) + 1
     nxt = op_at(prev.block, at)
@@ -100,7 +101,8 @@ def _consumer(prev: ir.Operation, y: ir.Value, avoid: set, interchange: bool = F
         return None
     root, yt = buffer_root(y), ir.MemRefType(y.type)
     alloc = defining_op(root)
-    if alloc is None or alloc.name != "memref.alloc" or not _dense(yt) or _numel(yt) != _numel(ir.MemRefType(root.type)):
+    scratch = alloc is not None and alloc.name == "memref.alloc"
+    if not (scratch or (tap and alloc is None)) or not _dense(yt) or _numel(yt) != _numel(ir.MemRefType(root.type)):
         return None
     readers = [k for k, v in enumerate(e.inputs) if isinstance(v.type, ir.MemRefType) and buffer_root(v) == root]
     if len(readers) != 1:
@@ -235,17 +237,19 @@ def rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Va
 
 
 def fused_epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, stages: int = 3,
-                   interchange: bool = False):
+                   interchange: bool = False, taps: bool = False):
     """(consumer ops, Epilogue, its extra template arguments) for the longest chain (up to
     `stages`) of elementwise generics after g, each reading the previous one's result (e.g. the
     f32 -> bf16 -> f32 rounding in place, then BatchNorm + ReLU across a reshape), whose
     intermediate buffers nothing else touches. `interchange`: the first may read g's result
-    through a permutation (igemm; the other GEMM strategies' stores assume C's own order)."""
+    through a permutation (igemm; the other GEMM strategies' stores assume C's own order).
+    `taps` (the conv_gemm template): an intermediate may also be a function argument (a graph
+    output: the MLP's pre-activation, saved for the backward, then GELU), stored as well."""
     conv_roots = {buffer_root(v) for v in ins}  # the kernel reads these until it ends
     found: list = []
     prev, y = g.op, g.outputs[0]
     while len(found) < stages:
-        st = _consumer(prev, y, conv_roots, interchange)
+        st = _consumer(prev, y, conv_roots, interchange, tap=taps and prev != g.op)
         if st is None or _body_ops(st[0]) is None or operand_at(st[4], st[0].maps[-1]) is None:
             break
         found.append(st)
@@ -254,6 +258,7 @@ def fused_epilogue(g: Generic, ins: list[ir.Value], fill: ir.Operation | None, s
         chain = found[:n]
         final = buffer_root(chain[-1][4])
         scratch = {st[5] for st in chain} | {buffer_root(st[4]) for st in chain[:-1]}
+        scratch = {r for r in scratch if defining_op(r) is not None}  # (taps: function arguments)
         scratch.discard(final)
         allowed = {g.op, *(st[0].op for st in chain)} | ({fill} if fill is not None else set())
         if any(not _dead_after(r, g.op, chain[-1][0].op, allowed) for r in scratch):
@@ -297,8 +302,14 @@ def chain_epilogue(chain: list, g: Generic):
     inputs: list = [None]  # argument 0: the contraction's value
     values: list[ir.Value] = []
     ops: list[EOp] = []
+    taps: list = []  # (value, (Operand, space)) of intermediates in buffers of their own
+    tapped: list[ir.Value] = []
     result = None
-    for e, ky, more, vals, z, _ in chain:
+    for n, (e, ky, more, vals, z, _) in enumerate(chain):
+        prev_e, prev_z = chain[n - 1][0], chain[n - 1][4]
+        if n and defining_op(buffer_root(prev_z)) is None:  # the previous stage's own buffer
+            taps.append((result, _over_conv_dims((operand_at(prev_z, prev_e.maps[-1]), tuple(prev_e.ranges)), g)))
+            tapped.append(prev_z)
         body = _body_ops(e)
         remap: dict = {}  # the stage's refs in the combined numbering; y is the previous value
         j = 0
@@ -320,7 +331,8 @@ def chain_epilogue(chain: list, g: Generic):
     e, z = chain[-1][0], chain[-1][4]
     out = _over_conv_dims((operand_at(z, e.maps[-1]), tuple(e.ranges)), g)
     inputs = [x if x is None else _over_conv_dims(x, g) for x in inputs]
-    return [st[0].op for st in chain], Epilogue(tuple(inputs), out, tuple(ops), result), [*values, z]  # type: ignore[arg-type]
+    return ([st[0].op for st in chain], Epilogue(tuple(inputs), out, tuple(ops), result, tuple(taps)),  # type: ignore[arg-type]
+            [*values, *tapped, z])
 
 
 def _body_ops(e: Generic) -> tuple[tuple[EOp, ...], tuple] | None:

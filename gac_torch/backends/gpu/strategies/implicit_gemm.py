@@ -201,7 +201,9 @@ def _emit(m: _Match, name: str, params: Params, text_of: Any = None) -> bool:
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
     if m.relayout is not None:
         ins[1] = weight_layout.copy_before(m.relayout, ins[1], g.op)
-    fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None, interchange=True)  # type: ignore[arg-type]
+    # (taps: sgemm's epilogue may also store an intermediate graph output; GAC_EPILOGUE_TAPS=0 bisects)
+    fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None, interchange=True,  # type: ignore[arg-type]
+                            taps=text_of is None and spec.kind == "f32" and os.environ.get("GAC_EPILOGUE_TAPS") != "0")
              if params.fuse_epilogue and plan.splits == 1 else None)  # (split-K: partial sums)
     if fused is not None:
         for op in ops_between(g.op, fused[0][-1]):

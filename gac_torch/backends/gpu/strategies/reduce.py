@@ -34,6 +34,15 @@ class ReduceParams:
     split_max_outs: int = 64
     split_min: int = 16384
     split_blocks: int = 1024
+    # Column sums (the reduced dims outer, the inputs contiguous along the outputs: a bias
+    # gradient): a thread per output and chunk of at least `column_chunk` rows, consecutive
+    # threads on consecutive addresses; a second kernel adds up the (at most `column_splits`)
+    # chunks (before: a block per column, each load a sector of its own). Up to `column_max`
+    # rows: longer ones would leave each thread a long chain of loads (unmeasured).
+    column_min: int = 256
+    column_max: int = 8192
+    column_chunk: int = 64
+    column_splits: int = 64
 
 
 def strategy(params: ReduceParams = ReduceParams()) -> Strategy:
@@ -124,6 +133,9 @@ def _emit_reduce(g: Generic, name: str, limits: GpuLimits, params: ReduceParams)
     if is_static(n_out, n_red) and n_out <= params.split_max_outs and n_red >= 2 * params.split_min:
         _emit_split(g, name, limits, params, (comb, value, kind, acc_t, par, red, fill), p_ext, r_ext)
         return True
+    if is_static(n_out, n_red) and params.column_min <= n_red <= params.column_max and _columns(g, par):
+        _emit_columns(g, name, params, (comb, value, kind, acc_t, par, red, fill), p_ext, r_ext)
+        return True
     p = reduce.plan(n_red if is_static(n_red) else None, limits.warp_size, params.threads, params.warp_max)
     with ir.InsertionPoint(g.op), g.op.location:
         grid = size_ceildiv(n_out, p.outs_per_block)
@@ -166,6 +178,48 @@ def _emit_split(g: Generic, name: str, limits: GpuLimits, params: ReduceParams, 
             b = _Partials(body.arguments, g, *math_, part)
             reduce.kernel(b, p2, acc_t, n_out, splits, -(-splits // p2.group), p_ext, [splits],
                           exact_grid=grid * p2.outs_per_block == n_out, exact_rows=splits % p2.group == 0)
+            gpu.TerminatorOp()
+    if fill is not None:
+        fill[0].erase()
+    g.op.erase()
+
+
+def _columns(g: Generic, par: list[int]) -> bool:
+    """Every input reads along the last parallel dim (its innermost index, unit stride) and no
+    reduced dim is innermost: consecutive outputs are consecutive addresses."""
+    if not par or g.iters[-1] != "parallel" or par[-1] != len(g.iters) - 1:
+        return False
+    for buf, m in zip(g.inputs, g.maps):
+        strides, _ = ir.MemRefType(buf.type).get_strides_and_offset()
+        last = m.results[-1] if m.results else None
+        if not (isinstance(last, ir.AffineDimExpr) and last.position == par[-1] and strides[-1] == 1):
+            return False
+    return True
+
+
+def _emit_columns(g: Generic, name: str, params: ReduceParams, math_: tuple, p_ext: list[int],
+                  r_ext: list[int]) -> None:
+    """Two kernels, a thread per output each: partial[s, o] = the reduction of rows
+    s * chunk .. (s + 1) * chunk of column o, then out[o] = combine(init, partial[:, o])
+    (at most `column_splits` chunks: the second kernel's loads per thread)."""
+    acc_t, fill = math_[3], math_[6]
+    n_out, n_red = math.prod(p_ext), math.prod(r_ext)
+    chunk = max(params.column_chunk, -(-n_red // params.column_splits))
+    splits = -(-n_red // chunk)
+    p = reduce.per_thread(params.threads)
+    with ir.InsertionPoint(g.op), g.op.location:
+        part = memref.AllocOp(ir.MemRefType.get([splits, n_out], acc_t), [], []).result
+        launch, body = new_launch(-(-n_out * splits // p.threads), p.threads, name)
+        with ir.InsertionPoint(body):
+            b = _ColumnChunks(body.arguments, g, *math_, part, chunk, n_red, p_ext, r_ext)
+            reduce.kernel(b, p, acc_t, n_out * splits, chunk, chunk, [splits, n_out], [chunk],
+                          exact_grid=(n_out * splits) % p.threads == 0, exact_rows=True)
+            gpu.TerminatorOp()
+        launch, body = new_launch(-(-n_out // p.threads), p.threads, name.rsplit("_", 1)[0] + "x_reduce")
+        with ir.InsertionPoint(body):
+            b = _ColumnPartials(body.arguments, g, *math_, part)
+            reduce.kernel(b, p, acc_t, n_out, splits, splits, p_ext, [splits],
+                          exact_grid=n_out % p.threads == 0, exact_rows=True)
             gpu.TerminatorOp()
     if fill is not None:
         fill[0].erase()
@@ -233,8 +287,10 @@ class _Chunks(_Ir):
         super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
         self.part, self.chunk, self.n_red, self.p_ext, self.r_ext = part, chunk, n_red, p_ext, r_ext
 
+    columns = False  # partial[s, o] (_ColumnChunks), not partial[o, s]
+
     def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
-        o, s = p_ivs
+        o, s = p_ivs[::-1] if self.columns else p_ivs
         r = self.add(self.mul(s, self.chunk), r_ivs[0])
 
         def visit() -> ir.Value:
@@ -261,11 +317,26 @@ class _Partials(_Ir):
         super().__init__(ids, g, comb, value, kind, acc_t, par, red, fill)
         self.part = part
 
+    columns = False  # partial[s, o] (_ColumnPartials), not partial[o, s]
+
     def element(self, p_ivs: list[ir.Value], r_ivs: list[ir.Value]) -> ir.Value:
         o = self.const(0)
         for x, n in zip(p_ivs, self.p_ext_of()):
             o = self.add(self.mul(o, n), x)
-        return memref.load(self.part, [o, r_ivs[0]])
+        return memref.load(self.part, [r_ivs[0], o] if self.columns else [o, r_ivs[0]])
 
     def p_ext_of(self) -> list[int]:
         return [self.g.ranges[d] for d in self.par]  # type: ignore[misc]
+
+
+class _ColumnChunks(_Chunks):
+    """Kernel 1 of a column reduction: output (s, o), o fastest (consecutive threads on
+    consecutive columns), into partial[s, o]."""
+
+    columns = True
+
+
+class _ColumnPartials(_Partials):
+    """Kernel 2 of a column reduction: out[o] = combine(init, the reduction of partial[:, o])."""
+
+    columns = True
