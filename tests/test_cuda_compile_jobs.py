@@ -80,24 +80,27 @@ def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch, caplog):
     assert result.ok, result.log
 
 
-def test_gpu_stage_text_is_printed_while_the_workers_compile(tmp_path, monkeypatch):
-    # the "llvm" stage lowers a copy of the "gpu" stage's module and prints the module itself
-    # while its workers compile: the same texts as printing each stage right after it ran
-    # (compile_stage_file does), i.e. the lowering left the printed module as it was
+def test_gpu_stage_text_is_made_of_the_kernels_prints(tmp_path, monkeypatch):
+    # the "llvm" stage prints each kernel once, for its worker and for the "gpu" stage's text,
+    # before any kernel is rewritten for ptxas (the workers do that: kernel_prep.py): the same
+    # texts as printing each stage right after it ran (compile_stage_file does), and the module
+    # itself is not printed again
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
-    ran = []
-    real = kernel_jobs.run_jobs
+    prints = []
+    real = kernel_jobs.split_printed
 
-    def run_jobs(texts, *a, meanwhile=None, **k):
-        return real(texts, *a, meanwhile=meanwhile and (lambda: ran.append(len(texts)) or meanwhile()), **k)
+    def split_printed(module, names):
+        prints.append(len(names))
+        return real(module, names)
 
-    monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
+    monkeypatch.setattr(kernel_jobs, "split_printed", split_printed)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     options = {"arch": "sm_90", "cache": False}
     with torch.no_grad():
         compiled = gac_torch.compile(torch.export.export(Blocks().eval(), (x,)), target="cuda", options=options)
-    assert len(ran) == 1 and ran[0] >= 2  # printed once, beside the pool
+    assert len(prints) == 1 and prints[0] >= 2  # printed once, for the workers and the stage
+    assert "nvvm.minctasm" not in compiled.ir("gpu") and "nvvm.minctasm" in compiled.ir("llvm")
     path = tmp_path / "fused_0.linalg"
     path.write_text(compiled.ir("linalg"))
     stages, _ = gac_torch.compile_stage_file(path, target="cuda", options=options)

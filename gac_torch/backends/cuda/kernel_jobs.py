@@ -3,8 +3,10 @@
 Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial MLIR/LLVM job
 (BEVFormer-tiny: ~80 s of a 2-core machine's 160 s cold compile). Kernels are independent, so:
   1. split: one module text per kernel, its name replaced by a placeholder, so that kernels
-     that differ only in name (ResNet's repeated blocks) have the same text;
-  2. dedupe: compile each distinct text once (its sha256 is its address); the on-disk cache
+     that differ only in name (ResNet's repeated blocks) have the same text (the "gpu" stage's
+     text is made of the same prints: split_printed); each worker prepares its kernel for
+     ptxas itself (kernel_prep.py), so printing is all the parent does per kernel;
+  2. dedupe: compile each distinct text (and prep) once (its sha256 is its address); the on-disk cache
      (runtime/cache.py, `GAC_CACHE`) keeps each kernel's result, so a later compile that shares
      kernels (another model, an edited graph) skips them too;
   3. compile the rest in a pool of worker processes (ptx_worker.py; MLIR holds the GIL, so
@@ -39,7 +41,7 @@ from mlir import ir
 
 from gac_torch.backends.cuda import ptx_worker
 from gac_torch.backends.cuda.ptxas import Assembler
-from gac_torch.errors import CompileError, GacError
+from gac_torch.errors import CompileError, GacError, GacUnsupportedError
 
 log = logging.getLogger("gac_torch")
 
@@ -75,6 +77,12 @@ class NotSplittable(GacError):
 def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
     """Per kernel name, the text of a module holding just that kernel (as PLACEHOLDER) and the
     gpu.module's other ops (globals), which the join dedupes."""
+    return split_printed(module, kernel_names)[0]
+
+
+def split_printed(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, str], str]:
+    """(split's texts, the whole module's text made of the same prints): each op is printed
+    once, for both (printing is the costly part: ~2 s a print of BEVFormer-tiny's kernels)."""
     if set(module.operation.attributes) - {"gpu.container_module"}:
         raise NotSplittable("module attributes")
     gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
@@ -82,7 +90,7 @@ def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
         raise NotSplittable("not one plain gpu.module")
     gm = gpu_modules[0]
     name = ir.StringAttr(gm.attributes["sym_name"]).value
-    wanted, kernels, shared = set(kernel_names), {}, []
+    wanted, kernels, shared, body = set(kernel_names), {}, [], []
     for op in gm.regions[0].blocks[0].operations:
         op = op.operation
         sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
@@ -92,30 +100,37 @@ def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
             if not text.startswith(head):
                 raise NotSplittable(f"kernel {sym} prints as {text[:40]!r}")
             kernels[sym] = f"gpu.func @{PLACEHOLDER}(" + text[len(head):]
+            body.append(text)
         elif op.name != "gpu.module_end":
             shared.append(op.get_asm(use_local_scope=True))
+            body.append(shared[-1])
     if set(kernels) != wanted:
         raise NotSplittable("kernels missing from the gpu.module")
     head = "module attributes {gpu.container_module} {\n  gpu.module @%s {\n" % name
     prefix = head + "".join(s + "\n" for s in shared)
-    return {k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()}
+    whole = [op.get_asm(use_local_scope=True) if op.operation.name != "gpu.module" else
+             "gpu.module @%s {\n%s\n}" % (name, "\n".join(body)) for op in module.body.operations]
+    return ({k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()},
+            "module attributes {gpu.container_module} {\n%s\n}\n" % "\n".join(whole))
 
 
 # -- 2. dedupe + cache ------------------------------------------------------------------------
 
-def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) -> str:
+def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None,
+            prep: dict | None = None) -> str:
     from gac_torch.runtime.cache import versions
 
     data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(text.encode()).hexdigest(),
             "lower": lower, "binary": binary, "ptxas": ptxas.version if ptxas else None,
-            "versions": versions()}
+            "prep": prep, "versions": versions()}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
                     on_progress=None, ptxas: Assembler | None = None, per_name: bool = False,
-                    meanwhile=None) -> list[KernelResult]:
-    """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
+                    meanwhile=None, preps: dict[str, dict] | None = None) -> list[KernelResult]:
+    """Every kernel of `texts` compiled (each distinct text once, prepared first by the worker
+    when `preps` names how: kernel_prep.py, each distinct (text, prep) once; with `ptxas`, to a cubin
     too, or with `per_name` to one per kernel name where the pool compiles it: KernelResult.named,
     not kept in this cache); in the kernels' order. `meanwhile()` runs in the calling thread
     once the workers have their jobs (run_jobs)."""
@@ -123,8 +138,10 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
 
     by_key: dict[str, KernelResult] = {}
     todo: dict[str, str] = {}  # key -> text
+    prep_of: dict[str, dict | None] = {}  # key -> prep
     for name, text in texts.items():
-        key = job_key(text, lower, binary, None if per_name else ptxas)
+        prep = preps.get(name) if preps else None
+        key = job_key(text, lower, binary, None if per_name else ptxas, prep)
         if key in by_key:
             by_key[key].names.append(name)
             continue
@@ -133,7 +150,7 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
             by_key[key] = KernelResult([name], entry.stages["llvm"], entry.meta["ptx"], entry.blobs.get("cubin"))
         else:
             by_key[key] = KernelResult([name], "", "")
-            todo[key] = text
+            todo[key], prep_of[key] = text, prep
     log.debug("gac cuda: %d kernels, %d distinct, %d to compile", len(texts), len(by_key), len(todo))
     order = sorted(todo, key=lambda k: -len(todo[k]))  # largest first: the pool ends together
     exe = ptxas.exe if ptxas else None
@@ -158,7 +175,7 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
             pass
 
     results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished,
-                       meanwhile=meanwhile)
+                       meanwhile=meanwhile, preps=[prep_of[k] for k in order] if preps else None)
     for j, result in enumerate(results):
         if j not in handled:
             finished(j, result)
@@ -233,14 +250,15 @@ def _take_spare() -> subprocess.Popen | None:
 
 
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
-             names: list[list[str]] | None = None, on_result=None, meanwhile=None
-             ) -> list[tuple[str, str, bytes | None, str, dict | None]]:
+             names: list[list[str]] | None = None, on_result=None, meanwhile=None,
+             preps: list[dict | None] | None = None) -> list[tuple[str, str, bytes | None, str, dict | None]]:
     """(llvm, ptx, cubin, ptxas's complaint, named cubins) per text (ptx_worker.compile_kernel):
     in-process for a few, else in min(workers, len) worker processes. `names` (per text, with a
     `ptxas`): the workers assemble the PTX under each name (ptx_worker.assemble_named); in-process
     they do not (named None: pipeline.cubins runs ptxas in threads then). `on_result(i, result)`
     runs in the calling thread as each result arrives (while the workers compile the rest);
-    `meanwhile()` once, right after the workers got their jobs (other work of the caller's)."""
+    `meanwhile()` once, right after the workers got their jobs (other work of the caller's).
+    `preps` (per text): how the worker prepares the kernel first (kernel_prep.py)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
     if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
@@ -248,8 +266,11 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
             meanwhile()
         for i, text in enumerate(texts):
             try:
-                results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas), None)
+                results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas,
+                                                         preps[i] if preps else None), None)
             except Exception as e:
+                if type(e).__name__ == "I1Unsupported":  # (kernel_prep: what the schedule cannot run)
+                    raise GacUnsupportedError(str(e)) from e
                 raise CompileError(f"cuda kernel lowering failed: {e}") from e
             if on_result:
                 on_result(i, results[i])
@@ -277,12 +298,15 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                     return
                 ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary,
                                                       "ptxas": ptxas, "names": names[i] if names else None,
-                                                      "placeholder": PLACEHOLDER})
+                                                      "placeholder": PLACEHOLDER,
+                                                      "prep": preps[i] if preps else None})
                 reply = ptx_worker.read_message(proc.stdout)
                 if reply is None:
                     raise CompileError(f"a cuda compile worker exited (code {proc.poll()})")
                 if "error" in reply:
                     log.debug("gac cuda worker: %s", reply.get("trace"))
+                    if reply.get("unsupported"):
+                        raise GacUnsupportedError(reply["error"].split(": ", 1)[-1])
                     raise CompileError(f"cuda kernel lowering failed: {reply['error']}")
                 cubin = base64.b64decode(reply["cubin"]) if reply.get("cubin") else None
                 named = {n: (base64.b64decode(c) if c else None, w)
@@ -317,7 +341,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)  # (meanwhile: ran)
+        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result, preps=preps)  # (meanwhile: ran)
     if errors:
         raise errors[0]
     return results
