@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gac_torch
-from gac_torch.backends.cuda import kernel_jobs, ptxas
+from gac_torch.backends.cuda import kernel_jobs, ptx_worker, ptxas
 from gac_torch.errors import CompileError
 from gac_torch.runtime import cache
 
@@ -34,7 +34,7 @@ class Blocks(torch.nn.Module):
 def _ptx(monkeypatch, workers: int, jobs: list | None = None, whole: bool = False) -> str:
     monkeypatch.setenv("GAC_COMPILE_WORKERS", str(workers))
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)  # the pool even for a small program
-    real_run, real_split = kernel_jobs.run_jobs, kernel_jobs.split
+    real_run, real_split = kernel_jobs.run_jobs, kernel_jobs.split_bytecode
 
     def run_jobs(texts, *a, **k):
         if jobs is not None:
@@ -47,7 +47,7 @@ def _ptx(monkeypatch, workers: int, jobs: list | None = None, whole: bool = Fals
         return real_split(*a, **k)
 
     monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
-    monkeypatch.setattr(kernel_jobs, "split", split)
+    monkeypatch.setattr(kernel_jobs, "split_bytecode", split)
     torch.manual_seed(0)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -80,27 +80,24 @@ def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch, caplog):
     assert result.ok, result.log
 
 
-def test_gpu_stage_text_is_made_of_the_kernels_prints(tmp_path, monkeypatch):
-    # the "llvm" stage prints each kernel once, for its worker and for the "gpu" stage's text,
-    # before any kernel is rewritten for ptxas (the workers do that: kernel_prep.py): the same
-    # texts as printing each stage right after it ran (compile_stage_file does), and the module
-    # itself is not printed again
+def test_gpu_stage_text_is_printed_by_a_worker(tmp_path, monkeypatch):
+    # the "llvm" stage writes each kernel once (bytecode), for its worker, before any kernel is
+    # rewritten for ptxas (the workers do that: kernel_prep.py), and a worker prints the "gpu"
+    # stage from the module's bytecode: the same texts as printing each stage right after it ran
+    # (compile_stage_file does); this process prints no module
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
-    prints = []
-    real = kernel_jobs.split_printed
 
-    def split_printed(module, names):
-        prints.append(len(names))
-        return real(module, names)
+    def print_module(data):
+        raise AssertionError("the gpu stage printed in the compiling process")
 
-    monkeypatch.setattr(kernel_jobs, "split_printed", split_printed)
+    monkeypatch.setattr(ptx_worker, "print_module", print_module)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     options = {"arch": "sm_90", "cache": False}
     with torch.no_grad():
         compiled = gac_torch.compile(torch.export.export(Blocks().eval(), (x,)), target="cuda", options=options)
-    assert len(prints) == 1 and prints[0] >= 2  # printed once, for the workers and the stage
     assert "nvvm.minctasm" not in compiled.ir("gpu") and "nvvm.minctasm" in compiled.ir("llvm")
+    monkeypatch.undo()
     path = tmp_path / "fused_0.linalg"
     path.write_text(compiled.ir("linalg"))
     stages, _ = gac_torch.compile_stage_file(path, target="cuda", options=options)
@@ -109,22 +106,23 @@ def test_gpu_stage_text_is_made_of_the_kernels_prints(tmp_path, monkeypatch):
 
 
 def test_workers_started_ahead_are_the_pools(monkeypatch):
-    # a program of many kernels starts its workers before it splits its module; run_jobs takes
-    # them (no further process started) and none is left running afterwards
+    # a program of many kernels starts its workers before it splits its module (one more: the
+    # "gpu" stage's printer); run_jobs takes them (no further process started) and none is
+    # left running afterwards
     monkeypatch.setattr(kernel_jobs, "PRESTART_KERNELS", 0)
     started = []
     real = kernel_jobs._worker
     monkeypatch.setattr(kernel_jobs, "_worker", lambda: started.append(real()) or started[-1])
     jobs: list[int] = []
     pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
-    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 2  # both taken by the pool
+    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 3  # taken by the pool and the printer
     assert not kernel_jobs._spare and all(p.poll() is not None for p in started)
     assert _ptx(monkeypatch, workers=1) == pooled
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     with kernel_jobs.started_workers(100):  # not taken (e.g. a module compiled whole): ended
-        assert len(kernel_jobs._spare) == 2
-    assert not kernel_jobs._spare and len(started) == 4
-    assert all(p.wait(timeout=30) == 0 for p in started[2:])  # told to end (reaped in a thread)
+        assert len(kernel_jobs._spare) == 3
+    assert not kernel_jobs._spare and len(started) == 6
+    assert all(p.wait(timeout=30) == 0 for p in started[3:])  # told to end (reaped in a thread)
 
 
 def test_kernel_cache_skips_compiled_kernels(tmp_path, monkeypatch):

@@ -2,10 +2,11 @@
 
 Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial MLIR/LLVM job
 (BEVFormer-tiny: ~80 s of a 2-core machine's 160 s cold compile). Kernels are independent, so:
-  1. split: one module text per kernel, its name replaced by a placeholder, so that kernels
-     that differ only in name (ResNet's repeated blocks) have the same text (the "gpu" stage's
-     text is made of the same prints: split_printed); each worker prepares its kernel for
-     ptxas itself (kernel_prep.py), so printing is all the parent does per kernel;
+  1. split: one module per kernel (MLIR bytecode: split_bytecode; or text: split), its name
+     replaced by a placeholder, so that kernels that differ only in name (ResNet's repeated
+     blocks) have the same bytes; each worker prepares its kernel for ptxas itself
+     (kernel_prep.py), so writing it is all the parent does per kernel, and a worker prints
+     the whole module for the "gpu" stage's text (print_text) meanwhile;
   2. dedupe: compile each distinct text (and prep) once (its sha256 is its address); the on-disk cache
      (runtime/cache.py, `GAC_CACHE`) keeps each kernel's result, so a later compile that shares
      kernels (another model, an edited graph) skips them too;
@@ -26,6 +27,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -34,10 +36,11 @@ import re
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlir import ir
+from mlir import ir, passmanager
 
 from gac_torch.backends.cuda import ptx_worker
 from gac_torch.backends.cuda.ptxas import Assembler
@@ -52,6 +55,7 @@ KEY_FORMAT = 1
 MIN_POOL_BYTES = 1_000_000
 # a program of this many kernels starts its workers before it splits its module (started_workers)
 PRESTART_KERNELS = 64
+BYTECODE_DENSITY = 5  # about as many bytes of kernel text as one of its MLIR bytecode
 
 
 @dataclass
@@ -77,12 +81,6 @@ class NotSplittable(GacError):
 def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
     """Per kernel name, the text of a module holding just that kernel (as PLACEHOLDER) and the
     gpu.module's other ops (globals), which the join dedupes."""
-    return split_printed(module, kernel_names)[0]
-
-
-def split_printed(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, str], str]:
-    """(split's texts, the whole module's text made of the same prints): each op is printed
-    once, for both (printing is the costly part: ~2 s a print of BEVFormer-tiny's kernels)."""
     if set(module.operation.attributes) - {"gpu.container_module"}:
         raise NotSplittable("module attributes")
     gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
@@ -90,7 +88,7 @@ def split_printed(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str,
         raise NotSplittable("not one plain gpu.module")
     gm = gpu_modules[0]
     name = ir.StringAttr(gm.attributes["sym_name"]).value
-    wanted, kernels, shared, body = set(kernel_names), {}, [], []
+    wanted, kernels, shared = set(kernel_names), {}, []
     for op in gm.regions[0].blocks[0].operations:
         op = op.operation
         sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
@@ -100,33 +98,75 @@ def split_printed(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str,
             if not text.startswith(head):
                 raise NotSplittable(f"kernel {sym} prints as {text[:40]!r}")
             kernels[sym] = f"gpu.func @{PLACEHOLDER}(" + text[len(head):]
-            body.append(text)
         elif op.name != "gpu.module_end":
             shared.append(op.get_asm(use_local_scope=True))
-            body.append(shared[-1])
     if set(kernels) != wanted:
         raise NotSplittable("kernels missing from the gpu.module")
     head = "module attributes {gpu.container_module} {\n  gpu.module @%s {\n" % name
     prefix = head + "".join(s + "\n" for s in shared)
-    whole = [op.get_asm(use_local_scope=True) if op.operation.name != "gpu.module" else
-             "gpu.module @%s {\n%s\n}" % (name, "\n".join(body)) for op in module.body.operations]
-    return ({k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()},
-            "module attributes {gpu.container_module} {\n%s\n}\n" % "\n".join(whole))
+    return {k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()}
+
+
+def split_bytecode(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, bytes], bytes]:
+    """(per kernel name, a module holding just that kernel (as PLACEHOLDER) and the gpu.module's
+    other ops, as MLIR bytecode; the whole module's bytecode, written first). Bytecode is written
+    ~5x faster than text is printed (BEVFormer-tiny's kernels: ~2 s of printing). Debug locations
+    are dropped first (they would tell repeated kernels apart; the text shows none). The kernels
+    move out of `module`, which is left for the caller to drop."""
+    if set(module.operation.attributes) - {"gpu.container_module"}:
+        raise NotSplittable("module attributes")
+    gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
+    if len(gpu_modules) != 1 or set(gpu_modules[0].attributes) != {"sym_name"}:
+        raise NotSplittable("not one plain gpu.module")
+    gm = gpu_modules[0]
+    name = ir.StringAttr(gm.attributes["sym_name"]).value
+    wanted, kernels, shared = set(kernel_names), {}, []
+    for op in gm.regions[0].blocks[0].operations:
+        op = op.operation
+        sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
+        if sym in wanted:
+            kernels[sym] = op
+        else:
+            shared.append(op.get_asm(use_local_scope=True))
+    if set(kernels) != wanted:
+        raise NotSplittable("kernels missing from the gpu.module")
+    passmanager.PassManager.parse("builtin.module(strip-debuginfo)", module.context).run(module.operation)
+    whole = _bytecode(module)
+    carrier = ir.Module.parse("module attributes {gpu.container_module} {\n  gpu.module @%s {\n%s  }\n}\n"
+                              % (name, "".join(s + "\n" for s in shared)), module.context)
+    at = ir.InsertionPoint(next(op.operation for op in carrier.body.operations).regions[0].blocks[0])
+    placeholder = ir.StringAttr.get(PLACEHOLDER, module.context)
+    out = {}
+    for sym in kernel_names:  # each in turn the carrier's one kernel, written, then dropped
+        f = kernels[sym]
+        f.detach_from_parent()
+        at.insert(f)
+        f.attributes["sym_name"] = placeholder
+        out[sym] = _bytecode(carrier)
+        f.detach_from_parent()
+    return out, whole
+
+
+def _bytecode(module: ir.Module) -> bytes:
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
 
 
 # -- 2. dedupe + cache ------------------------------------------------------------------------
 
-def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None,
+def job_key(text: str | bytes, lower: str, binary: str, ptxas: Assembler | None = None,
             prep: dict | None = None) -> str:
     from gac_torch.runtime.cache import versions
 
-    data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(text.encode()).hexdigest(),
+    raw = text if isinstance(text, bytes) else text.encode()
+    data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(raw).hexdigest(),
             "lower": lower, "binary": binary, "ptxas": ptxas.version if ptxas else None,
             "prep": prep, "versions": versions()}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
+def compile_kernels(texts: dict[str, str] | dict[str, bytes], lower: str, binary: str, use_cache: bool,
                     on_progress=None, ptxas: Assembler | None = None, per_name: bool = False,
                     meanwhile=None, preps: dict[str, dict] | None = None) -> list[KernelResult]:
     """Every kernel of `texts` compiled (each distinct text once, prepared first by the worker
@@ -137,7 +177,7 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
-    todo: dict[str, str] = {}  # key -> text
+    todo: dict[str, str | bytes] = {}  # key -> text
     prep_of: dict[str, dict | None] = {}  # key -> prep
     for name, text in texts.items():
         prep = preps.get(name) if preps else None
@@ -221,13 +261,13 @@ def _end(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def started_workers(kernels: int):
-    """The pool's workers start (each a Python interpreter importing the MLIR bindings, ~0.3 s)
-    while the caller prepares and splits a program of `kernels` kernels, so run_jobs finds
-    them ready; those it did not take are ended on exit. A small program starts none (it may
+    """The pool's workers (and print_text's) start (each a Python interpreter importing the MLIR
+    bindings, ~0.3 s) while the caller prepares and splits a program of `kernels` kernels, so
+    run_jobs finds them ready; those it did not take are ended on exit. A small program starts none (it may
     well compile in-process: MIN_POOL_BYTES)."""
     n = 0 if _no_pool or kernels < PRESTART_KERNELS else min(worker_count(), kernels)
     try:
-        for _ in range(n if n > 1 else 0):
+        for _ in range(n + 1 if n > 1 else 0):  # (+1: the "gpu" stage's printer, print_text)
             _spare.append(_worker())
     except OSError:
         pass  # (run_jobs finds out and says so)
@@ -249,6 +289,44 @@ def _take_spare() -> subprocess.Popen | None:
         return None
 
 
+def pooled(texts) -> bool:
+    """Is there enough kernel text (or bytecode: ~5x denser) to pay for worker processes?"""
+    return sum(len(t) * (BYTECODE_DENSITY if isinstance(t, bytes) else 1) for t in texts) >= MIN_POOL_BYTES
+
+
+def print_text(data: bytes, texts) -> Callable[[], str]:
+    """A function returning the text of the module `data` (bytecode): printed by a worker process
+    beside the pool that compiles `texts` (a whole model's "gpu" stage: ~3 s of printing), or
+    here, when they compile in-process."""
+    if _no_pool or worker_count() <= 1 or not pooled(texts):
+        return lambda: ptx_worker.print_module(data)
+    got: list[str] = []
+
+    def run() -> None:
+        try:
+            proc = _take_spare() or _worker()
+        except OSError:
+            return
+        try:
+            ptx_worker.write_message(proc.stdin, {"print": base64.b64encode(data).decode()})
+            reply = ptx_worker.read_message(proc.stdout)
+            if reply is not None and "text" in reply:
+                got.append(reply["text"])
+        except (OSError, ValueError) as e:  # (then printed by the caller)
+            log.debug("gac cuda: the print worker failed: %s", e)
+        finally:
+            _end(proc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def wait() -> str:
+        thread.join()
+        return got[0] if got else ptx_worker.print_module(data)
+
+    return wait
+
+
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
              names: list[list[str]] | None = None, on_result=None, meanwhile=None,
              preps: list[dict | None] | None = None) -> list[tuple[str, str, bytes | None, str, dict | None]]:
@@ -261,7 +339,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     `preps` (per text): how the worker prepares the kernel first (kernel_prep.py)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
-    if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
+    if n <= 1 or not pooled(texts):
         if meanwhile:
             meanwhile()
         for i, text in enumerate(texts):
@@ -296,7 +374,9 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                     i = jobs.get_nowait()
                 except queue.Empty:
                     return
-                ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary,
+                source = ({"bytecode": base64.b64encode(texts[i]).decode()} if isinstance(texts[i], bytes)
+                          else {"text": texts[i]})
+                ptx_worker.write_message(proc.stdin, {**source, "lower": lower, "binary": binary,
                                                       "ptxas": ptxas, "names": names[i] if names else None,
                                                       "placeholder": PLACEHOLDER,
                                                       "prep": preps[i] if preps else None})

@@ -69,7 +69,7 @@ class GpuStage:
     @property
     def text(self) -> str:  # what the driver records for this stage
         if self.printed is None:
-            self.printed = _described(self.program) + _module_text(self.module)
+            self.printed = f"{_described(self.program)}{self.module}"
         return self.printed
 
     def __str__(self) -> str:
@@ -133,7 +133,7 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
 
 def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
     opts = stage.options
-    module = stage.module  # (rewritten in place once its text is printed)
+    module = stage.module  # (its kernels move out, or it is rewritten once its text is printed)
     with module.context, ir.Location.unknown():
         funcs = host.kernel_funcs(module)
         names = list(funcs)
@@ -152,27 +152,29 @@ def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
         preps = {name: _prep(name) for name in names}
         texts = None
         if funcs:
-            try:  # each kernel printed once, as the "gpu" stage shows it: for its worker, which
-                # prepares (kernel_prep.py) and lowers it, and for the stage's text
-                texts, whole = kernel_jobs.split_printed(module, names)
+            try:  # each kernel written once, as the "gpu" stage has it, for its worker, which
+                # prepares it for ptxas (kernel_prep.py) and lowers it
+                texts, whole = kernel_jobs.split_bytecode(module, names)
             except kernel_jobs.NotSplittable as e:
                 log.debug("gac cuda: kernels compiled as one module (%s)", e)
         if texts is not None:
-            if stage.printed is None:
-                stage.printed = _described(stage.program) + whole
-            # the module freed now (~0.25 s for BEVFormer-tiny's), not after the pool
+            # (the kernels left the module: freed now, ~0.25 s for BEVFormer-tiny's, not after the pool)
             stage.module = module = funcs = None  # type: ignore[assignment]
+            # the stage's text: printed from the same bytecode by a worker, beside the kernels
+            text = kernel_jobs.print_text(whole, texts.values()) if stage.printed is None else None
             assembler = ptxas.for_cubins()  # (the pool assembles each kernel's cubins after its PTX)
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
                 lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
                 assembler, True, preps=preps)
+            if text is not None:
+                stage.printed = _described(stage.program) + text()
             try:
                 return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
                                     assembler, opts.cache)
             except kernel_jobs.NotSplittable as e:
                 log.debug("gac cuda: kernels compiled as one module (%s)", e)
-            module = ir.Module.parse(whole)  # (the text the stage shows is the module's)
+            module = ir.Module.parse(whole)  # (the kernels left the first one)
             funcs = host.kernel_funcs(module)
         if stage.defer_text:  # printed before the rewrites below
             stage.printed = stage.text
@@ -191,16 +193,6 @@ def _prep(name: str) -> kernel_prep.Prep:
     """How kernel `name` is prepared for ptxas (kernel_prep.py): the settings of this process."""
     return kernel_prep.Prep(kind=kernel_prep.kind(name), sgemm_blocks=conv_gemm_plan.sgemm_blocks_per_sm(),
                             early_loads=bool(conv_gemm_plan.EARLY_LOADS))
-
-
-def _module_text(module: ir.Module) -> str:
-    """The module's text as lower_stage makes it from its kernels' prints (a plain print where
-    the module cannot be split): the same text whether the stage is printed then or right away."""
-    with module.context:
-        try:
-            return kernel_jobs.split_printed(module, list(host.kernel_funcs(module)))[1]
-        except kernel_jobs.NotSplittable:
-            return str(module)
 
 
 def _described(program: GpuProgram) -> str:

@@ -34,9 +34,9 @@ else:  # a worker process (run as a script): its folder is on sys.path, gac_torc
     import kernel_prep
 
 
-def compile_kernel(text: str, lower: str, binary: str, ptxas: str | None = None,
+def compile_kernel(text: str | bytes, lower: str, binary: str, ptxas: str | None = None,
                    prep: kernel_prep.Prep | None = None) -> tuple[str, str, bytes | None, str]:
-    """Parses `text` (a module holding one gpu.module), prepares its kernel (kernel_prep.py,
+    """Parses `text` (a module holding one gpu.module; or its bytecode), prepares its kernel (kernel_prep.py,
     given `prep`), runs the `lower` pipeline (its text is the "llvm" stage), then `binary`
     (gpu-module-to-binary{format=isa}); returns both texts and,
     with a `ptxas`, the cubin and ptxas's complaint (cubin None where ptxas rejects the PTX,
@@ -54,6 +54,11 @@ def compile_kernel(text: str, lower: str, binary: str, ptxas: str | None = None,
         ptx = gpu.ObjectAttr(binaries[0].attributes["objects"][0]).object.decode()
     cubin, error = assemble(ptx, ptxas) if ptxas else (None, "")
     return llvm, ptx, cubin, error
+
+
+def print_module(data: bytes) -> str:
+    """The text of a module given as MLIR bytecode (the "gpu" stage: kernel_jobs.print_elsewhere)."""
+    return str(ir.Module.parse(data, ir.Context()))
 
 
 def assemble_named(ptx: str, ptxas: str, names: list[str], placeholder: str) -> dict[str, list]:
@@ -107,8 +112,12 @@ def main() -> None:
     sys.stdout = sys.stderr  # nothing but results on the pipe
     while (job := read_message(stdin)) is not None:
         try:
+            if "print" in job:
+                write_message(stdout, {"text": print_module(base64.b64decode(job["print"]))})
+                continue
             names = job.get("names")
-            llvm, ptx, cubin, why = compile_kernel(job["text"], job["lower"], job["binary"],
+            text = job["text"] if "text" in job else base64.b64decode(job["bytecode"])
+            llvm, ptx, cubin, why = compile_kernel(text, job["lower"], job["binary"],
                                                    None if names else job.get("ptxas"), job.get("prep"))
             named = assemble_named(ptx, job["ptxas"], names, job["placeholder"]) if names else None
             write_message(stdout, {"llvm": llvm, "ptx": ptx, "ptxas_error": why,
