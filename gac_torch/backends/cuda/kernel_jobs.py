@@ -2,12 +2,12 @@
 
 Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial MLIR/LLVM job
 (BEVFormer-tiny: ~80 s of a 2-core machine's 160 s cold compile). Kernels are independent, so:
-  1. split: one module per kernel (MLIR bytecode: split_bytecode; or text: split), its name
-     replaced by a placeholder, so that kernels that differ only in name (ResNet's repeated
-     blocks) have the same bytes; each worker prepares its kernel for ptxas itself
-     (kernel_prep.py), so writing it is all the parent does per kernel, and a worker prints
-     the whole module for the "gpu" stage's text (print_text) meanwhile;
-  2. dedupe: compile each distinct text (and prep) once (its sha256 is its address); the on-disk cache
+  1. split: one module per kernel (MLIR bytecode: split_bytecode), its name replaced by a
+     placeholder, so that kernels that differ only in name (ResNet's repeated blocks) have the
+     same bytes; each worker prepares its kernel for ptxas itself (kernel_prep.py), so writing
+     it is all the parent does per kernel, and a worker prints the whole module for the "gpu"
+     stage's text (print_text) meanwhile;
+  2. dedupe: compile each distinct module (and prep) once (its sha256 is its address); the on-disk cache
      (runtime/cache.py, `GAC_CACHE`) keeps each kernel's result, so a later compile that shares
      kernels (another model, an edited graph) skips them too;
   3. compile the rest in a pool of worker processes (ptx_worker.py; MLIR holds the GIL, so
@@ -17,7 +17,8 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
 Given a ptxas, each worker can also assemble its kernel's PTX into a cubin (the kernel still
 named PLACEHOLDER), or (`per_name`, what the cuda pipeline asks for: profilers and the autotuner
 tell kernels by name) one cubin per kernel sharing the text, under its own name, right after its
-PTX: ptxas then runs in the pool beside the other kernels' LLVM, not after it.
+PTX (once per name length: ptx_worker.assemble_named): ptxas then runs in the pool beside the
+other kernels' LLVM, not after it.
 A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
 whole, as before, to PTX only.
 """
@@ -77,35 +78,6 @@ class NotSplittable(GacError):
 
 
 # -- 1. split ---------------------------------------------------------------------------------
-
-def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
-    """Per kernel name, the text of a module holding just that kernel (as PLACEHOLDER) and the
-    gpu.module's other ops (globals), which the join dedupes."""
-    if set(module.operation.attributes) - {"gpu.container_module"}:
-        raise NotSplittable("module attributes")
-    gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
-    if len(gpu_modules) != 1 or set(gpu_modules[0].attributes) != {"sym_name"}:
-        raise NotSplittable("not one plain gpu.module")
-    gm = gpu_modules[0]
-    name = ir.StringAttr(gm.attributes["sym_name"]).value
-    wanted, kernels, shared = set(kernel_names), {}, []
-    for op in gm.regions[0].blocks[0].operations:
-        op = op.operation
-        sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
-        if sym in wanted:
-            text = op.get_asm(use_local_scope=True)  # (else each print names the whole module)
-            head = f"gpu.func @{sym}("
-            if not text.startswith(head):
-                raise NotSplittable(f"kernel {sym} prints as {text[:40]!r}")
-            kernels[sym] = f"gpu.func @{PLACEHOLDER}(" + text[len(head):]
-        elif op.name != "gpu.module_end":
-            shared.append(op.get_asm(use_local_scope=True))
-    if set(kernels) != wanted:
-        raise NotSplittable("kernels missing from the gpu.module")
-    head = "module attributes {gpu.container_module} {\n  gpu.module @%s {\n" % name
-    prefix = head + "".join(s + "\n" for s in shared)
-    return {k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()}
-
 
 def split_bytecode(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, bytes], bytes]:
     """(per kernel name, a module holding just that kernel (as PLACEHOLDER) and the gpu.module's

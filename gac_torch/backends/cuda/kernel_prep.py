@@ -70,7 +70,7 @@ def prepare(f: ir.Operation, prep: Prep) -> None:
 
 
 def prepare_module(module: ir.Module, prep: Prep) -> None:
-    """`prepare` on the one gpu.func of a kernel's module (kernel_jobs.split)."""
+    """`prepare` on the one gpu.func of a kernel's module (kernel_jobs.split_bytecode)."""
     with module.context, ir.Location.unknown():
         for op in module.body.operations:
             if op.operation.name == "gpu.module":
