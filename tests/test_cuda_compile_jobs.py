@@ -12,7 +12,7 @@ import torch
 
 import gac_torch
 from gac_torch.backends.cuda import kernel_jobs, ptx_worker, ptxas
-from gac_torch.errors import CompileError
+from gac_torch.errors import CompileError, GacUnsupportedError
 from gac_torch.runtime import cache
 
 
@@ -263,3 +263,35 @@ def test_no_worker_process_falls_back_in_process(monkeypatch, caplog):
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "many")
     with pytest.raises(ValueError, match="GAC_COMPILE_WORKERS"):
         kernel_jobs.worker_count()
+
+
+def _i1_kernel_text(use: str) -> str:
+    """A kernel storing through an i1 buffer: a load/store (bytes then) or `use` (a subview:
+    what the byte rewrite does not handle)."""
+    view = ("%s = memref.subview %a[0] [2] [1] : memref<4xi1> to memref<2xi1, strided<[1]>>\n      "
+            .replace("%s", "%sv") if use == "subview" else "")
+    body = f"""
+    gpu.func @{kernel_jobs.PLACEHOLDER}(%a: memref<4xi1>) kernel {{
+      %i = gpu.thread_id x
+      {view}%v = memref.load %a[%i] : memref<4xi1>
+      %t = arith.constant true
+      %w = arith.xori %v, %t : i1
+      memref.store %w, %a[%i] : memref<4xi1>
+      gpu.return
+    }}"""
+    return "module attributes {gpu.container_module} {\n  gpu.module @gac_kernels {" + body + "\n  }\n}\n"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_prepare_i1_kernels_or_refuse_them(workers, monkeypatch):
+    # the worker (or the process itself, with one) rewrites i1 buffers as bytes before lowering
+    # (kernel_prep.py); a use it cannot rewrite is GacUnsupportedError, as in-process, not a
+    # lowering failure
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", str(workers))
+    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
+    prep = {"kind": "loops", "sgemm_blocks": 2, "early_loads": True}
+    texts = [_i1_kernel_text("load"), _i1_kernel_text("load").replace("true", "false")]
+    results = kernel_jobs.run_jobs(texts, LOWER, BINARY, preps=[prep, prep])
+    assert all("ld.global.b8" in r[1] and "st.global.b8" in r[1] for r in results)  # (bytes)
+    with pytest.raises(GacUnsupportedError, match="i1 buffer used by memref.subview"):
+        kernel_jobs.run_jobs([_i1_kernel_text("subview"), texts[0]], LOWER, BINARY, preps=[prep, prep])

@@ -28,7 +28,7 @@ def store_i1_as_bytes(kernel: ir.Operation) -> None:
     results = ir.FunctionType(ir.TypeAttr(kernel.attributes["function_type"]).value).results
     kernel.attributes["function_type"] = ir.TypeAttr.get(
         ir.FunctionType.get([a.type for a in body.arguments], results))
-    loads, stores = [], []
+    loads, stores, unsupported = [], [], []
 
     def collect(op: ir.Operation) -> ir.WalkResult:
         if op.name == "memref.reinterpret_cast" and op.operands[0] in retyped:
@@ -41,10 +41,13 @@ def store_i1_as_bytes(kernel: ir.Operation) -> None:
         elif op.name == "memref.store" and op.operands[1] in retyped:
             stores.append(op)
         elif any(v in retyped for v in op.operands) and op.name not in ("memref.load", "memref.store", "memref.dim"):
-            raise I1Unsupported(f"i1 buffer used by {op.name} in a kernel")
+            unsupported.append(op.name)
+            return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE
 
     kernel.walk(collect, ir.WalkOrder.PRE_ORDER)
+    if unsupported:  # (raised here: MLIR turns an exception inside a walk into a RuntimeError)
+        raise I1Unsupported(f"i1 buffer used by {unsupported[0]} in a kernel")
     for op in loads:
         res = op.results[0]
         users = [(u.owner, u.operand_number) for u in res.uses]
