@@ -80,18 +80,19 @@ def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch, caplog):
     assert result.ok, result.log
 
 
-def test_gpu_stage_text_is_printed_by_a_worker(tmp_path, monkeypatch):
+def test_gpu_stage_kernels_are_printed_by_workers(tmp_path, monkeypatch):
     # the "llvm" stage writes each kernel once (bytecode), for its worker, before any kernel is
-    # rewritten for ptxas (the workers do that: kernel_prep.py), and a worker prints the "gpu"
-    # stage from the module's bytecode: the same texts as printing each stage right after it ran
-    # (compile_stage_file does); this process prints no module
+    # rewritten for ptxas (the workers do that: kernel_prep.py), and other workers print the
+    # distinct kernels for the "gpu" stage: the same texts as printing each stage right after it
+    # ran (compile_stage_file does); this process prints no kernel
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
 
-    def print_module(data):
-        raise AssertionError("the gpu stage printed in the compiling process")
+    def print_kernels(datas):
+        raise AssertionError("the gpu stage's kernels printed in the compiling process")
 
-    monkeypatch.setattr(ptx_worker, "print_module", print_module)
+    monkeypatch.setattr(ptx_worker, "print_kernels", print_kernels)
+    monkeypatch.setattr(kernel_jobs, "kernel_text", print_kernels)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     options = {"arch": "sm_90", "cache": False}
     with torch.no_grad():
@@ -115,14 +116,14 @@ def test_workers_started_ahead_are_the_pools(monkeypatch):
     monkeypatch.setattr(kernel_jobs, "_worker", lambda: started.append(real()) or started[-1])
     jobs: list[int] = []
     pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
-    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 3  # taken by the pool and the printer
+    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 2 + kernel_jobs.PRINTERS  # pool + printers
     assert not kernel_jobs._spare and all(p.poll() is not None for p in started)
     assert _ptx(monkeypatch, workers=1) == pooled
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     with kernel_jobs.started_workers(100):  # not taken (e.g. a module compiled whole): ended
-        assert len(kernel_jobs._spare) == 3
-    assert not kernel_jobs._spare and len(started) == 6
-    assert all(p.wait(timeout=30) == 0 for p in started[3:])  # told to end (reaped in a thread)
+        assert len(kernel_jobs._spare) == 2 + kernel_jobs.PRINTERS
+    assert not kernel_jobs._spare and len(started) == 2 * (2 + kernel_jobs.PRINTERS)
+    assert all(p.wait(timeout=30) == 0 for p in started[2 + kernel_jobs.PRINTERS:])  # told to end (reaped in a thread)
 
 
 def test_kernel_cache_skips_compiled_kernels(tmp_path, monkeypatch):

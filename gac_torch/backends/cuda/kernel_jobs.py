@@ -5,8 +5,8 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
   1. split: one module per kernel (MLIR bytecode: split_bytecode), its name replaced by a
      placeholder, so that kernels that differ only in name (ResNet's repeated blocks) have the
      same bytes; each worker prepares its kernel for ptxas itself (kernel_prep.py), so writing
-     it is all the parent does per kernel, and a worker prints the whole module for the "gpu"
-     stage's text (print_text) meanwhile;
+     it is all the parent does per kernel, and other workers print the distinct kernels for the
+     "gpu" stage's text (print_kernels) meanwhile;
   2. dedupe: compile each distinct module (and prep) once (its sha256 is its address); the on-disk cache
      (runtime/cache.py, `GAC_CACHE`) keeps each kernel's result, so a later compile that shares
      kernels (another model, an edited graph) skips them too;
@@ -57,6 +57,7 @@ MIN_POOL_BYTES = 1_000_000
 # a program of this many kernels starts its workers before it splits its module (started_workers)
 PRESTART_KERNELS = 64
 BYTECODE_DENSITY = 5  # about as many bytes of kernel text as one of its MLIR bytecode
+PRINTERS = 2  # worker processes printing the kernels for the "gpu" stage's text (print_kernels)
 
 
 @dataclass
@@ -79,33 +80,67 @@ class NotSplittable(GacError):
 
 # -- 1. split ---------------------------------------------------------------------------------
 
-def split_bytecode(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, bytes], bytes]:
-    """(per kernel name, a module holding just that kernel (as PLACEHOLDER) and the gpu.module's
-    other ops, as MLIR bytecode; the whole module's bytecode, written first). Bytecode is written
-    ~5x faster than text is printed (BEVFormer-tiny's kernels: ~2 s of printing). Debug locations
-    are dropped first (they would tell repeated kernels apart; the text shows none). The kernels
-    move out of `module`, which is left for the caller to drop."""
+@dataclass
+class Layout:
+    """A split module's text without its kernels' (text_of puts them in): the other top-level
+    ops printed (None: the gpu.module), and the gpu.module's ops in order, shared ops printed,
+    kernels by name."""
+
+    tops: list[str | None]
+    name: str  # the gpu.module's
+    body: list[tuple[bool, str]]  # (a kernel?, its name or the op's text)
+
+    def text_of(self, kernels: dict[str, str]) -> str:
+        """The module's text given each kernel's (its local-scope print)."""
+        gm = "gpu.module @%s {\n%s\n}" % (self.name, "\n".join(kernels[x] if k else x for k, x in self.body))
+        return "module attributes {gpu.container_module} {\n%s\n}\n" % "\n".join(
+            gm if t is None else t for t in self.tops)
+
+
+def layout(module: ir.Module, kernel_names: list[str]) -> tuple[Layout, dict[str, ir.Operation]]:
+    """(the module's Layout, its kernels by name); raises NotSplittable."""
     if set(module.operation.attributes) - {"gpu.container_module"}:
         raise NotSplittable("module attributes")
     gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
     if len(gpu_modules) != 1 or set(gpu_modules[0].attributes) != {"sym_name"}:
         raise NotSplittable("not one plain gpu.module")
     gm = gpu_modules[0]
-    name = ir.StringAttr(gm.attributes["sym_name"]).value
-    wanted, kernels, shared = set(kernel_names), {}, []
+    wanted, kernels, body = set(kernel_names), {}, []
     for op in gm.regions[0].blocks[0].operations:
         op = op.operation
         sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
         if sym in wanted:
             kernels[sym] = op
+            body.append((True, sym))
         else:
-            shared.append(op.get_asm(use_local_scope=True))
+            body.append((False, op.get_asm(use_local_scope=True)))
     if set(kernels) != wanted:
         raise NotSplittable("kernels missing from the gpu.module")
+    tops = [None if op.operation == gm else op.operation.get_asm(use_local_scope=True)
+            for op in module.body.operations]
+    return Layout(tops, ir.StringAttr(gm.attributes["sym_name"]).value, body), kernels
+
+
+def kernel_text(f: ir.Operation, name: str) -> str:
+    """A kernel's local-scope print (each print would else name the whole module), as `name`."""
+    text = f.get_asm(use_local_scope=True)
+    head = f"gpu.func @{ir.StringAttr(f.attributes['sym_name']).value}("
+    if not text.startswith(head):
+        raise NotSplittable(f"kernel {name} prints as {text[:40]!r}")
+    return f"gpu.func @{name}(" + text[len(head):]
+
+
+def split_bytecode(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, bytes], Layout]:
+    """(per kernel name, a module holding just that kernel (as PLACEHOLDER) and the gpu.module's
+    other ops, as MLIR bytecode; the module's Layout). Bytecode is written ~5x faster than text
+    is printed (BEVFormer-tiny's kernels: ~2 s of printing); print_kernels prints them. Debug
+    locations are dropped first (they would tell repeated kernels apart; the text shows none).
+    The kernels move out of `module`, which is left for the caller to drop."""
+    shape, kernels = layout(module, kernel_names)
     passmanager.PassManager.parse("builtin.module(strip-debuginfo)", module.context).run(module.operation)
-    whole = _bytecode(module)
+    shared = "".join(x + "\n" for k, x in shape.body if not k)
     carrier = ir.Module.parse("module attributes {gpu.container_module} {\n  gpu.module @%s {\n%s  }\n}\n"
-                              % (name, "".join(s + "\n" for s in shared)), module.context)
+                              % (shape.name, shared), module.context)
     at = ir.InsertionPoint(next(op.operation for op in carrier.body.operations).regions[0].blocks[0])
     placeholder = ir.StringAttr.get(PLACEHOLDER, module.context)
     out = {}
@@ -116,7 +151,7 @@ def split_bytecode(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str
         f.attributes["sym_name"] = placeholder
         out[sym] = _bytecode(carrier)
         f.detach_from_parent()
-    return out, whole
+    return out, shape
 
 
 def _bytecode(module: ir.Module) -> bytes:
@@ -233,13 +268,13 @@ def _end(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def started_workers(kernels: int):
-    """The pool's workers (and print_text's) start (each a Python interpreter importing the MLIR
+    """The pool's workers (and print_kernels') start (each a Python interpreter importing the MLIR
     bindings, ~0.3 s) while the caller prepares and splits a program of `kernels` kernels, so
     run_jobs finds them ready; those it did not take are ended on exit. A small program starts none (it may
     well compile in-process: MIN_POOL_BYTES)."""
     n = 0 if _no_pool or kernels < PRESTART_KERNELS else min(worker_count(), kernels)
     try:
-        for _ in range(n + 1 if n > 1 else 0):  # (+1: the "gpu" stage's printer, print_text)
+        for _ in range(n + PRINTERS if n > 1 else 0):  # (+ the "gpu" stage's printers: print_kernels)
             _spare.append(_worker())
     except OSError:
         pass  # (run_jobs finds out and says so)
@@ -266,35 +301,41 @@ def pooled(texts) -> bool:
     return sum(len(t) * (BYTECODE_DENSITY if isinstance(t, bytes) else 1) for t in texts) >= MIN_POOL_BYTES
 
 
-def print_text(data: bytes, texts) -> Callable[[], str]:
-    """A function returning the text of the module `data` (bytecode): printed by a worker process
-    beside the pool that compiles `texts` (a whole model's "gpu" stage: ~3 s of printing), or
-    here, when they compile in-process."""
-    if _no_pool or worker_count() <= 1 or not pooled(texts):
-        return lambda: ptx_worker.print_module(data)
-    got: list[str] = []
+def print_kernels(datas: list[bytes]) -> Callable[[], list[str]]:
+    """A function returning each kernel module's (split_bytecode) kernel printed as kernel_text
+    does (named PLACEHOLDER): by up to PRINTERS worker processes beside the pool (a whole
+    model's kernels: ~2 s of printing), or here, when the pool compiles in-process."""
+    if _no_pool or worker_count() <= 1 or not pooled(datas):
+        return lambda: ptx_worker.print_kernels(datas)
+    order = sorted(range(len(datas)), key=lambda i: -len(datas[i]))
+    shares = [order[k::PRINTERS] for k in range(min(PRINTERS, len(datas)))]  # (dealt largest first)
+    got: dict[int, str] = {}
 
-    def run() -> None:
+    def run(share: list[int]) -> None:
         try:
             proc = _take_spare() or _worker()
         except OSError:
             return
         try:
-            ptx_worker.write_message(proc.stdin, {"print": base64.b64encode(data).decode()})
+            ptx_worker.write_message(proc.stdin, {"print": [base64.b64encode(datas[i]).decode() for i in share]})
             reply = ptx_worker.read_message(proc.stdout)
-            if reply is not None and "text" in reply:
-                got.append(reply["text"])
+            if reply is not None and "texts" in reply:
+                got.update(zip(share, reply["texts"]))
         except (OSError, ValueError) as e:  # (then printed by the caller)
-            log.debug("gac cuda: the print worker failed: %s", e)
+            log.debug("gac cuda: a print worker failed: %s", e)
         finally:
             _end(proc)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=run, args=(share,), daemon=True) for share in shares]
+    for t in threads:
+        t.start()
 
-    def wait() -> str:
-        thread.join()
-        return got[0] if got else ptx_worker.print_module(data)
+    def wait() -> list[str]:
+        for t in threads:
+            t.join()
+        if len(got) < len(datas):
+            return ptx_worker.print_kernels(datas)
+        return [got[i] for i in range(len(datas))]
 
     return wait
 

@@ -69,7 +69,7 @@ class GpuStage:
     @property
     def text(self) -> str:  # what the driver records for this stage
         if self.printed is None:
-            self.printed = f"{_described(self.program)}{self.module}"
+            self.printed = _described(self.program) + _module_text(self.module)
         return self.printed
 
     def __str__(self) -> str:
@@ -154,27 +154,31 @@ def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
         if funcs:
             try:  # each kernel written once, as the "gpu" stage has it, for its worker, which
                 # prepares it for ptxas (kernel_prep.py) and lowers it
-                texts, whole = kernel_jobs.split_bytecode(module, names)
+                texts, shape = kernel_jobs.split_bytecode(module, names)
             except kernel_jobs.NotSplittable as e:
                 log.debug("gac cuda: kernels compiled as one module (%s)", e)
         if texts is not None:
             # (the kernels left the module: freed now, ~0.25 s for BEVFormer-tiny's, not after the pool)
             stage.module = module = funcs = None  # type: ignore[assignment]
-            # the stage's text: printed from the same bytecode by a worker, beside the kernels
-            text = kernel_jobs.print_text(whole, texts.values()) if stage.printed is None else None
+            # the stage's text: the distinct kernels printed by other workers beside the pool
+            distinct = list(dict.fromkeys(texts.values())) if stage.printed is None else []
+            printed = kernel_jobs.print_kernels(distinct) if distinct else None
             assembler = ptxas.for_cubins()  # (the pool assembles each kernel's cubins after its PTX)
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
                 lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
                 assembler, True, preps=preps)
-            if text is not None:
-                stage.printed = _described(stage.program) + text()
+            if printed is not None:
+                of = dict(zip(distinct, printed()))
+                head = f"gpu.func @{kernel_jobs.PLACEHOLDER}("
+                stage.printed = _described(stage.program) + shape.text_of(
+                    {n: f"gpu.func @{n}(" + of[texts[n]][len(head):] for n in names})
             try:
                 return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
                                     assembler, opts.cache)
             except kernel_jobs.NotSplittable as e:
                 log.debug("gac cuda: kernels compiled as one module (%s)", e)
-            module = ir.Module.parse(whole)  # (the kernels left the first one)
+            module = ir.Module.parse(stage.text)  # (the kernels left the first one)
             funcs = host.kernel_funcs(module)
         if stage.defer_text:  # printed before the rewrites below
             stage.printed = stage.text
@@ -193,6 +197,18 @@ def _prep(name: str) -> kernel_prep.Prep:
     """How kernel `name` is prepared for ptxas (kernel_prep.py): the settings of this process."""
     return kernel_prep.Prep(kind=kernel_prep.kind(name), sgemm_blocks=conv_gemm_plan.sgemm_blocks_per_sm(),
                             early_loads=bool(conv_gemm_plan.EARLY_LOADS))
+
+
+def _module_text(module: ir.Module) -> str:
+    """The module's text as lower_stage makes it (kernel_jobs.Layout: kernels printed apart),
+    so the "gpu" stage reads the same printed then or right away (a plain print where the
+    module cannot be split)."""
+    with module.context:
+        try:
+            shape, kernels = kernel_jobs.layout(module, list(host.kernel_funcs(module)))
+            return shape.text_of({n: kernel_jobs.kernel_text(f, n) for n, f in kernels.items()})
+        except kernel_jobs.NotSplittable:
+            return str(module)
 
 
 def _described(program: GpuProgram) -> str:

@@ -56,9 +56,18 @@ def compile_kernel(text: str | bytes, lower: str, binary: str, ptxas: str | None
     return llvm, ptx, cubin, error
 
 
-def print_module(data: bytes) -> str:
-    """The text of a module given as MLIR bytecode (the "gpu" stage: kernel_jobs.print_elsewhere)."""
-    return str(ir.Module.parse(data, ir.Context()))
+def print_kernels(datas: list[bytes]) -> list[str]:
+    """The gpu.func of each kernel module (MLIR bytecode, kernel_jobs.split_bytecode) printed with
+    local scope: the kernels' part of the "gpu" stage's text (kernel_jobs.print_kernels)."""
+    ctx = ir.Context()
+    ctx.enable_multithreading(False)
+    out = []
+    for data in datas:
+        module = ir.Module.parse(data, ctx)
+        gm = next(op.operation for op in module.body.operations if op.operation.name == "gpu.module")
+        f = next(op.operation for op in gm.regions[0].blocks[0].operations if op.operation.name == "gpu.func")
+        out.append(f.get_asm(use_local_scope=True))
+    return out
 
 
 def assemble_named(ptx: str, ptxas: str, names: list[str], placeholder: str) -> dict[str, list]:
@@ -125,7 +134,7 @@ def main() -> None:
     while (job := read_message(stdin)) is not None:
         try:
             if "print" in job:
-                write_message(stdout, {"text": print_module(base64.b64decode(job["print"]))})
+                write_message(stdout, {"texts": print_kernels([base64.b64decode(d) for d in job["print"]])})
                 continue
             names = job.get("names")
             text = job["text"] if "text" in job else base64.b64decode(job["bytecode"])
