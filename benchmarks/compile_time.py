@@ -36,6 +36,17 @@ import json, os, resource, sys, time
 def cpu(children_only=False):  # CPU s of this process and its finished children (llc, cuda workers)
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return c.ru_utime + c.ru_stime + (0 if children_only else s.ru_utime + s.ru_stime)
+def task_cpu():  # per thread of this process (Linux): "tid name" -> CPU s
+    out = {}
+    for tid in (os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 t0 = time.perf_counter()
 import torch, gac_torch
 from gac_torch.models.bevformer import build_bevformer, make_test_inputs
@@ -68,10 +79,14 @@ with torch.no_grad():
         compiled = fn
     else:
         t = time.perf_counter(); ep = torch.export.export(model, inputs); row["export_s"] = time.perf_counter() - t
-        t, c, k = time.perf_counter(), cpu(), cpu(True)
+        t, c, k, tasks = time.perf_counter(), cpu(), cpu(True), task_cpu()
         compiled = gac_torch.compile(ep, target=target, options=options)
         row["compile_s"], row["compile_cpu_s"] = time.perf_counter() - t, cpu() - c
         row["children_cpu_s"] = cpu(True) - k
+        # CPU s per thread of this process during the compile (name: s), the busy ones: a thread
+        # other than the compile's own taking the GIL slows the compile without showing in it
+        row["threads_cpu_s"] = {n: round(s - tasks.get(n, 0), 2) for n, s in task_cpu().items()
+                                if s - tasks.get(n, 0) >= 0.05}
         if what == "save":
             gac_torch.save(compiled, path)
     if target != "cuda" or device:

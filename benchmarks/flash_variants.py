@@ -22,7 +22,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import time_ms  # noqa: E402
 
 import gac_torch  # noqa: E402
-from gac_torch.backends.cuda import pipeline  # noqa: E402
+from gac_torch.backends.cuda import kernel_prep  # noqa: E402
 from gac_torch.kernels import flash_attention as fa  # noqa: E402
 from tests.parity import Fn  # noqa: E402
 
@@ -40,16 +40,16 @@ DT = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 def _compile(inputs: tuple, tiles: tuple[int, int] | None, maxnreg: int | None, mt: int, stages: int | None):
-    orig, orig_reg = fa.plan, pipeline._flash_maxnreg
+    orig, orig_reg = fa.plan, kernel_prep.flash_maxnreg
     if tiles is not None or stages is not None:
         fa.plan = lambda spec, *a, **k: orig(spec, *a, **({"tiles": (tiles,), "mt": mt} if tiles else {}), stages=stages)
     if maxnreg is not None:
-        pipeline._flash_maxnreg = lambda kernel: maxnreg
+        kernel_prep.flash_maxnreg = lambda kernel: maxnreg
     try:
         c = gac_torch.compile(Fn(F.scaled_dot_product_attention), inputs, target="cuda",
                               options={"fallback": False, "cache": False})
     finally:
-        fa.plan, pipeline._flash_maxnreg = orig, orig_reg
+        fa.plan, kernel_prep.flash_maxnreg = orig, orig_reg
     ptx = c.ir("ptx")
     launch = [line for line in ptx.splitlines() if line.startswith("// launch") and "flash" in line]
     if not launch:

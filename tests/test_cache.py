@@ -176,7 +176,7 @@ def test_entry_from_another_format_is_refused():
     entry = cache.Entry({"a": 1}, {"so": b"\0\1"}, {"gac": "x"})
     data = bytearray(cache.pack_entry("k" * 64, entry))
     assert cache.unpack_entry(bytes(data), "k" * 64).blobs == {"so": b"\0\1"}
-    header_at = data.index(b'"format": 1')
+    header_at = data.index(b'"format": %d' % cache.FORMAT)
     data[header_at:header_at + 11] = b'"format": 9'
     with pytest.raises(cache.CacheError, match="checksum"):
         cache.unpack_entry(bytes(data), "k" * 64)
@@ -185,6 +185,20 @@ def test_entry_from_another_format_is_refused():
     resealed = cache.MAGIC + hashlib.sha256(body).digest() + body
     with pytest.raises(cache.CacheError, match="format 9"):
         cache.unpack_entry(resealed, "k" * 64)
+
+
+def test_stage_texts_pack_in_chunks(monkeypatch):
+    # stage texts beyond STAGES_CHUNK are compressed in pieces (in threads) and read back whole
+    monkeypatch.setattr(cache, "STAGES_CHUNK", 1000)
+    rng = torch.Generator().manual_seed(0)
+    texts = {"gac": "ünï " * 900, "gpu": "".join(map(str, torch.randint(0, 10, (5000,), generator=rng).tolist())),
+             "empty": ""}
+    calls = []
+    real = cache.zlib.compress
+    monkeypatch.setattr(cache.zlib, "compress", lambda *a: calls.append(1) or real(*a))
+    packed = cache.pack_entry("k", cache.Entry({}, {}, dict(texts)))
+    assert len(calls) > 3
+    assert dict(cache.unpack_entry(packed, "k").stages) == texts
 
 
 def test_an_entry_packs_its_stage_texts_once(monkeypatch):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gac_torch
-from gac_torch.backends.cuda import kernel_jobs, ptxas
-from gac_torch.errors import CompileError
+from gac_torch.backends.cuda import kernel_jobs, ptx_worker, ptxas
+from gac_torch.errors import CompileError, GacUnsupportedError
 from gac_torch.runtime import cache
 
 
@@ -34,7 +34,7 @@ class Blocks(torch.nn.Module):
 def _ptx(monkeypatch, workers: int, jobs: list | None = None, whole: bool = False) -> str:
     monkeypatch.setenv("GAC_COMPILE_WORKERS", str(workers))
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)  # the pool even for a small program
-    real_run, real_split = kernel_jobs.run_jobs, kernel_jobs.split
+    real_run, real_split = kernel_jobs.run_jobs, kernel_jobs.split_bytecode
 
     def run_jobs(texts, *a, **k):
         if jobs is not None:
@@ -47,7 +47,7 @@ def _ptx(monkeypatch, workers: int, jobs: list | None = None, whole: bool = Fals
         return real_split(*a, **k)
 
     monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
-    monkeypatch.setattr(kernel_jobs, "split", split)
+    monkeypatch.setattr(kernel_jobs, "split_bytecode", split)
     torch.manual_seed(0)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -80,24 +80,25 @@ def test_pool_dedupes_and_matches_the_whole_module_compile(monkeypatch, caplog):
     assert result.ok, result.log
 
 
-def test_gpu_stage_text_is_printed_while_the_workers_compile(tmp_path, monkeypatch):
-    # the "llvm" stage lowers a copy of the "gpu" stage's module and prints the module itself
-    # while its workers compile: the same texts as printing each stage right after it ran
-    # (compile_stage_file does), i.e. the lowering left the printed module as it was
+def test_gpu_stage_kernels_are_printed_by_workers(tmp_path, monkeypatch):
+    # the "llvm" stage writes each kernel once (bytecode), for its worker, before any kernel is
+    # rewritten for ptxas (the workers do that: kernel_prep.py), and other workers print the
+    # distinct kernels for the "gpu" stage: the same texts as printing each stage right after it
+    # ran (compile_stage_file does); this process prints no kernel
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
-    ran = []
-    real = kernel_jobs.run_jobs
 
-    def run_jobs(texts, *a, meanwhile=None, **k):
-        return real(texts, *a, meanwhile=meanwhile and (lambda: ran.append(len(texts)) or meanwhile()), **k)
+    def print_kernels(datas):
+        raise AssertionError("the gpu stage's kernels printed in the compiling process")
 
-    monkeypatch.setattr(kernel_jobs, "run_jobs", run_jobs)
+    monkeypatch.setattr(ptx_worker, "print_kernels", print_kernels)
+    monkeypatch.setattr(kernel_jobs, "kernel_text", print_kernels)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
     options = {"arch": "sm_90", "cache": False}
     with torch.no_grad():
         compiled = gac_torch.compile(torch.export.export(Blocks().eval(), (x,)), target="cuda", options=options)
-    assert len(ran) == 1 and ran[0] >= 2  # printed once, beside the pool
+    assert "nvvm.minctasm" not in compiled.ir("gpu") and "nvvm.minctasm" in compiled.ir("llvm")
+    monkeypatch.undo()
     path = tmp_path / "fused_0.linalg"
     path.write_text(compiled.ir("linalg"))
     stages, _ = gac_torch.compile_stage_file(path, target="cuda", options=options)
@@ -106,22 +107,23 @@ def test_gpu_stage_text_is_printed_while_the_workers_compile(tmp_path, monkeypat
 
 
 def test_workers_started_ahead_are_the_pools(monkeypatch):
-    # a program of many kernels starts its workers before it splits its module; run_jobs takes
-    # them (no further process started) and none is left running afterwards
+    # a program of many kernels starts its workers before it splits its module (one more: the
+    # "gpu" stage's printer); run_jobs takes them (no further process started) and none is
+    # left running afterwards
     monkeypatch.setattr(kernel_jobs, "PRESTART_KERNELS", 0)
     started = []
     real = kernel_jobs._worker
     monkeypatch.setattr(kernel_jobs, "_worker", lambda: started.append(real()) or started[-1])
     jobs: list[int] = []
     pooled = _ptx(monkeypatch, workers=2, jobs=jobs)
-    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 2  # both taken by the pool
+    assert len(jobs) == 1 and jobs[0] >= 2 and len(started) == 2 + kernel_jobs.PRINTERS  # pool + printers
     assert not kernel_jobs._spare and all(p.poll() is not None for p in started)
     assert _ptx(monkeypatch, workers=1) == pooled
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "2")
     with kernel_jobs.started_workers(100):  # not taken (e.g. a module compiled whole): ended
-        assert len(kernel_jobs._spare) == 2
-    assert not kernel_jobs._spare and len(started) == 4
-    assert all(p.wait(timeout=30) == 0 for p in started[2:])  # told to end (reaped in a thread)
+        assert len(kernel_jobs._spare) == 2 + kernel_jobs.PRINTERS
+    assert not kernel_jobs._spare and len(started) == 2 * (2 + kernel_jobs.PRINTERS)
+    assert all(p.wait(timeout=30) == 0 for p in started[2 + kernel_jobs.PRINTERS:])  # told to end (reaped in a thread)
 
 
 def test_kernel_cache_skips_compiled_kernels(tmp_path, monkeypatch):
@@ -262,3 +264,35 @@ def test_no_worker_process_falls_back_in_process(monkeypatch, caplog):
     monkeypatch.setenv("GAC_COMPILE_WORKERS", "many")
     with pytest.raises(ValueError, match="GAC_COMPILE_WORKERS"):
         kernel_jobs.worker_count()
+
+
+def _i1_kernel_text(use: str) -> str:
+    """A kernel storing through an i1 buffer: a load/store (bytes then) or `use` (a subview:
+    what the byte rewrite does not handle)."""
+    view = ("%s = memref.subview %a[0] [2] [1] : memref<4xi1> to memref<2xi1, strided<[1]>>\n      "
+            .replace("%s", "%sv") if use == "subview" else "")
+    body = f"""
+    gpu.func @{kernel_jobs.PLACEHOLDER}(%a: memref<4xi1>) kernel {{
+      %i = gpu.thread_id x
+      {view}%v = memref.load %a[%i] : memref<4xi1>
+      %t = arith.constant true
+      %w = arith.xori %v, %t : i1
+      memref.store %w, %a[%i] : memref<4xi1>
+      gpu.return
+    }}"""
+    return "module attributes {gpu.container_module} {\n  gpu.module @gac_kernels {" + body + "\n  }\n}\n"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_prepare_i1_kernels_or_refuse_them(workers, monkeypatch):
+    # the worker (or the process itself, with one) rewrites i1 buffers as bytes before lowering
+    # (kernel_prep.py); a use it cannot rewrite is GacUnsupportedError, as in-process, not a
+    # lowering failure
+    monkeypatch.setenv("GAC_COMPILE_WORKERS", str(workers))
+    monkeypatch.setattr(kernel_jobs, "MIN_POOL_BYTES", 0)
+    prep = {"kind": "loops", "sgemm_blocks": 2, "early_loads": True}
+    texts = [_i1_kernel_text("load"), _i1_kernel_text("load").replace("true", "false")]
+    results = kernel_jobs.run_jobs(texts, LOWER, BINARY, preps=[prep, prep])
+    assert all("ld.global.b8" in r[1] and "st.global.b8" in r[1] for r in results)  # (bytes)
+    with pytest.raises(GacUnsupportedError, match="i1 buffer used by memref.subview"):
+        kernel_jobs.run_jobs([_i1_kernel_text("subview"), texts[0]], LOWER, BINARY, preps=[prep, prep])

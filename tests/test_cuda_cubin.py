@@ -53,6 +53,27 @@ def test_ptxas_assembles_a_cubin_for_sm_90():
     assert none is None and why == ""
 
 
+def test_named_cubins_of_one_length_are_ptxas_own(monkeypatch):
+    # one ptxas run per name length: the other names' cubins are its bytes renamed, exactly what
+    # ptxas makes of the renamed PTX (names of another length get their own run)
+    a = _assembler()
+    _, ptx, _, _ = ptx_worker.compile_kernel(_kernel_text(3.0), LOWER, BINARY)
+    names = ["gac_k7_loops", "gac_k9_loops", "gac_k12_loops", "gac_k31_loops"]
+    runs = []
+    real = ptx_worker.assemble
+
+    def assemble(text, exe):
+        runs.append(text)
+        return real(text, exe)
+
+    monkeypatch.setattr(ptx_worker, "assemble", assemble)
+    named = ptx_worker.assemble_named(ptx, a.exe, names, kernel_jobs.PLACEHOLDER)
+    assert len(runs) == 2  # gac_k7_loops and gac_k12_loops
+    for name in names:
+        own, why = real(ptx.replace(kernel_jobs.PLACEHOLDER, name), a.exe)
+        assert why == "" and named[name] == [own, ""]
+
+
 def test_cubin_cache_key_has_ptxas_version_and_arch(monkeypatch):
     text = _kernel_text(1.0)
     a = _assembler()
@@ -94,8 +115,9 @@ def test_program_carries_cubins_as_cache_blobs(monkeypatch):
     assert all(c.kernels[0].encode() in c.data and kernel_jobs.PLACEHOLDER.encode() not in c.data
                for c in program.cubins)
     meta, blobs = cuda_target._pack(program, {})
-    assert sorted(blobs) == sorted(f"cubin:{i}" for i in range(len(program.cubins)))
+    assert sorted(blobs) == sorted(["ptx", *(f"cubin:{i}" for i in range(len(program.cubins)))])
     assert '"bytes"' not in json.dumps(meta)  # SASS as raw blobs, not base64 in the JSON header
+    assert ".entry" not in json.dumps(meta)  # nor the PTX (a blob: 7 MB for BEVFormer-tiny)
     monkeypatch.setattr(runtime, "check_available", lambda: None)  # (no GPU is touched before a call)
     exe = cuda_target._unpack(json.loads(json.dumps(meta)), blobs, _signature(program), {})
     assert exe.program.cubins == program.cubins and exe.program.ptx == program.ptx

@@ -48,7 +48,8 @@ from gac_torch.options import Options, key_fields
 log = logging.getLogger("gac_torch")
 
 MAGIC = b"GACCACHE\x01\n"
-FORMAT = 1
+FORMAT = 2  # 2: stage texts packed in chunks (_pack_stages)
+STAGES_CHUNK = 4 << 20  # bytes of stage text compressed apart (in parallel)
 SUFFIX = ".gac"
 DEFAULT_SIZE_MB = 2048
 
@@ -58,8 +59,8 @@ class CacheError(GacError, ValueError):
 
 
 class Stages(Mapping):
-    """Stage texts as an entry keeps them (zlib'd JSON), unpacked at the first read: a warm
-    compile reads none (BEVFormer-tiny's cuda stages: 31 MB of text, 4.7 MB packed)."""
+    """Stage texts as an entry keeps them (_pack_stages), unpacked at the first read: a warm
+    compile reads none (BEVFormer-tiny's cuda stages: 37 MB of text, 4.5 MB packed)."""
 
     def __init__(self, packed: bytes, texts: dict[str, str] | None = None):
         self.packed = packed
@@ -67,7 +68,7 @@ class Stages(Mapping):
 
     def _unpacked(self) -> dict[str, str]:
         if self._texts is None:
-            self._texts = json.loads(zlib.decompress(self.packed))  # (checked with the entry)
+            self._texts = _unpack_stages(self.packed)  # (checked with the entry)
         return self._texts
 
     def __getitem__(self, stage: str) -> str:
@@ -197,7 +198,7 @@ def pack_entry(key: str, entry: Entry) -> bytes:
     if not isinstance(entry.stages, Stages):  # packed once: a compiled program's entry packs its
         # partitions' entries again (BEVFormer-tiny cuda: 64 MB of stage text)
         texts = dict(entry.stages)
-        entry.stages = Stages(zlib.compress(json.dumps(texts).encode(), 3), texts)
+        entry.stages = Stages(_pack_stages(texts), texts)
     blobs["\0stages"] = entry.stages.packed
     layout, offset = {}, 0
     for name, data in blobs.items():
@@ -207,6 +208,39 @@ def pack_entry(key: str, entry: Entry) -> bytes:
                          "versions": versions()}, sort_keys=True).encode()
     body = struct.pack("<I", len(header)) + header + b"".join(blobs.values())
     return MAGIC + hashlib.sha256(body).digest() + body
+
+
+def _pack_stages(texts: Mapping[str, str]) -> bytes:
+    """u32 n | JSON {stages: [[name, UTF-8 bytes]...], chunks: [packed bytes...]} | the chunks:
+    the texts' UTF-8 joined (no JSON escaping: ~0.4 s of 37 MB), cut in STAGES_CHUNK pieces
+    zlib'd apart, in threads (zlib lets go of the GIL)."""
+    raw = [t.encode() for t in texts.values()]
+    data = b"".join(raw)
+    pieces = [data[i:i + STAGES_CHUNK] for i in range(0, len(data), STAGES_CHUNK)] or [b""]
+    if len(pieces) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(len(pieces), os.cpu_count() or 1)) as pool:
+            packed = list(pool.map(lambda p: zlib.compress(p, 3), pieces))
+    else:
+        packed = [zlib.compress(pieces[0], 3)]
+    head = json.dumps({"stages": [[k, len(r)] for k, r in zip(texts, raw)],
+                       "chunks": [len(p) for p in packed]}).encode()
+    return struct.pack("<I", len(head)) + head + b"".join(packed)
+
+
+def _unpack_stages(packed: bytes) -> dict[str, str]:
+    (n,) = struct.unpack("<I", packed[:4])
+    head = json.loads(packed[4:4 + n])
+    at, parts = 4 + n, []
+    for size in head["chunks"]:
+        parts.append(zlib.decompress(packed[at:at + size]))
+        at += size
+    data, at, out = b"".join(parts), 0, {}
+    for name, size in head["stages"]:
+        out[name] = data[at:at + size].decode()
+        at += size
+    return out
 
 
 def unpack_entry(data: bytes, key: str | None) -> Entry:

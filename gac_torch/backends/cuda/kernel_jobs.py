@@ -2,9 +2,12 @@
 
 Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial MLIR/LLVM job
 (BEVFormer-tiny: ~80 s of a 2-core machine's 160 s cold compile). Kernels are independent, so:
-  1. split: one module text per kernel, its name replaced by a placeholder, so that kernels
-     that differ only in name (ResNet's repeated blocks) have the same text;
-  2. dedupe: compile each distinct text once (its sha256 is its address); the on-disk cache
+  1. split: one module per kernel (MLIR bytecode: split_bytecode), its name replaced by a
+     placeholder, so that kernels that differ only in name (ResNet's repeated blocks) have the
+     same bytes; each worker prepares its kernel for ptxas itself (kernel_prep.py), so writing
+     it is all the parent does per kernel, and other workers print the distinct kernels for the
+     "gpu" stage's text (print_kernels) meanwhile;
+  2. dedupe: compile each distinct module (and prep) once (its sha256 is its address); the on-disk cache
      (runtime/cache.py, `GAC_CACHE`) keeps each kernel's result, so a later compile that shares
      kernels (another model, an edited graph) skips them too;
   3. compile the rest in a pool of worker processes (ptx_worker.py; MLIR holds the GIL, so
@@ -14,7 +17,8 @@ Lowering a whole model's `gpu.module` to NVVM and then to PTX is one long serial
 Given a ptxas, each worker can also assemble its kernel's PTX into a cubin (the kernel still
 named PLACEHOLDER), or (`per_name`, what the cuda pipeline asks for: profilers and the autotuner
 tell kernels by name) one cubin per kernel sharing the text, under its own name, right after its
-PTX: ptxas then runs in the pool beside the other kernels' LLVM, not after it.
+PTX (once per name length: ptx_worker.assemble_named): ptxas then runs in the pool beside the
+other kernels' LLVM, not after it.
 A module that cannot be split (unexpected attributes, a name clash in the join) is compiled
 whole, as before, to PTX only.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -32,14 +37,15 @@ import re
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlir import ir
+from mlir import ir, passmanager
 
 from gac_torch.backends.cuda import ptx_worker
 from gac_torch.backends.cuda.ptxas import Assembler
-from gac_torch.errors import CompileError, GacError
+from gac_torch.errors import CompileError, GacError, GacUnsupportedError
 
 log = logging.getLogger("gac_torch")
 
@@ -50,6 +56,8 @@ KEY_FORMAT = 1
 MIN_POOL_BYTES = 1_000_000
 # a program of this many kernels starts its workers before it splits its module (started_workers)
 PRESTART_KERNELS = 64
+BYTECODE_DENSITY = 5  # about as many bytes of kernel text as one of its MLIR bytecode
+PRINTERS = 2  # worker processes printing the kernels for the "gpu" stage's text (print_kernels)
 
 
 @dataclass
@@ -72,59 +80,115 @@ class NotSplittable(GacError):
 
 # -- 1. split ---------------------------------------------------------------------------------
 
-def split(module: ir.Module, kernel_names: list[str]) -> dict[str, str]:
-    """Per kernel name, the text of a module holding just that kernel (as PLACEHOLDER) and the
-    gpu.module's other ops (globals), which the join dedupes."""
+@dataclass
+class Layout:
+    """A split module's text without its kernels' (text_of puts them in): the other top-level
+    ops printed (None: the gpu.module), and the gpu.module's ops in order, shared ops printed,
+    kernels by name."""
+
+    tops: list[str | None]
+    name: str  # the gpu.module's
+    body: list[tuple[bool, str]]  # (a kernel?, its name or the op's text)
+
+    def text_of(self, kernels: dict[str, str]) -> str:
+        """The module's text given each kernel's (its local-scope print)."""
+        gm = "gpu.module @%s {\n%s\n}" % (self.name, "\n".join(kernels[x] if k else x for k, x in self.body))
+        return "module attributes {gpu.container_module} {\n%s\n}\n" % "\n".join(
+            gm if t is None else t for t in self.tops)
+
+
+def layout(module: ir.Module, kernel_names: list[str]) -> tuple[Layout, dict[str, ir.Operation]]:
+    """(the module's Layout, its kernels by name); raises NotSplittable."""
     if set(module.operation.attributes) - {"gpu.container_module"}:
         raise NotSplittable("module attributes")
     gpu_modules = [op.operation for op in module.body.operations if op.operation.name == "gpu.module"]
     if len(gpu_modules) != 1 or set(gpu_modules[0].attributes) != {"sym_name"}:
         raise NotSplittable("not one plain gpu.module")
     gm = gpu_modules[0]
-    name = ir.StringAttr(gm.attributes["sym_name"]).value
-    wanted, kernels, shared = set(kernel_names), {}, []
+    wanted, kernels, body = set(kernel_names), {}, []
     for op in gm.regions[0].blocks[0].operations:
         op = op.operation
         sym = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else None
         if sym in wanted:
-            text = op.get_asm(use_local_scope=True)  # (else each print names the whole module)
-            head = f"gpu.func @{sym}("
-            if not text.startswith(head):
-                raise NotSplittable(f"kernel {sym} prints as {text[:40]!r}")
-            kernels[sym] = f"gpu.func @{PLACEHOLDER}(" + text[len(head):]
-        elif op.name != "gpu.module_end":
-            shared.append(op.get_asm(use_local_scope=True))
+            kernels[sym] = op
+            body.append((True, sym))
+        else:
+            body.append((False, op.get_asm(use_local_scope=True)))
     if set(kernels) != wanted:
         raise NotSplittable("kernels missing from the gpu.module")
-    head = "module attributes {gpu.container_module} {\n  gpu.module @%s {\n" % name
-    prefix = head + "".join(s + "\n" for s in shared)
-    return {k: prefix + text + "\n  }\n}\n" for k, text in kernels.items()}
+    tops = [None if op.operation == gm else op.operation.get_asm(use_local_scope=True)
+            for op in module.body.operations]
+    return Layout(tops, ir.StringAttr(gm.attributes["sym_name"]).value, body), kernels
+
+
+def kernel_text(f: ir.Operation, name: str) -> str:
+    """A kernel's local-scope print (each print would else name the whole module), as `name`."""
+    text = f.get_asm(use_local_scope=True)
+    head = f"gpu.func @{ir.StringAttr(f.attributes['sym_name']).value}("
+    if not text.startswith(head):
+        raise NotSplittable(f"kernel {name} prints as {text[:40]!r}")
+    return f"gpu.func @{name}(" + text[len(head):]
+
+
+def split_bytecode(module: ir.Module, kernel_names: list[str]) -> tuple[dict[str, bytes], Layout]:
+    """(per kernel name, a module holding just that kernel (as PLACEHOLDER) and the gpu.module's
+    other ops, as MLIR bytecode; the module's Layout). Bytecode is written ~5x faster than text
+    is printed (BEVFormer-tiny's kernels: ~2 s of printing); print_kernels prints them. Debug
+    locations are dropped first (they would tell repeated kernels apart; the text shows none).
+    The kernels move out of `module`, which is left for the caller to drop."""
+    shape, kernels = layout(module, kernel_names)
+    passmanager.PassManager.parse("builtin.module(strip-debuginfo)", module.context).run(module.operation)
+    shared = "".join(x + "\n" for k, x in shape.body if not k)
+    carrier = ir.Module.parse("module attributes {gpu.container_module} {\n  gpu.module @%s {\n%s  }\n}\n"
+                              % (shape.name, shared), module.context)
+    at = ir.InsertionPoint(next(op.operation for op in carrier.body.operations).regions[0].blocks[0])
+    placeholder = ir.StringAttr.get(PLACEHOLDER, module.context)
+    out = {}
+    for sym in kernel_names:  # each in turn the carrier's one kernel, written, then dropped
+        f = kernels[sym]
+        f.detach_from_parent()
+        at.insert(f)
+        f.attributes["sym_name"] = placeholder
+        out[sym] = _bytecode(carrier)
+        f.detach_from_parent()
+    return out, shape
+
+
+def _bytecode(module: ir.Module) -> bytes:
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
 
 
 # -- 2. dedupe + cache ------------------------------------------------------------------------
 
-def job_key(text: str, lower: str, binary: str, ptxas: Assembler | None = None) -> str:
+def job_key(text: str | bytes, lower: str, binary: str, ptxas: Assembler | None = None,
+            prep: dict | None = None) -> str:
     from gac_torch.runtime.cache import versions
 
-    data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(text.encode()).hexdigest(),
+    raw = text if isinstance(text, bytes) else text.encode()
+    data = {"format": KEY_FORMAT, "kind": "cuda-kernel", "text": hashlib.sha256(raw).hexdigest(),
             "lower": lower, "binary": binary, "ptxas": ptxas.version if ptxas else None,
-            "versions": versions()}
+            "prep": prep, "versions": versions()}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: bool,
+def compile_kernels(texts: dict[str, str] | dict[str, bytes], lower: str, binary: str, use_cache: bool,
                     on_progress=None, ptxas: Assembler | None = None, per_name: bool = False,
-                    meanwhile=None) -> list[KernelResult]:
-    """Every kernel of `texts` compiled (each distinct text once; with `ptxas`, to a cubin
+                    meanwhile=None, preps: dict[str, dict] | None = None) -> list[KernelResult]:
+    """Every kernel of `texts` compiled (each distinct text once, prepared first by the worker
+    when `preps` names how: kernel_prep.py, each distinct (text, prep) once; with `ptxas`, to a cubin
     too, or with `per_name` to one per kernel name where the pool compiles it: KernelResult.named,
     not kept in this cache); in the kernels' order. `meanwhile()` runs in the calling thread
     once the workers have their jobs (run_jobs)."""
     from gac_torch.runtime import cache
 
     by_key: dict[str, KernelResult] = {}
-    todo: dict[str, str] = {}  # key -> text
+    todo: dict[str, str | bytes] = {}  # key -> text
+    prep_of: dict[str, dict | None] = {}  # key -> prep
     for name, text in texts.items():
-        key = job_key(text, lower, binary, None if per_name else ptxas)
+        prep = preps.get(name) if preps else None
+        key = job_key(text, lower, binary, None if per_name else ptxas, prep)
         if key in by_key:
             by_key[key].names.append(name)
             continue
@@ -133,7 +197,7 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
             by_key[key] = KernelResult([name], entry.stages["llvm"], entry.meta["ptx"], entry.blobs.get("cubin"))
         else:
             by_key[key] = KernelResult([name], "", "")
-            todo[key] = text
+            todo[key], prep_of[key] = text, prep
     log.debug("gac cuda: %d kernels, %d distinct, %d to compile", len(texts), len(by_key), len(todo))
     order = sorted(todo, key=lambda k: -len(todo[k]))  # largest first: the pool ends together
     exe = ptxas.exe if ptxas else None
@@ -158,7 +222,7 @@ def compile_kernels(texts: dict[str, str], lower: str, binary: str, use_cache: b
             pass
 
     results = run_jobs([todo[k] for k in order], lower, binary, on_progress, exe, names, finished,
-                       meanwhile=meanwhile)
+                       meanwhile=meanwhile, preps=[prep_of[k] for k in order] if preps else None)
     for j, result in enumerate(results):
         if j not in handled:
             finished(j, result)
@@ -204,13 +268,13 @@ def _end(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def started_workers(kernels: int):
-    """The pool's workers start (each a Python interpreter importing the MLIR bindings, ~0.3 s)
-    while the caller prepares and splits a program of `kernels` kernels, so run_jobs finds
-    them ready; those it did not take are ended on exit. A small program starts none (it may
+    """The pool's workers (and print_kernels') start (each a Python interpreter importing the MLIR
+    bindings, ~0.3 s) while the caller prepares and splits a program of `kernels` kernels, so
+    run_jobs finds them ready; those it did not take are ended on exit. A small program starts none (it may
     well compile in-process: MIN_POOL_BYTES)."""
     n = 0 if _no_pool or kernels < PRESTART_KERNELS else min(worker_count(), kernels)
     try:
-        for _ in range(n if n > 1 else 0):
+        for _ in range(n + PRINTERS if n > 1 else 0):  # (+ the "gpu" stage's printers: print_kernels)
             _spare.append(_worker())
     except OSError:
         pass  # (run_jobs finds out and says so)
@@ -232,24 +296,72 @@ def _take_spare() -> subprocess.Popen | None:
         return None
 
 
+def pooled(texts) -> bool:
+    """Is there enough kernel text (or bytecode: ~5x denser) to pay for worker processes?"""
+    return sum(len(t) * (BYTECODE_DENSITY if isinstance(t, bytes) else 1) for t in texts) >= MIN_POOL_BYTES
+
+
+def print_kernels(datas: list[bytes]) -> Callable[[], list[str]]:
+    """A function returning each kernel module's (split_bytecode) kernel printed as kernel_text
+    does (named PLACEHOLDER): by up to PRINTERS worker processes beside the pool (a whole
+    model's kernels: ~2 s of printing), or here, when the pool compiles in-process."""
+    if _no_pool or worker_count() <= 1 or not pooled(datas):
+        return lambda: ptx_worker.print_kernels(datas)
+    order = sorted(range(len(datas)), key=lambda i: -len(datas[i]))
+    shares = [order[k::PRINTERS] for k in range(min(PRINTERS, len(datas)))]  # (dealt largest first)
+    got: dict[int, str] = {}
+
+    def run(share: list[int]) -> None:
+        try:
+            proc = _take_spare() or _worker()
+        except OSError:
+            return
+        try:
+            ptx_worker.write_message(proc.stdin, {"print": [base64.b64encode(datas[i]).decode() for i in share]})
+            reply = ptx_worker.read_message(proc.stdout)
+            if reply is not None and "texts" in reply:
+                got.update(zip(share, reply["texts"]))
+        except (OSError, ValueError) as e:  # (then printed by the caller)
+            log.debug("gac cuda: a print worker failed: %s", e)
+        finally:
+            _end(proc)
+
+    threads = [threading.Thread(target=run, args=(share,), daemon=True) for share in shares]
+    for t in threads:
+        t.start()
+
+    def wait() -> list[str]:
+        for t in threads:
+            t.join()
+        if len(got) < len(datas):
+            return ptx_worker.print_kernels(datas)
+        return [got[i] for i in range(len(datas))]
+
+    return wait
+
+
 def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas: str | None = None,
-             names: list[list[str]] | None = None, on_result=None, meanwhile=None
-             ) -> list[tuple[str, str, bytes | None, str, dict | None]]:
+             names: list[list[str]] | None = None, on_result=None, meanwhile=None,
+             preps: list[dict | None] | None = None) -> list[tuple[str, str, bytes | None, str, dict | None]]:
     """(llvm, ptx, cubin, ptxas's complaint, named cubins) per text (ptx_worker.compile_kernel):
     in-process for a few, else in min(workers, len) worker processes. `names` (per text, with a
     `ptxas`): the workers assemble the PTX under each name (ptx_worker.assemble_named); in-process
     they do not (named None: pipeline.cubins runs ptxas in threads then). `on_result(i, result)`
     runs in the calling thread as each result arrives (while the workers compile the rest);
-    `meanwhile()` once, right after the workers got their jobs (other work of the caller's)."""
+    `meanwhile()` once, right after the workers got their jobs (other work of the caller's).
+    `preps` (per text): how the worker prepares the kernel first (kernel_prep.py)."""
     n = 1 if _no_pool else min(worker_count(), len(texts))
     results: list = [None] * len(texts)
-    if n <= 1 or sum(map(len, texts)) < MIN_POOL_BYTES:
+    if n <= 1 or not pooled(texts):
         if meanwhile:
             meanwhile()
         for i, text in enumerate(texts):
             try:
-                results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas), None)
+                results[i] = (*ptx_worker.compile_kernel(text, lower, binary, None if names else ptxas,
+                                                         preps[i] if preps else None), None)
             except Exception as e:
+                if type(e).__name__ == "I1Unsupported":  # (kernel_prep: what the schedule cannot run)
+                    raise GacUnsupportedError(str(e)) from e
                 raise CompileError(f"cuda kernel lowering failed: {e}") from e
             if on_result:
                 on_result(i, results[i])
@@ -275,14 +387,19 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
                     i = jobs.get_nowait()
                 except queue.Empty:
                     return
-                ptx_worker.write_message(proc.stdin, {"text": texts[i], "lower": lower, "binary": binary,
+                source = ({"bytecode": base64.b64encode(texts[i]).decode()} if isinstance(texts[i], bytes)
+                          else {"text": texts[i]})
+                ptx_worker.write_message(proc.stdin, {**source, "lower": lower, "binary": binary,
                                                       "ptxas": ptxas, "names": names[i] if names else None,
-                                                      "placeholder": PLACEHOLDER})
+                                                      "placeholder": PLACEHOLDER,
+                                                      "prep": preps[i] if preps else None})
                 reply = ptx_worker.read_message(proc.stdout)
                 if reply is None:
                     raise CompileError(f"a cuda compile worker exited (code {proc.poll()})")
                 if "error" in reply:
                     log.debug("gac cuda worker: %s", reply.get("trace"))
+                    if reply.get("unsupported"):
+                        raise GacUnsupportedError(reply["error"].split(": ", 1)[-1])
                     raise CompileError(f"cuda kernel lowering failed: {reply['error']}")
                 cubin = base64.b64decode(reply["cubin"]) if reply.get("cubin") else None
                 named = {n: (base64.b64decode(c) if c else None, w)
@@ -317,7 +434,7 @@ def run_jobs(texts: list[str], lower: str, binary: str, on_progress=None, ptxas:
     if errors and isinstance(errors[0], OSError):
         log.warning("gac cuda: no compile worker process (%s); compiling kernels in-process", errors[0])
         _no_pool.append(True)
-        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result)  # (meanwhile: ran)
+        return run_jobs(texts, lower, binary, on_progress, ptxas, names, on_result, preps=preps)  # (meanwhile: ran)
     if errors:
         raise errors[0]
     return results

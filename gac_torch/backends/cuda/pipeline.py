@@ -17,7 +17,6 @@ Everything here runs without a GPU.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import logging
 from dataclasses import dataclass, replace
@@ -27,7 +26,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import gpu
 
-from gac_torch.backends.cuda import kernel_jobs, ptxas
+from gac_torch.backends.cuda import kernel_jobs, kernel_prep, ptxas
 from gac_torch.backends.gpu import host, tuning
 from gac_torch.errors import CompileError
 from gac_torch.kernels import conv_gemm_plan
@@ -70,8 +69,7 @@ class GpuStage:
     @property
     def text(self) -> str:  # what the driver records for this stage
         if self.printed is None:
-            described = "\n".join("// " + line for line in self.program.describe().splitlines())
-            self.printed = f"{described}\n{self.module}"
+            self.printed = _described(self.program) + _module_text(self.module)
         return self.printed
 
     def __str__(self) -> str:
@@ -91,8 +89,7 @@ class KernelsStage:
 
     @property
     def text(self) -> str:
-        described = "\n".join("// " + line for line in self.program.describe().splitlines())
-        return f"{described}\n{kernel_jobs.llvm_text(self.kernels)}"
+        return f"{_described(self.program)}{kernel_jobs.llvm_text(self.kernels)}"
 
     def __str__(self) -> str:
         return self.text
@@ -136,43 +133,14 @@ def lower_stage(stage: GpuStage) -> GpuStage | KernelsStage:
 
 def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
     opts = stage.options
-    module = stage.module if not stage.defer_text else _kernels_copy(stage.module)  # (rewritten in place)
+    module = stage.module  # (its kernels move out, or it is rewritten once its text is printed)
     with module.context, ir.Location.unknown():
-        for op in list(module.body.operations):
-            if op.operation.name == "func.func":
-                op.operation.erase()
-        if not host.kernel_funcs(module):
-            return GpuStage(module, stage.program, opts)
+        funcs = host.kernel_funcs(module)
+        names = list(funcs)
         chip, features = opts.arch, opts.ptx_features
-        for name, f in host.kernel_funcs(module).items():
-            if name.endswith(("_wgmma", "_cwgmma", "_fa3")):  # wgmma / setmaxnreg exist only on sm_90a: the whole
-                # module targets it then (it loads on compute capability 9.0 only, as sm_90 does)
-                chip, features = opts.accel_arch or chip, opts.accel_ptx or features
-                _tensor_maps_as_pointers(f)
-                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1)
-                # CTA pairs (kernels/wgmma_gemm.py, cluster 2). (A local-scope print: a plain
-                # str() numbers the whole module's values first, 0.3 s per kernel on BEVFormer.)
-                if "multicast::cluster" in f.get_asm(use_local_scope=True):
-                    f.attributes["nvvm.cluster_dim"] = ir.DenseI32ArrayAttr.get([2, 1, 1])
-            host.store_i1_as_bytes(f)
-            _align_workgroup_buffers(f)
-            if name.endswith(("_igemm", "_sgemm")):  # implicit GEMM (strategies/implicit_gemm.py):
-                # given only .maxntid, sm_90's ptxas caps registers near 80 and spills; asking for
-                # 1 block per SM lifts the cap to 255 (at 2, 128, full-size tiles with a fused
-                # epilogue spilled). An igemm staging only through cp.async (no registers hold a
-                # slice in flight) fits 2 blocks per SM in 128 registers without spills: the second
-                # block runs while the first waits at its barrier. The exact-f32 sgemm fits 2 in
-                # 128 registers too (64 accumulators; checked in tests/test_sgemm.py): the other
-                # block hides the late global loads ptxas sinks toward the slice's end.
-                sgemm2 = name.endswith("_sgemm") and conv_gemm_plan.sgemm_blocks_per_sm() == 2  # (GAC_SGEMM_CTAS=1 bisects)
-                blocks = 2 if sgemm2 or (name.endswith("_igemm") and not _global_vector_loads(f)) else 1
-                f.attributes["nvvm.minctasm"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), blocks)
-                if name.endswith("_sgemm") and conv_gemm_plan.EARLY_LOADS and "arg_attrs" in f.attributes:
-                    # plain ld.global, not ld.global.nc (which noalias + read-only allows): ptxas keeps
-                    # those before the slice's barrier (conv_gemm.kernel 4), .nc ones it sinks past it
-                    del f.attributes["arg_attrs"]
-            if name.endswith("_flash") and (cap := _flash_maxnreg(f)):  # (flash attention)
-                f.attributes["nvvm.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), cap)
+        if kernel_prep.needs_accel(names):  # wgmma / setmaxnreg exist only on sm_90a: the whole
+            # module targets it then (it loads on compute capability 9.0 only, as sm_90 does)
+            chip, features = opts.accel_arch or chip, opts.accel_ptx or features
         lower = (
             f"nvvm-attach-target{{chip={chip} features={features} O={opts.opt_level}}}, "
             "gpu.module(lower-affine, convert-scf-to-cf, expand-strided-metadata, lower-affine, "
@@ -181,94 +149,70 @@ def _lower(stage: GpuStage) -> GpuStage | KernelsStage:
             # math ops libdevice does not cover (trunc, ...) map to LLVM intrinsics NVPTX selects
             "convert-math-to-llvm, canonicalize, cse), "
             "reconcile-unrealized-casts")
-        names = list(host.kernel_funcs(module))
-        try:
-            texts = kernel_jobs.split(module, names)
+        preps = {name: _prep(name) for name in names}
+        texts = None
+        if funcs:
+            try:  # each kernel written once, as the "gpu" stage has it, for its worker, which
+                # prepares it for ptxas (kernel_prep.py) and lowers it
+                texts, shape = kernel_jobs.split_bytecode(module, names)
+            except kernel_jobs.NotSplittable as e:
+                log.debug("gac cuda: kernels compiled as one module (%s)", e)
+        if texts is not None:
+            # (the kernels left the module: freed now, ~0.25 s for BEVFormer-tiny's, not after the pool)
+            stage.module = module = funcs = None  # type: ignore[assignment]
+            # the stage's text: the distinct kernels printed by other workers beside the pool
+            distinct = list(dict.fromkeys(texts.values())) if stage.printed is None else []
+            printed = kernel_jobs.print_kernels(distinct) if distinct else None
             assembler = ptxas.for_cubins()  # (the pool assembles each kernel's cubins after its PTX)
             kernels = kernel_jobs.compile_kernels(
                 texts, lower, _binary_pipeline(), opts.cache,
                 lambda done, n: progress.step(f"stage llvm: {done} of {n} distinct kernels compiled"),
-                assembler, True, meanwhile=lambda: _print_and_release(stage) if stage.defer_text else None)
-            return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
-                                assembler, opts.cache)
-        except kernel_jobs.NotSplittable as e:
-            log.debug("gac cuda: kernels compiled as one module (%s)", e)
+                assembler, True, preps=preps)
+            if printed is not None:
+                of = dict(zip(distinct, printed()))
+                head = f"gpu.func @{kernel_jobs.PLACEHOLDER}("
+                stage.printed = _described(stage.program) + shape.text_of(
+                    {n: f"gpu.func @{n}(" + of[texts[n]][len(head):] for n in names})
+            try:
+                return KernelsStage(stage.program, kernels, kernel_jobs.join_ptx(kernels, names),
+                                    assembler, opts.cache)
+            except kernel_jobs.NotSplittable as e:
+                log.debug("gac cuda: kernels compiled as one module (%s)", e)
+            module = ir.Module.parse(stage.text)  # (the kernels left the first one)
+            funcs = host.kernel_funcs(module)
+        if stage.defer_text:  # printed before the rewrites below
+            stage.printed = stage.text
+        for op in list(module.body.operations):
+            if op.operation.name == "func.func":  # the host function: data in `program` now
+                op.operation.erase()
+        if not funcs:
+            return GpuStage(module, stage.program, opts)
+        for name, f in funcs.items():
+            kernel_prep.prepare(f, preps[name])
         run_passes(module, lower)
     return GpuStage(module, stage.program, opts)
 
 
-def _print_and_release(stage: GpuStage) -> None:
-    """The "gpu" stage's text printed, then its module freed (~0.25 s for BEVFormer-tiny's,
-    else paid after the pool when the driver drops the stage): only the text is needed now."""
-    stage.printed = stage.text  # (the property prints once)
-    stage.module = None  # type: ignore[assignment]
+def _prep(name: str) -> kernel_prep.Prep:
+    """How kernel `name` is prepared for ptxas (kernel_prep.py): the settings of this process."""
+    return kernel_prep.Prep(kind=kernel_prep.kind(name), sgemm_blocks=conv_gemm_plan.sgemm_blocks_per_sm(),
+                            early_loads=bool(conv_gemm_plan.EARLY_LOADS))
 
 
-def _kernels_copy(module: ir.Module) -> ir.Module:
-    """The module without its host function, copied: what lower_stage rewrites, leaving the
-    "gpu" stage's module to be printed later (cloning is C++ only, printing calls back into
-    Python for every token)."""
-    with module.context, ir.Location.unknown():
-        copy = ir.Module.create()
-        attributes = module.operation.attributes
-        for name in list(attributes):
-            copy.operation.attributes[name] = attributes[name]
-        at = ir.InsertionPoint(copy.body)
-        for op in module.body.operations:
-            if op.operation.name != "func.func":
-                op.operation.clone(at)
-    return copy
+def _module_text(module: ir.Module) -> str:
+    """The module's text as lower_stage makes it (kernel_jobs.Layout: kernels printed apart),
+    so the "gpu" stage reads the same printed then or right away (a plain print where the
+    module cannot be split)."""
+    with module.context:
+        try:
+            shape, kernels = kernel_jobs.layout(module, list(host.kernel_funcs(module)))
+            return shape.text_of({n: kernel_jobs.kernel_text(f, n) for n, f in kernels.items()})
+        except kernel_jobs.NotSplittable:
+            return str(module)
 
 
-def _tensor_maps_as_pointers(kernel: ir.Operation) -> None:
-    """TMA descriptor parameters (!nvgpu.tensormap.descriptor) arrive as the descriptor's
-    device address; the body reads them through a cast to !llvm.ptr, which then folds away."""
-    body = kernel.regions[0].blocks[0]
-    ptr = ir.Type.parse("!llvm.ptr")
-    for a in body.arguments:
-        if str(a.type).startswith("!nvgpu.tensormap.descriptor"):
-            a.set_type(ptr)
-    results = ir.FunctionType(ir.TypeAttr(kernel.attributes["function_type"]).value).results
-    kernel.attributes["function_type"] = ir.TypeAttr.get(
-        ir.FunctionType.get([a.type for a in body.arguments], results))
-
-
-def _flash_maxnreg(kernel: ir.Operation) -> int | None:
-    """A register cap for a flash-attention kernel: 128 for 8-warp blocks (two an SM; given only
-    .maxntid, ptxas capped some f32 ones at 80 and spilled); smaller blocks keep ptxas's choice
-    (it gave the 4-warp f32x3 D = 64 block 128, where a cap of 255 let it take 173)."""
-    threads = math.prod(ir.DenseI32ArrayAttr(kernel.attributes["known_block_size"]))
-    return 128 if threads >= 256 else None
-
-
-def _global_vector_loads(kernel: ir.Operation) -> bool:
-    """The kernel body has a vector.load from global memory (a tile staged via registers)."""
-    found = []
-
-    def visit(op: ir.Operation) -> ir.WalkResult:
-        if op.name == "vector.load" and "workgroup" not in str(op.operands[0].type):
-            found.append(op)
-            return ir.WalkResult.INTERRUPT
-        return ir.WalkResult.ADVANCE
-
-    kernel.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return bool(found)
-
-
-SHARED_ALIGN = 16  # bytes: the mma template stages tiles with 16-byte shared-memory stores
-
-
-def _align_workgroup_buffers(kernel: ir.Operation) -> None:
-    """Static shared-memory buffers are otherwise aligned only to their element type."""
-    if "workgroup_attributions" not in kernel.attributes:
-        return
-    n = ir.IntegerAttr(kernel.attributes["workgroup_attributions"]).value
-    if n:
-        align = ir.DictAttr.get({"llvm.align": ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
-                                                                   SHARED_ALIGN)})
-        kernel.attributes["workgroup_attrib_attrs"] = ir.ArrayAttr.get([align] * n)
-
-
+def _described(program: GpuProgram) -> str:
+    return "\n".join("// " + line for line in program.describe().splitlines()) + "\n"
 
 
 # --------------------------------------------------------------------------------------------

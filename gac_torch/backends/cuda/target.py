@@ -136,20 +136,26 @@ def _tune(build, signature: Signature, options: dict) -> None:
 
 
 def _pack(program: GpuProgram, options: dict, required: bool = False) -> tuple[dict, dict[str, bytes]]:
-    """The host program and PTX as JSON; each cubin a binary blob (not base64 in the JSON)."""
+    """The host program as JSON; its PTX (zlib'd: BEVFormer-tiny's is 7 MB, JSON-escaped in
+    every entry holding it before) and each cubin as binary blobs."""
+    import zlib
     from dataclasses import replace
 
     from gac_torch.backends.gpu.program import to_json
 
     cubins = [{"arch": c.arch, "kernels": list(c.kernels), "entry": c.entry} for c in program.cubins]
-    return ({"program": to_json(replace(program, cubins=[])), "cubins": cubins},
-            {f"cubin:{i}": c.data for i, c in enumerate(program.cubins)})
+    return ({"program": to_json(replace(program, cubins=[], ptx="")), "cubins": cubins},
+            {"ptx": zlib.compress(program.ptx.encode(), 1),
+             **{f"cubin:{i}": c.data for i, c in enumerate(program.cubins)}})
 
 
 def _unpack(meta: dict, blobs: dict[str, bytes], signature: Signature, options: dict) -> runtime.CudaExecutable:
+    import zlib
+
     from gac_torch.backends.gpu.program import Cubin, from_json
 
     program = from_json(meta["program"])
+    program.ptx = zlib.decompress(blobs["ptx"]).decode()
     program.cubins = [Cubin(c["arch"], blobs[f"cubin:{i}"], tuple(c["kernels"]), c["entry"])
                       for i, c in enumerate(meta.get("cubins", []))]
     return runtime.CudaExecutable(program, signature, (options or {}).get("cuda_graphs"))
