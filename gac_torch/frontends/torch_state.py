@@ -113,15 +113,15 @@ def lazy_graph_modules() -> Iterator[None]:
         yield
 
 
-def lazy_graph_module(root, graph):
+def lazy_graph_module(root, graph, class_name: str = "GraphModule"):
     """fx.GraphModule(root, graph) whose code is generated when first run or read."""
     from torch import fx
 
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule
     except ImportError:
-        return fx.GraphModule(root, graph)
-    return _LazyGraphModule(root, graph)
+        return fx.GraphModule(root, graph, class_name)
+    return _LazyGraphModule(root, graph, class_name)
 
 
 def forget_stale_dynamo_guards() -> None:
