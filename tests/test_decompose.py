@@ -175,12 +175,34 @@ class Split(nn.Module):
         return (idx.to(torch.float32) * 2).sum() + y.sum(), idx
 
 
-@pytest.mark.parametrize("name", ["block", "split"])
+def _aot_graph(model, *inputs) -> fx.GraphModule:
+    """The inference graph AOTAutograd hands torch.compile's backend (constants as get_attr)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model.eval(), backend=aot_autograd(fw_compiler=keep, decompositions=decompositions()))(*inputs)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+@pytest.mark.parametrize("name", ["block", "split", "aot"])
 def test_partition_as_capability_based_partitioner(name):
     def graph():
-        ep = _export(Block(), _seeded(2, 8, 9, 11)) if name == "block" else _export(Split(), _seeded(5, 3))
-        with tracing():
-            gm = decompose.decompose_program(ep, decompositions()).graph_module
+        if name == "aot":  # a dynamo graph, its tensor constant a get_attr
+            gm = _aot_graph(Quirks(), _seeded(2, 6, 3), _seeded(6, 5))
+            assert any(n.op == "get_attr" for n in gm.graph.nodes)
+        else:
+            ep = _export(Block(), _seeded(2, 8, 9, 11)) if name == "block" else _export(Split(), _seeded(5, 3))
+            with tracing():
+                gm = decompose.decompose_program(ep, decompositions()).graph_module
         P.drop_metadata_asserts(gm)
         eager_layer_norm_stat_dtypes(gm)
         gm.graph.eliminate_dead_code()
@@ -188,12 +210,9 @@ def test_partition_as_capability_based_partitioner(name):
 
     want, want_names = _torch_partition(*graph())
     gm, decisions = graph()
-    if name == "block":
-        assert P._whole_graph(gm, decisions) is not None
-    else:
-        assert P._whole_graph(gm, decisions) is None
+    assert (P._whole_graph(gm, decisions) is None) == (name == "split")
     got, names = P.partition(gm, decisions)
-    assert names == want_names and (len(names) == 1) == (name == "block")
+    assert names == want_names and (len(names) == 1) == (name != "split")
     assert str(got.graph) == str(want.graph)
     assert [str(getattr(got, n).graph) for n in names] == [str(getattr(want, n).graph) for n in names]
 
