@@ -27,14 +27,15 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind, OutputSpec, TensorArgument
 
+from gac_torch.errors import GacError
 from gac_torch.frontends.torch_state import lazy_graph_module, lazy_graph_modules, retrace_without_export_guards
 
 log = logging.getLogger("gac_torch")
 aten = torch.ops.aten
 
 
-class _Unsupported(Exception):
-    """The program needs torch's full re-export (the reason says why)."""
+class _Unsupported(GacError):
+    """The program needs torch's full re-export (the reason says why); never leaves this module."""
 
 
 def decompose_program(ep: ExportedProgram, table: dict) -> ExportedProgram:
