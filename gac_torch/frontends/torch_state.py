@@ -124,6 +124,22 @@ def lazy_graph_module(root, graph, class_name: str = "GraphModule"):
     return _LazyGraphModule(root, graph, class_name)
 
 
+def copy_graph_module(gm):
+    """A copy of gm's graph (each node's metadata dict copied, its values shared) in a lazy graph
+    module over gm's attributes: what a deepcopy gives for a graph gac compiles, without copying
+    every fake tensor and generating the code again (~1 s for a BEVFormer-sized graph)."""
+    import copy
+
+    from torch import fx
+
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = lazy_graph_module(gm, graph)
+    copied.meta.update(gm.meta)
+    return copied
+
+
 def forget_stale_dynamo_guards() -> None:
     """Every dynamo compile registers weakref.finalize callbacks on the long-lived objects its
     guards ID-match (torch.nn.functional, module classes, builtins). They keep the guard manager
