@@ -83,6 +83,25 @@ class Quirks(nn.Module):
         return w.flatten(1), torch.nn.functional.layer_norm(z, (6,))
 
 
+class More(nn.Module):
+    """Multi-output ops (split, chunk), a constructor, a kept CIA op (upsample), group norm,
+    attention, a tanh GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        a, b = x.split([1, 3], dim=1)
+        c, d = x.chunk(2, dim=2)
+        up = nn.functional.interpolate(self.norm(x), scale_factor=2, mode="bilinear", align_corners=False)
+        q = x.flatten(2).transpose(1, 2)
+        att = nn.functional.scaled_dot_product_attention(q, q, q)
+        pos = torch.arange(x.shape[-1], dtype=torch.float32)
+        return (a * b.sum(1, keepdim=True) + pos, c - d, nn.functional.gelu(up, approximate="tanh"),
+                att.mean(), torch.zeros_like(x) + x.new_ones(()))
+
+
 def _export(model, *inputs):
     with torch.no_grad():
         return torch.export.export(model.eval(), inputs)
@@ -92,16 +111,20 @@ def _seeded(*shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
 
 
-@pytest.mark.parametrize("name", ["block", "transformer", "quirks"])
+@pytest.mark.parametrize("name", ["block", "transformer", "quirks", "more", "with_grad"])
 def test_same_graph_as_run_decompositions(name):
     torch.manual_seed(0)
     if name == "block":
         ep = _export(Block(), _seeded(2, 8, 9, 11))
-    elif name == "transformer":
-        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    elif name == "transformer":  # (eval: its dropout is the identity)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.1, batch_first=True)
         ep = _export(layer, _seeded(2, 5, 16))
-    else:
+    elif name == "quirks":
         ep = _export(Quirks(), _seeded(2, 6, 3), _seeded(6, 5))
+    elif name == "more":
+        ep = _export(More(), _seeded(2, 4, 6, 6))
+    else:  # exported with autograd on: the metadata says requires_grad, the inference graph not
+        ep = torch.export.export(Quirks().eval(), (_seeded(2, 6, 3), _seeded(6, 5)))
     _assert_same(ep)
 
 

@@ -95,6 +95,7 @@ def _cia_kernel(fn: Callable) -> bool:
 
 
 def _is_default(arg: Any, value: Any) -> bool:
+    value = _plain(value)
     return arg.has_default_value() and type(value) is type(arg.default_value) and value == arg.default_value
 
 
@@ -221,7 +222,9 @@ class _Decomposer:
                     out = graph.output(pytree.tree_map_only(fx.Node, env.__getitem__, node.args[0]))
                     out.meta.update(node.meta)
                 elif node.target is operator.getitem:
-                    env[node] = graph.node_copy(node, env.__getitem__)
+                    source = env[node.args[0]]  # (a decomposed op's outputs: a list of nodes)
+                    env[node] = source[node.args[1]] if isinstance(source, (list, tuple)) else \
+                        graph.node_copy(node, env.__getitem__)
                 elif node.target is aten.lift_fresh_copy.default:  # as functionalization rewrites it
                     env[node] = self._call(graph, aten.clone.default, (env[node.args[0]],), {}, node)
                 elif node.target is aten.detach_.default:  # no autograd in the inference graph
