@@ -5,9 +5,9 @@ the graph twice through AOTAutograd's functionalization (metadata, then the grap
 it: most of a cold compile's front end (BEVFormer-tiny: ~6 of its ~9 s). For the usual program
 (static sizes, functional ATen ops) the result differs from the exported graph only at the nodes
 that decompose, and each of those expands the same way wherever its inputs' metadata is the same.
-So `decompose_program` decomposes only those nodes, each through torch's own machinery (make_fx
-with the same table, CIA overrides and backend flags as run_decompositions; one trace per
-distinct op and input metadata), re-normalizes the arguments of the nodes it keeps as the
+So `decompose_program` decomposes only those nodes, through torch's own machinery (make_fx with
+the same table, CIA overrides and backend flags as run_decompositions; one node per distinct op
+and input metadata, all in one trace), re-normalizes the arguments of the nodes it keeps as the
 dispatcher would, and falls back to run_decompositions for anything else (symbolic sizes,
 mutations, higher-order ops, a decomposition that traces a mutation). tests/test_decompose.py
 asserts that the two graphs are the same, node for node, on the models the tests compile.
@@ -34,6 +34,9 @@ log = logging.getLogger("gac_torch")
 aten = torch.ops.aten
 
 
+_REWRITTEN = (aten.lift_fresh_copy.default, aten.detach_.default)  # as functionalization does
+
+
 class _Unsupported(GacError):
     """The program needs torch's full re-export (the reason says why); never leaves this module."""
 
@@ -45,8 +48,8 @@ def decompose_program(ep: ExportedProgram, table: dict) -> ExportedProgram:
     try:
         decomposer = _Decomposer(ep, table)
         done = decomposer.program()
-        log.debug("gac: decomposed node by node in %.2f s (%d traces)", time.perf_counter() - start,
-                  len(decomposer.traces))
+        log.debug("gac: decomposed node by node in %.2f s (%d distinct decompositions)",
+                  time.perf_counter() - start, len(decomposer.traces))
         return done
     except _Unsupported as e:
         why = str(e)
@@ -194,12 +197,12 @@ class _Decomposer:
         self.ep = ep
         self.cia_overrides, self.python_table, self.preserved = _split(table, preservable, preserve)
         self.fake_mode = None
-        self.traces: dict[tuple, fx.GraphModule] = {}
+        self.traces: dict[tuple, tuple] = {}  # key -> (placeholders, nodes, outputs) of its trace
 
     def _placeholders(self) -> list[fx.Node]:
         return [n for n in self.ep.graph_module.graph.nodes if n.op == "placeholder"]
 
-    def _needs_decomposing(self, op: torch._ops.OpOverload) -> bool:
+    def _needs_decomposing(self, op) -> bool:
         if op in self.python_table:
             return True
         return self.is_cia(op) and op not in self.preserved
@@ -214,8 +217,14 @@ class _Decomposer:
             p.name = p.target = placeholders[i].name  # (fx renames e.g. `input`; the specs name it)
             self._fake_mode_of(placeholders[i])
         with self._tracing():
+            decomposed = {}  # node -> (its key, its distinct tensor inputs)
             for node in old.nodes:
                 self._check(node)
+                if node.op == "call_function" and node.target not in (operator.getitem, *_REWRITTEN) \
+                        and self._needs_decomposing(node.target):
+                    decomposed[node] = self._key(node)
+            self._trace({key: (node, inputs) for node, (key, inputs) in decomposed.items()})
+            for node in old.nodes:
                 if node.op == "placeholder":
                     continue
                 if node.op == "output":
@@ -229,8 +238,8 @@ class _Decomposer:
                     env[node] = self._call(graph, aten.clone.default, (env[node.args[0]],), {}, node)
                 elif node.target is aten.detach_.default:  # no autograd in the inference graph
                     env[node] = env[node.args[0]]
-                elif self._needs_decomposing(node.target):
-                    env[node] = self._decompose(graph, node, env)
+                elif node in decomposed:
+                    env[node] = self._splice(graph, *decomposed[node], env)
                 else:
                     args, kwargs = pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs))
                     env[node] = self._call(graph, node.target, *dispatcher_args(node.target, args, kwargs), node)
@@ -278,7 +287,7 @@ class _Decomposer:
         new.meta["val"] = like.meta.get("val")
         return new
 
-    def _key(self, node: fx.Node, env: dict) -> tuple[tuple, list[fx.Node]]:
+    def _key(self, node: fx.Node) -> tuple[tuple, list[fx.Node]]:
         """The node's op and arguments with each tensor input as its metadata (and which of the
         distinct inputs it is): two nodes with one key decompose alike."""
         inputs: list[fx.Node] = []
@@ -294,46 +303,64 @@ class _Decomposer:
         structure = pytree.tree_map_only(fx.Node, meta, (node.args, node.kwargs))
         return (node.target, repr(structure)), inputs
 
-    def _decompose(self, graph: fx.Graph, node: fx.Node, env: dict) -> Any:
-        key, inputs = self._key(node, env)
-        traced = self.traces.get(key)
-        if traced is None:
-            traced = self.traces[key] = self._trace(node, inputs)
-        mapping = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], [env[i] for i in inputs]))
-        result = None
-        for n in traced.graph.nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "output":
-                result = pytree.tree_map_only(fx.Node, mapping.__getitem__, n.args[0])
-                break
-            mapping[n] = new = graph.node_copy(n, mapping.__getitem__)
-            new.meta = {"val": n.meta.get("val")}
-        return result
-
-    def _trace(self, node: fx.Node, inputs: list[fx.Node]) -> fx.GraphModule:
-        from torch.fx.experimental.proxy_tensor import make_fx
+    def _trace(self, todo: dict[tuple, tuple[fx.Node, list[fx.Node]]]) -> None:
+        """Decomposes one node per key, all in one make_fx trace (its setup costs more than most
+        decompositions), each on fresh fake inputs; records per key its placeholders, its nodes
+        (a contiguous run of the trace) and its outputs."""
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
         mode = self.fake_mode
+        if not todo:
+            return
         if mode is None:
             raise _Unsupported("no fake tensors in the graph")
-        index = {n: k for k, n in enumerate(inputs)}
-        op, args, kwargs = node.target, node.args, node.kwargs
-
-        def call(*tensors):
-            a, k = pytree.tree_map_only(fx.Node, lambda n: tensors[index[n]], (args, kwargs))
-            return op(*a, **k)
-
+        items = list(todo.items())
         with mode:  # the export's fake mode, as run_decompositions' (inputs: requiring no grad)
             fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                     for v in (n.meta["val"] for n in inputs)]
-            traced = make_fx(call, decomposition_table=self.python_table, tracing_mode="real")(*fakes)
-        for n in traced.graph.nodes:  # (unused getitems stay till the end: names as torch's)
-            if n.op == "call_function" and n.target is not operator.getitem:
+                     for _, (_, inputs) in items for v in (n.meta["val"] for n in inputs)]
+        marks: list[int] = []  # the trace's node count before each decomposition, and at the end
+
+        def run(*tensors):
+            nodes, outs, at = get_proxy_mode().tracer.graph.nodes, [], 0
+            for _, (node, inputs) in items:
+                marks.append(len(nodes))
+                index = {n: at + k for k, n in enumerate(inputs)}
+                args, kwargs = pytree.tree_map_only(fx.Node, lambda n: tensors[index[n]], (node.args, node.kwargs))
+                outs.append(node.target(*args, **kwargs))
+                at += len(inputs)
+            marks.append(len(nodes))
+            return outs
+
+        with mode:
+            traced = make_fx(run, decomposition_table=self.python_table, tracing_mode="real")(*fakes)
+        nodes = list(traced.graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        if marks[0] != len(placeholders) or nodes[marks[-1]].op != "output":
+            raise _Unsupported("an unexpected trace")
+        at = 0
+        for k, (key, (node, inputs)) in enumerate(items):
+            own = placeholders[at:at + len(inputs)]
+            run_k = nodes[marks[k]:marks[k + 1]]
+            known = set(own) | set(run_k)
+            for n in run_k:  # (unused getitems stay till the end: names as torch's)
+                if n.op != "call_function" or any(i not in known for i in n.all_input_nodes):
+                    raise _Unsupported(f"{node.target} decomposes into a {n.op} node")
                 self._check(n)
-                if n.target in (aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default):
+                if n.target in (*_REWRITTEN, aten.detach.default):
                     raise _Unsupported(f"{node.target} decomposes into {n.target}")
-        return traced
+            self.traces[key] = (own, run_k, nodes[-1].args[0][k])
+            at += len(inputs)
+
+    def _splice(self, graph: fx.Graph, key: tuple, inputs: list[fx.Node], env: dict) -> Any:
+        """A copy of key's decomposition on the node's inputs; its outputs."""
+        own, run_k, outs = self.traces[key]
+        mapping = dict(zip(own, (env[i] for i in inputs)))
+        for n in run_k:
+            args, kwargs = pytree.tree_map_only(fx.Node, mapping.__getitem__, (n.args, n.kwargs))
+            name = n.target.overloadpacket.__name__ if isinstance(n.target, torch._ops.OpOverload) else None
+            new = mapping[n] = graph.create_node("call_function", n.target, args, kwargs, name=name)  # (make_fx's)
+            new.meta = {"val": n.meta.get("val")}
+        return pytree.tree_map_only(fx.Node, mapping.__getitem__, outs)
 
     def _program(self, graph: fx.Graph) -> ExportedProgram:
         ep = self.ep
