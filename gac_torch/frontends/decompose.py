@@ -241,7 +241,7 @@ class _Decomposer:
                 elif node in decomposed:
                     env[node] = self._splice(graph, *decomposed[node], env)
                 else:
-                    args, kwargs = pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs))
+                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                     env[node] = self._call(graph, node.target, *dispatcher_args(node.target, args, kwargs), node)
         graph.eliminate_dead_code()
         return self._program(graph)
@@ -300,7 +300,7 @@ class _Decomposer:
                 inputs.append(n)
             return ("input", inputs.index(n), *_static_meta(v))
 
-        structure = pytree.tree_map_only(fx.Node, meta, (node.args, node.kwargs))
+        structure = fx.node.map_arg((node.args, node.kwargs), meta)
         return (node.target, repr(structure)), inputs
 
     def _trace(self, todo: dict[tuple, tuple[fx.Node, list[fx.Node]]]) -> None:
@@ -356,7 +356,7 @@ class _Decomposer:
         own, run_k, outs = self.traces[key]
         mapping = dict(zip(own, (env[i] for i in inputs)))
         for n in run_k:
-            args, kwargs = pytree.tree_map_only(fx.Node, mapping.__getitem__, (n.args, n.kwargs))
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), mapping.__getitem__)
             name = n.target.overloadpacket.__name__ if isinstance(n.target, torch._ops.OpOverload) else None
             new = mapping[n] = graph.create_node("call_function", n.target, args, kwargs, name=name)  # (make_fx's)
             new.meta = {"val": n.meta.get("val")}
