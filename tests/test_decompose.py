@@ -174,19 +174,10 @@ def test_dispatcher_args_drop_defaults_as_the_dispatcher_does():
 
 
 def _torch_partition(gm, decisions):
-    """partition() as it was: CapabilityBasedPartitioner's proposal and fusion, renumbered."""
+    """partition() as it was: CapabilityBasedPartitioner's proposal and fusion."""
     partitioner = CapabilityBasedPartitioner(gm, P._Support(decisions), allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
-    calls = [n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")]
-    subs = [getattr(fused, n.target) for n in calls]
-    for n in calls:
-        delattr(fused, n.target)
-    for i, (n, sub) in enumerate(zip(calls, subs)):
-        n.target = f"fused_{i}"
-        n._rename(f"{n.target}_out")
-        setattr(fused, n.target, sub)
-    fused.recompile()
-    return fused, [n.target for n in calls]
+    return fused, P.renumber_partitions(fused)
 
 
 class Split(nn.Module):

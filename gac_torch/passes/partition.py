@@ -121,8 +121,13 @@ def partition(gm: fx.GraphModule, decisions, min_block_size: int = 1) -> tuple[f
         proposed = [p.nodes for p in partitioner.propose_partitions()]
     parts = [p for p in proposed if sum(1 for n in p if n.target is not operator.getitem) >= min_block_size]
     fused = _fuse_partitions(gm, parts)
+    return fused, renumber_partitions(fused)
+
+
+def renumber_partitions(fused: fx.GraphModule) -> list[str]:
+    """torch numbers the partitions in reverse: renumbers them fused_0, ... in graph (execution)
+    order and returns their names."""
     calls = [n for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("fused_")]
-    # torch numbers the partitions in reverse; renumber them in graph (execution) order
     subs = [getattr(fused, n.target) for n in calls]
     for n in calls:
         delattr(fused, n.target)
@@ -131,7 +136,7 @@ def partition(gm: fx.GraphModule, decisions, min_block_size: int = 1) -> tuple[f
         n._rename(f"{n.target}_out")  # (the graph's namespace keeps the old node names taken)
         setattr(fused, n.target, sub)
     fused.recompile()
-    return fused, [n.target for n in calls]
+    return [n.target for n in calls]
 
 
 def _whole_graph(gm: fx.GraphModule, decisions) -> dict[fx.Node, None] | None:
