@@ -246,3 +246,20 @@ def test_compile_neither_re_exports_nor_merges_partitions(monkeypatch):
     assert compiled.report.partitions == 1
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_failing_fast_path_falls_back_to_torch_visibly(monkeypatch, caplog):
+    """A bug in the node-by-node path (or a torch it does not know) costs speed, not the compile:
+    torch's run_decompositions gives the graph, with a warning; tests (strict) see the error."""
+    def broken(self):
+        raise RuntimeError("a bug")
+
+    ep = _export(Block(), _seeded(2, 8, 9, 11))
+    monkeypatch.setattr(decompose._Decomposer, "program", broken)
+    with pytest.raises(RuntimeError, match="a bug"), tracing():
+        decompose.decompose_program(ep, decompositions())
+    monkeypatch.setenv("GAC_STRICT_INTERNAL", "0")
+    with caplog.at_level("WARNING", logger="gac_torch"), tracing():
+        got = decompose.decompose_program(ep, decompositions())
+    assert "RuntimeError: a bug" in caplog.text
+    assert _rows(got.graph_module) == _rows(_torch(ep).graph_module)

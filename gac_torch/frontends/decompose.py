@@ -16,6 +16,7 @@ asserts that the two graphs are the same, node for node, on the models the tests
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import operator
 import time
@@ -28,6 +29,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind, OutputSpec, TensorArgument
 
 from gac_torch.errors import GacError
+from gac_torch.frontends.fx import strict_internal
 from gac_torch.frontends.torch_state import lazy_graph_module, lazy_graph_modules, retrace_without_export_guards
 
 log = logging.getLogger("gac_torch")
@@ -53,6 +55,11 @@ def decompose_program(ep: ExportedProgram, table: dict) -> ExportedProgram:
         return done
     except _Unsupported as e:
         why = str(e)
+    except Exception as e:  # a gac bug (or another torch): torch's way still gives the graph
+        if strict_internal():
+            raise
+        why = f"{type(e).__name__}: {e}"
+        log.warning("gac: the node-by-node decomposition failed (%s); using torch's run_decompositions", why)
     with retrace_without_export_guards(), lazy_graph_modules():
         done = ep.run_decompositions(table)
     log.debug("gac: decomposed by torch's run_decompositions in %.2f s (%s)", time.perf_counter() - start, why)
@@ -70,6 +77,10 @@ def _torch_parts():
         from torch.export.exported_program import _override_composite_implicit_decomp
     except ImportError as e:
         raise _Unsupported(f"torch's export internals moved ({e})") from e
+    arities = {_override_composite_implicit_decomp: 1, _collect_all_valid_cia_ops_for_aten_namespace: 0,
+               _ignore_backend_decomps: 0, _is_cia_op: 1}
+    if any(len(inspect.signature(fn).parameters) != n for fn, n in arities.items()):
+        raise _Unsupported("torch's export internals take other arguments")
     return (Verifier, _ignore_backend_decomps, _override_composite_implicit_decomp,
             _collect_all_valid_cia_ops_for_aten_namespace, _is_cia_op, _special_op_to_preserve_cia)
 
