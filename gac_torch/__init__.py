@@ -67,6 +67,7 @@ def explain(model, *example_inputs, **example_kwargs):
 
     Exports the model (ExportedProgram accepted as is), decomposes to core ATen and asks the
     registry about every node. Returns a GraphReport; str() gives the summary line."""
+    from gac_torch.frontends.decompose import decompose_program
     from gac_torch.frontends.torch_state import tracing
     from gac_torch.legalize import decompositions
     from gac_torch.passes.partition import analyze, drop_metadata_asserts, partition
@@ -74,7 +75,7 @@ def explain(model, *example_inputs, **example_kwargs):
     with tracing():
         ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(
             model, tuple(example_inputs), example_kwargs or None)
-        ep = ep.run_decompositions(decompositions())
+        ep = decompose_program(ep, decompositions())
     gm = ep.graph_module
     drop_metadata_asserts(gm)  # as compile does, so the partition count is compile's
     gm.graph.eliminate_dead_code()

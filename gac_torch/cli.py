@@ -86,12 +86,13 @@ def _load(path: str, shapes: dict[str, list[int]], strict: bool):
     if not os.path.exists(path):
         raise UsageError(f"no such file: {path}")
     if path.endswith(".pt2"):
+        from gac_torch.frontends.decompose import decompose_program
         from gac_torch.legalize import decompositions
 
         ep = torch.export.load(path)
         if shapes:
             ep = _specialize(ep, shapes)
-        ep = ep.run_decompositions(decompositions())
+        ep = decompose_program(ep, decompositions())
         return ep.graph_module, None
     return _load_onnx(path, shapes, strict)
 

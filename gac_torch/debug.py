@@ -78,10 +78,11 @@ def _graph(model, inputs: Sequence[torch.Tensor]) -> tuple[fx.GraphModule, list]
     """The core ATen graph gac_torch.compile would see, and its placeholders' values."""
     from torch.export.graph_signature import InputKind
 
+    from gac_torch.frontends.decompose import decompose_program
     from gac_torch.frontends.export import _lifted_value
 
     ep = model if isinstance(model, torch.export.ExportedProgram) else torch.export.export(model, tuple(inputs))
-    ep = ep.run_decompositions(decompositions())
+    ep = decompose_program(ep, decompositions())
     user = iter(inputs)
     values = [next(user) if s.kind == InputKind.USER_INPUT else _lifted_value(ep, s)
               for s in ep.graph_signature.input_specs]

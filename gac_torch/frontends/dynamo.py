@@ -8,7 +8,6 @@ gac, so autograd stays correct (unsupported backward ops fall back to eager like
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import logging
 import operator
@@ -21,7 +20,7 @@ import torch
 from gac_torch.backends.base import TensorSpec
 from gac_torch.frontends.fx import compile_graph, compile_once_or_reason
 from gac_torch.frontends.specialize import ShapeSpecializing
-from gac_torch.frontends.torch_state import forget_stale_dynamo_guards, release_trace_globals
+from gac_torch.frontends.torch_state import copy_graph_module, forget_stale_dynamo_guards, release_trace_globals
 from gac_torch.legalize import decompositions
 from gac_torch.legalize.fast_paths import FAST_PATH_DECOMPOSITIONS
 from gac_torch.options import OptionError, precision_flags, resolve
@@ -237,14 +236,6 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         progress.add_report(compiled.report)  # gac_torch.reports() / last_report()
         return _forward_of(compiled.gm)
 
-    def copy_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        # AOTAutograd calls the compilers under its fake mode: a deepcopy of a real constant
-        # (e.g. torch.tensor([0]) lifted into the graph) would make a meta tensor and fail
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            return copy.deepcopy(graph)
-
     user_names = _user_names(gm)
 
     def per_flags(pristine: torch.fx.GraphModule, first, compile_again):
@@ -259,13 +250,13 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
             flags = precision_flags()
             fn = by_flags.get(flags)
             if fn is None:
-                fn = by_flags[flags] = compile_again(copy_graph(pristine))
+                fn = by_flags[flags] = compile_again(copy_graph_module(pristine))
             return fn(*args)
 
         return call
 
     def compile_static(graph: torch.fx.GraphModule):
-        pristine = copy_graph(graph)  # (compiling rewrites the graph in place)
+        pristine = copy_graph_module(graph)  # (compiling rewrites the graph in place; no deepcopy: ~1 s)
         return per_flags(pristine, compile_now(graph), compile_now)
 
     plain: dict = {}  # the inference graph's boxed call, where AOTAutograd's wrapper adds nothing
@@ -279,7 +270,7 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     def compile_fn(graph: torch.fx.GraphModule, inputs):
         _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
-        pristine = copy_graph(graph)
+        pristine = copy_graph_module(graph)
         with cache.recording():  # for torch.compiler.save_cache_artifacts()
             compiled, reason = compile_once_or_reason(graph, resolve(options, **kw))
         if compiled is not None:

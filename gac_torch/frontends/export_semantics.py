@@ -23,7 +23,7 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from gac_torch.frontends.torch_state import lazy_graph_module
+from gac_torch.frontends.torch_state import copy_graph_module
 
 _MUTATIONS = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 
@@ -46,9 +46,7 @@ def _is_view(n: fx.Node) -> bool:
 def _eager_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """An eager copy of the functional graph (compile_graph rewrites gm in place); its code is
     generated at its first run, i.e. by a backward only."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return lazy_graph_module(gm, graph)
+    return copy_graph_module(gm)
 
 
 class ExportSemantics:

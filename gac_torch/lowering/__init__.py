@@ -98,9 +98,11 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
         # Contractions take no computing producer as a prologue (fusion.py says why).
         for _ in range(3):
             fuse_elementwise(module)
-            if not _bool_tensors(module):
+            bools = _bool_tensors(module)
+            if not bools:
                 break
-        _check_no_bool_buffers(module)
+        if bools:  # an i1 buffer, which LLVM lowering cannot store (it aborts the process)
+            raise LoweringError(f"bool tensor would be materialized by {sorted(set(bools))}")
     return module
 
 
@@ -211,14 +213,6 @@ def _bool_tensors(module: ir.Module) -> list[str]:
 
     module.operation.walk(visit)
     return bad
-
-
-def _check_no_bool_buffers(module: ir.Module) -> None:
-    """An i1 tensor that survived fusion would become an i1 buffer, which LLVM lowering cannot
-    store (it aborts the process): refuse it here with an error instead."""
-    bad = _bool_tensors(module)
-    if bad:
-        raise LoweringError(f"bool tensor would be materialized by {sorted(set(bad))}")
 
 
 __all__ = ["lower_to_linalg", "LoweringError", "op_attrs", "storage_type"]

@@ -44,14 +44,15 @@ def fuse_elementwise(module: ir.Module) -> None:
     ctx.allow_unregistered_dialects = True
     keeps: list[ir.Operation] = []
     try:
-        for op in _contractions(module):
+        contractions = _contractions(module)
+        carried = {(name, a) for op in contractions for a in CARRIED if a in op.attributes
+                   for name in _loc_names(op)}
+        for op in contractions:
             for v in op.operands[:_num_inputs(op)]:
                 p = _computing_producer(v)
                 if p is not None:
                     with ir.InsertionPoint(op), op.location:
                         keeps.append(ir.Operation.create(_KEEP, operands=[p.result]))
-        carried = {(name, a) for op in _contractions(module) for a in CARRIED if a in op.attributes
-                   for name in _loc_names(op)}
         passmanager.PassManager.parse(f"builtin.module({_PIPELINE})", ctx).run(module.operation)
         for op in _contractions(module):
             names = _loc_names(op)
@@ -77,7 +78,10 @@ def is_contraction(op: ir.Operation) -> bool:
         return True
     if name != "linalg.generic":
         return False
-    iters = ["reduction" in str(a) for a in op.attributes["iterator_types"]]
+    iterator_types = op.attributes["iterator_types"]
+    if "reduction" not in str(iterator_types):  # (most generics: one string, not one per dim)
+        return False
+    iters = ["reduction" in str(a) for a in iterator_types]
     if not any(iters):
         return False
     maps = [ir.AffineMapAttr(a).value for a in op.attributes["indexing_maps"]]
