@@ -8,6 +8,7 @@ driver compiles.
 from __future__ import annotations
 
 import copy
+import inspect
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -159,12 +160,14 @@ def _fuse_partitions(gm: fx.GraphModule, partitions: list[dict[fx.Node, None]]) 
     from torch.fx.passes.tools_common import stable_topological_sort
     from torch.fx.passes.utils.fuser_utils import erase_nodes, insert_subgm, topo_sort, validate_partition
 
+    # torch < 2.12's insert_subgm has no insertion point (it appends; the sort below moves it)
+    at_point = "insertion_point" in inspect.signature(insert_subgm).parameters
     for k, part in enumerate(partitions):
         nodes = topo_sort(list(part))
         if not validate_partition(nodes):
             raise AssertionError("Invalid partition, found dependency cycles")
         sub, inputs, outputs = _fuse_as_graph_module(gm, nodes, f"fused_{k}", part)
-        insert_subgm(gm, sub, inputs, outputs, nodes[-1])
+        insert_subgm(gm, sub, inputs, outputs, *([nodes[-1]] if at_point else []))
         erase_nodes(gm, nodes)
     stable_topological_sort(gm)
     gm.graph.lint()
