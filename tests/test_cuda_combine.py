@@ -123,7 +123,8 @@ def test_weight_casts_fold_into_their_relayouts(monkeypatch: pytest.MonkeyPatch)
     _assembles(program)
 
 
-def test_stem_padding_is_three_levels() -> None:
+def test_stem_padding_is_three_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GAC_STEM_S2D", "0")  # the padded 7x7 stem (space-to-depth has its own prep)
     program = _program(_Stem(), _stem_inputs())
     kinds = [k.strategy for k in program.launches]
     assert kinds == ["combo"] * 3 + ["igemm", "cwgmma"], program.describe()
