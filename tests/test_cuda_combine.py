@@ -127,7 +127,9 @@ def test_stem_padding_is_three_levels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GAC_STEM_S2D", "0")  # the padded 7x7 stem (space-to-depth has its own prep)
     program = _program(_Stem(), _stem_inputs())
     kinds = [k.strategy for k in program.launches]
-    assert kinds == ["combo"] * 3 + ["igemm", "cwgmma"], program.describe()
+    # level 0 (the input's pad gather, the stem weight's pad fill, the 3x3 weight's relayout) is
+    # one combo; the weight's pad copy and its relayout are levels 1 and 2, one kernel each
+    assert kinds == ["combo", "loops", "loops", "igemm", "cwgmma"], program.describe()
     assert program.dataflow_errors(3) == [], program.describe()
     _assembles(program)
 
