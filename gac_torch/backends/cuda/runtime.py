@@ -10,13 +10,11 @@ torch's current stream, buffers from torch's caching allocator.
 - Intermediates live in one workspace sized by the static memory plan: one allocation per
   (device, stream), kept with the executable and reused by every call on that stream (calls on
   one stream are ordered, so reuse is safe; another stream gets its own workspace).
-- The per-call host work is a short loop: for each distinct set of buffer pointers (inputs,
-  outputs, workspace) the kernels' argument arrays (`void **kernelParams`, pointing at packed
-  pointer and scalar bytes) are built once and cached (LRU of TABLE_ENTRIES); a call with
-  pointers seen before only issues the launches. A pointer set seen GRAPH_AFTER times is captured once into a CUDA
-  graph (stream capture on a private stream), and later calls launch the whole sequence with
-  one cuGraphLaunch; any failure while building it falls back to plain launches for that
-  executable. Graphs are on by default (option `cuda_graphs`, GAC_CUDA_GRAPHS=0 turns them off).
+- Per distinct set of buffer pointers (inputs, outputs, workspace) the kernels' argument arrays
+  (`void **kernelParams`) are built once (LRU of TABLE_ENTRIES): a call with pointers seen before
+  only issues the launches. A set seen GRAPH_AFTER times is captured once into a CUDA graph (on a
+  private stream) and replayed by one cuGraphLaunch; a failure while building it falls back to
+  plain launches. Graphs are on by default (option `cuda_graphs`, GAC_CUDA_GRAPHS=0: off).
 - `call` (what CompiledGraph uses) makes the pointer sets repeat: a program with static shapes
   and outputs of at most POOL_BYTES writes into output buffers the executable owns (pool.py: a
   few sets per stream, at most POOL_TOTAL bytes, kept until the executable is freed; a set is
