@@ -263,3 +263,34 @@ def test_a_failing_fast_path_falls_back_to_torch_visibly(monkeypatch, caplog):
         got = decompose.decompose_program(ep, decompositions())
     assert "RuntimeError: a bug" in caplog.text
     assert _rows(got.graph_module) == _rows(_torch(ep).graph_module)
+
+
+def test_an_older_torch_uses_run_decompositions(monkeypatch):
+    """The node-by-node path is checked on torch >= 2.13 only: on the H200's torch 2.11 it gave a
+    graph that failed to legalize (fuzz seed 401, an add with alpha after a vector norm)."""
+    ep = _export(Block(), _seeded(2, 8, 9, 11))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(decompose._Unsupported, match="2.13"):
+        decompose._Decomposer(ep, decompositions())
+    with tracing():
+        got = decompose.decompose_program(ep, decompositions())
+    assert _rows(got.graph_module) == _rows(_torch(ep).graph_module)
+
+
+def test_partitions_fuse_with_an_insert_subgm_without_insertion_point(monkeypatch):
+    """torch < 2.12's insert_subgm takes (gm, sub_gm, inputs, outputs): the partitioner calls it
+    so (every compile failed on the H200's torch 2.11 when it passed an insertion point)."""
+    import gac_torch
+    from torch.fx.passes.utils import fuser_utils
+
+    real = fuser_utils.insert_subgm
+
+    def insert_subgm(gm, sub_gm, orig_inputs, orig_outputs):
+        return real(gm, sub_gm, orig_inputs, orig_outputs)
+
+    monkeypatch.setattr(fuser_utils, "insert_subgm", insert_subgm)
+    model, x = Block().eval(), _seeded(2, 8, 9, 11)
+    compiled = gac_torch.compile(_export(model, x), target="cpu", options={"fallback": False, "cache": False})
+    assert compiled.report.partitions == 1
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
