@@ -259,6 +259,45 @@ def test_norm_parity_on_a_non_contiguous_input() -> None:
     assert ((compiled(x).double() - ref).norm() / ref.norm()).item() <= 1e-5
 
 
+# streaming cache hints (GAC_ROWS_STREAM; default: tensors of 64 MiB and up): full-row vectors
+# read `ld.global.nc.L1::no_allocate`, written `st.global.cs`, through inline PTX
+STREAM_CASES = [("layernorm", (9, 1000), torch.float32), ("rmsnorm", (33, 96), torch.bfloat16),
+                ("softmax", (2, 4098), torch.float32), ("computed_layernorm", (3, 2, 2050), torch.float16),
+                ("log_softmax", (7, 6), torch.float16), ("layernorm", (5, 7), torch.float32),
+                ("layernorm", (130, 70002), torch.float32), ("softmax", (2, 3, 20000), torch.bfloat16)]
+# (odd rows: scalar accesses, no hints; the last two: rows streamed through registers)
+
+
+@pytest.mark.parametrize("name,shape,dt", STREAM_CASES, ids=str)
+def test_stream_hints_assemble(name: str, shape: tuple[int, ...], dt: torch.dtype,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    fn, ptx = NORMS[name][0], {}
+    for mode in ("all", "0"):
+        monkeypatch.setenv("GAC_ROWS_STREAM", mode)  # (the host program's dataflow check runs too)
+        compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, dt)), target="cuda",
+                                     options={"arch": "sm_90", "fallback": False, "cache": False})
+        ptx[mode] = compiled.ir("ptx")
+        result = assemble(ptx[mode], "sm_90")
+        assert result.ok and re.findall(r"(\d+) bytes spill stores", result.log) == ["0"], result.log
+    hinted = shape[-1] % 2 == 0  # vectors of 2+ elements: 4 to 16 bytes
+    assert ("ld.global.nc.L1::no_allocate" in ptx["all"]) == hinted and ("st.global.cs" in ptx["all"]) == hinted
+    assert "L1::no_allocate" not in ptx["0"] and "st.global.cs" not in ptx["0"]
+
+
+def test_stream_hints_only_past_the_threshold() -> None:  # (64 MiB: here 256 KiB, plain accesses)
+    small = gac_torch.compile(Fn(NORMS["softmax"][0]), (torch.randn(64, 1024),), target="cuda",
+                              options={"arch": "sm_90", "fallback": False, "cache": False})
+    assert "ld.global.nc.v4" in small.ir("ptx") and "st.global.cs" not in small.ir("ptx")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,shape,dt", STREAM_CASES, ids=str)
+def test_stream_hints_parity_on_cuda(name: str, shape: tuple[int, ...], dt: torch.dtype,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GAC_ROWS_STREAM", "all")
+    test_norm_parity_on_cuda(name, shape, dt)
+
+
 # ------------------------------------------------------------------------------------------------
 # a reduction to a few outputs spreads over the GPU (strategies/reduce.py: split + partials)
 

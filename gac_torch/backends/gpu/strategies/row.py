@@ -8,10 +8,11 @@ run-time sizes or 64-bit accumulators stay separate kernels (`reduce` and `loops
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from mlir import ir
-from mlir.dialects import arith, bufferization, gpu, memref, vector
+from mlir.dialects import arith, bufferization, gpu, llvm, memref, vector
 
 from gac_torch.backends.gpu.irutil import block_ops, clone_into, new_launch
 from gac_torch.backends.gpu.rows import Leaf, RowGroup, flat, leaf_buffer, output_buffer, replace_members
@@ -32,6 +33,10 @@ class RowParams:
     stream_min_rows: int = 128  # rows too long to hold are streamed only when there are this many
     # (else a block per row leaves the GPU idle: `reduce` splits a few long rows over many blocks)
     vector_bytes: int = 16
+    # cuda: rows of tensors this large (each full input or output, bytes) stream past the
+    # caches: inputs `ld.global.nc.L1::no_allocate`, outputs `st.global.cs` (evict first);
+    # None: plain accesses (vortex; GAC_ROWS_STREAM=0)
+    stream_min_bytes: int | None = None
 
 
 @dataclass
@@ -39,6 +44,7 @@ class _Match:
     group: RowGroup
     plan: rows.Plan
     combs: dict[int, tuple[ir.Operation, ir.Value, str, ir.Type]]  # reduce node -> comb, value, kind, acc
+    stream: bool = False  # full-row vector accesses with streaming cache hints (RowParams)
 
 
 def _elem(v: ir.Value) -> ir.Type:
@@ -78,13 +84,26 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
                       limits.max_threads_per_block, params.min_block_group, params.pref_elems)
         if p is None or p.grid > limits.max_grid[0] or (p.trips > 1 and g.R < params.stream_min_rows):
             return None
-        return _Match(g, p, combs)
+        return _Match(g, p, combs, _streams(g, params))
 
     def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
         _emit(m, name)
         return True
 
     return Strategy("row", match, emit, on="rows")
+
+
+def _streams(g: RowGroup, params: RowParams) -> bool:
+    """Cache hints on: the switch is on and some full input or output is that large (at least
+    the L2: what a later kernel could have found there is mostly gone anyway)."""
+    mode = os.environ.get("GAC_ROWS_STREAM", "auto")  # 0: off; all: every size (tests)
+    if params.stream_min_bytes is None or mode == "0":
+        return False
+    if mode == "all":
+        return True
+    elems = [_bytes(_elem(op.value if isinstance(op, Leaf) else op.results[0])) or 0
+             for nd, op in zip(g.nodes, g.ops) if nd.space == "full" and (nd.out or nd.op == "load")]
+    return g.R * g.C * max(elems, default=0) >= params.stream_min_bytes
 
 
 def _combiner(op: ir.Operation) -> tuple[ir.Operation, ir.Value, str, ir.Type] | None:
@@ -190,8 +209,45 @@ class _Ir(Ir):
         vt = ir.VectorType.get([vec], elem)
         idx = self._index(i, row, col, 0, leaf.space)
         align = vec * (_bytes(elem) or 1)
-        v = self._guard(cond, vt, lambda: vector.load(vt, buf, idx, alignment=align))
+        if self._hinted(leaf.space, vec, elem):
+            v = self._guard(cond, vt, lambda: self._asm_load(buf, idx[0], vt, elem))
+        else:
+            v = self._guard(cond, vt, lambda: vector.load(vt, buf, idx, alignment=align))
         return [vector.extract(v, [], [e]) for e in range(vec)]
+
+    # -- streaming accesses (cuda): 16/8/4-byte vectors through inline PTX with a cache hint
+    def _hinted(self, space: str, vec: int, elem: ir.Type) -> bool:
+        nbytes = vec * (_bytes(elem) or 0)
+        return self.m.stream and space == "full" and nbytes in (4, 8, 16)
+
+    def _address(self, buf: ir.Value, lin: ir.Value, elem: ir.Type) -> ir.Value:
+        base = memref.extract_aligned_pointer_as_index(buf)  # kernel buffers: identity layout
+        at = self.add(base, self.mul(lin, _bytes(elem)))
+        return arith.index_cast(ir.IntegerType.get_signless(64), at)
+
+    def _asm_load(self, buf: ir.Value, lin: ir.Value, vt: ir.Type, elem: ir.Type) -> ir.Value:
+        i32 = ir.IntegerType.get_signless(32)
+        n = ir.VectorType(vt).shape[0] * _bytes(elem) // 4
+        regs = ", ".join(f"${k}" for k in range(n))
+        text = (f"ld.global.nc.L1::no_allocate.v{n}.b32 {{{regs}}}, [${n}];" if n > 1
+                else "ld.global.nc.L1::no_allocate.b32 $0, [$1];")
+        res_t = i32 if n == 1 else ir.Type.parse(f"!llvm.struct<({', '.join(['i32'] * n)})>")
+        r = llvm.inline_asm(res_t, [self._address(buf, lin, elem)], text, "=r," * n + "l")
+        words = [r] if n == 1 else [llvm.extractvalue(i32, r, [k]) for k in range(n)]
+        wv = vector.from_elements(ir.VectorType.get([n], i32), words)
+        return wv if ir.VectorType.get([n], i32) == vt else vector.bitcast(vt, wv)
+
+    def _asm_store(self, buf: ir.Value, lin: ir.Value, v: ir.Value, elem: ir.Type) -> None:
+        i32 = ir.IntegerType.get_signless(32)
+        vt = ir.VectorType(v.type)
+        n = vt.shape[0] * _bytes(elem) // 4
+        wt = ir.VectorType.get([n], i32)
+        wv = v if vt == wt else vector.bitcast(wt, v)
+        words = [vector.extract(wv, [], [k]) for k in range(n)]
+        regs = ", ".join(f"${k + 1}" for k in range(n))
+        text = f"st.global.cs.v{n}.b32 [$0], {{{regs}}};" if n > 1 else "st.global.cs.b32 [$0], $1;"
+        llvm.inline_asm(None, [self._address(buf, lin, elem), *words], text, "l" + ",r" * n,
+                        has_side_effects=True)
 
     def _guard(self, cond, t: ir.Type, then):
         if cond is None:
@@ -208,6 +264,9 @@ class _Ir(Ir):
             idx = self._index(i, row, col if col is not None else self.const(0), 0, space)
             if len(vals) == 1:
                 memref.store(vals[0], buf, idx)
+            elif self._hinted(space, len(vals), vals[0].type):
+                vt = ir.VectorType.get([len(vals)], vals[0].type)
+                self._asm_store(buf, idx[0], vector.from_elements(vt, vals), vals[0].type)
             else:
                 vt = ir.VectorType.get([len(vals)], vals[0].type)
                 vector.store(vector.from_elements(vt, vals), buf, idx,
