@@ -282,6 +282,9 @@ def test_stream_hints_assemble(name: str, shape: tuple[int, ...], dt: torch.dtyp
     hinted = shape[-1] % 2 == 0  # vectors of 2+ elements: 4 to 16 bytes
     assert ("ld.global.nc.L1::no_allocate" in ptx["all"]) == hinted and ("st.global.cs" in ptx["all"]) == hinted
     assert "L1::no_allocate" not in ptx["0"] and "st.global.cs" not in ptx["0"]
+    if shape == (9, 1000):  # 4 slots of 64 lanes x 4 floats: one address, the slots as immediates
+        assert re.findall(r"no_allocate\.v4\.b32 \{[^}]*\}, \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
+        assert re.findall(r"st\.global\.cs\.v4\.b32 \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
 
 
 def test_stream_hints_only_past_the_threshold() -> None:  # (64 MiB: here 256 KiB, plain accesses)

@@ -210,7 +210,9 @@ class _Ir(Ir):
         idx = self._index(i, row, col, 0, leaf.space)
         align = vec * (_bytes(elem) or 1)
         if self._hinted(leaf.space, vec, elem):
-            v = self._guard(cond, vt, lambda: self._asm_load(buf, idx[0], vt, elem))
+            base, k = _split_const(col)  # (the slot's constant column offset: an immediate)
+            lin = self._index(i, row, base, 0, "full")[0] if base is not None else self.mul(row, self.g.C)
+            v = self._guard(cond, vt, lambda: self._asm_load(buf, lin, k, vt, elem))
         else:
             v = self._guard(cond, vt, lambda: vector.load(vt, buf, idx, alignment=align))
         return [vector.extract(v, [], [e]) for e in range(vec)]
@@ -225,27 +227,30 @@ class _Ir(Ir):
         at = self.add(base, self.mul(lin, _bytes(elem)))
         return arith.index_cast(ir.IntegerType.get_signless(64), at)
 
-    def _asm_load(self, buf: ir.Value, lin: ir.Value, vt: ir.Type, elem: ir.Type) -> ir.Value:
+    def _asm_load(self, buf: ir.Value, lin: ir.Value, k: int, vt: ir.Type, elem: ir.Type) -> ir.Value:
+        """`n` words at element lin + k (k: an immediate byte offset, the slot's column)."""
         i32 = ir.IntegerType.get_signless(32)
         n = ir.VectorType(vt).shape[0] * _bytes(elem) // 4
-        regs = ", ".join(f"${k}" for k in range(n))
-        text = (f"ld.global.nc.L1::no_allocate.v{n}.b32 {{{regs}}}, [${n}];" if n > 1
-                else "ld.global.nc.L1::no_allocate.b32 $0, [$1];")
+        regs = ", ".join(f"${j}" for j in range(n))
+        at = f"[${n}+{k * _bytes(elem)}]" if k else f"[${n}]"
+        text = (f"ld.global.nc.L1::no_allocate.v{n}.b32 {{{regs}}}, {at};" if n > 1
+                else f"ld.global.nc.L1::no_allocate.b32 $0, {at};")
         res_t = i32 if n == 1 else ir.Type.parse(f"!llvm.struct<({', '.join(['i32'] * n)})>")
         r = llvm.inline_asm(res_t, [self._address(buf, lin, elem)], text, "=r," * n + "l")
         words = [r] if n == 1 else [llvm.extractvalue(i32, r, [k]) for k in range(n)]
         wv = vector.from_elements(ir.VectorType.get([n], i32), words)
         return wv if ir.VectorType.get([n], i32) == vt else vector.bitcast(vt, wv)
 
-    def _asm_store(self, buf: ir.Value, lin: ir.Value, v: ir.Value, elem: ir.Type) -> None:
+    def _asm_store(self, buf: ir.Value, lin: ir.Value, k: int, v: ir.Value, elem: ir.Type) -> None:
         i32 = ir.IntegerType.get_signless(32)
         vt = ir.VectorType(v.type)
         n = vt.shape[0] * _bytes(elem) // 4
         wt = ir.VectorType.get([n], i32)
         wv = v if vt == wt else vector.bitcast(wt, v)
         words = [vector.extract(wv, [], [k]) for k in range(n)]
-        regs = ", ".join(f"${k + 1}" for k in range(n))
-        text = f"st.global.cs.v{n}.b32 [$0], {{{regs}}};" if n > 1 else "st.global.cs.b32 [$0], $1;"
+        regs = ", ".join(f"${j + 1}" for j in range(n))
+        at = f"[$0+{k * _bytes(elem)}]" if k else "[$0]"
+        text = f"st.global.cs.v{n}.b32 {at}, {{{regs}}};" if n > 1 else f"st.global.cs.b32 {at}, $1;"
         llvm.inline_asm(None, [self._address(buf, lin, elem), *words], text, "l" + ",r" * n,
                         has_side_effects=True)
 
@@ -266,7 +271,9 @@ class _Ir(Ir):
                 memref.store(vals[0], buf, idx)
             elif self._hinted(space, len(vals), vals[0].type):
                 vt = ir.VectorType.get([len(vals)], vals[0].type)
-                self._asm_store(buf, idx[0], vector.from_elements(vt, vals), vals[0].type)
+                base, k = _split_const(col)
+                lin = self._index(i, row, base, 0, space)[0] if base is not None else self.mul(row, self.g.C)
+                self._asm_store(buf, lin, k, vector.from_elements(vt, vals), vals[0].type)
             else:
                 vt = ir.VectorType.get([len(vals)], vals[0].type)
                 vector.store(vector.from_elements(vt, vals), buf, idx,
@@ -334,6 +341,33 @@ class _Ir(Ir):
         i32 = ir.IntegerType.get_signless(32)
         m = ir.Attribute.parse(f"#gpu<shuffle_mode {mode}>")
         return gpu.ShuffleOp(x, lane, arith.constant(i32, width), m).results[0]
+
+
+def _split_const(v: ir.Value, depth: int = 0) -> tuple[ir.Value | None, int]:
+    """v = base + k with k the constant part of its index adds and products by constants
+    (base None: v is the constant k); the rest of v rebuilt without it."""
+    op = v.owner.operation if isinstance(v.owner, ir.OpView) else v.owner
+    if not isinstance(op, ir.Operation) or depth > 6:
+        return v, 0
+    if op.name == "arith.constant" and isinstance(op.attributes["value"], ir.IntegerAttr):
+        return None, ir.IntegerAttr(op.attributes["value"]).value
+    if op.name not in ("arith.addi", "arith.muli"):
+        return v, 0
+    (a, ka), (b, kb) = _split_const(op.operands[0], depth + 1), _split_const(op.operands[1], depth + 1)
+    with ir.InsertionPoint(op), op.location:
+        if op.name == "arith.addi":
+            if ka == kb == 0:
+                return v, 0
+            return (a if b is None else b if a is None else arith.addi(a, b)), ka + kb
+        if a is None and b is None:
+            return None, ka * kb
+        if a is None or b is None:  # (x + k) * c = x * c + k * c
+            x, c = (b, ka) if a is None else (a, kb)  # (x + kx) * c, c the constant factor
+            kx = kb if a is None else ka
+            if kx == 0:
+                return v, 0
+            return arith.muli(x, arith.constant(ir.IndexType.get(), c)), kx * c
+        return v, 0
 
 
 def _zero(t: ir.Type):
