@@ -264,8 +264,9 @@ def test_norm_parity_on_a_non_contiguous_input() -> None:
 STREAM_CASES = [("layernorm", (9, 1000), torch.float32), ("rmsnorm", (33, 96), torch.bfloat16),
                 ("softmax", (2, 4098), torch.float32), ("computed_layernorm", (3, 2, 2050), torch.float16),
                 ("log_softmax", (7, 6), torch.float16), ("layernorm", (5, 7), torch.float32),
-                ("layernorm", (130, 70002), torch.float32), ("softmax", (2, 3, 20000), torch.bfloat16)]
-# (odd rows: scalar accesses, no hints; the last two: rows streamed through registers)
+                ("layernorm", (130, 70002), torch.float32), ("softmax", (2, 3, 20000), torch.bfloat16),
+                ("softmax", (130, 40002), torch.float32), ("softmax_scaled_3d", (3, 5, 333), torch.float32)]
+# (odd rows: scalar accesses, no hints; (130, ...): rows streamed through registers)
 
 
 @pytest.mark.parametrize("name,shape,dt", STREAM_CASES, ids=str)
@@ -285,6 +286,22 @@ def test_stream_hints_assemble(name: str, shape: tuple[int, ...], dt: torch.dtyp
     if shape == (9, 1000):  # 4 slots of 64 lanes x 4 floats: one address, the slots as immediates
         assert re.findall(r"no_allocate\.v4\.b32 \{[^}]*\}, \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
         assert re.findall(r"st\.global\.cs\.v4\.b32 \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
+
+
+@pytest.mark.parametrize("shape,dt", [((7, 1000), torch.float32), ((3, 5, 333), torch.float16),
+                                      ((130, 40002), torch.float32)], ids=str)  # (the last: streamed)
+def test_softmax_divides_once_a_row(shape, dt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GAC_ROWS_RCP (default on): softmax's x / sum as x * (1 / sum), one correctly rounded
+    reciprocal a thread and row (a chunk, streamed), not a division sequence an element."""
+    ptx = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("GAC_ROWS_RCP", mode)
+        compiled = gac_torch.compile(Fn(NORMS["softmax"][0]), tuple(_inputs("softmax", shape, dt)), target="cuda",
+                                     options={"arch": "sm_90", "fallback": False, "cache": False})
+        ptx[mode] = compiled.ir("ptx")
+        assert assemble(ptx[mode], "sm_90").ok
+    assert "div.rn.f32" not in ptx["1"] and ptx["1"].count("rcp.rn.f32") == 1
+    assert ptx["0"].count("div.rn.f32") >= 2 and "rcp.rn.f32" not in ptx["0"]
 
 
 def test_stream_hints_only_past_the_threshold() -> None:  # (64 MiB: here 256 KiB, plain accesses)

@@ -37,6 +37,9 @@ class RowParams:
     # caches: inputs `ld.global.nc.L1::no_allocate`, outputs `st.global.cs` (evict first);
     # None: plain accesses (vortex; GAC_ROWS_STREAM=0)
     stream_min_bytes: int | None = None
+    # cuda: x / r with r a row value (softmax's sum) as x * (1 / r), one division a row and
+    # thread (GAC_ROWS_RCP=0: a correctly rounded division per element, a branchy sequence each)
+    row_reciprocal: bool = False
 
 
 @dataclass
@@ -45,6 +48,7 @@ class _Match:
     plan: rows.Plan
     combs: dict[int, tuple[ir.Operation, ir.Value, str, ir.Type]]  # reduce node -> comb, value, kind, acc
     stream: bool = False  # full-row vector accesses with streaming cache hints (RowParams)
+    rcp: bool = False  # divisions by a row value as products with its reciprocal (RowParams)
 
 
 def _elem(v: ir.Value) -> ir.Type:
@@ -84,7 +88,8 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
                       limits.max_threads_per_block, params.min_block_group, params.pref_elems)
         if p is None or p.grid > limits.max_grid[0] or (p.trips > 1 and g.R < params.stream_min_rows):
             return None
-        return _Match(g, p, combs, _streams(g, params))
+        rcp = params.row_reciprocal and os.environ.get("GAC_ROWS_RCP", "1") != "0"
+        return _Match(g, p, combs, _streams(g, params), rcp)
 
     def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
         _emit(m, name)
@@ -165,6 +170,7 @@ class _Ir(Ir):
                  smem: dict[int, ir.Value]):
         super().__init__(ids)
         self.m, self.g, self.bufs, self.outs, self.smem = m, m.group, bufs, outs, smem
+        self.rcps: dict[tuple, ir.Value] = {}  # (row value, block) -> its reciprocal there
 
     # -- memory
     def _index(self, i: int, row, col, e: int, space: str) -> list[ir.Value]:
@@ -303,7 +309,30 @@ class _Ir(Ir):
     def compute(self, i: int, args: list[ir.Value]) -> ir.Value:
         op = self.g.ops[i]
         y = block_ops(op.regions[0].blocks[0])[-1].operands[0]
-        return self._clone(op, args, None).get(y, y)
+        mapping = self._clone(op, args, None)
+        if self.m.rcp and self.g.nodes[i].space in rows.PER_COLUMN:
+            per_row = [v for a, v in zip(self.g.nodes[i].args, args) if self.g.nodes[a].space in ("row", "scalar")]
+            for o in block_ops(op.regions[0].blocks[0])[:-1]:
+                if o.name == "arith.divf" and o.results[0] in mapping:
+                    mapping[o.results[0]] = self._by_reciprocal(mapping[o.results[0]], per_row)
+        return mapping.get(y, y)
+
+    def _by_reciprocal(self, q: ir.Value, per_row: list[ir.Value]) -> ir.Value:
+        """A cloned x / r whose r is a row value -> x * (1 / r), 1 / r once a row (per block
+        of code: once per streamed chunk)."""
+        div = q.owner.operation if isinstance(q.owner, ir.OpView) else q.owner
+        x, r = div.operands[0], div.operands[1]
+        if not any(r == v for v in per_row):
+            return q
+        key = (r, div.block)
+        with ir.InsertionPoint(div), div.location:
+            if key not in self.rcps:
+                one = arith.constant(r.type, ir.FloatAttr.get(r.type, 1.0))
+                self.rcps[key] = arith.divf(one, r)
+            prod = arith.mulf(x, self.rcps[key])
+        q.replace_all_uses_with(prod)
+        div.erase()
+        return prod
 
     def element(self, i: int, args: list[ir.Value]) -> ir.Value:
         comb, value, kind, acc = self.m.combs[i]
