@@ -272,17 +272,19 @@ STREAM_CASES = [("layernorm", (9, 1000), torch.float32), ("rmsnorm", (33, 96), t
 @pytest.mark.parametrize("name,shape,dt", STREAM_CASES, ids=str)
 def test_stream_hints_assemble(name: str, shape: tuple[int, ...], dt: torch.dtype,
                                monkeypatch: pytest.MonkeyPatch) -> None:
-    fn, ptx = NORMS[name][0], {}
+    fn, ptx, launches = NORMS[name][0], {}, {}
     for mode in ("all", "0"):
         monkeypatch.setenv("GAC_ROWS_STREAM", mode)  # (the host program's dataflow check runs too)
         compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, dt)), target="cuda",
                                      options={"arch": "sm_90", "fallback": False, "cache": False})
         ptx[mode] = compiled.ir("ptx")
+        launches[mode] = [line for line in compiled.ir("gpu").splitlines() if line.startswith("// launch")]
         result = assemble(ptx[mode], "sm_90")
         assert result.ok and re.findall(r"(\d+) bytes spill stores", result.log) == ["0"], result.log
     hinted = shape[-1] % 2 == 0  # vectors of 2+ elements: 4 to 16 bytes
     assert ("ld.global.nc.L1::no_allocate" in ptx["all"]) == hinted and ("st.global.cs" in ptx["all"]) == hinted
     assert "L1::no_allocate" not in ptx["0"] and "st.global.cs" not in ptx["0"]
+    assert launches["all"] == launches["0"]  # inputs read (r), outputs written (W): through the asm too
     if shape == (9, 1000):  # 4 slots of 64 lanes x 4 floats: one address, the slots as immediates
         assert re.findall(r"no_allocate\.v4\.b32 \{[^}]*\}, \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
         assert re.findall(r"st\.global\.cs\.v4\.b32 \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
