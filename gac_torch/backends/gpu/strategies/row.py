@@ -243,7 +243,7 @@ class _Ir(Ir):
                 else f"ld.global.nc.L1::no_allocate.b32 $0, {at};")
         res_t = i32 if n == 1 else ir.Type.parse(f"!llvm.struct<({', '.join(['i32'] * n)})>")
         r = llvm.inline_asm(res_t, [self._address(buf, lin, elem)], text, "=r," * n + "l")
-        words = [r] if n == 1 else [llvm.extractvalue(i32, r, [k]) for k in range(n)]
+        words = [r] if n == 1 else [llvm.extractvalue(i32, r, [j]) for j in range(n)]
         wv = vector.from_elements(ir.VectorType.get([n], i32), words)
         return wv if ir.VectorType.get([n], i32) == vt else vector.bitcast(vt, wv)
 
@@ -253,7 +253,7 @@ class _Ir(Ir):
         n = vt.shape[0] * _bytes(elem) // 4
         wt = ir.VectorType.get([n], i32)
         wv = v if vt == wt else vector.bitcast(wt, v)
-        words = [vector.extract(wv, [], [k]) for k in range(n)]
+        words = [vector.extract(wv, [], [j]) for j in range(n)]
         regs = ", ".join(f"${j + 1}" for j in range(n))
         at = f"[$0+{k * _bytes(elem)}]" if k else "[$0]"
         text = f"st.global.cs.v{n}.b32 {at}, {{{regs}}};" if n > 1 else f"st.global.cs.b32 {at}, $1;"
