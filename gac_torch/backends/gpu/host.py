@@ -144,20 +144,20 @@ def _uses_of_buffer(v: ir.Value, acc: set[str]) -> None:
 
 def _uses_of_pointer(v: ir.Value, acc: set[str], depth: int = 0) -> None:
     """A buffer's address (row's cache-hinted accesses): "r" for an inline asm `ld.`, "w" for
-    an `st.`, through the address arithmetic; anything else (or nothing found): both."""
-    found = False
-    for use in v.uses:
+    an `st.`, through the address arithmetic; any other use (or none): both."""
+    uses = list(v.uses)
+    if not uses:
+        acc.update("rw")
+    for use in uses:
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
         if op.name == "llvm.inline_asm":
             text = str(op.attributes["asm_string"]).strip('"')
             acc.update("r" if text.startswith("ld.") else "w" if text.startswith("st.") else "rw")
-            found = True
         elif depth < 8 and (op.name.startswith("arith.") or op.name == "llvm.inttoptr"):
             for res in op.results:
                 _uses_of_pointer(res, acc, depth + 1)
-            found = True
-    if not found:
-        acc.update("rw")
+        else:
+            acc.update("rw")
 
 
 def _whole(v: ir.Value) -> bool:
