@@ -40,6 +40,8 @@ VARIANTS = {  # name -> environment
     "fa3 stages 2": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_STAGES": "2"},
     "fa3 one CTA a tile": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_PERSISTENT": "0"},
     "fa3 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_PINGPONG": "1"},
+    "fa3 poly 1": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_POLY": "1"},
+    "fa3 poly 1 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_POLY": "1", "GAC_FLASH_WGMMA_PINGPONG": "1"},
     "fa3 poly 2": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_POLY": "2"},
     "fa3 poly 2 pingpong": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_POLY": "2", "GAC_FLASH_WGMMA_PINGPONG": "1"},
     "fa3 bn 64": {"GAC_FLASH_WGMMA": "1", "GAC_FLASH_WGMMA_BN": "64"},

@@ -2,12 +2,15 @@
 the default plan first -- against eager's kernels and a copy of the same bytes (the bandwidth
 ceiling), from CUPTI (torch.profiler), so gac's host time per call does not enter.
 
-    python benchmarks/sweep_rows.py [--out sweep.md] [--groups 32,128,256]
+    python benchmarks/sweep_rows.py [--out sweep.md] [--groups 32,128,256] [--only layernorm_65536x1024]
+        [--env "GAC_ROWS_STREAM=0,GAC_ROWS_STREAM=0;GAC_ROWS_RCP=0"]   # the default plan under
+                              # each environment (variants split at ',', variables at ';'), one process
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -68,14 +71,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--groups", default="32,64,128,256,512")
+    ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    ap.add_argument("--env", default="", help="environments to compare on the default plan: A=1;B=0,A=0")
     args = ap.parse_args()
-    groups: list[int | None] = [None] + [int(g) for g in args.groups.split(",") if g]
+    groups: list[int | str | None] = [None] + [int(g) for g in args.groups.split(",") if g]
+    groups += [e for e in args.env.split(",") if e]
     g = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"# row kernels, device time (CUPTI), {torch.cuda.get_device_name()}", "",
              "| workload | copy ms | eager ms | gac plan | gac ms | gac TB/s | gac/copy bw | gac/eager |",
              "|---|---|---|---|---|---|---|---|"]
     orig = rows.plan
     for name, (fn, shape, n_par) in WORK.items():
+        if args.only and name not in args.only.split(","):
+            continue
         x = torch.randn(shape, device="cuda", generator=g)
         inputs = [x] + ([torch.randn(shape, device="cuda", generator=g)] if n_par < 0 else
                         [torch.rand(shape[-1], device="cuda", generator=g) + 0.5 for _ in range(n_par)])
@@ -84,7 +92,10 @@ def main() -> int:
         eager = device_ms(fn, inputs)
         ref = fn(*[t.double() for t in inputs])
         for grp in groups if n_par >= 0 else [None]:
-            rows.plan = forced_plan(grp)
+            env = dict(kv.split("=", 1) for kv in grp.split(";")) if isinstance(grp, str) else {}
+            rows.plan = forced_plan(None if isinstance(grp, str) else grp)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
             try:
                 compiled = gac_torch.compile(Fn(fn), tuple(inputs), target="cuda",
                                              options={"fallback": False, "cache": False})
@@ -97,6 +108,11 @@ def main() -> int:
                 continue
             finally:
                 rows.plan = orig
+                for k, v in saved.items():
+                    if v is None:
+                        del os.environ[k]
+                    else:
+                        os.environ[k] = v
             tbps = nbytes / (ms / 1e3) / 1e12
             lines.append(f"| {name} | {copy:.4f} | {eager:.4f} | {grp or 'default'} ({kern}) err {err:.1e} | "
                          f"{ms:.4f} | {tbps:.2f} | {copy / ms:.2f} | {ms / eager:.2f} |")

@@ -259,6 +259,67 @@ def test_norm_parity_on_a_non_contiguous_input() -> None:
     assert ((compiled(x).double() - ref).norm() / ref.norm()).item() <= 1e-5
 
 
+# streaming cache hints (GAC_ROWS_STREAM; default: tensors of 64 MiB and up): full-row vectors
+# read `ld.global.nc.L1::no_allocate`, written `st.global.cs`, through inline PTX
+STREAM_CASES = [("layernorm", (9, 1000), torch.float32), ("rmsnorm", (33, 96), torch.bfloat16),
+                ("softmax", (2, 4098), torch.float32), ("computed_layernorm", (3, 2, 2050), torch.float16),
+                ("log_softmax", (7, 6), torch.float16), ("layernorm", (5, 7), torch.float32),
+                ("layernorm", (130, 70002), torch.float32), ("softmax", (2, 3, 20000), torch.bfloat16),
+                ("softmax", (130, 40002), torch.float32), ("softmax_scaled_3d", (3, 5, 333), torch.float32)]
+# (odd rows: scalar accesses, no hints; (130, ...): rows streamed through registers)
+
+
+@pytest.mark.parametrize("name,shape,dt", STREAM_CASES, ids=str)
+def test_stream_hints_assemble(name: str, shape: tuple[int, ...], dt: torch.dtype,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    fn, ptx, launches = NORMS[name][0], {}, {}
+    for mode in ("all", "0"):
+        monkeypatch.setenv("GAC_ROWS_STREAM", mode)  # (the host program's dataflow check runs too)
+        compiled = gac_torch.compile(Fn(fn), tuple(_inputs(name, shape, dt)), target="cuda",
+                                     options={"arch": "sm_90", "fallback": False, "cache": False})
+        ptx[mode] = compiled.ir("ptx")
+        launches[mode] = [line for line in compiled.ir("gpu").splitlines() if line.startswith("// launch")]
+        result = assemble(ptx[mode], "sm_90")
+        assert result.ok and re.findall(r"(\d+) bytes spill stores", result.log) == ["0"], result.log
+    hinted = shape[-1] % 2 == 0  # vectors of 2+ elements: 4 to 16 bytes
+    assert ("ld.global.nc.L1::no_allocate" in ptx["all"]) == hinted and ("st.global.cs" in ptx["all"]) == hinted
+    assert "L1::no_allocate" not in ptx["0"] and "st.global.cs" not in ptx["0"]
+    assert launches["all"] == launches["0"]  # inputs read (r), outputs written (W): through the asm too
+    if shape == (9, 1000):  # 4 slots of 64 lanes x 4 floats: one address, the slots as immediates
+        assert re.findall(r"no_allocate\.v4\.b32 \{[^}]*\}, \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
+        assert re.findall(r"st\.global\.cs\.v4\.b32 \[%rd\d+\+(\d+)\]", ptx["all"]) == ["1024", "2048", "3072"]
+
+
+@pytest.mark.parametrize("shape,dt", [((7, 1000), torch.float32), ((3, 5, 333), torch.float16),
+                                      ((130, 40002), torch.float32)], ids=str)  # (the last: streamed)
+def test_softmax_divides_once_a_row(shape, dt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GAC_ROWS_RCP (default on): softmax's x / sum as x * (1 / sum), one correctly rounded
+    reciprocal a thread and row (a chunk, streamed), not a division sequence an element."""
+    ptx = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("GAC_ROWS_RCP", mode)
+        compiled = gac_torch.compile(Fn(NORMS["softmax"][0]), tuple(_inputs("softmax", shape, dt)), target="cuda",
+                                     options={"arch": "sm_90", "fallback": False, "cache": False})
+        ptx[mode] = compiled.ir("ptx")
+        assert assemble(ptx[mode], "sm_90").ok
+    assert "div.rn.f32" not in ptx["1"] and ptx["1"].count("rcp.rn.f32") == 1
+    assert ptx["0"].count("div.rn.f32") >= 2 and "rcp.rn.f32" not in ptx["0"]
+
+
+def test_stream_hints_only_past_the_threshold() -> None:  # (64 MiB: here 256 KiB, plain accesses)
+    small = gac_torch.compile(Fn(NORMS["softmax"][0]), (torch.randn(64, 1024),), target="cuda",
+                              options={"arch": "sm_90", "fallback": False, "cache": False})
+    assert "ld.global.nc.v4" in small.ir("ptx") and "st.global.cs" not in small.ir("ptx")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,shape,dt", STREAM_CASES, ids=str)
+def test_stream_hints_parity_on_cuda(name: str, shape: tuple[int, ...], dt: torch.dtype,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GAC_ROWS_STREAM", "all")
+    test_norm_parity_on_cuda(name, shape, dt)
+
+
 # ------------------------------------------------------------------------------------------------
 # a reduction to a few outputs spreads over the GPU (strategies/reduce.py: split + partials)
 

@@ -83,7 +83,7 @@ def compile_options(options: Any) -> Any:
         # (flash_wgmma: f16/bf16 attention on sm_90a, GAC_FLASH_WGMMA=1; flash takes the rest)
         *([flash_wgmma.strategy()] if arch in ACCEL_ARCH else []),
         *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
-        row.strategy(),
+        row.strategy(row.RowParams(stream_min_bytes=64 * 2**20, row_reciprocal=True)),
         implicit_gemm.fused_strategy(),
         # (wgmma before igemm: it also takes a GEMM whose M is several dims, nn.Linear on 3-D)
         *([wgmma.strategy(allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))]

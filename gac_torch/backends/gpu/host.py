@@ -129,6 +129,9 @@ def _uses_of_buffer(v: ir.Value, acc: set[str]) -> None:
                         _uses_of_buffer(res, acc)
             continue
         r, w = pos in _READS.get(op.name, ()), pos in _WRITES.get(op.name, ())
+        if op.name == "memref.extract_aligned_pointer_as_index":  # an address for inline asm
+            _uses_of_pointer(op.results[0], acc)
+            continue
         if op.name == "nvgpu.device_async_copy":  # (dst, dst indices..., src, ...)
             r, w = pos > 0, pos == 0
         if not r and not w:
@@ -137,6 +140,24 @@ def _uses_of_buffer(v: ir.Value, acc: set[str]) -> None:
             acc.add("r")
         if w:
             acc.add("w")
+
+
+def _uses_of_pointer(v: ir.Value, acc: set[str], depth: int = 0) -> None:
+    """A buffer's address (row's cache-hinted accesses): "r" for an inline asm `ld.`, "w" for
+    an `st.`, through the address arithmetic; any other use (or none): both."""
+    uses = list(v.uses)
+    if not uses:
+        acc.update("rw")
+    for use in uses:
+        op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        if op.name == "llvm.inline_asm":
+            text = str(op.attributes["asm_string"]).strip('"')
+            acc.update("r" if text.startswith("ld.") else "w" if text.startswith("st.") else "rw")
+        elif depth < 8 and (op.name.startswith("arith.") or op.name == "llvm.inttoptr"):
+            for res in op.results:
+                _uses_of_pointer(res, acc, depth + 1)
+        else:
+            acc.update("rw")
 
 
 def _whole(v: ir.Value) -> bool:

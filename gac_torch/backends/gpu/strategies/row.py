@@ -8,10 +8,11 @@ run-time sizes or 64-bit accumulators stay separate kernels (`reduce` and `loops
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from mlir import ir
-from mlir.dialects import arith, bufferization, gpu, memref, vector
+from mlir.dialects import arith, bufferization, gpu, llvm, memref, vector
 
 from gac_torch.backends.gpu.irutil import block_ops, clone_into, new_launch
 from gac_torch.backends.gpu.rows import Leaf, RowGroup, flat, leaf_buffer, output_buffer, replace_members
@@ -32,6 +33,13 @@ class RowParams:
     stream_min_rows: int = 128  # rows too long to hold are streamed only when there are this many
     # (else a block per row leaves the GPU idle: `reduce` splits a few long rows over many blocks)
     vector_bytes: int = 16
+    # cuda: rows of tensors this large (each full input or output, bytes) stream past the
+    # caches: inputs `ld.global.nc.L1::no_allocate`, outputs `st.global.cs` (evict first);
+    # None: plain accesses (vortex; GAC_ROWS_STREAM=0)
+    stream_min_bytes: int | None = None
+    # cuda: x / r with r a row value (softmax's sum) as x * (1 / r), one division a row and
+    # thread (GAC_ROWS_RCP=0: a correctly rounded division per element, a branchy sequence each)
+    row_reciprocal: bool = False
 
 
 @dataclass
@@ -39,6 +47,8 @@ class _Match:
     group: RowGroup
     plan: rows.Plan
     combs: dict[int, tuple[ir.Operation, ir.Value, str, ir.Type]]  # reduce node -> comb, value, kind, acc
+    stream: bool = False  # full-row vector accesses with streaming cache hints (RowParams)
+    rcp: bool = False  # divisions by a row value as products with its reciprocal (RowParams)
 
 
 def _elem(v: ir.Value) -> ir.Type:
@@ -78,13 +88,27 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
                       limits.max_threads_per_block, params.min_block_group, params.pref_elems)
         if p is None or p.grid > limits.max_grid[0] or (p.trips > 1 and g.R < params.stream_min_rows):
             return None
-        return _Match(g, p, combs)
+        rcp = params.row_reciprocal and os.environ.get("GAC_ROWS_RCP", "1") != "0"
+        return _Match(g, p, combs, _streams(g, params), rcp)
 
     def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
         _emit(m, name)
         return True
 
     return Strategy("row", match, emit, on="rows")
+
+
+def _streams(g: RowGroup, params: RowParams) -> bool:
+    """Cache hints on: the switch is on and some full input or output is that large (at least
+    the L2: what a later kernel could have found there is mostly gone anyway)."""
+    mode = os.environ.get("GAC_ROWS_STREAM", "auto")  # 0: off; all: every size (tests)
+    if params.stream_min_bytes is None or mode == "0":
+        return False
+    if mode == "all":
+        return True
+    elems = [_bytes(_elem(op.value if isinstance(op, Leaf) else op.results[0])) or 0
+             for nd, op in zip(g.nodes, g.ops) if nd.space == "full" and (nd.out or nd.op == "load")]
+    return g.R * g.C * max(elems, default=0) >= params.stream_min_bytes
 
 
 def _combiner(op: ir.Operation) -> tuple[ir.Operation, ir.Value, str, ir.Type] | None:
@@ -146,6 +170,7 @@ class _Ir(Ir):
                  smem: dict[int, ir.Value]):
         super().__init__(ids)
         self.m, self.g, self.bufs, self.outs, self.smem = m, m.group, bufs, outs, smem
+        self.rcps: dict[tuple, ir.Value] = {}  # (row value, block) -> its reciprocal there
 
     # -- memory
     def _index(self, i: int, row, col, e: int, space: str) -> list[ir.Value]:
@@ -190,8 +215,50 @@ class _Ir(Ir):
         vt = ir.VectorType.get([vec], elem)
         idx = self._index(i, row, col, 0, leaf.space)
         align = vec * (_bytes(elem) or 1)
-        v = self._guard(cond, vt, lambda: vector.load(vt, buf, idx, alignment=align))
+        if self._hinted(leaf.space, vec, elem):
+            base, k = _split_const(col)  # (the slot's constant column offset: an immediate)
+            lin = self._index(i, row, base, 0, "full")[0] if base is not None else self.mul(row, self.g.C)
+            v = self._guard(cond, vt, lambda: self._asm_load(buf, lin, k, vt, elem))
+        else:
+            v = self._guard(cond, vt, lambda: vector.load(vt, buf, idx, alignment=align))
         return [vector.extract(v, [], [e]) for e in range(vec)]
+
+    # -- streaming accesses (cuda): 16/8/4-byte vectors through inline PTX with a cache hint
+    def _hinted(self, space: str, vec: int, elem: ir.Type) -> bool:
+        nbytes = vec * (_bytes(elem) or 0)
+        return self.m.stream and space == "full" and nbytes in (4, 8, 16)
+
+    def _address(self, buf: ir.Value, lin: ir.Value, elem: ir.Type) -> ir.Value:
+        base = memref.extract_aligned_pointer_as_index(buf)  # kernel buffers: identity layout
+        at = self.add(base, self.mul(lin, _bytes(elem)))
+        return arith.index_cast(ir.IntegerType.get_signless(64), at)
+
+    def _asm_load(self, buf: ir.Value, lin: ir.Value, k: int, vt: ir.Type, elem: ir.Type) -> ir.Value:
+        """`n` words at element lin + k (k: an immediate byte offset, the slot's column)."""
+        i32 = ir.IntegerType.get_signless(32)
+        n = ir.VectorType(vt).shape[0] * _bytes(elem) // 4
+        regs = ", ".join(f"${j}" for j in range(n))
+        at = f"[${n}+{k * _bytes(elem)}]" if k else f"[${n}]"
+        text = (f"ld.global.nc.L1::no_allocate.v{n}.b32 {{{regs}}}, {at};" if n > 1
+                else f"ld.global.nc.L1::no_allocate.b32 $0, {at};")
+        res_t = i32 if n == 1 else ir.Type.parse(f"!llvm.struct<({', '.join(['i32'] * n)})>")
+        r = llvm.inline_asm(res_t, [self._address(buf, lin, elem)], text, "=r," * n + "l")
+        words = [r] if n == 1 else [llvm.extractvalue(i32, r, [j]) for j in range(n)]
+        wv = vector.from_elements(ir.VectorType.get([n], i32), words)
+        return wv if ir.VectorType.get([n], i32) == vt else vector.bitcast(vt, wv)
+
+    def _asm_store(self, buf: ir.Value, lin: ir.Value, k: int, v: ir.Value, elem: ir.Type) -> None:
+        i32 = ir.IntegerType.get_signless(32)
+        vt = ir.VectorType(v.type)
+        n = vt.shape[0] * _bytes(elem) // 4
+        wt = ir.VectorType.get([n], i32)
+        wv = v if vt == wt else vector.bitcast(wt, v)
+        words = [vector.extract(wv, [], [j]) for j in range(n)]
+        regs = ", ".join(f"${j + 1}" for j in range(n))
+        at = f"[$0+{k * _bytes(elem)}]" if k else "[$0]"
+        text = f"st.global.cs.v{n}.b32 {at}, {{{regs}}};" if n > 1 else f"st.global.cs.b32 {at}, $1;"
+        llvm.inline_asm(None, [self._address(buf, lin, elem), *words], text, "l" + ",r" * n,
+                        has_side_effects=True)
 
     def _guard(self, cond, t: ir.Type, then):
         if cond is None:
@@ -208,6 +275,11 @@ class _Ir(Ir):
             idx = self._index(i, row, col if col is not None else self.const(0), 0, space)
             if len(vals) == 1:
                 memref.store(vals[0], buf, idx)
+            elif self._hinted(space, len(vals), vals[0].type):
+                vt = ir.VectorType.get([len(vals)], vals[0].type)
+                base, k = _split_const(col)
+                lin = self._index(i, row, base, 0, space)[0] if base is not None else self.mul(row, self.g.C)
+                self._asm_store(buf, lin, k, vector.from_elements(vt, vals), vals[0].type)
             else:
                 vt = ir.VectorType.get([len(vals)], vals[0].type)
                 vector.store(vector.from_elements(vt, vals), buf, idx,
@@ -237,7 +309,30 @@ class _Ir(Ir):
     def compute(self, i: int, args: list[ir.Value]) -> ir.Value:
         op = self.g.ops[i]
         y = block_ops(op.regions[0].blocks[0])[-1].operands[0]
-        return self._clone(op, args, None).get(y, y)
+        mapping = self._clone(op, args, None)
+        if self.m.rcp and self.g.nodes[i].space in rows.PER_COLUMN:
+            per_row = [v for a, v in zip(self.g.nodes[i].args, args) if self.g.nodes[a].space in ("row", "scalar")]
+            for o in block_ops(op.regions[0].blocks[0])[:-1]:
+                if o.name == "arith.divf" and o.results[0] in mapping:
+                    mapping[o.results[0]] = self._by_reciprocal(mapping[o.results[0]], per_row)
+        return mapping.get(y, y)
+
+    def _by_reciprocal(self, q: ir.Value, per_row: list[ir.Value]) -> ir.Value:
+        """A cloned x / r whose r is a row value -> x * (1 / r), 1 / r once a row (per block
+        of code: once per streamed chunk)."""
+        div = q.owner.operation if isinstance(q.owner, ir.OpView) else q.owner
+        x, r = div.operands[0], div.operands[1]
+        if not any(r == v for v in per_row):
+            return q
+        key = (r, div.block)
+        with ir.InsertionPoint(div), div.location:
+            if key not in self.rcps:
+                one = arith.constant(r.type, ir.FloatAttr.get(r.type, 1.0))
+                self.rcps[key] = arith.divf(one, r)
+            prod = arith.mulf(x, self.rcps[key])
+        q.replace_all_uses_with(prod)
+        div.erase()
+        return prod
 
     def element(self, i: int, args: list[ir.Value]) -> ir.Value:
         comb, value, kind, acc = self.m.combs[i]
@@ -275,6 +370,33 @@ class _Ir(Ir):
         i32 = ir.IntegerType.get_signless(32)
         m = ir.Attribute.parse(f"#gpu<shuffle_mode {mode}>")
         return gpu.ShuffleOp(x, lane, arith.constant(i32, width), m).results[0]
+
+
+def _split_const(v: ir.Value, depth: int = 0) -> tuple[ir.Value | None, int]:
+    """v = base + k with k the constant part of its index adds and products by constants
+    (base None: v is the constant k); the rest of v rebuilt without it."""
+    op = v.owner.operation if isinstance(v.owner, ir.OpView) else v.owner
+    if not isinstance(op, ir.Operation) or depth > 6:
+        return v, 0
+    if op.name == "arith.constant" and isinstance(op.attributes["value"], ir.IntegerAttr):
+        return None, ir.IntegerAttr(op.attributes["value"]).value
+    if op.name not in ("arith.addi", "arith.muli"):
+        return v, 0
+    (a, ka), (b, kb) = _split_const(op.operands[0], depth + 1), _split_const(op.operands[1], depth + 1)
+    with ir.InsertionPoint(op), op.location:
+        if op.name == "arith.addi":
+            if ka == kb == 0:
+                return v, 0
+            return (a if b is None else b if a is None else arith.addi(a, b)), ka + kb
+        if a is None and b is None:
+            return None, ka * kb
+        if a is None or b is None:  # (x + k) * c = x * c + k * c
+            x, c = (b, ka) if a is None else (a, kb)  # (x + kx) * c, c the constant factor
+            kx = kb if a is None else ka
+            if kx == 0:
+                return v, 0
+            return arith.muli(x, arith.constant(ir.IndexType.get(), c)), kx * c
+        return v, 0
 
 
 def _zero(t: ir.Type):
