@@ -142,12 +142,21 @@ def buffer_root(v: ir.Value) -> ir.Value:
     return v
 
 
+SETTLE: list = []  # while templates are folded meanwhile: strategy.settle (kernels using v put in place)
+
+
 def users(v: ir.Value) -> Iterator[ir.Operation]:
     """Ops using `v` directly or through view ops (the views themselves are not returned)."""
+    if SETTLE:
+        SETTLE[0](v)
+    yield from _users(v)
+
+
+def _users(v: ir.Value) -> Iterator[ir.Operation]:
     for use in v.uses:
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
         if op.name in VIEW_OPS and op.operands[0] == v:
-            yield from users(op.results[0])
+            yield from _users(op.results[0])
         else:
             yield op
 

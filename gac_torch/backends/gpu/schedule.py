@@ -56,7 +56,7 @@ from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_reductions
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, template_cache
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, deferred_splices, template_cache
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
 from gac_torch.lowering.fusion import fuse_elementwise
 
@@ -94,11 +94,14 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
 
     block = func_block(fn)
-    for op in block_ops(block):
-        if op.name != "linalg.generic":
-            continue
-        if not _apply_strategy(op, strategies, limits, counter):
-            parallel_dims_first(op)
+    ops = block_ops(block)
+    # (templates not folded yet are folded by worker processes meanwhile: fold_pool.py)
+    with deferred_splices(sum(op.name == "linalg.generic" for op in ops)):
+        for op in ops:
+            if op.name != "linalg.generic":
+                continue
+            if not _apply_strategy(op, strategies, limits, counter):
+                parallel_dims_first(op)
     if combining:  # a weight cast computed in its relayout copy
         fold_casts_into_copies(fn)
 

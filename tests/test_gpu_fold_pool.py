@@ -1,0 +1,151 @@
+"""Kernel templates folded in worker processes while the gpu stage goes on (backends/gpu/
+fold_pool.py, GAC_GPU_STAGE_WORKERS): the same module as folding them in-process, and a
+worker that fails is a CompileError, not a hang."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+from mlir import ir
+
+import gac_torch
+from gac_torch.backends.gpu import fold_pool, fold_worker, strategy
+from gac_torch.backends.gpu.irutil import block_ops, func_block, users
+from gac_torch.backends.gpu.strategy import deferred_splices, splice_template, template_cache
+from gac_torch.errors import CompileError
+from gac_torch.ir.dialect import make_context
+
+from test_gpu_stage_reuse import HOST, TEMPLATE
+
+
+def _spliced(monkeypatch, workers: int, ask_users: bool = False) -> tuple[str, int]:
+    """HOST with TEMPLATE spliced twice (a repeat of a text still being folded) and a second
+    text once; (the module's text, how many templates went to a worker)."""
+    monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", str(workers))
+    other = TEMPLATE.replace("%c3 = arith.constant 3", "%c3 = arith.constant 5")
+    submitted = []
+    real = fold_pool.FoldPool.submit
+    monkeypatch.setattr(fold_pool.FoldPool, "submit", lambda self, t: submitted.append(t) or real(self, t))
+    module = ir.Module.parse(HOST, make_context())
+    with module.context, ir.Location.unknown():
+        fn = module.body.operations[0].operation
+        ops, args = block_ops(func_block(fn)), list(func_block(fn).arguments)
+        with template_cache(), deferred_splices(1):
+            splice_template(TEMPLATE, ops[1], [args[0]], args[2], "f32", "gac_k0_t")
+            splice_template(TEMPLATE, ops[2], [args[1]], ops[0].results[0], "f32", "gac_k1_t")
+            if ask_users:  # (an analysis asking who uses %b: its kernel is put in place first)
+                assert {u.name for u in users(args[1])} == {"memref.store"}
+            splice_template(other, ops[2], [args[0]], None, "f32", "gac_k2_t")
+            if workers:
+                assert strategy._cache.pending  # (not folded yet, or not put in place yet)
+        assert module.operation.verify()
+        return str(module), len(set(submitted))
+
+
+@pytest.mark.unit
+def test_templates_folded_by_workers_give_the_same_module(monkeypatch):
+    serial, none = _spliced(monkeypatch, 0)
+    parallel, sent = _spliced(monkeypatch, 2)
+    asked, _ = _spliced(monkeypatch, 1, ask_users=True)
+    assert none == 0 and sent == 2  # two distinct texts, each folded once
+    assert parallel == serial == asked
+    assert "__gac_pending_template" not in parallel and "gac_k2_t" in parallel
+
+
+@pytest.mark.unit
+def test_worker_folds_as_the_scheduler_does():
+    ctx = make_context()
+    folded = ir.Module.parse(fold_worker.fold(TEMPLATE, ir.Context()), ctx)
+    assert str(folded) == str(strategy._parse(TEMPLATE, ctx))
+
+
+def _in_thread(fn, timeout: float = 120):
+    """fn's exception (None if it returned); fails if it is still running after `timeout`."""
+    out: list = []
+
+    def run():
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "hung"
+    return out[0]
+
+
+@pytest.mark.unit
+def test_a_worker_that_dies_is_a_compile_error(monkeypatch):
+    monkeypatch.setattr(fold_pool, "_command", lambda: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    err = _in_thread(lambda: _spliced(monkeypatch, 1))
+    assert isinstance(err, CompileError) and "exited with code 3" in str(err)
+    assert "GAC_GPU_STAGE_WORKERS=0" in str(err)
+
+
+@pytest.mark.unit
+def test_a_template_a_worker_cannot_fold_is_a_compile_error():
+    pool = fold_pool.FoldPool(1)
+    try:
+        bad = pool.submit("func.func @tmpl( {")
+        good = pool.submit(TEMPLATE)
+        assert pool.submit(TEMPLATE) is good  # (one job per distinct text)
+        with pytest.raises(CompileError, match="folding a kernel template failed"):
+            bad.result(timeout=120)
+        assert good.result(timeout=120)  # the worker goes on
+    finally:
+        pool.close()
+
+
+@pytest.mark.unit
+def test_worker_count(monkeypatch):
+    monkeypatch.delenv("GAC_GPU_STAGE_WORKERS", raising=False)
+    assert fold_pool.worker_count(fold_pool.MIN_GENERICS - 1) == 0  # a small program: in-process
+    assert fold_pool.worker_count(10_000) <= fold_pool.MAX_WORKERS
+    monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", "0")
+    assert fold_pool.worker_count(10_000) == 0
+    monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", "3")
+    assert fold_pool.worker_count(1) == 3
+    monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", "many")
+    with pytest.raises(ValueError, match="GAC_GPU_STAGE_WORKERS"):
+        fold_pool.worker_count(1)
+
+
+class Net(torch.nn.Module):
+    """Repeated conv and linear blocks: implicit-GEMM templates, several of one text."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = torch.nn.ModuleList(torch.nn.Conv2d(8, 8, 3, padding=1) for _ in range(3))
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(40, 40) for _ in range(3))
+
+    def forward(self, x, y):
+        for c in self.convs:
+            x = torch.relu(c(x)) + x
+        for f in self.fcs:
+            y = torch.nn.functional.gelu(f(y)) + y
+        return x.sum(), torch.softmax(y, -1)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_model_kernels_are_identical_with_fold_workers(monkeypatch, arch):
+    torch.manual_seed(0)
+    model, args = Net().eval(), (torch.randn(2, 8, 12, 12), torch.randn(33, 40))
+    submitted = []
+    real = fold_pool.FoldPool.submit
+    monkeypatch.setattr(fold_pool.FoldPool, "submit", lambda self, t: submitted.append(t) or real(self, t))
+    stages = {}
+    for workers in (0, 2):
+        monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", str(workers))
+        with torch.no_grad():
+            f = gac_torch.compile(model, args, target="cuda", options={"arch": arch, "cache": False})
+        assert f.report.compiled == f.report.total
+        stages[workers] = {s: f.ir(s) for s in ("gpu", "llvm", "ptx")}
+    assert submitted  # the second compile's templates went to the workers
+    for s in ("gpu", "llvm", "ptx"):
+        assert stages[2][s] == stages[0][s], s
