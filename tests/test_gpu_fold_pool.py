@@ -149,3 +149,19 @@ def test_model_kernels_are_identical_with_fold_workers(monkeypatch, arch):
     assert submitted  # the second compile's templates went to the workers
     for s in ("gpu", "llvm", "ptx"):
         assert stages[2][s] == stages[0][s], s
+
+
+@pytest.mark.cuda
+def test_model_runs_on_the_gpu_with_fold_workers(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", "2")
+    torch.manual_seed(0)
+    model = Net().cuda().eval()
+    args = (torch.randn(2, 8, 12, 12, device="cuda"), torch.randn(33, 40, device="cuda"))
+    with torch.no_grad():
+        f = gac_torch.compile(model, args, target="cuda", options={"cache": False})
+        got, want = f(*args), model(*args)
+    assert f.report.compiled == f.report.total
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -95,6 +95,9 @@ class FoldPool:
             proc = subprocess.Popen(_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             while (item := self.jobs.get()) is not None:
                 text, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    fut = None  # (taken back: the scheduler folded it itself)
+                    continue
                 try:
                     fold_worker.write_message(proc.stdin, {"text": text})
                     reply = fold_worker.read_message(proc.stdout)

@@ -294,7 +294,11 @@ def clone_body(ops: list[ir.Operation], skip: ir.Operation, mapping: dict[ir.Val
 def erase_if_unused(root: ir.Value) -> None:
     """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
     alloc = defining_op(root)
-    if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in users(root)):
+    if alloc is None or alloc.name != "memref.alloc":
+        return
+    if any(u.name not in ("memref.dealloc", "func.call") for u in _users(root)):
+        return  # (in use, whatever a kernel still being folded does: no need to wait for it)
+    if any(u.name != "memref.dealloc" for u in users(root)):
         return
 
     def drop(v: ir.Value) -> None:

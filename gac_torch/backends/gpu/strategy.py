@@ -172,14 +172,18 @@ def settle(v: ir.Value) -> None:
         if op.name in VIEW_OPS and op.operands[0] == v:
             settle(op.results[0])
         elif op.name == "func.call" and op in pending:
-            _resolve(op)
+            _resolve(op, wait=False)
 
 
-def _resolve(stand_in: ir.Operation) -> None:
+def _resolve(stand_in: ir.Operation, wait: bool = True) -> None:
+    """The kernel of `stand_in` in its place; `wait=False` (an analysis needs it now): a
+    template no worker has started to fold yet is folded here (the same module: fold_worker.py)."""
     text, fut, name = _cache.pending.pop(stand_in)
     parsed = _cache.parsed
     tmpl = parsed.get(text)
-    if tmpl is None:
+    if tmpl is None and not wait and fut.cancel():  # (still queued: taken back)
+        tmpl = parsed[text] = _parse(text, stand_in.context)
+    elif tmpl is None:
         tmpl = parsed[text] = ir.Module.parse(fut.result(), stand_in.context)  # (CompileError: a worker failed)
     _splice(tmpl, True, stand_in, list(stand_in.operands), name)
     stand_in.erase()
