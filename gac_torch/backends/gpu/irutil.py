@@ -143,6 +143,19 @@ def buffer_root(v: ir.Value) -> ir.Value:
 
 
 SETTLE: list = []  # while templates are folded meanwhile: strategy.settle (kernels using v put in place)
+PENDING = "__gac_pending_template"  # callee of a kernel's stand-in while a worker folds its template
+
+
+def is_pending(op: ir.Operation) -> bool:
+    """A stand-in of a kernel whose template is being folded (strategy.splice_template): it
+    uses the values the kernel will use."""
+    return op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value == PENDING
+
+
+def users_now(v: ir.Value) -> Iterator[ir.Operation]:
+    """users(v), with the stand-ins of pending kernels (is_pending) among them instead of the
+    kernels' own ops (nothing waits for a template to be folded)."""
+    yield from _users(v)
 
 
 def users(v: ir.Value) -> Iterator[ir.Operation]:
@@ -296,9 +309,8 @@ def erase_if_unused(root: ir.Value) -> None:
     alloc = defining_op(root)
     if alloc is None or alloc.name != "memref.alloc":
         return
-    if any(u.name not in ("memref.dealloc", "func.call") for u in _users(root)):
-        return  # (in use, whatever a kernel still being folded does: no need to wait for it)
-    if any(u.name != "memref.dealloc" for u in users(root)):
+    # (a kernel whose template is folded meanwhile uses what its stand-in uses: strategy.py)
+    if any(u.name != "memref.dealloc" for u in _users(root)):
         return
 
     def drop(v: ir.Value) -> None:

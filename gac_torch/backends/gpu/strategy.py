@@ -12,6 +12,9 @@ the target's strategy list.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import re
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -22,7 +25,8 @@ from mlir.dialects import arith, func
 
 from gac_torch.backends.gpu import fold_pool, irutil
 from gac_torch.backends.gpu.analysis import Generic
-from gac_torch.backends.gpu.irutil import VIEW_OPS, block_ops, func_block, run_passes, set_kernel_name
+from gac_torch.errors import CompileError
+from gac_torch.backends.gpu.irutil import PENDING, VIEW_OPS, block_ops, func_block, run_passes, set_kernel_name
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Strategy:
     on: str = "generic"
 
 
+log = logging.getLogger("gac_torch")
 _cache = threading.local()  # while template_cache runs: .parsed (text -> module), .texts (key -> text);
 # while deferred_splices runs: .pool (fold_pool.FoldPool), .pending (stand-in op -> (text, Future, name))
 
@@ -109,10 +114,11 @@ def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
         with ir.InsertionPoint(before), before.location:
             init = arith.constant(t, 0.0 if isinstance(t, ir.FloatType) else 0)
     pool = getattr(_cache, "pool", None)
-    if pool is not None and parsed is not None and text not in parsed:
-        with ir.InsertionPoint(before), before.location:  # (the kernel's place until it is folded)
-            stand_in = func.CallOp([], PENDING, [*args, init]).operation
-        _cache.pending[stand_in] = (text, pool.submit(text), name)
+    refs = _referenced(text, len(args) + 1) if pool is not None and parsed is not None and text not in parsed else None
+    if refs is not None:  # the kernel's place until it is folded: a stand-in using what it uses
+        with ir.InsertionPoint(before), before.location:
+            stand_in = func.CallOp([], PENDING, [v for v, r in zip([*args, init], refs) if r]).operation
+        _cache.pending[stand_in] = (text, pool.submit(text), name, [*args, init], refs)
         return
     if parsed is None:
         tmpl = _parse(text, before.context)
@@ -123,22 +129,27 @@ def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
     _splice(tmpl, parsed is not None, before, [*args, init], name)
 
 
-def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Value], name: str) -> None:
+def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Value], name: str,
+            refs: list[bool] | None = None) -> None:
     tfn = tmpl.body.operations[0].operation
     if clone:
         tfn = tfn.clone(ir.InsertionPoint(tmpl.body))
     tblock = func_block(tfn)
-    for targ, actual in zip(tblock.arguments, args):
-        targ.replace_all_uses_with(actual)
+    for k, (targ, actual) in enumerate(zip(tblock.arguments, args)):
+        if refs is not None and refs[k] != bool(list(targ.uses)):  # (what the stand-in told)
+            why = (f"kernel {name}: its template's argument {k} is {'un' if refs[k] else ''}used once "
+                   "folded, unlike its text: the kernels may differ from GAC_GPU_STAGE_WORKERS=0's")
+            if os.environ.get("GAC_STRICT_INTERNAL", "") not in ("", "0"):
+                raise CompileError(why)
+            log.warning("gac: %s", why)  # (still a valid program: only what was decided meanwhile)
+        if refs is None or refs[k]:  # (an unused one may be gone already)
+            targ.replace_all_uses_with(actual)
     for op in block_ops(tblock)[:-1]:  # constants and the launch; not the return
         op.move_before(before)
         if op.name == "gpu.launch":
             set_kernel_name(op, name)
     if clone:
         tfn.erase()  # the emptied clone
-
-
-PENDING = "__gac_pending_template"  # the stand-in of a kernel whose template a worker folds
 
 
 @contextlib.contextmanager
@@ -149,7 +160,7 @@ def deferred_splices(generics: int) -> Iterator[None]:
     if n <= 0 or getattr(_cache, "parsed", None) is None:
         yield
         return
-    _cache.pool, _cache.pending = fold_pool.FoldPool(n), {}
+    _cache.pool, _cache.pending, _cache.refs = fold_pool.FoldPool(n), {}, {}
     irutil.SETTLE.append(settle)
     try:
         yield
@@ -158,7 +169,7 @@ def deferred_splices(generics: int) -> Iterator[None]:
     finally:
         irutil.SETTLE.remove(settle)
         _cache.pool.close()
-        _cache.pool = _cache.pending = None
+        _cache.pool = _cache.pending = _cache.refs = None
 
 
 def settle(v: ir.Value) -> None:
@@ -175,17 +186,36 @@ def settle(v: ir.Value) -> None:
             _resolve(op, wait=False)
 
 
+def _referenced(text: str, n: int) -> list[bool] | None:
+    """Per argument of the template `func.func @tmpl(%a: .., ...)`: does its text use it? (None
+    where the header does not read as n arguments: then it is spliced at once.) An argument
+    the text never names is unused once folded; one it names stays used (checked by _splice)."""
+    refs = getattr(_cache, "refs", None)
+    if refs is None:
+        refs = _cache.refs = {}
+    if text not in refs:
+        m = _HEADER.search(text)
+        names = _ARG.findall(m.group(1)) if m else []
+        refs[text] = ([len(re.findall(re.escape(a) + r"(?![\w$.\-])", text)) > 1 for a in names]
+                      if len(names) == n else None)
+    return refs[text]
+
+
+_HEADER = re.compile(r"func\.func @[\w$.\-]+\((.*?)\)\s*\{", re.S)
+_ARG = re.compile(r"(%[\w$.\-]+)\s*:")
+
+
 def _resolve(stand_in: ir.Operation, wait: bool = True) -> None:
     """The kernel of `stand_in` in its place; `wait=False` (an analysis needs it now): a
     template no worker has started to fold yet is folded here (the same module: fold_worker.py)."""
-    text, fut, name = _cache.pending.pop(stand_in)
+    text, fut, name, args, refs = _cache.pending.pop(stand_in)
     parsed = _cache.parsed
     tmpl = parsed.get(text)
     if tmpl is None and not wait and fut.cancel():  # (still queued: taken back)
         tmpl = parsed[text] = _parse(text, stand_in.context)
     elif tmpl is None:
         tmpl = parsed[text] = ir.Module.parse(fut.result(), stand_in.context)  # (CompileError: a worker failed)
-    _splice(tmpl, True, stand_in, list(stand_in.operands), name)
+    _splice(tmpl, True, stand_in, args, name, refs)
     stand_in.erase()
 
 

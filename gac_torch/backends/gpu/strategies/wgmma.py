@@ -24,7 +24,7 @@ from gac_torch.backends.gpu.analysis import Generic, analyze, map_dims
 from gac_torch.backends.gpu.irutil import buffer_root, defining_op, ops_after, ops_between, users
 from gac_torch.backends.gpu.strategies import merged_rows, mma
 from gac_torch.backends.gpu.strategies.epilogue import FUSED, fused_epilogue, rename_from
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, settle, splice_template, template_text
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
 from gac_torch.kernels import wgmma_gemm, wgmma_plan
 from gac_torch.kernels.cuda_mma import Spec
 from gac_torch.lowering.structured import CONV_CONTRACTION
@@ -163,8 +163,6 @@ def strategy(allow_tf32: bool, conv_allow_tf32: bool = False) -> Strategy:
         text = template_text(("wgmma", spec, plan, acc), lambda: wgmma_gemm.template(spec, plan, acc))
         splice_template(text, g.op, [*ins, out, *extra],
                         fill[1] if fill is not None else None, acc, name)
-        if rows is not None:
-            settle(out)  # (its kernel in place, if a worker folds its template: does it read C?)
         if rows is not None and not list(out.uses):  # (C unused: the epilogue writes Z)
             out.owner.erase()
         if fill is not None:
