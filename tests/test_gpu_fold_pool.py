@@ -12,8 +12,8 @@ import torch
 from mlir import ir
 
 import gac_torch
-from gac_torch.backends.gpu import fold_pool, fold_worker, strategy
-from gac_torch.backends.gpu.irutil import block_ops, erase_if_unused, func_block, users
+from gac_torch.backends.gpu import aside, fold_pool, fold_worker, strategy
+from gac_torch.backends.gpu.irutil import block_ops, erase_if_unused, func_block, run_passes, users
 from gac_torch.backends.gpu.strategy import deferred_splices, splice_template, template_cache
 from gac_torch.errors import CompileError
 from gac_torch.ir.dialect import make_context
@@ -160,6 +160,59 @@ def test_worker_count(monkeypatch):
         fold_pool.worker_count(1)
 
 
+HOST_VIEW = """func.func @main(%a: memref<2x7xf32>, %x: f32) {
+  %v = memref.subview %a[0, 0] [1, 7] [1, 1] : memref<2x7xf32> to memref<7xf32, strided<[1]>>
+  %0 = arith.addf %x, %x : f32
+  return
+}"""
+
+# a kernel whose view of its argument folds with a host view (reinterpret_cast of a subview at 0)
+VIEWING = TEMPLATE.replace("(%A: memref<7xf32>, %init: f32)", "(%A: memref<7xf32, strided<[1]>>, %init: f32)").replace(
+    "    memref.store %v, %A[%k] : memref<7xf32>",
+    "    %r = memref.reinterpret_cast %A to offset: [0], sizes: [7], strides: [1] : memref<7xf32, strided<[1]>> to memref<7xf32>\n"
+    "    memref.store %v, %r[%k] : memref<7xf32>")
+
+
+def _host_pipeline(monkeypatch, aside_on: bool, template: str, host: str) -> str:
+    """A template spliced into the host, then the host function's pipeline (schedule.py),
+    with the folded template kernels aside or in."""
+    monkeypatch.setenv("GAC_GPU_KERNELS_ASIDE", "1" if aside_on else "0")
+    module = ir.Module.parse(host, make_context())
+    with module.context, ir.Location.unknown():
+        fn = module.body.operations[0].operation
+        block = func_block(fn)
+        ops, args = block_ops(block), list(block.arguments)
+        arg = ops[0].results[0] if host is HOST_VIEW else args[0]
+        with template_cache():
+            splice_template(template, ops[-2], [arg], None, "f32", "gac_k0_t")
+        with aside.kernels_aside(module, block):  # (then on as schedule.map_to_gpu goes)
+            run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse")
+        run_passes(module, "gpu-launch-sink-index-computations")
+        run_passes(module, "gpu-kernel-outlining, func.func(canonicalize, cse), gpu.module(gpu.func(canonicalize, cse))")
+        assert module.operation.verify()
+        return str(module)
+
+
+@pytest.mark.unit
+def test_kernels_aside_give_the_same_module(monkeypatch):
+    set_aside = []
+    real = aside._meets_host
+    monkeypatch.setattr(aside, "_meets_host", lambda *a: set_aside.append(not real(*a)) or not set_aside[-1])
+    for template, host in ((TEMPLATE, HOST), (VIEWING, HOST_VIEW)):
+        assert _host_pipeline(monkeypatch, True, template, host) == _host_pipeline(monkeypatch, False, template, host)
+    assert set_aside == [True, False]  # the plain kernel went aside; the one viewing a host view stayed
+    assert aside.FOLDED not in _host_pipeline(monkeypatch, True, TEMPLATE, HOST)
+
+
+@pytest.mark.unit
+def test_a_kernel_viewing_a_host_view_must_stay_in(monkeypatch):
+    """(what _meets_host guards: put aside, the kernel's reinterpret_cast keeps the subview)"""
+    inside = _host_pipeline(monkeypatch, False, VIEWING, HOST_VIEW)
+    assert "memref.reinterpret_cast %arg0" in inside and "memref<2x7xf32>" in inside.split("gpu.func")[1]
+    monkeypatch.setattr(aside, "_meets_host", lambda *a: False)
+    assert _host_pipeline(monkeypatch, True, VIEWING, HOST_VIEW) != inside
+
+
 class Net(torch.nn.Module):
     """Repeated conv and linear blocks: implicit-GEMM templates, several of one text."""
 
@@ -184,15 +237,16 @@ def test_model_kernels_are_identical_with_fold_workers(monkeypatch, arch):
     real = fold_pool.FoldPool.submit
     monkeypatch.setattr(fold_pool.FoldPool, "submit", lambda self, t: submitted.append(t) or real(self, t))
     stages = {}
-    for workers in (0, 2):
+    for workers, kernels_aside in ((0, "0"), (2, "0"), (2, "1")):  # (aside.py: opt-in)
         monkeypatch.setenv("GAC_GPU_STAGE_WORKERS", str(workers))
+        monkeypatch.setenv("GAC_GPU_KERNELS_ASIDE", kernels_aside)
         with torch.no_grad():
             f = gac_torch.compile(model, args, target="cuda", options={"arch": arch, "cache": False})
         assert f.report.compiled == f.report.total
-        stages[workers] = {s: f.ir(s) for s in ("gpu", "llvm", "ptx")}
-    assert submitted  # the second compile's templates went to the workers
+        stages[workers, kernels_aside] = {s: f.ir(s) for s in ("gpu", "llvm", "ptx")}
+    assert submitted  # the later compiles' templates went to the workers
     for s in ("gpu", "llvm", "ptx"):
-        assert stages[2][s] == stages[0][s], s
+        assert stages[2, "0"][s] == stages[0, "0"][s] == stages[2, "1"][s], s
 
 
 @pytest.mark.cuda

@@ -42,6 +42,7 @@ from gac_torch.errors import GacUnsupportedError
 from gac_torch.backends.gpu import combine
 from gac_torch.backends.gpu.fold_casts import fold_casts_into_copies
 from gac_torch.backends.gpu.analysis import analyze
+from gac_torch.backends.gpu.aside import kernels_aside
 from gac_torch.backends.gpu.attention import map_attention
 from gac_torch.backends.gpu.bufferize import (
     bufferize, copies_to_linalg, generalize_elementwise_named_ops, reshapes_to_views,
@@ -106,7 +107,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
         fold_casts_into_copies(fn)
 
     # (from here the host function holds every kernel body: verified once, at the end)
-    run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
+    with kernels_aside(module, block):  # (folded templates that do not meet the host: aside.py)
+        run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
     ops = block_ops(block)
     serial: list[ir.Operation] = []
     for i, op in enumerate(ops):

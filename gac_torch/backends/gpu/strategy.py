@@ -23,7 +23,7 @@ from typing import Any
 from mlir import ir
 from mlir.dialects import arith, func
 
-from gac_torch.backends.gpu import fold_pool, irutil
+from gac_torch.backends.gpu import aside, fold_pool, irutil
 from gac_torch.backends.gpu.analysis import Generic
 from gac_torch.errors import CompileError
 from gac_torch.backends.gpu.irutil import PENDING, VIEW_OPS, block_ops, func_block, run_passes, set_kernel_name
@@ -148,6 +148,7 @@ def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Va
         op.move_before(before)
         if op.name == "gpu.launch":
             set_kernel_name(op, name)
+            op.attributes[aside.FOLDED] = ir.UnitAttr.get()  # (aside.kernels_aside)
     if clone:
         tfn.erase()  # the emptied clone
 
