@@ -135,6 +135,7 @@ def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Va
     if clone:
         tfn = tfn.clone(ir.InsertionPoint(tmpl.body))
     tblock = func_block(tfn)
+    inert = aside.inert_args(tblock.arguments, args)  # (before the wiring)
     for k, (targ, actual) in enumerate(zip(tblock.arguments, args)):
         if refs is not None and refs[k] != bool(list(targ.uses)):  # (what the stand-in told)
             why = (f"kernel {name}: its template's argument {k} is {'un' if refs[k] else ''}used once "
@@ -148,7 +149,8 @@ def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Va
         op.move_before(before)
         if op.name == "gpu.launch":
             set_kernel_name(op, name)
-            op.attributes[aside.FOLDED] = ir.UnitAttr.get()  # (aside.kernels_aside)
+            if inert:
+                op.attributes[aside.FOLDED] = ir.UnitAttr.get()  # (aside.kernels_aside)
     if clone:
         tfn.erase()  # the emptied clone
 
