@@ -131,10 +131,17 @@ def _i1_bytes():
         from gac_torch.backends.gpu import i1_bytes
 
         return i1_bytes
-    if "gac_i1_bytes" not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "gpu" / "i1_bytes.py"
-        spec = importlib.util.spec_from_file_location("gac_i1_bytes", path)
+    return sibling("i1_bytes")
+
+
+def sibling(name: str):
+    """Module backends/gpu/<name>.py loaded by its path (a worker process runs without gac_torch;
+    the module imports only the MLIR bindings)."""
+    key = f"gac_{name}"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "gpu" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(module)  # type: ignore[union-attr]
-        sys.modules["gac_i1_bytes"] = module
-    return sys.modules["gac_i1_bytes"]
+        sys.modules[key] = module
+    return sys.modules[key]

@@ -16,10 +16,8 @@ in a fraction of a second; each job gets a fresh single-threaded MLIR context (t
 from __future__ import annotations
 
 import base64
-import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import tempfile
@@ -30,8 +28,12 @@ from mlir.dialects import gpu
 
 if __package__:
     from gac_torch.backends.cuda import kernel_prep
+    from gac_torch.backends.gpu.fold_worker import read_message, write_message
 else:  # a worker process (run as a script): its folder is on sys.path, gac_torch is not imported
     import kernel_prep
+
+    _framing = kernel_prep.sibling("fold_worker")  # (the jobs' framing, shared with the fold pool)
+    read_message, write_message = _framing.read_message, _framing.write_message
 
 
 def compile_kernel(text: str | bytes, lower: str, binary: str, ptxas: str | None = None,
@@ -112,20 +114,6 @@ def assemble(ptx: str, ptxas: str) -> tuple[bytes | None, str]:
             return None, f"ptxas -arch={arch}: {proc.stderr.strip()[:500]}"
         with open(out, "rb") as f:
             return f.read(), ""
-
-
-def read_message(stream) -> dict | None:
-    head = stream.read(8)
-    if len(head) < 8:
-        return None
-    (n,) = struct.unpack("<Q", head)
-    return json.loads(stream.read(n))
-
-
-def write_message(stream, message: dict) -> None:
-    data = json.dumps(message).encode()
-    stream.write(struct.pack("<Q", len(data)) + data)
-    stream.flush()
 
 
 def main() -> None:

@@ -142,12 +142,34 @@ def buffer_root(v: ir.Value) -> ir.Value:
     return v
 
 
+SETTLE: list = []  # while templates are folded meanwhile: strategy.settle (kernels using v put in place)
+PENDING = "__gac_pending_template"  # callee of a kernel's stand-in while a worker folds its template
+
+
+def is_pending(op: ir.Operation) -> bool:
+    """A stand-in of a kernel whose template is being folded (strategy.splice_template): it
+    uses the values the kernel will use."""
+    return op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value == PENDING
+
+
+def users_now(v: ir.Value) -> Iterator[ir.Operation]:
+    """users(v), with the stand-ins of pending kernels (is_pending) among them instead of the
+    kernels' own ops (nothing waits for a template to be folded)."""
+    yield from _users(v)
+
+
 def users(v: ir.Value) -> Iterator[ir.Operation]:
     """Ops using `v` directly or through view ops (the views themselves are not returned)."""
+    if SETTLE:
+        SETTLE[0](v)
+    yield from _users(v)
+
+
+def _users(v: ir.Value) -> Iterator[ir.Operation]:
     for use in v.uses:
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
         if op.name in VIEW_OPS and op.operands[0] == v:
-            yield from users(op.results[0])
+            yield from _users(op.results[0])
         else:
             yield op
 
@@ -285,7 +307,10 @@ def clone_body(ops: list[ir.Operation], skip: ir.Operation, mapping: dict[ir.Val
 def erase_if_unused(root: ir.Value) -> None:
     """Drop a scratch allocation nothing reads or writes any more: its views, deallocs, alloc."""
     alloc = defining_op(root)
-    if alloc is None or alloc.name != "memref.alloc" or any(u.name != "memref.dealloc" for u in users(root)):
+    if alloc is None or alloc.name != "memref.alloc":
+        return
+    # (a kernel whose template is folded meanwhile uses what its stand-in uses: strategy.py)
+    if any(u.name != "memref.dealloc" for u in _users(root)):
         return
 
     def drop(v: ir.Value) -> None:

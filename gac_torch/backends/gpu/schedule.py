@@ -42,6 +42,7 @@ from gac_torch.errors import GacUnsupportedError
 from gac_torch.backends.gpu import combine
 from gac_torch.backends.gpu.fold_casts import fold_casts_into_copies
 from gac_torch.backends.gpu.analysis import analyze
+from gac_torch.backends.gpu.aside import kernels_aside
 from gac_torch.backends.gpu.attention import map_attention
 from gac_torch.backends.gpu.bufferize import (
     bufferize, copies_to_linalg, generalize_elementwise_named_ops, reshapes_to_views,
@@ -56,7 +57,7 @@ from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_reductions
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
-from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, template_cache
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, deferred_splices, template_cache
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
 from gac_torch.lowering.fusion import fuse_elementwise
 
@@ -94,16 +95,20 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
 
     block = func_block(fn)
-    for op in block_ops(block):
-        if op.name != "linalg.generic":
-            continue
-        if not _apply_strategy(op, strategies, limits, counter):
-            parallel_dims_first(op)
+    ops = block_ops(block)
+    # (templates not folded yet are folded by worker processes meanwhile: fold_pool.py)
+    with deferred_splices(sum(op.name == "linalg.generic" for op in ops)):
+        for op in ops:
+            if op.name != "linalg.generic":
+                continue
+            if not _apply_strategy(op, strategies, limits, counter):
+                parallel_dims_first(op)
     if combining:  # a weight cast computed in its relayout copy
         fold_casts_into_copies(fn)
 
     # (from here the host function holds every kernel body: verified once, at the end)
-    run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
+    with kernels_aside(module, block):  # (folded templates that do not meet the host: aside.py)
+        run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
     ops = block_ops(block)
     serial: list[ir.Operation] = []
     for i, op in enumerate(ops):

@@ -12,16 +12,21 @@ the target's strategy list.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import re
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from mlir import ir
-from mlir.dialects import arith
+from mlir.dialects import arith, func
 
+from gac_torch.backends.gpu import aside, fold_pool, irutil
 from gac_torch.backends.gpu.analysis import Generic
-from gac_torch.backends.gpu.irutil import block_ops, func_block, run_passes, set_kernel_name
+from gac_torch.errors import CompileError
+from gac_torch.backends.gpu.irutil import PENDING, VIEW_OPS, block_ops, func_block, run_passes, set_kernel_name
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,9 @@ class Strategy:
     on: str = "generic"
 
 
-_cache = threading.local()  # while template_cache runs: .parsed (text -> module), .texts (key -> text)
+log = logging.getLogger("gac_torch")
+_cache = threading.local()  # while template_cache runs: .parsed (text -> module), .texts (key -> text);
+# while deferred_splices runs: .pool (fold_pool.FoldPool), .pending (stand-in op -> (text, Future, name))
 
 
 @contextlib.contextmanager
@@ -99,29 +106,120 @@ def _parse(text: str, context: ir.Context) -> ir.Module:
 def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
                      init: ir.Value | None, acc: str, name: str) -> None:
     """Parse a `func.func @tmpl(args..., %init)` holding one gpu.launch and move the launch
-    before `before`, wiring the template's arguments to `args` (and `init`)."""
+    before `before`, wiring the template's arguments to `args` (and `init`). Within
+    deferred_splices, a template not folded yet is folded by a worker meanwhile (fold_pool.py)."""
     parsed = getattr(_cache, "parsed", None)
-    if parsed is None:
-        tmpl = _parse(text, before.context)
-        tfn = tmpl.body.operations[0].operation
-    else:
-        tmpl = parsed.get(text)  # (a cache lives in one compile: one context)
-        if tmpl is None:
-            tmpl = parsed[text] = _parse(text, before.context)
-        tfn = tmpl.body.operations[0].operation.clone(ir.InsertionPoint(tmpl.body))
-    tblock = func_block(tfn)
     if init is None:  # unused by the kernel; any value of the type will do
         t = ir.Type.parse(acc, before.context)
         with ir.InsertionPoint(before), before.location:
             init = arith.constant(t, 0.0 if isinstance(t, ir.FloatType) else 0)
-    for targ, actual in zip(tblock.arguments, [*args, init]):
-        targ.replace_all_uses_with(actual)
+    pool = getattr(_cache, "pool", None)
+    refs = _referenced(text, len(args) + 1) if pool is not None and parsed is not None and text not in parsed else None
+    if refs is not None:  # the kernel's place until it is folded: a stand-in using what it uses
+        with ir.InsertionPoint(before), before.location:
+            stand_in = func.CallOp([], PENDING, [v for v, r in zip([*args, init], refs) if r]).operation
+        _cache.pending[stand_in] = (text, pool.submit(text), name, [*args, init], refs)
+        return
+    if parsed is None:
+        tmpl = _parse(text, before.context)
+    else:
+        tmpl = parsed.get(text)  # (a cache lives in one compile: one context)
+        if tmpl is None:
+            tmpl = parsed[text] = _parse(text, before.context)
+    _splice(tmpl, parsed is not None, before, [*args, init], name)
+
+
+def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Value], name: str,
+            refs: list[bool] | None = None) -> None:
+    tfn = tmpl.body.operations[0].operation
+    if clone:
+        tfn = tfn.clone(ir.InsertionPoint(tmpl.body))
+    tblock = func_block(tfn)
+    inert = aside.inert_args(tblock.arguments, args)  # (before the wiring)
+    for k, (targ, actual) in enumerate(zip(tblock.arguments, args)):
+        if refs is not None and refs[k] != bool(list(targ.uses)):  # (what the stand-in told)
+            why = (f"kernel {name}: its template's argument {k} is {'un' if refs[k] else ''}used once "
+                   "folded, unlike its text: the kernels may differ from GAC_GPU_STAGE_WORKERS=0's")
+            if os.environ.get("GAC_STRICT_INTERNAL", "") not in ("", "0"):
+                raise CompileError(why)
+            log.warning("gac: %s", why)  # (still a valid program: only what was decided meanwhile)
+        if refs is None or refs[k]:  # (an unused one may be gone already)
+            targ.replace_all_uses_with(actual)
     for op in block_ops(tblock)[:-1]:  # constants and the launch; not the return
         op.move_before(before)
         if op.name == "gpu.launch":
             set_kernel_name(op, name)
-    if parsed is not None:
+            if inert:
+                op.attributes[aside.FOLDED] = ir.UnitAttr.get()  # (aside.kernels_aside)
+    if clone:
         tfn.erase()  # the emptied clone
+
+
+@contextlib.contextmanager
+def deferred_splices(generics: int) -> Iterator[None]:
+    """Within template_cache: templates not folded yet are folded by fold_pool's workers
+    (GAC_GPU_STAGE_WORKERS) while the caller goes on; every kernel is in place on exit."""
+    n = fold_pool.worker_count(generics)
+    if n <= 0 or getattr(_cache, "parsed", None) is None:
+        yield
+        return
+    _cache.pool, _cache.pending, _cache.refs = fold_pool.FoldPool(n), {}, {}
+    irutil.SETTLE.append(settle)
+    try:
+        yield
+        for stand_in in list(_cache.pending):  # (in program order: the dict keeps it)
+            _resolve(stand_in)
+    finally:
+        irutil.SETTLE.remove(settle)
+        _cache.pool.close()
+        _cache.pool = _cache.pending = _cache.refs = None
+
+
+def settle(v: ir.Value) -> None:
+    """Kernels still pending that use `v` (directly or through views) put in place: an
+    analysis asking who uses a buffer then sees them as the serial path would."""
+    pending = getattr(_cache, "pending", None)
+    if not pending:
+        return
+    for use in list(v.uses):
+        op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        if op.name in VIEW_OPS and op.operands[0] == v:
+            settle(op.results[0])
+        elif op.name == "func.call" and op in pending:
+            _resolve(op, wait=False)
+
+
+def _referenced(text: str, n: int) -> list[bool] | None:
+    """Per argument of the template `func.func @tmpl(%a: .., ...)`: does its text use it? (None
+    where the header does not read as n arguments: then it is spliced at once.) An argument
+    the text never names is unused once folded; one it names stays used (checked by _splice)."""
+    refs = getattr(_cache, "refs", None)
+    if refs is None:
+        refs = _cache.refs = {}
+    if text not in refs:
+        m = _HEADER.search(text)
+        names = _ARG.findall(m.group(1)) if m else []
+        refs[text] = ([len(re.findall(re.escape(a) + r"(?![\w$.\-])", text)) > 1 for a in names]
+                      if len(names) == n else None)
+    return refs[text]
+
+
+_HEADER = re.compile(r"func\.func @[\w$.\-]+\((.*?)\)\s*\{", re.S)
+_ARG = re.compile(r"(%[\w$.\-]+)\s*:")
+
+
+def _resolve(stand_in: ir.Operation, wait: bool = True) -> None:
+    """The kernel of `stand_in` in its place; `wait=False` (an analysis needs it now): a
+    template no worker has started to fold yet is folded here (the same module: fold_worker.py)."""
+    text, fut, name, args, refs = _cache.pending.pop(stand_in)
+    parsed = _cache.parsed
+    tmpl = parsed.get(text)
+    if tmpl is None and not wait and fut.cancel():  # (still queued: taken back)
+        tmpl = parsed[text] = _parse(text, stand_in.context)
+    elif tmpl is None:
+        tmpl = parsed[text] = ir.Module.parse(fut.result(), stand_in.context)  # (CompileError: a worker failed)
+    _splice(tmpl, True, stand_in, args, name, refs)
+    stand_in.erase()
 
 
 def splice_fused(text: str, g: Generic, fill: tuple[ir.Operation, ir.Value] | None, acc: str,

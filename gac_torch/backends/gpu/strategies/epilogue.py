@@ -15,6 +15,7 @@ from gac_torch.backends.gpu.irutil import (
     VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, op_at, op_index, static_memref, top_level, users,
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
+from gac_torch.backends.gpu.strategy import settle
 from gac_torch.kernels import conv_gemm
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
@@ -192,6 +193,7 @@ def _renamable(z: ir.Value, at: ir.Operation) -> bool:
     d = defining_op(root)
     if d is None or d.name != "memref.alloc":
         return False
+    settle(root)  # (kernels whose templates are folded meanwhile: in place first)
     own = set(_view_chain(z))
 
     def fixed(v: ir.Value) -> bool:

@@ -26,8 +26,8 @@ from gac_torch.backends.gpu.analysis import (
     Generic, analyze, contraction_body, fill_before, map_dims, match_contraction,
 )
 from gac_torch.backends.gpu.irutil import (
-    block_ops, buffer_root, defining_op, erase_if_unused, ops_between,
-    static_memref, users,
+    block_ops, buffer_root, defining_op, erase_if_unused, is_pending, ops_between,
+    static_memref, users, users_now,
 )
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
 from gac_torch.backends.gpu.strategies import weight_layout
@@ -237,6 +237,8 @@ def padding_of(g: Generic, i: int):
     alloc = defining_op(v)
     if alloc is None or alloc.name != "memref.alloc" or not static_memref(v.type):
         return None
+    if any(is_pending(u) for u in users_now(v)):  # a kernel uses P: more than fill, copy and g
+        return None  # (without waiting for its template, folded meanwhile: fold_pool.py)
     readers = [u for u in users(v) if u.name != "memref.dealloc"]
     pt_rank = ir.MemRefType(v.type).rank
     fills = [u for u in readers if u != g.op and u.name == "linalg.generic" and len(u.operands) == 1
