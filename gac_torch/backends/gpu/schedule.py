@@ -51,6 +51,7 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu.hoist import hoist_epilogue_consumers
 from gac_torch.backends.gpu.invariant import loop_over, serial_dim
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
@@ -92,6 +93,7 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     reshapes_to_views(fn)
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
+    hoist_epilogue_consumers(fn)  # a GEMM's elementwise consumer right after it (its epilogue)
 
     block = func_block(fn)
     for op in block_ops(block):
