@@ -105,3 +105,131 @@ def _check_gpu(f, *xs, tol: float = 1e-5) -> None:
 @pytest.mark.parametrize("m,n,k", [(37, 29, 45), (300, 136, 264), (1300, 256, 1700)])
 def test_hoisted_epilogue_matches_float64_on_gpu(m: int, n: int, k: int) -> None:
     _check_gpu(mlp_backward, *_inputs(m, n, k, seed=m))
+
+
+# --------------------------------------------------------------------------------------------
+# the SGD update's write-back: the new parameters computed into the parameters' own buffers
+
+
+class Step(torch.nn.Module):
+    """bench_h200's TrainStep (forward, mse_loss, backward, SGD under no_grad; returns the
+    gradients), plus what the update reads besides the gradient (`extra`)."""
+
+    def __init__(self, net: torch.nn.Module, extra=None, lr: float = 0.1):
+        super().__init__()
+        self.net, self.lr, self.extra = net, lr, extra
+
+    def forward(self, x, target):
+        params = list(self.net.parameters())
+        with torch.enable_grad():
+            for p in params:
+                p.grad = None
+            torch.nn.functional.mse_loss(self.net(x), target).backward()
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            seen = [self.extra(p) for p in params] if self.extra is not None else []
+            for p in params:
+                p.sub_(p.grad, alpha=self.lr)
+        return grads + seen
+
+
+def _mlp(d_in: int, d_h: int, d_out: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, d_h), torch.nn.GELU(), torch.nn.Linear(d_h, d_out))
+
+
+def _update_partition():
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    for c in reversed(list(compiled_graphs)):
+        for part in c.partitions.values() if hasattr(c, "partitions") else []:
+            return part
+    raise AssertionError("no compiled graph")
+
+
+def _train_on_vortex(extra, monkeypatch: pytest.MonkeyPatch, in_place: str = "1"):
+    pytest.importorskip("ziglang")
+    pytest.importorskip("elftools")
+    import copy
+
+    monkeypatch.setenv("GAC_IN_PLACE", in_place)
+    torch._dynamo.reset()
+    net = _mlp(13, 11, 7)
+    ref = Step(copy.deepcopy(net).double(), extra)
+    step = torch.compile(Step(net, extra), backend="gac",
+                         options={"target": "vortex", "vortex_mode": "functional", "cache": False})
+    g = torch.Generator().manual_seed(5)
+    ptrs = [p.data_ptr() for p in net.parameters()]
+    for _ in range(2):
+        x, t = torch.randn(9, 13, generator=g), torch.randn(9, 7, generator=g)
+        got, want = step(x, t), ref(x.double(), t.double())
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    for p, q in zip(net.parameters(), ref.net.parameters()):
+        torch.testing.assert_close(p.double(), q, rtol=1e-5, atol=1e-6)
+    assert [p.data_ptr() for p in net.parameters()] == ptrs
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    update = compiled_graphs[len(compiled_graphs) - 1]
+    (part,) = [m for m in update.gm.modules() if hasattr(m, "donate")]
+    return part._donate
+
+
+def test_sgd_update_is_written_into_the_parameters_on_vortex(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the update graph's 4 outputs (W1, b1, W2, b2 minus lr * grad) are computed in place: the
+    # loops kernel reads and writes the parameter's buffer (the simulator runs it so), and
+    # AOTAutograd's write-back copy is a copy onto itself; parameters and gradients as eager's
+    # (float64) over 2 steps
+    donated = _train_on_vortex(None, monkeypatch)
+    assert len(donated) == 4, donated
+    assert _train_on_vortex(None, monkeypatch, in_place="0") == {}
+
+
+def test_a_parameter_read_elsewhere_is_not_updated_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the update graph also returns 2 * p (computed from the old p by another kernel): no
+    # parameter may be overwritten before that kernel reads it
+    donated = _train_on_vortex(lambda p: p * 2, monkeypatch)
+    assert donated == {}, donated
+
+
+class _Sgd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(24, 40)
+
+    def forward(self, gw, gb):
+        with torch.no_grad():
+            self.lin.weight.sub_(gw, alpha=0.1)
+            self.lin.bias.sub_(gb, alpha=0.1)
+
+
+@pytest.mark.parametrize("in_place", ["1", "0"])
+def test_cuda_runtime_returns_the_parameters_as_the_update_outputs(in_place: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cuda runtime on CPU tensors with a no-op driver (cuda_stub): the update partition's
+    # outputs are the parameters themselves (their pointers are what the kernel writes), so
+    # AOTAutograd's write-back copies each parameter onto itself; GAC_IN_PLACE=0: fresh outputs
+    from cuda_stub import stub_cuda
+
+    from gac_torch.frontends.dynamo import compiled_graphs
+
+    monkeypatch.setenv("GAC_IN_PLACE", in_place)
+    m = _Sgd()
+    gw, gb = torch.randn(40, 24), torch.randn(40)
+    with stub_cuda():
+        torch._dynamo.reset()
+        fn = torch.compile(m, backend="gac", options={"target": "cuda", "cache": False})
+        fn(gw, gb)
+        (cg,) = compiled_graphs[-1].partitions.values()
+        returned = []
+        for attr in ("_call", "_guarded"):  # (what CompiledGraph calls per call)
+            real = getattr(cg, attr)
+            setattr(cg, attr, lambda args, real=real: returned.append(real(args)) or returned[-1])
+        fn(gw, gb)
+        torch._dynamo.reset()
+    params = {m.lin.weight.data_ptr(), m.lin.bias.data_ptr()}
+    assert len(returned) == 1
+    got = {t.data_ptr() for t in returned[0]}
+    assert (got == params) == (in_place == "1"), (got, params)
+    assert len(cg._donate) == (2 if in_place == "1" else 0)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from mlir import ir
 
 from gac_torch.errors import GacUnsupportedError
-from gac_torch.backends.gpu import i1_bytes
+from gac_torch.backends.gpu import i1_bytes, in_place
 from gac_torch.backends.gpu.irutil import (
     DYN, VIEW_OPS, block_ops, buffer_root, defining_op, func_block, is_size_math, main_func,
 )
@@ -330,10 +330,11 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
     spans = [(min(steps), max(steps)) for _, steps in sorted(live.items())]
     if dynamic:
         return GpuProgram(arch=arch, ptx="", launches=launches, temps=used, plan=MemoryPlan({}, 0, 0),
-                           args=args, dynamic=True, host_ops=sizes.ops, temp_live=spans)
+                           args=args, dynamic=True, host_ops=sizes.ops, temp_live=spans,
+                           in_place=in_place.recorded(fn))
     uses = [BufferUse(t.name, t.nbytes, first, last) for t, (first, last) in zip(used, spans)]
     return GpuProgram(arch=arch, ptx="", launches=launches, temps=used, plan=plan_memory(uses),
-                       args=args)
+                       args=args, in_place=in_place.recorded(fn))
 
 
 TMA_CREATE = "nvgpu.tma.create.descriptor"  # a TMA descriptor, made by the runtime (data here)

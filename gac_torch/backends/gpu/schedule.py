@@ -51,6 +51,7 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu import in_place
 from gac_torch.backends.gpu.hoist import hoist_epilogue_consumers
 from gac_torch.backends.gpu.invariant import loop_over, serial_dim
 from gac_torch.backends.gpu.rows import map_rows
@@ -66,15 +67,17 @@ from gac_torch.lowering.fusion import fuse_elementwise
 HOISTABLE = ("ub.poison", "memref.alloc", "memref.get_global", *VIEW_OPS)
 
 
-def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy] = ()) -> None:
+def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy] = (),
+               n_inputs: int | None = None) -> None:
     """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels: each
     generic goes to the first of `strategies` that matches it, else to a `loops` kernel; scalar
-    host code goes to `serial` kernels."""
+    host code goes to `serial` kernels. `n_inputs` (the arguments before the outputs): where
+    given, the outputs that may share an input's buffer are recorded (in_place.py)."""
     with template_cache():  # a kernel template repeated (same layer shapes) is parsed once
-        _map_to_gpu(module, limits, strategies)
+        _map_to_gpu(module, limits, strategies, n_inputs)
 
 
-def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy]) -> None:
+def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy], n_inputs: int | None) -> None:
     fn = main_func(module)
     counter = iter(range(1 << 30))
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
@@ -94,6 +97,8 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
     hoist_epilogue_consumers(fn)  # a GEMM's elementwise consumer right after it (its epilogue)
+    if n_inputs is not None:
+        in_place.record(fn, n_inputs)  # (before strategies: generics still say what they read)
 
     block = func_block(fn)
     for op in block_ops(block):
