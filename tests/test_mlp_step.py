@@ -138,35 +138,35 @@ def _mlp(d_in: int, d_h: int, d_out: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(d_in, d_h), torch.nn.GELU(), torch.nn.Linear(d_h, d_out))
 
 
-def _update_partition():
-    from gac_torch.frontends.dynamo import compiled_graphs
-
-    for c in reversed(list(compiled_graphs)):
-        for part in c.partitions.values() if hasattr(c, "partitions") else []:
-            return part
-    raise AssertionError("no compiled graph")
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double().cpu() - b.cpu()).norm() / b.norm()).item()
 
 
-def _train_on_vortex(extra, monkeypatch: pytest.MonkeyPatch, in_place: str = "1"):
-    pytest.importorskip("ziglang")
-    pytest.importorskip("elftools")
+def _train(extra, monkeypatch: pytest.MonkeyPatch, in_place: str = "1", target: str = "vortex",
+           sizes: tuple = (9, 13, 11, 7)):
+    """Two steps compiled for `target` against float64 eager; the update partition's donations."""
     import copy
 
+    if target == "vortex":
+        pytest.importorskip("ziglang")
+        pytest.importorskip("elftools")
     monkeypatch.setenv("GAC_IN_PLACE", in_place)
     torch._dynamo.reset()
-    net = _mlp(13, 11, 7)
+    dev = "cuda" if target == "cuda" else "cpu"
+    batch, d_in, d_h, d_out = sizes
+    net = _mlp(d_in, d_h, d_out).to(dev)
     ref = Step(copy.deepcopy(net).double(), extra)
-    step = torch.compile(Step(net, extra), backend="gac",
-                         options={"target": "vortex", "vortex_mode": "functional", "cache": False})
+    options = {"vortex_mode": "functional"} if target == "vortex" else {"allow_tf32": False}
+    step = torch.compile(Step(net, extra), backend="gac", options={"target": target, "cache": False, **options})
     g = torch.Generator().manual_seed(5)
     ptrs = [p.data_ptr() for p in net.parameters()]
-    for _ in range(2):
-        x, t = torch.randn(9, 13, generator=g), torch.randn(9, 7, generator=g)
+    for _ in range(3):
+        x, t = (torch.randn(batch, d, generator=g).to(dev) for d in (d_in, d_out))
         got, want = step(x, t), ref(x.double(), t.double())
         for a, b in zip(got, want):
-            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+            assert _rel(a, b) < 1e-5, _rel(a, b)
     for p, q in zip(net.parameters(), ref.net.parameters()):
-        torch.testing.assert_close(p.double(), q, rtol=1e-5, atol=1e-6)
+        assert _rel(p, q) < 1e-6, _rel(p, q)
     assert [p.data_ptr() for p in net.parameters()] == ptrs
     from gac_torch.frontends.dynamo import compiled_graphs
 
@@ -180,16 +180,25 @@ def test_sgd_update_is_written_into_the_parameters_on_vortex(monkeypatch: pytest
     # loops kernel reads and writes the parameter's buffer (the simulator runs it so), and
     # AOTAutograd's write-back copy is a copy onto itself; parameters and gradients as eager's
     # (float64) over 2 steps
-    donated = _train_on_vortex(None, monkeypatch)
+    donated = _train(None, monkeypatch)
     assert len(donated) == 4, donated
-    assert _train_on_vortex(None, monkeypatch, in_place="0") == {}
+    assert _train(None, monkeypatch, in_place="0") == {}
 
 
 def test_a_parameter_read_elsewhere_is_not_updated_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     # the update graph also returns 2 * p (computed from the old p by another kernel): no
     # parameter may be overwritten before that kernel reads it
-    donated = _train_on_vortex(lambda p: p * 2, monkeypatch)
+    donated = _train(lambda p: p * 2, monkeypatch)
     assert donated == {}, donated
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sizes", [(9, 13, 11, 7), (300, 264, 136, 200)])
+def test_sgd_update_in_place_matches_float64_on_gpu(sizes: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 steps (CUDA graphs replay the update from the third call on): parameters and gradients
+    # as eager's in float64, the parameters never moved, all 4 updated in place
+    assert len(_train(None, monkeypatch, target="cuda", sizes=sizes)) == 4
+    assert _train(lambda p: p * 2, monkeypatch, target="cuda", sizes=sizes) == {}
 
 
 class _Sgd(torch.nn.Module):
