@@ -242,3 +242,23 @@ def test_cuda_runtime_returns_the_parameters_as_the_update_outputs(in_place: str
     got = {t.data_ptr() for t in returned[0]}
     assert (got == params) == (in_place == "1"), (got, params)
     assert len(cg._donate) == (2 if in_place == "1" else 0)
+
+
+def test_in_place_pairs_offline_and_no_read_only_loads_of_them() -> None:
+    # p - lr * g: the output (argument 2, after p and g) may share p's buffer, or g's (each is
+    # read element for element by that kernel alone), and the kernel reads it with plain
+    # loads (a read-only ld.global.nc of a buffer it may write is not allowed); p also read by
+    # another kernel (2 * p): p pairs with nothing
+    p, g = torch.randn(70, 33), torch.randn(70, 33)
+
+    def paired(f):
+        _, part = _kernels(f, p, g)
+        names = {"args_0": "p", "args_1": "g"}
+        return {(names[part.input_names[i]], o) for i, o in part.executable.in_place}, part.ir("ptx")
+
+    pairs, ptx = paired(lambda p, g: p - 0.1 * g)
+    assert pairs in ({("p", 2)}, {("g", 2)}), pairs  # (one output: one pair)
+    loads = re.findall(r"ld\.global(\.nc)?\.", ptx)
+    assert loads.count(".nc") == loads.count("") >= 1, loads  # (the paired input's loads are plain)
+    pairs, _ = paired(lambda p, g: (p - 0.1 * g, p * 2))
+    assert ("p", 2) not in pairs and ("p", 3) not in pairs, pairs

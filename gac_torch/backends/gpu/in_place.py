@@ -22,6 +22,7 @@ import os
 from mlir import ir
 
 from gac_torch.backends.gpu.analysis import analyze, map_dims
+from gac_torch.backends.gpu.irutil import identity_layout
 
 ATTR = "gac.in_place"
 
@@ -31,17 +32,7 @@ def enabled() -> bool:
 
 
 def _dense_static(t: ir.Type) -> bool:
-    if not isinstance(t, ir.MemRefType):
-        return False
-    mt = ir.MemRefType(t)
-    if not mt.has_static_shape:
-        return False
-    strides, offset = mt.get_strides_and_offset()
-    want, step = [], 1
-    for n in reversed(mt.shape):
-        want.append(step)
-        step *= n
-    return offset == 0 and list(strides) == want[::-1]
+    return isinstance(t, ir.MemRefType) and ir.MemRefType(t).has_static_shape and identity_layout(t)
 
 
 def _only_user(v: ir.Value) -> ir.Operation | None:
