@@ -262,3 +262,7 @@ def test_in_place_pairs_offline_and_no_read_only_loads_of_them() -> None:
     assert loads.count(".nc") == loads.count("") >= 1, loads  # (the paired input's loads are plain)
     pairs, _ = paired(lambda p, g: (p - 0.1 * g, p * 2))
     assert ("p", 2) not in pairs and ("p", 3) not in pairs, pairs
+    # a GEMM's residual add: its epilogue's loads are not checked for in-place use (no pair, and
+    # the residual keeps its read-only loads)
+    _, part = _kernels(lambda x, w, r: x @ w + r, torch.randn(70, 40), torch.randn(40, 33), torch.randn(70, 33))
+    assert part.executable.in_place == ()

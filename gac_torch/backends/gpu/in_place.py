@@ -9,7 +9,9 @@ and returns the parameter itself, that copy is a copy of a tensor onto itself, w
 A pair is safe here when one elementwise generic is the only op that touches either buffer, and
 it reads the input (once) and writes the output at the same point of one dense space, with
 nothing but the two arguments themselves (no views): every element of the input is then read
-by the thread that writes that element of the output, before it writes it. The pairs are
+by the thread that writes that element of the output, before it writes it. The generic reads
+function arguments only (a `loops` kernel: one reading a GEMM's result would run in that GEMM's
+epilogue, whose loads are not checked here). The pairs are
 recorded on the function (`gac.in_place`, flat [input, output, ...]) and carried into the host
 program (GpuProgram.in_place); a runtime only uses them when the caller asks for it (the dynamo
 front-end, for the inputs AOTAutograd says the graph mutates). GAC_IN_PLACE=0 records none.
@@ -57,8 +59,9 @@ def in_place_pairs(fn: ir.Operation, n_inputs: int) -> list[tuple[int, int]]:
         if g is None or g.dynamic or "reduction" in g.iters or len(g.outputs) != 1 or g.outputs[0] != out:
             continue
         ident = list(range(len(g.iters)))
-        if map_dims(g.maps[-1]) != ident:
-            continue
+        if map_dims(g.maps[-1]) != ident or any(
+                isinstance(v.type, ir.MemRefType) and v not in args[:n_inputs] for v in g.inputs):
+            continue  # (reading a temporary, e.g. a GEMM's result, it would be that GEMM's epilogue)
         for k, v in enumerate(g.inputs):
             if v not in args[:n_inputs] or v.type != out.type or map_dims(g.maps[k]) != ident:
                 continue
