@@ -266,3 +266,39 @@ def test_in_place_pairs_offline_and_no_read_only_loads_of_them() -> None:
     # the residual keeps its read-only loads)
     _, part = _kernels(lambda x, w, r: x @ w + r, torch.randn(70, 40), torch.randn(40, 33), torch.randn(70, 33))
     assert part.executable.in_place == ()
+
+
+# --------------------------------------------------------------------------------------------
+# GAC_LOOPS_VEC=1 (opt-in): 16-byte loads and stores in large elementwise loops kernels
+
+
+def _sgd_like(p, g, a, s):
+    return p - 0.1 * g, torch.maximum((a - p) * s * 3.0, g)  # (a rank-0 scalar, a select)
+
+
+def _vec_inputs(shape: tuple, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=gen) for _ in range(3)) + (torch.tensor(0.7),)
+
+
+@pytest.mark.parametrize("shape,vec", [((2048, 1024), True), ((3, 5, 8), True), ((37, 13), False)])
+def test_vector_loops_offline(shape: tuple, vec: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # last dim a multiple of 4: one v4 load per input and one v4 store per output, 4 vector
+    # points per thread a grid apart once the space is large (2M points: 512 blocks of 256);
+    # otherwise (or without the switch) the scalar kernel
+    monkeypatch.setenv("GAC_LOOPS_VEC", "1")
+    kernels, part = _kernels(_sgd_like, *_vec_inputs(shape))
+    ptx = part.ir("ptx")
+    assert ("st.global.v4" in ptx) == vec and ("ld.global.nc.v4" in ptx) == vec, kernels
+    if shape == (2048, 1024):
+        assert "gac_k0_loops blocks in (%c512, %c1, %c1) threads in (%c256," in part.ir("gpu")
+    monkeypatch.setenv("GAC_LOOPS_VEC", "0")
+    _, part = _kernels(_sgd_like, *_vec_inputs(shape))
+    assert "v4" not in part.ir("ptx")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(2048, 1024), (1100, 1028), (3, 5, 8), (37, 12), (37, 13)])
+def test_vector_loops_match_float64_on_gpu(shape: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GAC_LOOPS_VEC", "1")
+    _check_gpu(_sgd_like, *_vec_inputs(shape, seed=shape[0]))

@@ -9,9 +9,10 @@ not a fallback; Inductor returns such a view too):
 
 - an output that is a transpose of a graph input is computed by torch (`aten.t` on the input,
   a view); the partition keeps its own transpose for the ops that read it (folded into the GEMM);
-- a 2-D graph input whose strides are a transpose's (stride (1, rows)) reaches the partition as
-  `aten.t(input)`, the dense matrix it views (a view again), and the partition transposes that
-  back (folded into the GEMM that reads it). Should the input come dense at run time, the
+- a 2-D graph input whose strides are a transpose's (stride (1, rows)) and that the graph only
+  transposes (the backward's `aten.t(W^T)`) reaches the partition as `aten.t(input)`, the dense
+  matrix it views (a view again), and the partition transposes that back: the two transposes
+  cancel (the GEMM reads W). Other strided inputs are made dense per call, as before. Should the input come dense at run time, the
   partition receives a strided view and makes it dense, as before: values never depend on it.
 """
 
@@ -70,9 +71,10 @@ def views_of_inputs(gm: fx.GraphModule) -> int:
     for p in [n for n in nodes if n.op == "placeholder"]:
         v = p.meta.get("val")
         users = list(p.users)
-        if not _transposed_matrix(v) or not users or any(u.op == "output" or node_support(u) is not None
-                                                         or u.meta.get(INPUT_VIEW_KEY) for u in users):
-            continue
+        if not _transposed_matrix(v) or not users or any(
+                u.target is not aten.t.default or node_support(u) is not None or u.meta.get(INPUT_VIEW_KEY)
+                for u in users):
+            continue  # (only where the graph transposes it back: the two transposes then cancel)
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first):
             dense = _eager_view(graph, p, p, v.t())

@@ -60,6 +60,7 @@ from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_red
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, template_cache
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
+from gac_torch.backends.gpu.vectorize import emit_vector_body, vector_width
 from gac_torch.lowering.fusion import fuse_elementwise
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
@@ -255,8 +256,12 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
     if plan is not None:
         extents = extents[:plan.dim] + extents[plan.dim + 1:]
         total, has_loops = total // plan.extent, True
+    vec = 1  # (vectorize.py: WIDTH consecutive points per thread step, 16-byte accesses)
+    if plan is None and not has_loops and is_static(total) and all(lb == 0 and st == 1 for lb, _, st in bounds):
+        vec = vector_width(pbody, extents) if limits.vector_loops else 1
+        total //= vec
     if is_static(total):
-        coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
+        coarsen = limits.coarsen if total * vec >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
         if -(-total // (threads * coarsen)) > limits.max_grid[0]:
             raise GacUnsupportedError(f"{total} iterations exceed a 1-D grid")
@@ -277,7 +282,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
             else:
                 inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, as_index(total)))
             with ir.InsertionPoint(inside.then_block):
-                idx = delinearize(lin, extents)
+                idx = delinearize(lin if vec == 1 else arith.muli(lin, as_index(vec)), extents)
                 ivs = []
                 for (lb, _, st), i in zip([b for d, b in enumerate(bounds) if d != inner], idx):
                     v = i if st == 1 else arith.muli(i, as_index(st))
@@ -285,7 +290,13 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
                 if inner is not None:  # (its uses move into loops over it: loop_over)
                     ivs.insert(inner, None)
                 term = scf.YieldOp([])
+                if vec > 1:
+                    with ir.InsertionPoint(term):
+                        emit_vector_body(pbody, ivs)
             gpu.TerminatorOp()
+    if vec > 1:
+        p.erase()  # (the scalar body: emitted above as vector ops)
+        return
     for op in block_ops(pbody)[:-1]:  # all but scf.reduce
         op.move_before(term.operation)
     if plan is not None:

@@ -41,6 +41,8 @@ class GpuLimits:
     serial_min_threads: int = 1 << 15
     # the `loops` kernels that only prepare inputs (e.g. weight casts) merged per level (combine.py)
     combine_prep: bool = False
+    # `loops`: 16-byte accesses for large elementwise kernels (vectorize.py, GAC_LOOPS_VEC=1)
+    vector_loops: bool = False
 
 
 @dataclass(frozen=True)
