@@ -55,13 +55,11 @@ class CompiledGraph(torch.nn.Module):
         element). For a caller that would copy output k into input i anyway (AOTAutograd's
         input mutations: frontends/dynamo.py); that copy is then a copy onto itself, which
         torch skips. Returns the pairs taken."""
-        n = len(self.signature.inputs)
-        safe = set(getattr(self._executable, "in_place", ()))
-        taken = {k: i for k, i in wanted.items() if (i, n + k) in safe}
-        setter = getattr(self._executable, "set_donation", None)
-        if taken and setter is not None:
-            setter(taken)
-        self._donate = taken if setter is not None else {}
+        n, exe = len(self.signature.inputs), self._executable
+        safe = set(getattr(exe, "in_place", ())) if hasattr(exe, "donate") else set()
+        self._donate = {k: i for k, i in wanted.items() if (i, n + k) in safe}
+        if self._donate:
+            exe.donate = dict(self._donate)  # (a runtime that takes donations: cuda, vortex)
         return self._donate
 
     @property

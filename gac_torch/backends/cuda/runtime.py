@@ -257,10 +257,7 @@ class CudaExecutable:
         self.stats = {"direct_calls": 0, "graph_calls": 0, "tables_built": 0, "graphs_built": 0,
                       "pool_misses": 0}
         self.in_place = tuple(program.in_place)  # (input, output) args that may share a buffer
-        self.donate: dict[int, int] = {}  # output k -> input i, in place (CompiledGraph.donate)
-
-    def set_donation(self, donate: dict[int, int]) -> None:
-        self.donate = dict(donate)  # (its calls take no pooled output set)
+        self.donate: dict[int, int] = {}  # output k -> input i, in place: CompiledGraph.donate
 
     # -- per context ----------------------------------------------------------------------------
 

@@ -166,9 +166,6 @@ class VortexExecutable:
             self._module = dev.load_module(self.program.vxbin)
             _RESIDENT[id(dev)] = id(self)
 
-    def set_donation(self, donate: dict[int, int]) -> None:
-        self.donate = dict(donate)
-
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         if not self.program.launches:
             self.last_counters = _total([])
