@@ -302,3 +302,81 @@ def test_vector_loops_offline(shape: tuple, vec: bool, monkeypatch: pytest.Monke
 def test_vector_loops_match_float64_on_gpu(shape: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GAC_LOOPS_VEC", "1")
     _check_gpu(_sgd_like, *_vec_inputs(shape, seed=shape[0]))
+
+
+# --------------------------------------------------------------------------------------------
+# GAC_SGEMM_RELAYOUT=1 (opt-in, cuda without TF32): large GEMMs read transposed copies (tn)
+
+
+def _linear_gelu(x, w, b):
+    return torch.nn.functional.gelu(x @ w.t() + b)
+
+
+def _mlp_forward(x, w1, b1, w2, b2):
+    pre = x @ w1.t() + b1
+    h = torch.nn.functional.gelu(pre)
+    return pre, h, h @ w2.t() + b2
+
+
+def test_relayout_copies_k_contiguous_operands_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # x @ W^T at 2048^3 (nt): both operands copied into [k][m] / [k][n] (one combo launch of two
+    # transposes), the sgemm reads the copies; below MIN_DIM, with TF32 or without the switch: nt
+    xs = (torch.randn(2048, 2048), torch.randn(2048, 2048), torch.randn(2048))
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    kernels, part = _kernels(_linear_gelu, *xs)
+    assert kernels == ["combo", "sgemm"], kernels
+    assert re.search(r"_sgemm .*args\(%alloc\S* : memref<2048x2048xf32>, %alloc", part.ir("gpu"))
+    assert _kernels(_linear_gelu, xs[0][:1000], *xs[1:])[0] == ["sgemm"]  # (m = 1000)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # (what gac's allow_tf32 follows)
+    tf32 = gac_torch.compile(Fn(_linear_gelu), xs, target="cuda", options={"arch": "sm_90", "cache": False})
+    monkeypatch.undo()
+    assert "_wgmma" in tf32.ir("gpu") and "_combo" not in tf32.ir("gpu")  # (wgmma reads nt as is)
+    # the MLP forward: x, W1 and W2 copied in one combo; h^T, the second GEMM's A, stored by the
+    # first GEMM's epilogue (with the pre-activation and h, graph outputs)
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")  # (undone above)
+    ys = (xs[0], xs[1], xs[2], torch.randn(2048, 2048), torch.randn(2048))
+    kernels, part = _kernels(_mlp_forward, *ys)
+    assert kernels == ["combo", "sgemm", "sgemm"], kernels
+    first = re.search(r"_sgemm .*args\((.*)\)", part.ir("gpu")).group(1)
+    assert first.count("%alloc") == 3 and first.count("%arg") == 3, first  # (x^T, W1^T, h^T; b1, pre, h)
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "0")
+    assert _kernels(_linear_gelu, *xs)[0] == ["sgemm"]
+
+
+@pytest.mark.parametrize("m,n,k", [(37, 29, 45), (130, 67, 70)])
+def test_relayout_matches_float64_on_vortex(m: int, n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the copies and the GEMM over them, run (vortex functional; the pass forced on, any size)
+    pytest.importorskip("ziglang")
+    pytest.importorskip("elftools")
+    from gac_torch.backends.gpu import relayout
+
+    monkeypatch.setattr(relayout, "MIN_DIM", 1)
+    monkeypatch.setattr(relayout, "enabled", lambda limits: True)
+    g = torch.Generator().manual_seed(m)
+    xs = (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g))
+    with torch.no_grad():
+        compiled = gac_torch.compile(Fn(_linear_gelu), xs, target="vortex",
+                                     options={"vortex_mode": "functional", "cache": False, "fallback": False})
+        got = compiled(*xs)
+    (part,) = compiled.compiled.partitions.values()
+    assert len(re.findall(r"gac_k\d+_loops", part.ir("gpu"))) >= 2  # (the two copies)
+    assert _rel(got, _linear_gelu(*(x.double() for x in xs))) < 1e-5
+
+
+@pytest.mark.cuda
+def test_relayout_matches_float64_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    g = torch.Generator().manual_seed(3)
+    _check_gpu(_linear_gelu, torch.randn(2100, 2048, generator=g), torch.randn(2060, 2048, generator=g),
+               torch.randn(2060, generator=g))
+
+
+@pytest.mark.cuda
+def test_relayout_mlp_forward_matches_float64_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the forward's chain: x and both weights copied (one combo), the first GEMM's epilogue stores
+    # the pre-activation, h and h^T (the second GEMM's A), which the second GEMM reads
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    g = torch.Generator().manual_seed(4)
+    x, w1, w2 = (torch.randn(s, generator=g) / 40 for s in ((2064, 2048), (2056, 2048), (2048, 2056)))
+    b1, b2 = torch.randn(2056, generator=g), torch.randn(2048, generator=g)
+    _check_gpu(_mlp_forward, x, w1, b1, w2, b2)

@@ -53,6 +53,7 @@ from gac_torch.backends.gpu.irutil import (
 )
 from gac_torch.backends.gpu import in_place
 from gac_torch.backends.gpu.hoist import hoist_epilogue_consumers
+from gac_torch.backends.gpu.relayout import relayout_gemm_operands
 from gac_torch.backends.gpu.invariant import loop_over, serial_dim
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
@@ -98,6 +99,7 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
     hoist_epilogue_consumers(fn)  # a GEMM's elementwise consumer right after it (its epilogue)
+    relayout_gemm_operands(fn, limits)  # (opt-in: GAC_SGEMM_RELAYOUT=1)
     if n_inputs is not None:
         in_place.record(fn, n_inputs)  # (before strategies: generics still say what they read)
 

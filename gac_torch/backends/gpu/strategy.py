@@ -43,6 +43,8 @@ class GpuLimits:
     combine_prep: bool = False
     # `loops`: 16-byte accesses for large elementwise kernels (vectorize.py, GAC_LOOPS_VEC=1)
     vector_loops: bool = False
+    # exact-f32 matmuls (no TF32): large ones may read transposed copies (relayout.py, opt-in)
+    sgemm_relayout: bool = False
 
 
 @dataclass(frozen=True)
