@@ -380,3 +380,36 @@ def test_relayout_mlp_forward_matches_float64_on_gpu(monkeypatch: pytest.MonkeyP
     x, w1, w2 = (torch.randn(s, generator=g) / 40 for s in ((2064, 2048), (2056, 2048), (2048, 2056)))
     b1, b2 = torch.randn(2056, generator=g), torch.randn(2048, generator=g)
     _check_gpu(_mlp_forward, x, w1, b1, w2, b2)
+
+
+@pytest.mark.unit
+def test_epilogue_stores_a_transposed_copy_twin() -> None:
+    # GAC_SGEMM_RELAYOUT's forward: the first GEMM's epilogue stores GELU(x @ W^T + b) and its
+    # transpose (the second GEMM's A as [k][m]); the lockstep twin on a ragged tiled GEMM
+    import numpy as np
+
+    from gac_torch.kernels import conv_gemm as cg
+    from gac_torch.kernels import conv_gemm_plan as cgp
+    from gac_torch.kernels import conv_gemm_twin as twin
+    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
+    from test_sgemm import M_, N_, _operand, gemm_spec
+
+    m, n, k = 130, 70, 40
+    spec, shapes, strides = gemm_spec("tn", m, n, k)
+    ranges = (m, n, k)
+    bias, z = _operand((N_,), ranges)[0], _operand((M_, N_), ranges)[0]
+    zt, zt_shape, zt_strides = _operand((N_, M_), ranges)  # (n, m): the transposed copy
+    ops = (EOp("arith.addf", (("arg", 0), ("arg", 1)), "", ("f32", "f32"), "f32"),
+           EOp("math.tanh", (("op", 0),), "", ("f32",), "f32"))
+    ep = Epilogue((None, (bias, None)), (zt, None), ops, ("op", 1), taps=((("op", 1), (z, None)),))
+    spec = cg.Spec(**{**spec.__dict__, "epilogue": ep})
+    p = cgp.plan(spec, big=True)
+    rng = np.random.default_rng(5)
+    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
+    b = rng.standard_normal(n).astype(np.float32)
+    tap, out = np.full((m, n), np.nan, np.float32), np.full(zt_shape, np.nan, np.float32)
+    got = twin.emulate(spec, p, A, Bm, np.zeros((m, n), np.float32), tuple(strides), epi=(None, (b, (1,))),
+                       out=(out, zt_strides), taps=((tap, strides[2]),))
+    want = np.tanh(A.astype(np.float64).T @ Bm.astype(np.float64) + b)
+    assert np.abs(tap - want).max() < 1e-5
+    assert np.abs(np.asarray(got).reshape(zt_shape) - want.T).max() < 1e-5
