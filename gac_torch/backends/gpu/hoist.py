@@ -88,19 +88,23 @@ def _needs(e: ir.Operation, first: ir.Operation) -> list[ir.Operation] | None:
     return sorted(need, key=op_index)
 
 
+def contractions(fn: ir.Operation):
+    """(op, Generic, Contraction) of each matmul-like generic of fn's block (a snapshot: the
+    caller may move ops), in order."""
+    for op in block_ops(fn.regions[0].blocks[0]):
+        g = analyze(op) if op.name == "linalg.generic" else None
+        c = match_contraction(g) if g is not None and len(g.outputs) == 1 else None
+        if c is not None:
+            yield op, g, c
+
+
 def hoist_epilogue_consumers(fn: ir.Operation) -> int:
     """Moves each contraction's elementwise consumer up to right after it where that is safe
     (see the module docstring). Returns how many moved."""
     if not enabled():
         return 0
-    block = fn.regions[0].blocks[0]
     moved = 0
-    for g_op in block_ops(block):
-        if g_op.name != "linalg.generic":
-            continue
-        g = analyze(g_op)
-        if g is None or len(g.outputs) != 1 or match_contraction(g) is None:
-            continue
+    for g_op, g, _ in list(contractions(fn)):
         root = buffer_root(g.outputs[0])
         d = defining_op(root)
         if d is None or d.name != "memref.alloc":

@@ -15,8 +15,9 @@ import os
 
 from mlir import ir
 
-from gac_torch.backends.gpu.analysis import analyze, fill_before, map_dims, match_contraction
-from gac_torch.backends.gpu.irutil import block_ops, identity_layout
+from gac_torch.backends.gpu.analysis import fill_before, map_dims
+from gac_torch.backends.gpu.hoist import contractions
+from gac_torch.backends.gpu.irutil import identity_layout
 from gac_torch.backends.gpu.strategies.weight_layout import copy_before, permuted
 
 MIN_DIM = 2048
@@ -31,14 +32,9 @@ def relayout_gemm_operands(fn: ir.Operation, limits) -> int:
     how many copies it made."""
     if not enabled(limits):
         return 0
-    block = fn.regions[0].blocks[0]
     made = 0
-    for g_op in block_ops(block):
-        if g_op.name != "linalg.generic":
-            continue
-        g = analyze(g_op)
-        c = match_contraction(g) if g is not None and not g.dynamic else None
-        if c is None or c.batch or c.a_casts or c.b_casts or not c.is_float:
+    for g_op, g, c in list(contractions(fn)):
+        if g.dynamic or c.batch or c.a_casts or c.b_casts or not c.is_float:
             continue
         if min(g.ranges[c.m], g.ranges[c.n], g.ranges[c.k]) < MIN_DIM:  # type: ignore[type-var]
             continue
