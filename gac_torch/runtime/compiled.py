@@ -54,12 +54,17 @@ class CompiledGraph(torch.nn.Module):
         one elementwise kernel is all that reads the input and writes the output, element for
         element). For a caller that would copy output k into input i anyway (AOTAutograd's
         input mutations: frontends/dynamo.py); that copy is then a copy onto itself, which
-        torch skips. Returns the pairs taken."""
+        torch skips. Such a partition is called through `_forward` (the executable's `run`
+        with those inputs as outputs), not the fast paths. Returns the pairs taken."""
         n, exe = len(self.signature.inputs), self._executable
-        safe = set(getattr(exe, "in_place", ())) if hasattr(exe, "donate") else set()
+        program = getattr(exe, "program", None)
+        safe = set(getattr(program, "in_place", ())) if hasattr(exe, "run") and program is not None else set()
         self._donate = {k: i for k, i in wanted.items() if (i, n + k) in safe}
         if self._donate:
-            exe.donate = dict(self._donate)  # (a runtime that takes donations: cuda, vortex)
+            # `run` with the inputs as those outputs (the fast `call` paths allocate their own)
+            self._call = self._guarded = None
+            if hasattr(exe, "donate"):  # (vortex: the kernels get the input's device buffer)
+                exe.donate = dict(self._donate)
         return self._donate
 
     @property

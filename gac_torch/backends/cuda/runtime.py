@@ -256,8 +256,6 @@ class CudaExecutable:
         # calls that found every pooled output set held by the caller
         self.stats = {"direct_calls": 0, "graph_calls": 0, "tables_built": 0, "graphs_built": 0,
                       "pool_misses": 0}
-        self.in_place = tuple(program.in_place)  # (input, output) args that may share a buffer
-        self.donate: dict[int, int] = {}  # output k -> input i, in place: CompiledGraph.donate
 
     # -- per context ----------------------------------------------------------------------------
 
@@ -356,8 +354,6 @@ class CudaExecutable:
                 if a.dtype is not dtype or a.shape != shape or a.get_device() != dev:
                     return None
                 if not a.is_contiguous():
-                    if self.donate:  # (run: such an output is then not the input's buffer)
-                        return None
                     a = a.contiguous()
                     dense.append(a)
                 p = a.data_ptr()
@@ -366,7 +362,7 @@ class CudaExecutable:
                 ptrs.append(p)
         except (AttributeError, RuntimeError):  # not a tensor; not strided (no data pointer)
             return None
-        return self._launch_into(dev, ptrs, args)
+        return self._launch_into(dev, ptrs)
 
     def call_guarded(self, args: Sequence) -> list[torch.Tensor] | None:
         """`call` for arguments whose dtypes, shapes, dense strides and device torch's guards
@@ -382,20 +378,18 @@ class CudaExecutable:
         for p in ptrs:
             if p % BUFFER_ALIGN:
                 return None
-        return self._launch_into(dev, ptrs, args)
+        return self._launch_into(dev, ptrs)
 
-    def _launch_into(self, dev: int, ptrs: list[int], args: Sequence) -> list[torch.Tensor]:
+    def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor]:
         """Launches over input pointers `ptrs` on `dev` (the current device) into pooled or
-        fresh outputs (or donated inputs), which it returns."""
+        fresh outputs, which it returns."""
         lane = self._lane(dev, _raw_stream(dev))
-        donate, pool = self.donate, None if self.donate else lane.pool
-        got = pool.acquire() if pool is not None else None
+        got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
-            if pool is not None:
+            if lane.pool is not None:
                 self.stats["pool_misses"] += 1
             device = lane.device
-            outs = [args[donate[k]] if k in donate else torch.empty(shape, dtype=dtype, device=device)
-                    for k, (shape, dtype) in enumerate(self._out_specs)]
+            outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
             ptrs += [o.data_ptr() for o in outs]
         else:
             out_set, outs = got

@@ -148,7 +148,6 @@ class VortexExecutable:
                     f"kernel {k.kernel} needs {threads} threads per CTA (it synchronises), the "
                     f"device has {cfg.warps} warps x {cfg.threads} threads per core")
         self.last_counters: dict[str, Any] | None = None
-        self.in_place = tuple(program.in_place)  # (input arg, output arg) that may share a buffer
         self.donate: dict[int, int] = {}  # output k -> input i: k's kernels use i's device buffer
         self._module: int | None = None
         self._bufs: list[DeviceBuffer] = []
