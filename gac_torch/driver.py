@@ -40,8 +40,9 @@ def stage_text(artifact: Any) -> str:
 
 
 class _Unavailable:
-    def __init__(self, error: TargetUnavailable):
+    def __init__(self, error: TargetUnavailable, in_place: tuple = ()):
         self.error = error
+        self.in_place = in_place  # (what CompiledGraph.donate would take: offline tests)
 
     def run(self, inputs, outputs) -> None:
         raise TargetUnavailable(str(self.error))
@@ -89,7 +90,7 @@ def _load(target: Target, artifact: Any, signature: Signature, options: dict):
         return target.load(artifact, signature, options)
     except TargetUnavailable as e:
         # Compiling needs no device (e.g. PTX on a CPU machine); running does: fail then, clearly.
-        return _Unavailable(e)
+        return _Unavailable(e, tuple(getattr(artifact, "in_place", ())))
 
 
 def _autotune(module: ir.Module, target: Target, signature: Signature, options: dict) -> None:

@@ -177,6 +177,48 @@ def _plain_inference(example_inputs: list) -> bool:
         return False
 
 
+def donate_mutated_inputs(gm: torch.fx.GraphModule) -> int:
+    """For the graph AOTAutograd is compiling (read from its metadata while it compiles): where
+    the graph returns a mutated input's new value (data only: an optimizer's `p.sub_(...)`) as an
+    output of a compiled partition that is the only reader of that input, the partition writes
+    it into the input's own buffer (CompiledGraph.donate, where its program proves that safe),
+    and AOTAutograd's `p.copy_(new)` becomes a copy onto itself, which torch skips. Returns the
+    number of inputs updated in place. GAC_IN_PLACE=0: none."""
+    import os
+
+    from torch._guards import TracingContext
+
+    from gac_torch.runtime.compiled import CompiledGraph
+
+    if os.environ.get("GAC_IN_PLACE", "1") == "0":
+        return 0
+    try:
+        meta = TracingContext.try_get().fw_metadata
+        mutated, infos = list(meta.mutated_inp_runtime_indices), meta.input_info
+        if meta.num_intermediate_bases or getattr(meta, "tokens", None):
+            return 0
+    except AttributeError:  # (no tracing context, or another torch's metadata)
+        return 0
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    returned = list(nodes[-1].args[0]) if isinstance(nodes[-1].args[0], (tuple, list)) else []
+    if len(infos) != len(placeholders) or len(returned) < len(mutated):
+        return 0
+    wanted: dict = {}
+    for m, j in enumerate(mutated):
+        info, ph, r = infos[j], placeholders[j], returned[m]
+        if (not info.mutates_data or info.mutates_metadata or getattr(info, "mutates_storage_metadata", False)
+                or not isinstance(r, torch.fx.Node) or returned.count(r) != 1 or len(r.users) != 1):
+            continue
+        call, k = r.args if r.op == "call_function" and r.target is operator.getitem else (r, 0)
+        part = getattr(gm, str(call.target), None) if isinstance(call, torch.fx.Node) else None
+        if (not isinstance(part, CompiledGraph) or call.op != "call_module" or part.tuple_output != (call is not r)
+                or set(ph.users) != {call} or list(call.args).count(ph) != 1):
+            continue  # (the input must reach nothing but this partition, once)
+        wanted.setdefault(call.target, (part, {}))[1][k] = list(call.args).index(ph)
+    return sum(len(part.donate(pairs)) for part, pairs in wanted.values())
+
+
 def _without_aot_wrapper(call, gm: torch.fx.GraphModule, example_inputs: list):
     """What dynamo calls for an inference graph whose AOTAutograd wrapper would only pass the
     arguments on (see _plain_inference; a graph with parameters of its own would have them
@@ -262,12 +304,12 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
     plain: dict = {}  # the inference graph's boxed call, where AOTAutograd's wrapper adds nothing
 
     def compile_inference(graph: torch.fx.GraphModule, inputs):
-        fn = compile_fn(graph, inputs)
+        fn = compile_fn(graph, inputs, donate=True)
         if getattr(fn, "partition", None) is not None and _plain_inference(example_inputs):
             plain["call"] = fn
         return fn
 
-    def compile_fn(graph: torch.fx.GraphModule, inputs):
+    def compile_fn(graph: torch.fx.GraphModule, inputs, donate: bool = False):
         _name_inputs(graph, user_names)
         # Symbolic sizes compile once (kernels take the sizes at run time) where gac can.
         pristine = copy_graph_module(graph)
@@ -276,6 +318,8 @@ def gac_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None =
         if compiled is not None:
             compiled_graphs.append(compiled)
             progress.add_report(compiled.report)
+            if donate:  # an inference graph's mutated inputs (an optimizer step) in place
+                donate_mutated_inputs(compiled.gm)
             if not _reads_unguarded_flags(pristine):  # (the common case: nothing between)
                 return _boxed_of(compiled.gm)
             return make_boxed_func(per_flags(pristine, _forward_of(compiled.gm), compile_now))

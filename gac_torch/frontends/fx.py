@@ -20,6 +20,7 @@ from gac_torch.errors import (
 from gac_torch.legalize.context import NEEDS_STATIC
 from gac_torch.legalize.norm import eager_layer_norm_stat_dtypes
 from gac_torch.options import resolve
+from gac_torch.passes.input_views import views_of_inputs
 from gac_torch.passes.partition import (
     COMPILER_ERROR, GraphReport, analyze, drop_metadata_asserts, op_name, partition,
 )
@@ -123,6 +124,7 @@ def _compile_graph(gm: fx.GraphModule, options: dict, target: Target | None) -> 
     target.check_requirements()  # a missing extra is an error naming it, not a silent fallback
     drop_metadata_asserts(gm)
     eager_layer_norm_stat_dtypes(gm)
+    views_of_inputs(gm)  # transposed matrices between graphs: torch's views, not copies
     gm.graph.eliminate_dead_code()  # e.g. getitems of unused statistics (keeps impure nodes)
     decisions, report = analyze(gm)
     if report.unsupported and not options["fallback"]:

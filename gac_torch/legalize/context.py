@@ -20,6 +20,9 @@ from gac_torch.errors import GacUnsupportedError
 
 # Reasons node_support gives that the front-ends act on.
 HOST_SIZE_MATH = "size arithmetic (runs on the host, feeds compiled graphs as a size argument)"
+# A view of a graph input that torch makes (passes/input_views.py): neither compiled nor a fallback.
+INPUT_VIEW = "a view of a graph input (torch makes it: no kernel, no copy)"
+INPUT_VIEW_KEY = "gac_input_view"  # the node meta flag that marks one
 # Prefix of the reasons that only hold for run-time sizes (the op compiles once shapes are static).
 NEEDS_STATIC = "dynamic shape"
 
@@ -50,6 +53,8 @@ def node_support(node: fx.Node) -> str | None:
     """None if the node can be compiled, else the reason it falls back."""
     if node.op != "call_function":
         return "not a call"
+    if node.meta.get(INPUT_VIEW_KEY):
+        return INPUT_VIEW
     if is_size_value(meta_val(node)):
         return HOST_SIZE_MATH
     if node.target is operator.getitem:

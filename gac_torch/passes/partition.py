@@ -23,7 +23,7 @@ except ImportError:  # another torch: generated at once
     _LazyGraphModule = fx.GraphModule
 
 from gac_torch.legalize import node_support
-from gac_torch.legalize.context import HOST_SIZE_MATH
+from gac_torch.legalize.context import HOST_SIZE_MATH, INPUT_VIEW
 from gac_torch.legalize.registry import COLLECTIVE
 
 _SKIP = {"placeholder", "output", "get_attr"}
@@ -91,7 +91,7 @@ def analyze(gm: fx.GraphModule) -> tuple[dict[fx.Node, str | None], GraphReport]
             continue
         why = node_support(node)
         decisions[node] = why
-        if node.op == "call_function" and node.target is operator.getitem or why == HOST_SIZE_MATH:
+        if node.op == "call_function" and node.target is operator.getitem or why in (HOST_SIZE_MATH, INPUT_VIEW):
             continue  # bookkeeping (tuple access, size arithmetic on Python ints), not an op
         if why == COLLECTIVE:  # communication is torch's job: neither compiled nor a fallback
             report.in_torch[op_name(node)] += 1

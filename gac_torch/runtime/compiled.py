@@ -42,10 +42,30 @@ class CompiledGraph(torch.nn.Module):
         self._range = f"gac:{name}"
         empty_out = any(isinstance(d, int) and d == 0 for s in signature.outputs for d in s.shape)
         self._fast = not signature.dynamic and not empty_out
+        self._donate: dict[int, int] = {}  # output k -> input i written in place (`donate`)
         self.executable = executable  # (sets _call)
         # NVTX ranges only where a tool listens (nsys/ncu inject a library through this
         # variable; without one every range call is a no-op that still costs host time)
         self._nvtx = device_type == "cuda" and bool(os.environ.get("NVTX_INJECTION64_PATH"))
+
+    def donate(self, wanted: dict[int, int]) -> dict[int, int]:
+        """Computes output k into input i's own buffer and returns that input as output k, for
+        the pairs of `wanted` ({k: i}) that the compiled program proves safe (its `in_place`:
+        one elementwise kernel is all that reads the input and writes the output, element for
+        element). For a caller that would copy output k into input i anyway (AOTAutograd's
+        input mutations: frontends/dynamo.py); that copy is then a copy onto itself, which
+        torch skips. Such a partition is called through `_forward` (the executable's `run`
+        with those inputs as outputs), not the fast paths. Returns the pairs taken."""
+        n, exe = len(self.signature.inputs), self._executable
+        program = getattr(exe, "program", None)
+        safe = set(getattr(program, "in_place", ())) if hasattr(exe, "run") and program is not None else set()
+        self._donate = {k: i for k, i in wanted.items() if (i, n + k) in safe}
+        if self._donate:
+            # `run` with the inputs as those outputs (the fast `call` paths allocate their own)
+            self._call = self._guarded = None
+            if hasattr(exe, "donate"):  # (vortex: the kernels get the input's device buffer)
+                exe.donate = dict(self._donate)
+        return self._donate
 
     @property
     def executable(self) -> Executable:
@@ -54,6 +74,7 @@ class CompiledGraph(torch.nn.Module):
     @executable.setter
     def executable(self, executable: Executable) -> None:  # (a replaced one is called, not the old)
         self._executable = executable
+        self._donate = {}  # (a donation holds for the executable it was set on: `donate`)
         self._call = getattr(executable, "call", None) if self._fast else None
         self._guarded = getattr(executable, "call_guarded", None) if self._fast else None
 
@@ -163,8 +184,10 @@ class CompiledGraph(torch.nn.Module):
                       torch.device(self.device_type))
         inputs = [(a.to(device) if is_host_scalar(a) and a.device != device else a.contiguous())
                   if isinstance(a, torch.Tensor) else int(a) for a in args]
-        outputs = [torch.empty(shape, dtype=s.dtype, device=device)
-                   for shape, s in zip(out_shapes, self.signature.outputs)]
+        donate = self._donate  # (an input made dense above is a copy: that output is fresh)
+        outputs = [args[donate[k]] if k in donate and inputs[donate[k]] is args[donate[k]]
+                   else torch.empty(shape, dtype=s.dtype, device=device)
+                   for k, (shape, s) in enumerate(zip(out_shapes, self.signature.outputs))]
         # Statically empty outputs are made here, not by the program (legalize/context.py);
         # empty inputs still run it (a reduction over an empty dim gives its identity).
         live = [o for o, s in zip(outputs, self.signature.outputs)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from mlir import ir
 
 from gac_torch.errors import GacUnsupportedError
-from gac_torch.backends.gpu import i1_bytes
+from gac_torch.backends.gpu import i1_bytes, in_place
 from gac_torch.backends.gpu.irutil import (
     DYN, VIEW_OPS, block_ops, buffer_root, defining_op, func_block, is_size_math, main_func,
 )
@@ -54,9 +54,13 @@ def kernel_funcs(module: ir.Module) -> dict[str, ir.Operation]:
 
 def annotate_noalias(module: ir.Module) -> None:
     """Mark kernel pointer arguments `llvm.noalias` when no other argument of the same launch
-    views the same allocation: LLVM may then keep accumulators in registers across loops."""
+    views the same allocation: LLVM may then keep accumulators in registers across loops. An
+    output that may be written over an input (in_place.py) counts as that input's buffer: no
+    noalias, so no read-only (ld.global.nc) loads of a buffer the kernel writes."""
     fn = main_func(module)
     funcs = kernel_funcs(module)
+    params = list(func_block(fn).arguments)
+    shared = {params[o]: params[i] for i, o in in_place.recorded(fn)}  # (may be one buffer at run time)
     for op in block_ops(func_block(fn)):
         if op.name != "gpu.launch_func":
             continue
@@ -64,6 +68,7 @@ def annotate_noalias(module: ir.Module) -> None:
         kfunc = funcs[kernel_name(op)]
         operands = list(launch.kernelOperands)
         roots = [buffer_root(v) if isinstance(v.type, ir.MemRefType) else None for v in operands]
+        roots = [shared.get(r, r) if r is not None else None for r in roots]
         attrs = []
         for v, r in zip(operands, roots):
             entries = {}
@@ -351,10 +356,11 @@ def read_host_program(module: ir.Module, args: list[ArgSpec], arch: str,
     spans = [(min(steps), max(steps)) for _, steps in sorted(live.items())]
     if dynamic:
         return GpuProgram(arch=arch, ptx="", launches=launches, temps=used, plan=MemoryPlan({}, 0, 0),
-                           args=args, dynamic=True, host_ops=sizes.ops, temp_live=spans)
+                           args=args, dynamic=True, host_ops=sizes.ops, temp_live=spans,
+                           in_place=in_place.recorded(fn))
     uses = [BufferUse(t.name, t.nbytes, first, last) for t, (first, last) in zip(used, spans)]
     return GpuProgram(arch=arch, ptx="", launches=launches, temps=used, plan=plan_memory(uses),
-                       args=args)
+                       args=args, in_place=in_place.recorded(fn))
 
 
 TMA_CREATE = "nvgpu.tma.create.descriptor"  # a TMA descriptor, made by the runtime (data here)

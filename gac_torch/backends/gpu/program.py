@@ -225,6 +225,8 @@ class GpuProgram:
     host_ops: list[HostOp] = field(default_factory=list)
     temp_live: list[tuple[int, int]] = field(default_factory=list)  # per temp: first, last launch
     cubins: list[Cubin] = field(default_factory=list)  # empty: the driver JIT-compiles the PTX
+    # (input arg, output arg) pairs the output may share the input's buffer (gpu/in_place.py)
+    in_place: tuple[tuple[int, int], ...] = ()
 
     def bind(self, values: Sequence) -> GpuProgram:
         """This program for one call: `values` holds per function argument its shape (a
@@ -245,7 +247,7 @@ class GpuProgram:
         plan = plan_memory([BufferUse(t.name, t.nbytes, first, last)
                             for t, (first, last) in zip(temps, self.temp_live)])
         args = [ArgSpec(tuple(x) if a.elem != "index" else (), a.elem) for a, x in zip(self.args, values)]
-        return GpuProgram(self.arch, self.ptx, launches, temps, plan, args)
+        return GpuProgram(self.arch, self.ptx, launches, temps, plan, args, in_place=self.in_place)
 
     @property
     def text(self) -> str:  # the "ptx" stage dump: host program as PTX comments, then the PTX

@@ -52,6 +52,9 @@ from gac_torch.backends.gpu.irutil import (
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
     top_level,
 )
+from gac_torch.backends.gpu import in_place
+from gac_torch.backends.gpu.hoist import hoist_epilogue_consumers
+from gac_torch.backends.gpu.relayout import relayout_gemm_operands
 from gac_torch.backends.gpu.invariant import loop_over, serial_dim
 from gac_torch.backends.gpu.rows import map_rows
 from gac_torch.backends.gpu import tuning
@@ -59,6 +62,7 @@ from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_red
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, deferred_splices, template_cache
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
+from gac_torch.backends.gpu.vectorize import emit_vector_body, vector_width
 from gac_torch.lowering.fusion import fuse_elementwise
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
@@ -66,15 +70,17 @@ from gac_torch.lowering.fusion import fuse_elementwise
 HOISTABLE = ("ub.poison", "memref.alloc", "memref.get_global", *VIEW_OPS)
 
 
-def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy] = ()) -> None:
+def map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy] = (),
+               n_inputs: int | None = None) -> None:
     """Rewrite the linalg-on-tensors `@main` into host code launching outlined kernels: each
     generic goes to the first of `strategies` that matches it, else to a `loops` kernel; scalar
-    host code goes to `serial` kernels."""
+    host code goes to `serial` kernels. `n_inputs` (the arguments before the outputs): where
+    given, the outputs that may share an input's buffer are recorded (in_place.py)."""
     with template_cache():  # a kernel template repeated (same layer shapes) is parsed once
-        _map_to_gpu(module, limits, strategies)
+        _map_to_gpu(module, limits, strategies, n_inputs)
 
 
-def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy]) -> None:
+def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strategy], n_inputs: int | None) -> None:
     fn = main_func(module)
     counter = iter(range(1 << 30))
     map_attention(module, fn, strategies, limits, counter)  # fused units first, on tensors
@@ -93,6 +99,10 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     reshapes_to_views(fn)
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
+    hoist_epilogue_consumers(fn)  # a GEMM's elementwise consumer right after it (its epilogue)
+    relayout_gemm_operands(fn, limits)  # (opt-in: GAC_SGEMM_RELAYOUT=1)
+    if n_inputs is not None:
+        in_place.record(fn, n_inputs)  # (before strategies: generics still say what they read)
 
     block = func_block(fn)
     ops = block_ops(block)
@@ -253,8 +263,12 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
     if plan is not None:
         extents = extents[:plan.dim] + extents[plan.dim + 1:]
         total, has_loops = total // plan.extent, True
+    vec = 1  # (vectorize.py: WIDTH consecutive points per thread step, 16-byte accesses)
+    if plan is None and not has_loops and is_static(total) and all(lb == 0 and st == 1 for lb, _, st in bounds):
+        vec = vector_width(pbody, extents) if limits.vector_loops else 1
+        total //= vec
     if is_static(total):
-        coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
+        coarsen = limits.coarsen if total * vec >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
         if -(-total // (threads * coarsen)) > limits.max_grid[0]:
             raise GacUnsupportedError(f"{total} iterations exceed a 1-D grid")
@@ -275,7 +289,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
             else:
                 inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, as_index(total)))
             with ir.InsertionPoint(inside.then_block):
-                idx = delinearize(lin, extents)
+                idx = delinearize(lin if vec == 1 else arith.muli(lin, as_index(vec)), extents)
                 ivs = []
                 for (lb, _, st), i in zip([b for d, b in enumerate(bounds) if d != inner], idx):
                     v = i if st == 1 else arith.muli(i, as_index(st))
@@ -283,7 +297,13 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
                 if inner is not None:  # (its uses move into loops over it: loop_over)
                     ivs.insert(inner, None)
                 term = scf.YieldOp([])
+                if vec > 1:
+                    with ir.InsertionPoint(term):
+                        emit_vector_body(pbody, ivs)
             gpu.TerminatorOp()
+    if vec > 1:
+        p.erase()  # (the scalar body: emitted above as vector ops)
+        return
     for op in block_ops(pbody)[:-1]:  # all but scf.reduce
         op.move_before(term.operation)
     if plan is not None:

@@ -27,7 +27,7 @@ def schedule_module(module: ir.Module, limits: GpuLimits, strategies: Sequence[S
         dynamic = any(a.elem == "index" or -1 in a.shape for a in args)
         n_inputs = count_inputs(fn)
         try:
-            map_to_gpu(module, limits, strategies)
+            map_to_gpu(module, limits, strategies, n_inputs)
             if dynamic:  # views' run-time metadata as index math over their allocations' sizes
                 run_passes(module, "func.func(expand-strided-metadata, lower-affine, canonicalize, cse)")
             annotate_noalias(module)

@@ -59,6 +59,7 @@ class VortexProgram:
     llvm_ir: str = ""
     vxbin: bytes = b""
     split_joins: int = 0                                  # divergent branches bracketed
+    in_place: tuple = ()                                  # (input, output) args that may share a buffer
 
     @property
     def binary(self) -> bytes:                            # what GAC_DUMP_DIR writes as .vxbin
@@ -115,7 +116,7 @@ def map_stage(artifact: Any, limits: GpuLimits, strategies: tuple[Strategy, ...]
     # in place (the driver has recorded its text); text (a dumped stage) into a fresh context
     module = artifact if isinstance(artifact, ir.Module) else ir.Module.parse(artifact, ir.Context())
     host = schedule_module(module, limits, strategies, "vortex", "vortex")
-    program = VortexProgram(host.launches, host.temps, host.plan, host.args)
+    program = VortexProgram(host.launches, host.temps, host.plan, host.args, in_place=host.in_place)
     return GpuStage(module, program, flags)
 
 
@@ -123,7 +124,8 @@ def parse_gpu_stage(text: str, flags: CompileFlags) -> GpuStage:
     """A dumped (possibly edited) "gpu" stage back: the module, its host program read again."""
     module = ir.Module.parse(text, ir.Context())
     host = read_scheduled(module, "vortex")
-    return GpuStage(module, VortexProgram(host.launches, host.temps, host.plan, host.args), flags)
+    return GpuStage(module, VortexProgram(host.launches, host.temps, host.plan, host.args, in_place=host.in_place),
+                    flags)
 
 
 # Why each step: index ops get 32-bit; memref.copy and affine leftovers go away; memrefs become

@@ -148,6 +148,7 @@ class VortexExecutable:
                     f"kernel {k.kernel} needs {threads} threads per CTA (it synchronises), the "
                     f"device has {cfg.warps} warps x {cfg.threads} threads per core")
         self.last_counters: dict[str, Any] | None = None
+        self.donate: dict[int, int] = {}  # output k -> input i: k's kernels use i's device buffer
         self._module: int | None = None
         self._bufs: list[DeviceBuffer] = []
         self._workspace: DeviceBuffer | None = None
@@ -186,15 +187,16 @@ class VortexExecutable:
         temps = [self._workspace.address + prog.plan.offsets[t.name]    # type: ignore[union-attr]
                  for t in prog.temps]
         per_launch = []
+        alias = {n_in + k: i for k, i in self.donate.items()}  # (the kernel reads and writes one buffer)
         for k in prog.launches:
             kinds = prog.kernels[k.kernel].params
-            values = [(self._bufs[a.index].address if a.kind == "arg" else temps[a.index])
+            values = [(self._bufs[alias.get(a.index, a.index)].address if a.kind == "arg" else temps[a.index])
                       if isinstance(a, BufferRef) else a.value for a in k.args]
             c = dev.launch(self._module, k.kernel, pack_args(kinds, values),  # type: ignore[arg-type]
                            grid=k.grid, block=k.block, lmem_size=k.shared_mem)
             per_launch.append(dict(c, kernel=k.kernel, lmem=k.shared_mem, grid=k.grid,
                                    block=k.block))
-        for t, buf in zip(outputs, self._bufs[n_in:]):
+        for t, buf in zip(outputs, [self._bufs[alias.get(n_in + k, n_in + k)] for k in range(len(outputs))]):
             data = dev.read(buf, t.numel() * t.element_size())
             t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
         return _total(per_launch)
