@@ -145,6 +145,11 @@ def test_batched_and_transposed_view_inputs_are_copied(monkeypatch: pytest.Monke
     part = _compile_cuda(lambda a, b: torch.bmm(a, b.transpose(1, 2)), a, b)
     assert _kinds(part) == ["transpose", "transpose", "sgemm"]
     assert "blocks in (%c1, %c2, %c3)" in part.ir("gpu")  # (40 or 50 rows x 70 K, 3 batches)
+    # a strided view (a column slice) is read in place by the transpose
+    part = _compile_cuda(lambda x, w: x[:, 3:67] @ w.t(), torch.randn(300, 100), torch.randn(136, 64))
+    assert _kinds(part) == ["transpose", "transpose", "sgemm"]
+    assert "transpose blocks in (%c5, %c1, %c1) threads in (%c256, %c1, %c1) args(%subview : " \
+           "memref<300x64xf32, strided<[100, 1], offset: 3>>" in re.sub(r"\s+", " ", part.ir("gpu"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,6 +175,7 @@ def test_relaid_batched_gelu_and_default_4096_match_float64_on_gpu(monkeypatch: 
     a, b, x, w = (torch.randn(s, generator=g) for s in ((3, 40, 70), (3, 50, 70), (300, 264), (136, 264)))
     _check_gpu(lambda a, b: torch.bmm(a, b.transpose(1, 2)), a, b)
     _check_gpu(lambda x, w: torch.nn.functional.gelu(x @ w.t()), x, w)
+    _check_gpu(lambda x, w: x[:, 3:67] @ w.t(), torch.randn(300, 100, generator=g), torch.randn(136, 64, generator=g))
     monkeypatch.delenv("GAC_SGEMM_RELAYOUT")  # the default at the MLP's size: copies both
     a, b = torch.randn(4096, 4096, generator=g), torch.randn(4096, 4096, generator=g)
     _check_gpu(_FNS["nt"], a, b)
