@@ -77,7 +77,7 @@ def _relaid(layout: str, m: int, n: int, k: int, batch: int):
 @pytest.mark.parametrize("m,n,k,batch", [(37, 29, 45, 0), (70, 68, 36, 2), (130, 131, 20, 0)])
 def test_relaid_gemm_twins_match_float64(layout: str, m: int, n: int, k: int, batch: int,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "all")
     spec, shapes, strides, copies = _relaid(layout, m, n, k, batch)
     # exactly the operands stored along K are copied, into the tn layout's K-outer order
     assert [c is not None for c in copies] == [layout[0] == "n", layout[1] == "t"]
@@ -112,7 +112,7 @@ def _kinds(part) -> list[str]:
     (None, "tn", 4096, ["sgemm"]),  # nothing along K
     ("0", "nt", 4096, ["sgemm"]),  # switched off: as before
     (None, "nt", 1024, ["sgemm"]),  # too small to pay
-    ("1", "tt", 77, ["transpose", "sgemm"])])  # forced: any size
+    ("all", "tt", 77, ["transpose", "sgemm"])])  # forced: any size
 def test_switch_changes_the_kernel_list(env: str | None, layout: str, n: int, want: list[str],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     if env is None:
@@ -140,7 +140,7 @@ def test_relaid_nt_gemm_is_the_tn_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_batched_and_transposed_view_inputs_are_copied(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "all")
     a, b = torch.randn(3, 40, 70), torch.randn(3, 50, 70)
     part = _compile_cuda(lambda a, b: torch.bmm(a, b.transpose(1, 2)), a, b)
     assert _kinds(part) == ["transpose", "transpose", "sgemm"]
@@ -161,7 +161,7 @@ def test_batched_and_transposed_view_inputs_are_copied(monkeypatch: pytest.Monke
                                           ("nt", 136, 264, 4100), ("nt", 1300, 1700, 301)])
 def test_relaid_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "all")
     g = torch.Generator().manual_seed(m * n + k)
     a = torch.randn((m, k) if layout[0] == "n" else (k, m), generator=g)
     b = torch.randn((k, n) if layout[1] == "n" else (n, k), generator=g)
@@ -170,7 +170,7 @@ def test_relaid_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int,
 
 @pytest.mark.cuda
 def test_relaid_batched_gelu_and_default_4096_match_float64_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "all")
     g = torch.Generator().manual_seed(0)
     a, b, x, w = (torch.randn(s, generator=g) for s in ((3, 40, 70), (3, 50, 70), (300, 264), (136, 264)))
     _check_gpu(lambda a, b: torch.bmm(a, b.transpose(1, 2)), a, b)

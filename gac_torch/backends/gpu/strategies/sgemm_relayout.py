@@ -10,8 +10,10 @@ of the tiled kernel gac_torch/kernels/transpose.py) into a dense [batch..][k][ou
 which the GEMM then reads as its tn operand. As weight_layout.py for the conv weights, the copy
 is per call and exact.
 
-GAC_SGEMM_RELAYOUT=0 keeps every operand as it is (bisects, the behaviour before); =1 copies
-every eligible operand whatever its size (tests); default: where `pays`.
+GAC_SGEMM_RELAYOUT=0 keeps every operand as it is (bisects, the behaviour before); =all copies
+every eligible operand whatever its size (tests); default (and any other value): where `pays`.
+(=1 is left to the graph-level opt-in of branch mlp2, backends/gpu/relayout.py, should both be
+merged: its copies come first, and an operand it made K-outer is not copied again here.)
 """
 
 from __future__ import annotations
@@ -67,14 +69,14 @@ def permuted(type_text: str, elem: str, shape: tuple[int, ...], dims: tuple[int,
              max_grid: tuple[int, int, int]) -> Transposed | None:
     """An f32 operand of `shape` whose dim j is iteration dim dims[j] (-1: not a dim), copied
     as [batch..][k][outer], or None: switched off, not one K dim and one outer dim with K at
-    unit stride (`op.coef`), not paying (GAC_SGEMM_RELAYOUT=1: any size), or too large a grid."""
+    unit stride (`op.coef`), not paying (GAC_SGEMM_RELAYOUT=all: any size), or too large a grid."""
     if mode() == "0" or len(k) != 1 or len(outer) != 1 or elem != "f32" or -1 in dims:
         return None
     (kd,), (od,) = k, outer
     if (dims.count(kd) != 1 or dims.count(od) != 1 or op.coef[kd] != 1 or ranges[kd] < 2 or ranges[od] < 2
             or any(d not in batch and ranges[d] != 1 for d in dims if d not in (kd, od))):
         return None
-    if mode() != "1" and not pays(math.prod(ranges), 4 * math.prod(shape)):  # (M*N*K*batch)
+    if mode() != "all" and not pays(math.prod(ranges), 4 * math.prod(shape)):  # (M*N*K*batch)
         return None
     perm = tuple([j for j, d in enumerate(dims) if d not in (kd, od)] + [dims.index(kd), dims.index(od)])
     s = transpose.spec(type_text, elem, shape, perm)
