@@ -30,7 +30,7 @@ from gac_torch.backends.gpu.irutil import (
     static_memref, users, users_now,
 )
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
-from gac_torch.backends.gpu.strategies import weight_layout
+from gac_torch.backends.gpu.strategies import sgemm_relayout, weight_layout
 from gac_torch.backends.gpu.strategies.epilogue import (
     FUSED, affine_terms, erase_fused, fused_epilogue, operand_at, rename_from,
 )
@@ -55,6 +55,7 @@ class _Match:
     pads: list
     fill: tuple[ir.Operation, ir.Value] | None
     relayout: weight_layout.Relayout | None = None
+    transposed: tuple[sgemm_relayout.Transposed | None, ...] = (None, None)  # (A, B): K-outer copies
 
 
 def strategy(params: Params, simt: bool) -> Strategy:
@@ -157,6 +158,12 @@ def _match(g: Generic, limits: GpuLimits, params: Params, inner: int = 32) -> _M
         kind = "f32"
     if kind is None:
         return None
+    transposed: tuple[sgemm_relayout.Transposed | None, ...] = (None, None)
+    if kind == "f32" and not conv:  # operands along K copied K-outer where it pays
+        transposed = tuple(None if pads[i] is not None else sgemm_relayout.plan(
+            g.inputs[i], g.maps[i], ops[i], tuple(ks), outer, batch, r, limits.max_grid)  # type: ignore[arg-type]
+            for i, outer in ((0, ms), (1, ns)))
+        a, b = (t.operand if t is not None else o for t, o in zip(transposed, (a, b)))
     fill = fill_before(g.op, g.outputs[0])
     spec = conv_gemm.Spec(kind, tuple(ms), tuple(ns), tuple(ks), batch, r, a, b, c,  # type: ignore[arg-type]
                           fill is not None)
@@ -166,7 +173,7 @@ def _match(g: Generic, limits: GpuLimits, params: Params, inner: int = 32) -> _M
         return None
     if plan.splits > 1:  # split-K adds into C: the fill runs first as its own kernel
         spec, fill = conv_gemm.Spec(**{**spec.__dict__, "fill": False}), None
-    return _Match(g, spec, plan, pads, fill, relayout)
+    return _Match(g, spec, plan, pads, fill, relayout, transposed)
 
 
 def _tuned_plan(spec: conv_gemm.Spec, limits: GpuLimits, dynamic: int, cp: bool, split_k: bool):
@@ -201,6 +208,9 @@ def _emit(m: _Match, name: str, params: Params, text_of: Any = None) -> bool:
     ins = [pad[0] if pad is not None else v for pad, v in zip(pads, g.inputs)]  # what the kernel reads
     if m.relayout is not None:
         ins[1] = weight_layout.copy_before(m.relayout, ins[1], g.op)
+    for i, tr in enumerate(m.transposed):  # (kernel names: unique, kind `transpose`)
+        if tr is not None:
+            ins[i] = sgemm_relayout.copy_before(tr, ins[i], g.op, f"{name}{'ab'[i]}_transpose")
     # (taps: sgemm's epilogue may also store an intermediate graph output; GAC_EPILOGUE_TAPS=0 bisects)
     fused = (fused_epilogue(g, ins, fill[0] if fill is not None else None, interchange=True,  # type: ignore[arg-type]
                             taps=text_of is None and spec.kind == "f32" and os.environ.get("GAC_EPILOGUE_TAPS") != "0")
