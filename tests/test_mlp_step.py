@@ -311,7 +311,7 @@ def test_vector_loops_match_float64_on_gpu(shape: tuple, monkeypatch: pytest.Mon
 
 
 # --------------------------------------------------------------------------------------------
-# GAC_SGEMM_RELAYOUT=1 (opt-in, cuda without TF32): large GEMMs read transposed copies (tn)
+# GAC_SGEMM_RELAYOUT=graph (opt-in, cuda without TF32): large GEMMs read transposed copies (tn)
 
 
 def _linear_gelu(x, w, b):
@@ -328,7 +328,7 @@ def test_relayout_copies_k_contiguous_operands_offline(monkeypatch: pytest.Monke
     # x @ W^T at 2048^3 (nt): both operands copied into [k][m] / [k][n] (one combo launch of two
     # transposes), the sgemm reads the copies; below MIN_DIM, with TF32 or without the switch: nt
     xs = (torch.randn(2048, 2048), torch.randn(2048, 2048), torch.randn(2048))
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "graph")
     kernels, part = _kernels(_linear_gelu, *xs)
     assert kernels == ["combo", "sgemm"], kernels
     assert re.search(r"_sgemm .*args\(%alloc\S* : memref<2048x2048xf32>, %alloc", part.ir("gpu"))
@@ -339,7 +339,7 @@ def test_relayout_copies_k_contiguous_operands_offline(monkeypatch: pytest.Monke
     assert "_wgmma" in tf32.ir("gpu") and "_combo" not in tf32.ir("gpu")  # (wgmma reads nt as is)
     # the MLP forward: x, W1 and W2 copied in one combo; h^T, the second GEMM's A, stored by the
     # first GEMM's epilogue (with the pre-activation and h, graph outputs)
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")  # (undone above)
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "graph")  # (undone above)
     ys = (xs[0], xs[1], xs[2], torch.randn(2048, 2048), torch.randn(2048))
     kernels, part = _kernels(_mlp_forward, *ys)
     assert kernels == ["combo", "sgemm", "sgemm"], kernels
@@ -371,7 +371,7 @@ def test_relayout_matches_float64_on_vortex(m: int, n: int, k: int, monkeypatch:
 
 @pytest.mark.cuda
 def test_relayout_matches_float64_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "graph")
     g = torch.Generator().manual_seed(3)
     _check_gpu(_linear_gelu, torch.randn(2100, 2048, generator=g), torch.randn(2060, 2048, generator=g),
                torch.randn(2060, generator=g))
@@ -381,7 +381,7 @@ def test_relayout_matches_float64_on_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_relayout_mlp_forward_matches_float64_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # the forward's chain: x and both weights copied (one combo), the first GEMM's epilogue stores
     # the pre-activation, h and h^T (the second GEMM's A), which the second GEMM reads
-    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "1")
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "graph")
     g = torch.Generator().manual_seed(4)
     x, w1, w2 = (torch.randn(s, generator=g) / 40 for s in ((2064, 2048), (2056, 2048), (2048, 2056)))
     b1, b2 = torch.randn(2056, generator=g), torch.randn(2048, generator=g)

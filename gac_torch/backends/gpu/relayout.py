@@ -1,4 +1,4 @@
-"""Large exact-f32 GEMMs fed their operands in the outer-contiguous layout (GAC_SGEMM_RELAYOUT=1;
+"""Large exact-f32 GEMMs fed their operands in the outer-contiguous layout (GAC_SGEMM_RELAYOUT=graph;
 opt-in, cuda without TF32 only: GpuLimits.sgemm_relayout).
 
 The SIMT sgemm runs its layouts at different speeds on the H200 (4096^3 at 26d8c19, kernel
@@ -24,7 +24,7 @@ MIN_DIM = 2048
 
 
 def enabled(limits) -> bool:
-    return os.environ.get("GAC_SGEMM_RELAYOUT") == "1" and getattr(limits, "sgemm_relayout", False)
+    return os.environ.get("GAC_SGEMM_RELAYOUT") == "graph" and getattr(limits, "sgemm_relayout", False)
 
 
 def relayout_gemm_operands(fn: ir.Operation, limits) -> int:

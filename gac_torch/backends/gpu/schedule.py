@@ -100,7 +100,7 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
     hoist_epilogue_consumers(fn)  # a GEMM's elementwise consumer right after it (its epilogue)
-    relayout_gemm_operands(fn, limits)  # (opt-in: GAC_SGEMM_RELAYOUT=1)
+    relayout_gemm_operands(fn, limits)  # (opt-in: GAC_SGEMM_RELAYOUT=graph)
     if n_inputs is not None:
         in_place.record(fn, n_inputs)  # (before strategies: generics still say what they read)
 
