@@ -53,8 +53,11 @@ def fuse_elementwise(module: ir.Module) -> None:
                 if p is not None:
                     with ir.InsertionPoint(op), op.location:
                         keeps.append(ir.Operation.create(_KEEP, operands=[p.result]))
-        passmanager.PassManager.parse(f"builtin.module({_PIPELINE})", ctx).run(module.operation)
-        for op in _contractions(module):
+        pm = passmanager.PassManager.parse(f"builtin.module({_PIPELINE})", ctx)
+        pm.enable_verifier(False)  # (the result is verified once, below: not after each pass)
+        pm.run(module.operation)
+        module.operation.verify()
+        for op in _contractions(module) if carried else ():  # (no flag to carry: no walk)
             names = _loc_names(op)
             for name, a in carried:
                 if name in names:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from mlir import ir
 
-from gac_torch.backends.gpu.irutil import VIEW_OPS, block_ops, defining_op, top_level
+from gac_torch.backends.gpu.irutil import VIEW_OPS, Tops, block_ops, defining_op, top_level
 
 FOLDED = "gac.folded_template"  # on a gpu.launch spliced from a folded template (strategy._splice)
 ANCHOR = "gac_aside.anchor"  # (an unregistered op: nothing folds, moves or erases it)
@@ -59,10 +59,10 @@ def enabled() -> bool:
 def _captured(block: ir.Block, ops: list[ir.Operation], launches: set) -> dict:
     """Per launch of `launches`: the host values its body uses, in a stable order."""
     out: dict = {launch: {} for launch in launches}
+    top_of = Tops(block)
     for v in [*block.arguments, *(r for op in ops if op.name != "gpu.launch" for r in op.results)]:
         for use in v.uses:
-            owner = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-            top = top_level(owner, block)
+            top = top_of(use.owner.operation if hasattr(use.owner, "operation") else use.owner)
             if top in out:
                 out[top][v] = None
     return out

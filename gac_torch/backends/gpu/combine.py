@@ -33,7 +33,7 @@ from mlir import ir
 from mlir.dialects import arith, gpu, scf
 
 from gac_torch.backends.gpu.irutil import (
-    VIEW_OPS, as_index, block_ops, const_int, defining_op, func_block, is_size_math, new_launch,
+    VIEW_OPS, Tops, as_index, block_ops, const_int, defining_op, func_block, is_size_math, new_launch,
     top_level, users,
 )
 
@@ -130,19 +130,20 @@ def _accesses(block: ir.Block, ops: list[ir.Operation]):
     access: dict[ir.Operation, dict[ir.Value, int]] = defaultdict(lambda: defaultdict(int))
     captured: dict[ir.Operation, dict[ir.Value, None]] = defaultdict(dict)  # (ordered sets)
     host = list(block.arguments) + [r for op in ops if op.name != "gpu.launch" for r in op.results]
+    top_of = Tops(block)
     for v in host:
         d = defining_op(v)
         if d is not None and d.name == "arith.constant":
             continue  # (all move to the top when kernels are combined)
         for use in v.uses:
-            top = _top(use.owner, block)
+            top = top_of(use.owner.operation if hasattr(use.owner, "operation") else use.owner)
             if top.name == "gpu.launch":
                 captured[top][v] = None
     roots = [v for v in host if isinstance(v.type, ir.MemRefType) and
              (defining_op(v) is None or defining_op(v).name not in VIEW_OPS)]
     for root in roots:
         for user in users(root):
-            top = top_level(user, block)
+            top = top_of(user)
             if top.name == "gpu.launch":
                 bits = READ if user.name in READS else WRITE if user.name in _WRITES else READ | WRITE
                 access[top][root] |= bits

@@ -125,6 +125,8 @@ def _uses_of_buffer(v: ir.Value, acc: set[str]) -> None:
     """Add "r" / "w" to `acc` for each use of memref `v` and of the views of it (buffer_root's
     chains: a view op's operand 0); views and memref.dim move no data."""
     for use in v.uses:
+        if len(acc) == 2:  # (read and written: nothing more to learn)
+            return
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
         pos = use.operand_number
         if op.name in VIEW_OPS or op.name == "memref.dim":  # metadata, no data

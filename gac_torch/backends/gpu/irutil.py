@@ -43,13 +43,18 @@ def is_size_math(op: ir.Operation) -> bool:
     return True
 
 
-def run_passes(module: ir.Module, pipeline: str, verify_each: bool = True) -> None:
-    """`verify_each=False`: no verification after each pass (the caller verifies the result once;
-    a host function holding every kernel body took 0.25 s per verification on BEVFormer-tiny);
-    GAC_VERIFY_PASSES=1 verifies after each pass anyway (to find the pass that broke the IR)."""
+def run_passes(module: ir.Module, pipeline: str, verify: bool = True) -> None:
+    """Run `pipeline` on `module`; `verify`: its result is verified, once (after the last pass,
+    not after each: the verifier changes nothing, and a verification per pass cost ~0.25 s of
+    BEVFormer-tiny's gpu stage); `verify=False`: not at all (the caller verifies later: a host
+    function holding every kernel body took 0.25 s per verification). GAC_VERIFY_PASSES=1
+    verifies after each pass (to find the pass that broke the IR)."""
     pm = passmanager.PassManager.parse(f"builtin.module({pipeline})", module.context)
-    pm.enable_verifier(verify_each or os.environ.get("GAC_VERIFY_PASSES") == "1")
+    each = os.environ.get("GAC_VERIFY_PASSES") == "1"
+    pm.enable_verifier(each)
     pm.run(module.operation)
+    if verify and not each:
+        module.operation.verify()  # (an invalid result: MLIRError, as from a pass's verifier)
 
 
 def main_func(module: ir.Module) -> ir.Operation:
@@ -178,6 +183,24 @@ def top_level(op: ir.Operation, block: ir.Block) -> ir.Operation:
     while op.block != block:
         op = op.parent.operation
     return op
+
+
+class Tops:
+    """top_level(op, block) for the many ops of one analysis, memoized by the block holding
+    each: the uses of host values are mostly deep in kernel bodies, whose parents are then
+    walked once per block rather than once per use. Valid while the IR does not change."""
+
+    def __init__(self, block: ir.Block):
+        self.block, self.memo = block, {}
+
+    def __call__(self, op: ir.Operation) -> ir.Operation:
+        b = op.block
+        if b == self.block:
+            return op
+        top = self.memo.get(b)
+        if top is None:
+            top = self.memo[b] = top_level(b.owner.operation, self.block)
+        return top
 
 
 def as_index(v: int | ir.Value) -> ir.Value:

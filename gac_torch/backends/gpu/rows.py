@@ -66,13 +66,17 @@ def map_rows(fn: ir.Operation, strategies: Sequence[Strategy], limits: GpuLimits
     tried: set = set()
     others: set = set()  # generics that are no seed: taking a group does not change that (and
     # makes no generics), so the scans after it skip them rather than ask _form again
-    memo: dict = {}  # (generic, R, C, flat) -> its _form, for find_group
+    memo: dict = {}  # (generic, R, C, flat) -> its _form, generic -> its _base, for find_group
+    reduces: set = set()  # the seeds not tried yet, known from an earlier scan (same reason)
     while True:  # the block changes with each group taken: scan it again
         seeds = []
         for op in block_ops(func_block(fn)):
             if op.name != "linalg.generic" or op in tried or op in others:
                 continue
-            if (_form(op) or ("",))[0] == "reduce":
+            if op not in reduces and op not in memo:
+                memo[op] = _base(op)
+            if op in reduces or (_form(op, base=memo[op]) or ("",))[0] == "reduce":
+                reduces.add(op)
                 seeds.append(op)
             else:
                 others.add(op)
@@ -109,10 +113,8 @@ def _ranges(op: ir.Operation) -> list[int] | None:
     return None if None in ranges else ranges  # type: ignore[return-value]
 
 
-def _form(op: ir.Operation, R: int | None = None, C: int | None = None, flat: bool = True):
-    """(kind, ranges, row dims, col dims) of a single-result generic on static tensors: kind
-    "reduce" (parallel dims, then reduction dims), "full" (all parallel, R*C points split into
-    rows then columns) or "row" (all parallel, R points); None if none fits (R, C)."""
+def _base(op: ir.Operation) -> tuple[list[int], list[bool]] | None:
+    """(ranges, reduction dims) of a generic _form can give a form, whatever (R, C); else None."""
     if op.name != "linalg.generic" or len(op.results) != 1 or is_fill(op):
         return None
     if not all(isinstance(v.type, ir.RankedTensorType) or not isinstance(v.type, ir.ShapedType)
@@ -125,9 +127,23 @@ def _form(op: ir.Operation, R: int | None = None, C: int | None = None, flat: bo
     if ranges is None:
         return None
     iters = ["reduction" in str(a) for a in op.attributes["iterator_types"]]
-    n = len(iters)
     if not any(iters) and any(list(a.uses) for a in list(body.arguments)[len(op.opview.inputs):]):
         return None  # a map that reads its init
+    return ranges, iters
+
+
+def _form(op: ir.Operation, R: int | None = None, C: int | None = None, flat: bool = True,
+          base: tuple | None | bool = False):
+    """(kind, ranges, row dims, col dims) of a single-result generic on static tensors: kind
+    "reduce" (parallel dims, then reduction dims), "full" (all parallel, R*C points split into
+    rows then columns) or "row" (all parallel, R points); None if none fits (R, C). (`base`:
+    its _base, known already.)"""
+    if base is False:
+        base = _base(op)
+    if base is None:
+        return None
+    ranges, iters = list(base[0]), base[1]  # type: ignore[index]
+    n = len(iters)
     if any(iters):
         k = iters.index(True)
         if not all(iters[k:]):
@@ -245,18 +261,27 @@ def find_group(seed: ir.Operation, flat: bool = True, memo: dict | None = None) 
         if op.name != "linalg.generic":  # (no form; nor a memo entry: an erased op's address
             return None  # may be a new op's)
         if key not in memo:
-            memo[key] = _form(op, R, C, flat)
+            if op not in memo:  # (what does not depend on R, C: once per generic)
+                memo[op] = _base(op)
+            memo[key] = _form(op, R, C, flat, memo[op])
         return memo[key]
 
     _, ranges, rows, cols = form_of(seed)  # type: ignore[misc]
     R, C = math.prod(ranges[:len(rows)]), math.prod(ranges[len(rows):])
     forms = {seed: form_of(seed, R, C)}
+    reads: dict = {}  # op -> [(value, map, its _origin)] (the IR does not change meanwhile)
+
+    def reads_of(op: ir.Operation) -> list:
+        if op not in reads:
+            reads[op] = [(v, m, _origin(v, R, C)) for v, m in _reads(op)]
+        return reads[op]
+
     work = [seed]
     while work:  # grow along matching accesses, both ways
         op = work.pop()
         near = []
-        for v, m in _reads(op):
-            p = defining_op(_origin(v, R, C)[0])
+        for _, _, (src, _) in reads_of(op):
+            p = defining_op(src)
             if p is not None and p.block == seed.block:
                 near.append(p)
         for user, _ in _users(op.results[0], (R, C)):
@@ -268,11 +293,11 @@ def find_group(seed: ir.Operation, flat: bool = True, memo: dict | None = None) 
             f = form_of(q, R, C, flat)
             if f is None:
                 continue
-            if any(_origin(v, R, C)[0] == q.results[0] for v, _ in _reads(op)):  # q produces for op
+            if any(src == q.results[0] for _, _, (src, _) in reads_of(op)):  # q produces for op
                 reader, form, value, kind = op, forms[op], q.results[0], f[0]
             else:  # q consumes op's value
                 reader, form, value, kind = q, f, op.results[0], forms[op][0]
-            if _links_match(reader, form, value, kind, R, C):
+            if _links_match(reader, form, value, kind, R, C, reads_of(reader)):
                 forms[q] = f
                 work.append(q)
     members = sorted(forms, key=_position)
@@ -289,10 +314,14 @@ def find_group(seed: ir.Operation, flat: bool = True, memo: dict | None = None) 
     return g
 
 
-def _links_match(reader: ir.Operation, form, value: ir.Value, kind: str, R: int, C: int) -> bool:
+def _links_match(reader: ir.Operation, form, value: ir.Value, kind: str, R: int, C: int,
+                 reads: list | None = None) -> bool:
     """Does `reader` (of `form`) read `value` (made by a generic of `kind`) only element for
-    element (full), row for row (a reduction's or a row map's), or as a picked column?"""
-    links = [(v, m, k) for v, m in _reads(reader) for src, k in [_origin(v, R, C)] if src == value]
+    element (full), row for row (a reduction's or a row map's), or as a picked column?
+    (`reads`: its reads with their _origin, known already.)"""
+    if reads is None:
+        reads = [(v, m, _origin(v, R, C)) for v, m in _reads(reader)]
+    links = [(v, m, k) for v, m, (src, k) in reads if src == value]
     for v, m, k in links:
         want = "row" if k is not None or kind != "full" else "full"
         if (k is not None and kind != "full") or _access(m, v.type, form) != want:

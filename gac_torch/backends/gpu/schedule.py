@@ -118,7 +118,7 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
 
     # (from here the host function holds every kernel body: verified once, at the end)
     with kernels_aside(module, block):  # (folded templates that do not meet the host: aside.py)
-        run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify_each=False)
+        run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify=False)
     ops = block_ops(block)
     serial: list[ir.Operation] = []
     for i, op in enumerate(ops):
@@ -146,11 +146,11 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     if combining:  # per-call input preparation (weight casts, relayouts): one launch a level
         combine.combine_prep_kernels(fn, counter)
     sink_globals(fn)
-    run_passes(module, "gpu-launch-sink-index-computations", verify_each=False)
+    run_passes(module, "gpu-launch-sink-index-computations", verify=False)
     dynamic_memrefs_as_metadata(fn)
     # per function: the kernels fold in parallel (a module-level canonicalize is one thread)
     run_passes(module, "gpu-kernel-outlining, func.func(canonicalize, cse), "
-                       "gpu.module(gpu.func(canonicalize, cse))", verify_each=False)
+                       "gpu.module(gpu.func(canonicalize, cse))", verify=False)
     module.operation.verify()  # (kernels outlined: in parallel, one per function)
     tuning.rename(number_kernels(module, fn))
 
