@@ -259,7 +259,7 @@ def test_norm_parity_on_a_non_contiguous_input() -> None:
     assert ((compiled(x).double() - ref).norm() / ref.norm()).item() <= 1e-5
 
 
-# streaming cache hints (GAC_ROWS_STREAM; default: tensors of 64 MiB and up): full-row vectors
+# streaming cache hints (GAC_ROWS_STREAM, opt-in; `auto`: tensors of 64 MiB and up): full-row vectors
 # read `ld.global.nc.L1::no_allocate`, written `st.global.cs`, through inline PTX
 STREAM_CASES = [("layernorm", (9, 1000), torch.float32), ("rmsnorm", (33, 96), torch.bfloat16),
                 ("softmax", (2, 4098), torch.float32), ("computed_layernorm", (3, 2, 2050), torch.float16),
@@ -293,7 +293,7 @@ def test_stream_hints_assemble(name: str, shape: tuple[int, ...], dt: torch.dtyp
 @pytest.mark.parametrize("shape,dt", [((7, 1000), torch.float32), ((3, 5, 333), torch.float16),
                                       ((130, 40002), torch.float32)], ids=str)  # (the last: streamed)
 def test_softmax_divides_once_a_row(shape, dt, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GAC_ROWS_RCP (default on): softmax's x / sum as x * (1 / sum), one correctly rounded
+    """GAC_ROWS_RCP (opt-in): softmax's x / sum as x * (1 / sum), one correctly rounded
     reciprocal a thread and row (a chunk, streamed), not a division sequence an element."""
     ptx = {}
     for mode in ("1", "0"):
@@ -306,7 +306,8 @@ def test_softmax_divides_once_a_row(shape, dt, monkeypatch: pytest.MonkeyPatch) 
     assert ptx["0"].count("div.rn.f32") >= 2 and "rcp.rn.f32" not in ptx["0"]
 
 
-def test_stream_hints_only_past_the_threshold() -> None:  # (64 MiB: here 256 KiB, plain accesses)
+def test_stream_hints_only_past_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:  # (64 MiB: here 256 KiB)
+    monkeypatch.setenv("GAC_ROWS_STREAM", "auto")
     small = gac_torch.compile(Fn(NORMS["softmax"][0]), (torch.randn(64, 1024),), target="cuda",
                               options={"arch": "sm_90", "fallback": False, "cache": False})
     assert "ld.global.nc.v4" in small.ir("ptx") and "st.global.cs" not in small.ir("ptx")

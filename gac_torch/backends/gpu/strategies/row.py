@@ -35,10 +35,11 @@ class RowParams:
     vector_bytes: int = 16
     # cuda: rows of tensors this large (each full input or output, bytes) stream past the
     # caches: inputs `ld.global.nc.L1::no_allocate`, outputs `st.global.cs` (evict first);
-    # None: plain accesses (vortex; GAC_ROWS_STREAM=0)
+    # None: plain accesses (vortex). Opt-in (GAC_ROWS_STREAM=auto|all): no gain measured on the H200
     stream_min_bytes: int | None = None
     # cuda: x / r with r a row value (softmax's sum) as x * (1 / r), one division a row and
-    # thread (GAC_ROWS_RCP=0: a correctly rounded division per element, a branchy sequence each)
+    # thread. Opt-in (GAC_ROWS_RCP=1): no gain measured on the H200 (default: a correctly rounded
+    # division per element, as eager)
     row_reciprocal: bool = False
 
 
@@ -88,7 +89,7 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
                       limits.max_threads_per_block, params.min_block_group, params.pref_elems)
         if p is None or p.grid > limits.max_grid[0] or (p.trips > 1 and g.R < params.stream_min_rows):
             return None
-        rcp = params.row_reciprocal and os.environ.get("GAC_ROWS_RCP", "1") != "0"
+        rcp = params.row_reciprocal and os.environ.get("GAC_ROWS_RCP", "0") == "1"
         return _Match(g, p, combs, _streams(g, params), rcp)
 
     def emit(m: _Match, name: str, limits: GpuLimits) -> bool:
@@ -101,7 +102,7 @@ def strategy(params: RowParams = RowParams()) -> Strategy:
 def _streams(g: RowGroup, params: RowParams) -> bool:
     """Cache hints on: the switch is on and some full input or output is that large (at least
     the L2: what a later kernel could have found there is mostly gone anyway)."""
-    mode = os.environ.get("GAC_ROWS_STREAM", "auto")  # 0: off; all: every size (tests)
+    mode = os.environ.get("GAC_ROWS_STREAM", "0")  # 0: off; auto: past stream_min_bytes; all: every size
     if params.stream_min_bytes is None or mode == "0":
         return False
     if mode == "all":
