@@ -12,8 +12,8 @@ is per call and exact.
 
 GAC_SGEMM_RELAYOUT=0 keeps every operand as it is (bisects, the behaviour before); =all copies
 every eligible operand whatever its size (tests); default (and any other value): where `pays`.
-(=1 is left to the graph-level opt-in of branch mlp2, backends/gpu/relayout.py, should both be
-merged: its copies come first, and an operand it made K-outer is not copied again here.)
+(=graph is backends/gpu/relayout.py's graph-level opt-in instead: `loops` copies, measured slower;
+an operand it made K-outer is not copied again here.)
 """
 
 from __future__ import annotations
