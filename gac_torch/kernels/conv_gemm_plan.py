@@ -116,7 +116,6 @@ def _staging(spec: Spec, op: Operand, outer: tuple[int, ...], tile_o: int, bk: i
 LDMATRIX = os.environ.get("GAC_IGEMM_LDMATRIX") != "0"  # f16/bf16 fragments by ldmatrix, else lds
 CP_ASYNC = os.environ.get("GAC_IGEMM_CP_ASYNC") != "0"  # stage >= 4-byte vectors by cp.async
 SPLIT_K = os.environ.get("GAC_SGEMM_SPLIT_K") != "0"  # simt: split long K over small grids
-STREAM_K = os.environ.get("GAC_SGEMM_STREAMK") != "0"  # simt: stream-K over the last partial wave
 EARLY_LOADS = os.environ.get("GAC_SGEMM_EARLY") != "0"  # simt: register loads before the slice's barrier
 
 
@@ -246,7 +245,8 @@ def streamk(p: Plan, spec: Spec, slots: int | None = None, force: bool = False) 
     nk = -(-spec.K // p.bk)
     waves = tiles / slots
     tail = tiles % slots
-    if not force and (not STREAM_K or waves < 2 or not tail or -(-tiles // slots) / waves - 1 < 0.02 or nk < 64
+    on = os.environ.get("GAC_SGEMM_STREAMK") != "0"  # (read when planning: gemm_variants sets it per variant)
+    if not force and (not on or waves < 2 or not tail or -(-tiles // slots) / waves - 1 < 0.02 or nk < 64
             or tail * nk < 8 * slots) or not tail:
         return p
     return dataclasses.replace(p, grid=(slots + tiles - tail, 1, 1), sk_workers=slots, sk_tiles=tail)
