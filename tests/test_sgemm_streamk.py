@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from test_sgemm import M_, N_, _FNS, _check_gpu, _compile_cuda, _operand, gemm_spec
+from test_sgemm import _FNS, _check_gpu, _compile_cuda, bias_tanh_spec, gemm_spec
 
 from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
-from gac_torch.kernels import conv_gemm as cg
 from gac_torch.kernels import conv_gemm_plan as cgp
 from gac_torch.kernels import conv_gemm_streamk as sk
 from gac_torch.kernels import conv_gemm_twin as twin
@@ -87,16 +86,8 @@ def test_twin_matches_float64_and_any_last_block(layout: str, m: int, n: int, k:
 @pytest.mark.unit
 def test_split_tiles_run_the_epilogue_once_on_the_whole_sum() -> None:
     # x @ W^T + b, tanh'd, the pre-activation a tap: a wrong partial would show after tanh
-    from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
-
     m, n, k = 130, 70, 80
-    spec, shapes, strides = gemm_spec("nt", m, n, k)
-    ranges = (m, n, k)
-    bias, z = _operand((N_,), ranges)[0], _operand((M_, N_), ranges)[0]
-    ops = (EOp("arith.addf", (("arg", 0), ("arg", 1)), "", ("f32", "f32"), "f32"),
-           EOp("math.tanh", (("op", 0),), "", ("f32",), "f32"))
-    ep = Epilogue((None, (bias, None)), (z, None), ops, ("op", 1), taps=((("op", 0), (z, None)),))
-    spec = cg.Spec(**{**spec.__dict__, "epilogue": ep})
+    spec, shapes, strides = bias_tanh_spec(m, n, k)
     p = cgp.streamk(cgp.plan(spec, big=False), spec, slots=4, force=True)
     assert p.sk_tiles == 6 % 4 and p.sk_workers == 4
     rng = np.random.default_rng(3)
