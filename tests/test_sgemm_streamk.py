@@ -72,7 +72,8 @@ def _run(layout: str, m: int, n: int, k: int, slots: int, fill: bool, big: bool 
     ("nt", 130, 100, 80, 4, True),  # ragged, 6 tiles: 2 stream-K tiles in 2 pieces each
     ("tn", 70, 130, 96, 5, False),  # C as the init (the first piece only), one tile in 5 pieces
     ("nn", 128, 192, 96, 4, True),  # whole tiles and slices: the lean kernel (clamped prefetch)
-    ("tt", 37, 200, 48, 3, False)])  # 4 tiles, 1 stream-K tile in 3 pieces
+    ("tt", 37, 200, 48, 3, False),  # 4 tiles, 1 stream-K tile in 3 pieces
+    ("nt", 100, 130, 90, 4, True)])  # K not whole slices: the segment's k offsets the slices
 def test_twin_matches_float64_and_any_last_block(layout: str, m: int, n: int, k: int, slots: int,
                                                  fill: bool) -> None:
     out, ref, p, spec = _run(layout, m, n, k, slots, fill)

@@ -125,6 +125,14 @@ def _tile(b: Any, spec: Spec, p: Plan, bx: Any, by: Any, bz: Any, seg: Any) -> N
         return _addr(b, op, bat, spec.batch, c(op.const))
 
     a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
+    # stream-K, one K dim, no K bound checks (`k_exact`): the segment's first k moves A's and
+    # B's bases instead, so that the slice loop is the plain kernel's (slices counted from 0)
+    if (seg is not None and len(spec.ks) == 1 and p.lean and spec.K % BK == 0
+            and not spec.a.guards and not spec.b.guards):
+        kd = spec.ks[0]
+        a_base = b.add(a_base, b.mul(kbeg, c(spec.a.coef[kd])))
+        b_base = b.add(b_base, b.mul(kbeg, c(spec.b.coef[kd])))
+        kbeg = None
 
     def step(which: str) -> int:
         """mma (simt: lean), T a multiple of a tile row's vectors: vector i of a thread is
