@@ -50,8 +50,8 @@ def test_schedule_covers_every_slice_once(tiles: int, nk: int, slots: int) -> No
 
 
 def _run(layout: str, m: int, n: int, k: int, slots: int, fill: bool, big: bool = False,
-         order: str = "grid"):
-    spec, shapes, strides = gemm_spec(layout, m, n, k, fill=fill)
+         order: str = "grid", batch: int = 0):
+    spec, shapes, strides = gemm_spec(layout, m, n, k, batch, fill=fill)
     p = cgp.streamk(cgp.plan(spec, big=big), spec, slots=slots, force=True)
     assert p.sk_workers == slots
     rng = np.random.default_rng(m + n + k)
@@ -62,8 +62,8 @@ def _run(layout: str, m: int, n: int, k: int, slots: int, fill: bool, big: bool 
     out = twin.emulate(spec, p, A, Bm, C0, tuple(strides), init=0.25, sk=ws,
                        order=blocks[::-1] if order == "reversed" else blocks).reshape(shapes[2])
     assert (ws["F"] == 0).all()  # every counter back at zero for the next call
-    a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).T
-    b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).T
+    a64 = A.astype(np.float64) if layout[0] == "n" else A.astype(np.float64).swapaxes(-1, -2)
+    b64 = Bm.astype(np.float64) if layout[1] == "n" else Bm.astype(np.float64).swapaxes(-1, -2)
     return out, a64 @ b64 + (0.25 if fill else C0.astype(np.float64)), p, spec
 
 
@@ -82,6 +82,17 @@ def test_twin_matches_float64_and_any_last_block(layout: str, m: int, n: int, k:
     assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
     rev = _run(layout, m, n, k, slots, fill, order="reversed")[0]  # other blocks draw the last tickets
     assert np.array_equal(out, rev)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("layout,m,n,k,batch,big,slots", [
+    ("tn", 130, 260, 64, 0, True, 4),  # 128x128 tiles (64 accumulators a thread), 6 tiles
+    ("nt", 70, 60, 80, 3, False, 4)])  # batched: tiles over (batch, m, n), 6 tiles
+def test_wide_tiles_and_batches_match_float64(layout: str, m: int, n: int, k: int, batch: int, big: bool,
+                                               slots: int) -> None:
+    out, ref, p, spec = _run(layout, m, n, k, slots, True, big=big, batch=batch)
+    assert p.bm == (128 if big else 64) and p.sk_tiles == 6 % 4
+    assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.unit
