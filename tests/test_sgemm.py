@@ -324,13 +324,11 @@ def bias_tanh_spec(m: int, n: int, k: int):
     return cg.Spec(**{**spec.__dict__, "epilogue": ep}), shapes, strides
 
 
-def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
-    # x @ W^T + b is a graph output (the MLP's pre-activation, saved for the backward) that GELU
-    # then reads: both stages run in the GEMM's epilogue, which stores the tap and the final
-    # value (before: a loops kernel re-read the 64 MB pre-activation); twin on a ragged GEMM
-    m, n, k = 130, 70, 40
+def check_bias_tanh(m: int, n: int, k: int, plan_of) -> None:
+    """The twin of `bias_tanh_spec` on the plan `plan_of(spec)` against float64: the tap and
+    the tanh'd value."""
     spec, shapes, strides = bias_tanh_spec(m, n, k)
-    p = cgp.plan(spec, big=True)
+    p = plan_of(spec)
     rng = np.random.default_rng(3)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     b = rng.standard_normal(n).astype(np.float32)
@@ -340,6 +338,13 @@ def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
     ref = A.astype(np.float64) @ Bm.astype(np.float64).T + b
     assert np.abs(tap - ref).max() < 1e-5 * np.abs(ref).max()
     assert np.abs(got - np.tanh(ref)).max() < 1e-5
+
+
+def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
+    # x @ W^T + b is a graph output (the MLP's pre-activation, saved for the backward) that GELU
+    # then reads: both stages run in the GEMM's epilogue, which stores the tap and the final
+    # value (before: a loops kernel re-read the 64 MB pre-activation); twin on a ragged GEMM
+    check_bias_tanh(130, 70, 40, lambda spec: cgp.plan(spec, big=True))
 
     def f(x, w, b):
         y = x @ w.t() + b

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_sgemm import _FNS, _check_gpu, _compile_cuda, bias_tanh_spec, gemm_spec
+from test_sgemm import _FNS, _check_gpu, _compile_cuda, check_bias_tanh, gemm_spec
 
 from gac_torch.backends.cuda.ptxas import assemble, find_ptxas
 from gac_torch.kernels import conv_gemm_plan as cgp
@@ -98,19 +98,12 @@ def test_wide_tiles_and_batches_match_float64(layout: str, m: int, n: int, k: in
 @pytest.mark.unit
 def test_split_tiles_run_the_epilogue_once_on_the_whole_sum() -> None:
     # x @ W^T + b, tanh'd, the pre-activation a tap: a wrong partial would show after tanh
-    m, n, k = 130, 70, 80
-    spec, shapes, strides = bias_tanh_spec(m, n, k)
-    p = cgp.streamk(cgp.plan(spec, big=False), spec, slots=4, force=True)
-    assert p.sk_tiles == 6 % 4 and p.sk_workers == 4
-    rng = np.random.default_rng(3)
-    A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
-    b = rng.standard_normal(n).astype(np.float32)
-    tap, out = np.full((m, n), np.nan, np.float32), np.full((m, n), np.nan, np.float32)
-    got = twin.emulate(spec, p, A, Bm, np.zeros((m, n), np.float32), tuple(strides), epi=(None, (b, (1,))),
-                       out=(out, strides[2]), taps=((tap, strides[2]),)).reshape(m, n)
-    ref = A.astype(np.float64) @ Bm.astype(np.float64).T + b
-    assert np.abs(tap - ref).max() < 1e-5 * np.abs(ref).max()
-    assert np.abs(got - np.tanh(ref)).max() < 1e-5
+    def plan_of(spec):
+        p = cgp.streamk(cgp.plan(spec, big=False), spec, slots=4, force=True)
+        assert p.sk_tiles == 6 % 4 and p.sk_workers == 4  # (130 x 70: 6 tiles)
+        return p
+
+    check_bias_tanh(130, 70, 80, plan_of)
 
 
 def test_mlp_gemm_compiles_to_stream_k_without_spills() -> None:
