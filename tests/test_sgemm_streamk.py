@@ -28,8 +28,9 @@ def test_plan_takes_stream_k_where_the_last_wave_is_partial(monkeypatch: pytest.
     p = cgp.plan(spec)
     assert p is not None and (p.sk_workers, p.sk_tiles, p.grid) == (264, 232, (264 + 792, 1, 1))
     assert max(len(s) for s in sk.schedule(spec, p)) == 2  # (225 of a tile's 256 slices each)
-    # under a wave (2048^3: 256 tiles), short K, or whole waves: the plain grid
-    for m, n, k in ((2048, 2048, 2048), (4096, 4096, 512), (4096, 8448, 1024)):
+    # under a wave (2048^3: 256 tiles), short K, whole waves, K not whole slices: the plain grid
+    for m, n, k in ((2048, 2048, 2048), (4096, 4096, 512), (4096, 8448, 1024), (4096, 4096, 4100),
+                    (3000, 3000, 1040)):  # (ragged tiles: bound checks would spill)
         q = cgp.plan(gemm_spec("tn", m, n, k)[0])
         assert q is not None and not q.sk_workers and len(q.grid) == 3 and q.grid[0] > 1, (m, n, k)
     monkeypatch.setenv("GAC_SGEMM_STREAMK", "0")
@@ -127,7 +128,7 @@ def test_mlp_gemm_compiles_to_stream_k_without_spills() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout,m,n,k", [
-    ("nt", 3000, 3000, 1040),  # ragged: 576 tiles (2.18 waves), 48 stream-K tiles, unchecked loads
+    ("nt", 3072, 3072, 1040),  # 576 tiles (2.18 waves), 48 stream-K tiles
     ("tn", 4096, 4096, 1024),  # whole tiles (lean): 232 stream-K tiles in 2 pieces
     ("nn", 2944, 3328, 2048)])  # 23 x 26 = 598 tiles
 def test_stream_k_gemm_matches_float64_on_gpu(layout: str, m: int, n: int, k: int) -> None:

@@ -56,7 +56,7 @@ from typing import Any
 
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
-from gac_torch.kernels.conv_gemm_plan import EARLY_LOADS, LDMATRIX, Plan
+from gac_torch.kernels.conv_gemm_plan import EARLY_LOADS, LDMATRIX, Plan, _whole_slices
 from gac_torch.kernels.conv_gemm_spec import Operand as Operand
 from gac_torch.kernels.conv_gemm_spec import Spec as Spec
 from gac_torch.kernels.conv_gemm_spec import operand as operand
@@ -127,8 +127,7 @@ def _tile(b: Any, spec: Spec, p: Plan, bx: Any, by: Any, bz: Any, seg: Any) -> N
     a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
     # stream-K, one K dim, no K bound checks (`k_exact`): the segment's first k moves A's and
     # B's bases instead, so that the slice loop is the plain kernel's (slices counted from 0)
-    if (seg is not None and len(spec.ks) == 1 and p.lean and spec.K % BK == 0
-            and not spec.a.guards and not spec.b.guards):
+    if seg is not None and _whole_slices(p, spec):
         kd = spec.ks[0]
         a_base = b.add(a_base, b.mul(kbeg, c(spec.a.coef[kd])))
         b_base = b.add(b_base, b.mul(kbeg, c(spec.b.coef[kd])))

@@ -238,8 +238,11 @@ def streamk(p: Plan, spec: Spec, slots: int | None = None, force: bool = False) 
     of BK: the fix-up of a split tile, ~2 x 64 KB through L2, is small next to its FMAs), and
     each worker gets >= 8 slices. Then the T % slots tiles of the last wave are shared by
     `slots` workers (equal contiguous ranges of their (tile, slice) space; blocks 0 ..
-    slots-1), every other tile is one block of its own. `force` (tests): whenever there is a
-    partial wave."""
+    slots-1), every other tile is one block of its own. Only over whole tiles and whole K slices
+    of one K dim (`_whole_slices`: the slice loop is then the plain kernel's, and no bound check
+    holds registers; sm_90 ptxas: 128 registers, no spills, where a ragged M / N spilled 60 bytes
+    at 3000 x 3000 x 1040 and a ragged K 32 at 3000 x 3000 x 1030; the plain kernel: none).
+    `force` (tests): whenever there is a partial wave."""
     slots = slots or mma.SM_COUNT_HINT * sgemm_blocks_per_sm()
     tiles = math.prod(p.grid)
     nk = -(-spec.K // p.bk)
@@ -247,9 +250,15 @@ def streamk(p: Plan, spec: Spec, slots: int | None = None, force: bool = False) 
     tail = tiles % slots
     on = os.environ.get("GAC_SGEMM_STREAMK") != "0"  # (read when planning: gemm_variants sets it per variant)
     if not force and (not on or waves < 2 or not tail or -(-tiles // slots) / waves - 1 < 0.02 or nk < 64
-            or tail * nk < 8 * slots) or not tail:
+            or tail * nk < 8 * slots or not _whole_slices(p, spec) or spec.M % p.bm or spec.N % p.bn) or not tail:
         return p
     return dataclasses.replace(p, grid=(slots + tiles - tail, 1, 1), sk_workers=slots, sk_tiles=tail)
+
+
+def _whole_slices(p: Plan, spec: Spec) -> bool:
+    """One K dim of whole BK slices, no padding guards, the lean kernel: a stream-K segment's
+    first k then moves the operands' bases (conv_gemm._tile)."""
+    return len(spec.ks) == 1 and spec.K % p.bk == 0 and p.lean and not spec.a.guards and not spec.b.guards
 
 
 def smem_bytes(p: Plan, spec: Spec) -> int:
