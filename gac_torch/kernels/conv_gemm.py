@@ -40,7 +40,11 @@ never materialised.
   5. store      each accumulator to C at its coordinates, rounded to C's type, inside only; or,
                 with an epilogue (gemm_epilogue.py), through the elementwise consumer to its output
 
-The tiling (`plan`: tiles, each operand's staging, buffers, split-K) is conv_gemm_plan.py.
+Stream-K (exact f32, `Plan.sk_workers`): a 1-d grid whose blocks run segments -- slices [k0, k0 +
+nk) of a tile -- in a loop, each steps 1-5 above, the partial sums fixed up before step 5
+(conv_gemm_streamk.py).
+
+The tiling (`plan`: tiles, each operand's staging, buffers, split-K, stream-K) is conv_gemm_plan.py.
 Buffers past the static 48 KB are dynamic shared memory (`Plan.dynamic`; the runtime opts in).
 Written once (`kernel`) against cuda_mma's two builders, extended: `_Text` in conv_gemm_text.py
 (MLIR, a `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch for

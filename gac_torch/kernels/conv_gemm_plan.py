@@ -1,8 +1,8 @@
 """The tiling of the implicit-GEMM kernel (conv_gemm.py): a Spec's Plan -- tile sizes and warp
 layout (mma.sync) or register tiles (exact-f32 SIMT), each operand's staging (vector width, the
 global run it walks, shared-memory layout, cp.async or registers), the buffer count that fits
-in shared memory, and split-K for the SIMT kernel's long reductions -- plus the bisecting
-switches the plan and the kernel read.
+in shared memory, split-K for the SIMT kernel's long reductions and stream-K for its partial
+last waves (`streamk`) -- plus the bisecting switches the plan and the kernel read.
 """
 
 from __future__ import annotations
