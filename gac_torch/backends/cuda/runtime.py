@@ -402,7 +402,11 @@ class CudaExecutable:
     def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor]:
         """Launches over input pointers `ptrs` on `dev` (the current device) into pooled or
         fresh outputs, which it returns."""
-        lane = self._lane(dev, _raw_stream(dev))
+        handle = _raw_stream(dev)
+        lanes = getattr(self._ready, "lanes", None)  # (_lane's lookup, inlined: every call)
+        lane = lanes.get((dev, handle)) if lanes is not None else None
+        if lane is None:
+            lane = self._lane(dev, handle)
         got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
             if lane.pool is not None:
@@ -417,7 +421,9 @@ class CudaExecutable:
             ptrs += out_set.ptrs
         block = lane.block
         if block is not None:
-            block.fill(ptrs)
+            slots = block.slots  # (LaunchBlock.fill, inlined)
+            for j, i in block.ptrs:
+                slots[j] = ptrs[i]
             err = _driver.cuLaunchKernel(*block.args)[0]
             if err or SYNC_AFTER_LAUNCH:
                 _launched(err, self._static, 0, lane.stream)
