@@ -281,23 +281,25 @@ def _skip_pregraph_records() -> None:
     records around its graph call. With torch._dynamo.config.record_runtime_overhead on (torch's
     default), dynamo's pre-graph bytecode calls record_pregraph_bytecode_enter/_exit on every
     call, each behind torch._dynamo.disable (set_eval_frame twice), to mark a "Pregraph bytecode"
-    range in profiler traces: 4.2 us per call on the H200's host (session 10's breakdown: the
-    noop floor 22.3 us with them, 18.1 without), a tenth of a one-kernel call. The flag is read
-    when dynamo generates the frame's code, after the backend returns, so it is turned off here
-    and restored when the frame's compilation ends (dynamo's compile-end callback; without that
-    API nothing changes). gac's own graphs still mark their ranges under a profiler
+    range in profiler traces: 2.3-4.2 us per call on the H200's host (the noop floor with and
+    without them: 22.3 vs 18.1 us in session 10, 13.1-13.6 vs 10.8-11.2 in session 11), a
+    fifth to a tenth of a one-kernel call. The flag is read when dynamo generates the frame's
+    code, after the backend returns, so it is turned off here and restored when the frame's
+    compilation ends (dynamo's compile-end callbacks, which torch._dynamo.reset() clears: the
+    callback is registered again when missing; without that API, or outside a frame's
+    compilation, nothing changes). gac's own graphs still mark their ranges under a profiler
     (runtime/compiled.py). =1: torch's records kept."""
     if os.environ.get("GAC_DYNAMO_RECORDS", "0").strip() not in ("", "0"):
         return
     handler = getattr(torch._dynamo, "callback_handler", None)
     cfg = torch._dynamo.config
-    if handler is None or not hasattr(handler, "register_end_callback") or not getattr(
-            cfg, "record_runtime_overhead", False) or getattr(_records, "saved", None) is not None:
-        return
-    if not getattr(handler, "_gac_restores", False):  # (one callback for the process)
+    if handler is None or not hasattr(handler, "end_callbacks") or not getattr(
+            cfg, "record_runtime_overhead", False) or torch._guards.TracingContext.try_get() is None:
+        return  # (no API to restore it; or the flag is off; or no frame of dynamo's is compiling)
+    if _restore_records not in getattr(handler, "end_callbacks", ()):  # (one; reset() clears them)
         handler.register_end_callback(_restore_records)
-        handler._gac_restores = True
-    _records.saved = cfg.record_runtime_overhead
+    if getattr(_records, "saved", None) is None:
+        _records.saved = cfg.record_runtime_overhead
     cfg.record_runtime_overhead = False
 
 

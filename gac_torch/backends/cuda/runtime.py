@@ -411,8 +411,11 @@ class CudaExecutable:
         if got is None:
             if lane.pool is not None:
                 self.stats["pool_misses"] += 1
-            if lane.protos is not None:  # (empty_like: less argument parsing than torch.empty)
-                outs = [_empty_like(p, memory_format=_DENSE) for p in lane.protos]
+            protos = lane.protos
+            if protos is None and self._blocks:  # (made here: `call` never runs in a caller's capture)
+                protos = lane.protos = prototypes(self._out_specs, lane.device)
+            if protos is not None:  # (empty_like: less argument parsing than torch.empty)
+                outs = [_empty_like(p, memory_format=_DENSE) for p in protos]
             else:
                 outs = [torch.empty(shape, dtype=dtype, device=lane.device) for shape, dtype in self._out_specs]
             ptrs += [o.data_ptr() for o in outs]
@@ -457,9 +460,8 @@ class CudaExecutable:
         ws_ptr = 0
         if self._static is not None and self._static.program.plan.workspace_size:
             ws_ptr = self._workspace(state, handle, device, self._static.program.plan.workspace_size)
-        protos = prototypes(self._out_specs, device) if self._blocks and self._arg_specs is not None else None
         block = self._block(state, stream, ws_ptr) if self._one else None
-        lane = lanes[(dev, handle)] = _Lane(device, state, handle, stream, pool, ws_ptr, protos, block)
+        lane = lanes[(dev, handle)] = _Lane(device, state, handle, stream, pool, ws_ptr, None, block)
         return lane
 
     def _block(self, state: _Context, stream: Any, ws_ptr: int) -> LaunchBlock:
