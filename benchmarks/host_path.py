@@ -225,10 +225,10 @@ def breakdown(name, model, x, device: str, n: int, pool_bytes: int = runtime.POO
             rows.append(("        lane", lambda: exe._lane(dev, handle)))
             if lane.pool is not None:
                 rows.append(("        output pool acquire", lambda: lane.pool.acquire()))
-            elif lane.protos is not None:
-                rows.append(("        fresh outputs (empty_like of prototypes)", lambda: [
-                    runtime._empty_like(p, memory_format=runtime._DENSE) for p in lane.protos]))
             else:
+                if lane.protos is not None:
+                    rows.append(("        fresh outputs (empty_like of prototypes)", lambda: [
+                        runtime._empty_like(p, memory_format=runtime._DENSE) for p in lane.protos]))
                 rows.append(("        fresh outputs (torch.empty)", lambda: [
                     torch.empty(s, dtype=d, device=lane.device) for s, d in exe._out_specs]))
             got = lane.pool.acquire() if lane.pool is not None else None
@@ -240,6 +240,7 @@ def breakdown(name, model, x, device: str, n: int, pool_bytes: int = runtime.POO
                     block.fill(ptrs)
                     runtime._driver.cuLaunchKernel(*block.args)
                 rows.append(("        launch block fill + launch", fill_launch))
+                rows.append(("        cuLaunchKernel alone", lambda args=lane.block.args: runtime._driver.cuLaunchKernel(*args)))
             else:
                 rows.append(("        table lookup + launch", lambda: exe._issue(lane, exe._static, key, ptrs, False)))
             del got
