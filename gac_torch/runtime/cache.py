@@ -173,6 +173,8 @@ def versions() -> dict[str, str]:
 RUNTIME_ONLY = frozenset({"GAC_CACHE", "GAC_CACHE_DIR", "GAC_CACHE_SIZE_MB", "GAC_DUMP_DIR", "GAC_COMMIT",
                           "GAC_COMPILE_WORKERS", "GAC_CUDA_GRAPHS", "GAC_CUDA_SYNC", "GAC_STRICT_INTERNAL",
                           "GAC_VORTEX_SIMX_TIMEOUT",
+                          # (the same code either way: how a call launches it, how dynamo calls it)
+                          "GAC_LAUNCH_BLOCK", "GAC_DYNAMO_RECORDS",
                           # (the same code either way: how the "gpu" stage spends its time)
                           "GAC_GPU_STAGE_WORKERS", "GAC_GPU_KERNELS_ASIDE"})
 
