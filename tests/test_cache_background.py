@@ -1,0 +1,149 @@
+"""Cache stores behind the compile (runtime/cache.py store_later, GAC_CACHE_BACKGROUND): in
+order, a load of a queued key waits for it, a failing store is a warning that leaves the cache
+as it was and lets the next stores go on, the interpreter's exit waits for the queue, and a
+cold compile returns before its whole-program store is done."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import gac_torch
+from gac_torch.runtime import artifact, cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "ab" + "0" * 62
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("GAC_CACHE", "1")
+    monkeypatch.setenv("GAC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("GAC_CACHE_BACKGROUND", raising=False)
+    yield tmp_path / "cache" / "partitions"
+    cache.flush()
+
+
+def _entry(tag: str) -> cache.Entry:
+    return cache.Entry({"tag": tag}, {"b": tag.encode()}, {"s": tag})
+
+
+def _slow(tag: str, gate: threading.Event, seconds: float = 30):
+    def make():
+        assert gate.wait(seconds)
+        return _entry(tag)
+    return make
+
+
+@pytest.mark.unit
+def test_stores_run_in_order_and_a_load_waits_for_its_key(root):
+    gate = threading.Event()
+    cache.store_later(KEY, _slow("first", gate))
+    cache.store_later(KEY, _entry("second"))
+    assert not (root / KEY[:2] / f"{KEY}.gac").exists()  # still queued behind the gate
+    threading.Timer(0.3, gate.set).start()
+    t = time.perf_counter()
+    got = cache.load(KEY)  # waits for both queued stores of KEY
+    assert time.perf_counter() - t >= 0.2
+    assert got is not None and got.meta == {"tag": "second"} and got.stages["s"] == "second"
+
+
+@pytest.mark.unit
+def test_without_the_switch_the_caller_stores(root, monkeypatch):
+    monkeypatch.setenv("GAC_CACHE_BACKGROUND", "0")
+    cache.store_later(KEY, _entry("now"))
+    assert (root / KEY[:2] / f"{KEY}.gac").exists() and not cache._writer
+    with pytest.raises(RuntimeError, match="in the caller"):
+        cache.store_later(KEY, lambda: (_ for _ in ()).throw(RuntimeError("in the caller")))
+
+
+@pytest.mark.unit
+def test_a_failing_store_is_a_warning_and_the_next_ones_go_on(root, caplog):
+    other = "cd" + "1" * 62
+
+    def boom():
+        raise RuntimeError("cannot pack")
+    with caplog.at_level(logging.WARNING, logger="gac_torch"):
+        cache.store_later(KEY, boom)
+        cache.store_later(other, _entry("after"))
+        assert cache.flush(30)
+    assert "store behind the compile failed" in caplog.text and "cannot pack" in caplog.text
+    assert cache.load(KEY) is None and cache.load(other).meta == {"tag": "after"}
+
+
+@pytest.mark.unit
+def test_a_failed_write_leaves_the_old_entry(root, monkeypatch, caplog):
+    cache.store_later(KEY, _entry("old"))
+    assert cache.flush(30)
+
+    def fail(*a, **k):
+        raise OSError("disk full")
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="gac_torch"):
+        m.setattr(os, "replace", fail)
+        cache.store_later(KEY, _entry("new"))
+        assert cache.flush(30)
+    assert "cannot write" in caplog.text
+    assert cache.load(KEY).meta == {"tag": "old"}
+    assert [p.name for p in root.rglob("*") if p.is_file()] == [f"{KEY}.gac"]  # no temporary left
+
+
+@pytest.mark.unit
+def test_clear_and_flush_wait_for_the_queue(root):
+    gate = threading.Event()
+    cache.store_later(KEY, _slow("x", gate))
+    assert not cache.flush(0.2)  # still behind the gate
+    threading.Timer(0.2, gate.set).start()
+    assert cache.clear() == 1  # (waited: the entry landed, then went)
+
+
+@pytest.mark.unit
+def test_the_interpreter_exit_waits_for_queued_stores(tmp_path):
+    """The writer is no daemon: a script that queues a slow store and ends still writes it."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {ROOT!r})
+        os.environ["GAC_CACHE_DIR"] = {str(tmp_path)!r}
+        from gac_torch.runtime import cache
+        def make():
+            time.sleep(1.0)
+            return cache.Entry({{"tag": "late"}})
+        cache.store_later({KEY!r}, make)
+        print("queued", flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    data = (tmp_path / "partitions" / KEY[:2] / f"{KEY}.gac").read_bytes()
+    assert cache.unpack_entry(data, KEY).meta == {"tag": "late"}
+
+
+def test_cold_compile_returns_before_its_program_store(root, monkeypatch):
+    """gac_torch.compile returns while the whole program is still being packed (held here);
+    a load of its key in the same process then waits for that store and hits it."""
+    from test_cache import _model
+
+    gate, started, keys = threading.Event(), threading.Event(), []
+    to_bytes, remember = artifact.to_bytes, artifact.remember_program
+
+    def held(*a, **k):
+        started.set()
+        assert gate.wait(60)
+        return to_bytes(*a, **k)
+    monkeypatch.setattr(artifact, "to_bytes", held)
+    monkeypatch.setattr(artifact, "remember_program", lambda key, c: (keys.append(key), remember(key, c)))
+    model, x = _model()
+    with torch.no_grad():
+        ep = torch.export.export(model, (x,))
+        cold = gac_torch.compile(ep, target="cpu")
+        assert keys and started.wait(60) and not gate.is_set()  # returned; its store still held
+        threading.Timer(0.3, gate.set).start()
+        hit = artifact.cached_program(keys[0], None, ep)
+    assert hit is not None and gate.is_set()  # the load waited for the queued store
+    torch.testing.assert_close(cold(x), model(x), rtol=1e-5, atol=1e-5)
