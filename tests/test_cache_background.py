@@ -106,22 +106,26 @@ def test_clear_and_flush_wait_for_the_queue(root):
 
 @pytest.mark.unit
 def test_the_interpreter_exit_waits_for_queued_stores(tmp_path):
-    """The writer is no daemon: a script that queues a slow store and ends still writes it."""
+    """The writer is no daemon: a script that queues a slow store and ends still writes it,
+    its stage texts packed in a thread pool (as a compile's are) although the script has ended."""
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {ROOT!r})
         os.environ["GAC_CACHE_DIR"] = {str(tmp_path)!r}
         from gac_torch.runtime import cache
+        cache.STAGES_CHUNK = 64  # (several chunks: zlib'd by a ThreadPoolExecutor)
         def make():
             time.sleep(1.0)
-            return cache.Entry({{"tag": "late"}})
+            return cache.Entry({{"tag": "late"}}, {{}}, {{"s": "x" * 1000}})
         cache.store_later({KEY!r}, make)
         print("queued", flush=True)
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     data = (tmp_path / "partitions" / KEY[:2] / f"{KEY}.gac").read_bytes()
-    assert cache.unpack_entry(data, KEY).meta == {"tag": "late"}
+    entry = cache.unpack_entry(data, KEY)
+    assert entry.meta == {"tag": "late"} and entry.stages["s"] == "x" * 1000
+    assert "failed" not in p.stderr
 
 
 def test_cold_compile_returns_before_its_program_store(root, monkeypatch):

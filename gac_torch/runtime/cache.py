@@ -27,6 +27,7 @@ caches those only for Inductor); the MLIR compile is what is skipped.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (before _drain's registration: see there)
 import contextlib
 import contextvars
 import functools
@@ -422,7 +423,8 @@ def _remove(path: Path) -> None:
 # program, whose torch.export.save alone is ~1.5 s): a writer thread does them in order while
 # the compile returns. Each is still store(): atomic, safe with other processes; one that fails
 # is a warning and leaves the cache as it was. The thread is no daemon: the interpreter's exit
-# waits for it (a killed process loses the queue, never an entry's integrity).
+# waits for it (a killed process loses the queue, never an entry's integrity), and the queue is
+# drained before concurrent.futures refuses new work at exit (stores pack in thread pools).
 
 _cond = threading.Condition()
 _jobs: deque = deque()  # (key or None, function of the cache folder, folder, contextvars)
@@ -503,3 +505,16 @@ def flush(timeout: float | None = None) -> bool:
         if _writer and threading.current_thread() is _writer[0]:
             return not _jobs
         return _cond.wait_for(lambda: not _writer, timeout)
+
+
+def _drain() -> None:
+    flush()
+
+
+# threading runs these at exit before it joins the threads, the last registered first: this
+# one before concurrent.futures' (imported above), which makes every later ThreadPoolExecutor
+# raise "cannot schedule new futures after interpreter shutdown"
+try:
+    threading._register_atexit(_drain)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # (another Python; or at exit already)
+    pass
