@@ -59,6 +59,7 @@ def test_stores_run_in_order_and_a_load_waits_for_its_key(root):
 @pytest.mark.unit
 def test_without_the_switch_the_caller_stores(root, monkeypatch):
     monkeypatch.setenv("GAC_CACHE_BACKGROUND", "0")
+    assert "GAC_CACHE_BACKGROUND" not in cache.code_switches()  # (same entries either way)
     cache.store_later(KEY, _entry("now"))
     assert (root / KEY[:2] / f"{KEY}.gac").exists() and not cache._writer
     with pytest.raises(RuntimeError, match="in the caller"):

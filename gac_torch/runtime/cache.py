@@ -176,7 +176,8 @@ def versions() -> dict[str, str]:
 # GAC_* variables that do not decide generated code (where things go, how many workers, the
 # run-time launch path); every other GAC_* switch (GAC_WGMMA_*, GAC_SGEMM_*, GAC_CONV1X1_WGMMA, ...)
 # picks kernels, so it is part of the key: flipping one for an A/B run never reuses stale code.
-RUNTIME_ONLY = frozenset({"GAC_CACHE", "GAC_CACHE_DIR", "GAC_CACHE_SIZE_MB", "GAC_DUMP_DIR", "GAC_COMMIT",
+RUNTIME_ONLY = frozenset({"GAC_CACHE", "GAC_CACHE_DIR", "GAC_CACHE_SIZE_MB", "GAC_CACHE_BACKGROUND",
+                          "GAC_DUMP_DIR", "GAC_COMMIT",
                           "GAC_COMPILE_WORKERS", "GAC_CUDA_GRAPHS", "GAC_CUDA_SYNC", "GAC_STRICT_INTERNAL",
                           "GAC_VORTEX_SIMX_TIMEOUT",
                           # (the same code either way: how the "gpu" stage spends its time)
@@ -473,13 +474,19 @@ def _enqueue(key: str | None, job: Callable[[Path], None]) -> None:
 
 
 def _write_queued() -> None:
+    import time
+
+    start, n = time.perf_counter(), 0
     while True:
         with _cond:
             if not _jobs:
                 _writer.clear()
                 _cond.notify_all()
+                log.debug("gac cache: %d stores behind the compile written in %.2f s", n,
+                          time.perf_counter() - start)
                 return
             key, job, root, ctx = _jobs.popleft()
+            n += 1
         try:
             ctx.run(job, root)
         except Exception as e:  # noqa: BLE001  (a store is an optimization: the next ones go on)
