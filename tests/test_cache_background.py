@@ -147,6 +147,9 @@ def test_cold_compile_returns_before_its_program_store(root, monkeypatch):
     with torch.no_grad():
         ep = torch.export.export(model, (x,))
         cold = gac_torch.compile(ep, target="cpu")
+        if any(cg.saved[1] is None for cg in cold.compiled.partitions.values()):
+            gate.set()
+            pytest.skip("cpu partitions not kept as native code here (no linker): no program entry")
         assert keys and started.wait(60) and not gate.is_set()  # returned; its store still held
         threading.Timer(0.3, gate.set).start()
         hit = artifact.cached_program(keys[0], None, ep)

@@ -482,7 +482,7 @@ def _write_queued() -> None:
             if not _jobs:
                 _writer.clear()
                 _cond.notify_all()
-                log.debug("gac cache: %d stores behind the compile written in %.2f s", n,
+                log.debug("gac: %d entries written behind the compile in %.2f s (GAC_CACHE_BACKGROUND)", n,
                           time.perf_counter() - start)
                 return
             key, job, root, ctx = _jobs.popleft()
@@ -490,7 +490,8 @@ def _write_queued() -> None:
         try:
             ctx.run(job, root)
         except Exception as e:  # noqa: BLE001  (a store is an optimization: the next ones go on)
-            log.warning("gac cache: a store behind the compile failed (%s): %s", key and key[:16], e)
+            log.warning("gac: a store behind the compile failed (GAC_CACHE_BACKGROUND; %s): %s",
+                        key and key[:16], e)
         finally:
             with _cond:
                 if key is not None:
