@@ -60,8 +60,9 @@ def test_stores_run_in_order_and_a_load_waits_for_its_key(root):
 def test_without_the_switch_the_caller_stores(root, monkeypatch):
     monkeypatch.setenv("GAC_CACHE_BACKGROUND", "0")
     assert "GAC_CACHE_BACKGROUND" not in cache.code_switches()  # (same entries either way)
-    cache.store_later(KEY, _entry("now"))
-    assert (root / KEY[:2] / f"{KEY}.gac").exists() and not cache._writer
+    threads = []
+    cache.store_later(KEY, lambda: (threads.append(threading.current_thread()), _entry("now"))[1])
+    assert threads == [threading.current_thread()] and (root / KEY[:2] / f"{KEY}.gac").exists()
     with pytest.raises(RuntimeError, match="in the caller"):
         cache.store_later(KEY, lambda: (_ for _ in ()).throw(RuntimeError("in the caller")))
 

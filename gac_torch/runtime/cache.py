@@ -428,9 +428,12 @@ def _remove(path: Path) -> None:
 # drained before concurrent.futures refuses new work at exit (stores pack in thread pools).
 
 _cond = threading.Condition()
-_jobs: deque = deque()  # (key or None, function of the cache folder, folder, contextvars)
+_jobs: deque = deque()  # (key or None, function of the cache folder, folder, contextvars); the
+# running one first until it is done
 _writer: list[threading.Thread] = []  # the writer while it runs (it ends when the queue is empty)
 _pending: dict[str, int] = {}  # key -> its stores queued or running
+_closing = False  # (the interpreter is exiting: the writer does not linger)
+LINGER = 0.5  # s the writer waits for another job before it ends
 
 
 def background() -> bool:
@@ -471,29 +474,39 @@ def _enqueue(key: str | None, job: Callable[[Path], None]) -> None:
             t = threading.Thread(target=_write_queued, name="gac-cache-writer", daemon=False)
             _writer.append(t)
             t.start()
+        _cond.notify_all()
 
 
 def _write_queued() -> None:
+    """The writer: the queue's jobs in order; it waits LINGER s for more before it ends (the
+    kernels' entries arrive one by one while the pool compiles), and says at DEBUG how many
+    entries it wrote in how many seconds of its own work."""
     import time
 
-    start, n = time.perf_counter(), 0
+    n, busy = 0, 0.0
     while True:
         with _cond:
+            if not _jobs and not _closing:
+                _cond.wait(LINGER)
             if not _jobs:
                 _writer.clear()
                 _cond.notify_all()
-                log.debug("gac: %d entries written behind the compile in %.2f s (GAC_CACHE_BACKGROUND)", n,
-                          time.perf_counter() - start)
+                if n:
+                    log.debug("gac: %d entries written behind the compile in %.2f s (GAC_CACHE_BACKGROUND)",
+                              n, busy)
                 return
-            key, job, root, ctx = _jobs.popleft()
-            n += 1
+            key, job, root, ctx = _jobs[0]
+        t = time.perf_counter()
         try:
             ctx.run(job, root)
         except Exception as e:  # noqa: BLE001  (a store is an optimization: the next ones go on)
             log.warning("gac: a store behind the compile failed (GAC_CACHE_BACKGROUND; %s): %s",
                         key and key[:16], e)
         finally:
+            busy += time.perf_counter() - t
+            n += 1
             with _cond:
+                _jobs.popleft()  # (done: flush() waits for an empty queue)
                 if key is not None:
                     _pending[key] -= 1
                     if not _pending[key]:
@@ -512,10 +525,12 @@ def flush(timeout: float | None = None) -> bool:
     with _cond:
         if _writer and threading.current_thread() is _writer[0]:
             return not _jobs
-        return _cond.wait_for(lambda: not _writer, timeout)
+        return _cond.wait_for(lambda: not _jobs, timeout)
 
 
 def _drain() -> None:
+    global _closing
+    _closing = True  # (the writer ends as soon as the queue is empty)
     flush()
 
 
