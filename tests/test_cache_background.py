@@ -130,6 +130,40 @@ def test_the_interpreter_exit_waits_for_queued_stores(tmp_path):
     assert "failed" not in p.stderr
 
 
+@pytest.mark.unit
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_has_its_own_writer(root):
+    """A child forked while the parent's writer holds the queue's lock (and has a store queued)
+    stores and flushes on its own instead of waiting forever on the parent's lock."""
+    gate, held = threading.Event(), threading.Event()
+    cache.store_later(KEY, _slow("parent", gate))
+
+    def hold():
+        with cache._cond:
+            held.set()
+            gate.wait(30)
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: a store of its own, then exit with whether it landed
+        try:
+            cache.store_later("ef" + "2" * 62, _entry("child"))
+            ok = cache.flush(20) and cache.load("ef" + "2" * 62).meta == {"tag": "child"}
+        except BaseException:  # noqa: BLE001
+            ok = False
+        os._exit(0 if ok else 1)
+    gate.set()
+    deadline = time.monotonic() + 60
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if status[0] == 0:  # (stuck on the parent's lock)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's store did not finish")
+    assert os.WIFEXITED(status[1]) and os.WEXITSTATUS(status[1]) == 0
+    assert cache.load(KEY).meta == {"tag": "parent"}
+
+
 def test_cold_compile_returns_before_its_program_store(root, monkeypatch):
     """gac_torch.compile returns while the whole program is still being packed (held here);
     a load of its key in the same process then waits for that store and hits it."""

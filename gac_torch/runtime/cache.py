@@ -528,6 +528,20 @@ def flush(timeout: float | None = None) -> bool:
         return _cond.wait_for(lambda: not _jobs, timeout)
 
 
+def _after_fork() -> None:
+    """A forked child starts with no writer and an empty queue (the parent's are the parent's;
+    its lock may have been held by the parent's writer at the fork)."""
+    global _cond, _closing
+    _cond, _closing = threading.Condition(), False
+    _jobs.clear()
+    _writer.clear()
+    _pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def _drain() -> None:
     global _closing
     _closing = True  # (the writer ends as soon as the queue is empty)
