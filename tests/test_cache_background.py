@@ -57,6 +57,27 @@ def test_stores_run_in_order_and_a_load_waits_for_its_key(root):
 
 
 @pytest.mark.unit
+def test_a_load_under_the_trace_lock_does_not_wait(root):
+    """The writer's program store takes gac's trace lock (artifact.to_bytes): a load made while
+    holding it must not wait for that store (a deadlock); it is a miss instead."""
+    from gac_torch.frontends.torch_state import TRACE_LOCK
+
+    def needs_lock():  # (bounded: gives up on the lock after 10 s, so a regression fails, not hangs)
+        if TRACE_LOCK.acquire(timeout=10):
+            TRACE_LOCK.release()
+            return _entry("locked")
+        return _entry("gave up")
+    got = []
+    with TRACE_LOCK:
+        cache.store_later(KEY, needs_lock)
+        t = threading.Thread(target=lambda: got.append(cache.load(KEY)), daemon=True)
+        t.start()  # (another thread: waits, as it does not hold the lock)
+        got.append(("here", cache.load(KEY)))  # would hang here without the rule
+    t.join(30)
+    assert got[0] == ("here", None) and got[1].meta == {"tag": "locked"}
+
+
+@pytest.mark.unit
 def test_without_the_switch_the_caller_stores(root, monkeypatch):
     monkeypatch.setenv("GAC_CACHE_BACKGROUND", "0")
     assert "GAC_CACHE_BACKGROUND" not in cache.code_switches()  # (same entries either way)

@@ -515,6 +515,11 @@ def _write_queued() -> None:
 
 
 def _wait_for(key: str) -> None:
+    from gac_torch.frontends.torch_state import TRACE_LOCK
+
+    # (not under gac's trace lock: the writer's program store takes it; the load is then a miss)
+    if getattr(TRACE_LOCK, "_is_owned", lambda: False)():
+        return
     with _cond:
         if _writer and threading.current_thread() is not _writer[0]:
             _cond.wait_for(lambda: key not in _pending)
