@@ -499,7 +499,8 @@ def _write_queued() -> None:
         t = time.perf_counter()
         try:
             ctx.run(job, root)
-        except Exception as e:  # noqa: BLE001  (a store is an optimization: the next ones go on)
+        except BaseException as e:  # noqa: BLE001  (a store is an optimization: the next ones go on;
+            # nothing may end this thread while it is the writer)
             log.warning("gac: a store behind the compile failed (GAC_CACHE_BACKGROUND; %s): %s",
                         key and key[:16], e)
         finally:
