@@ -176,7 +176,7 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
             artifact, stages, binaries = _run_stages(module, target, options)
             entry = _pack(target, artifact, stages, binaries, options) if key else None
             if entry is not None:
-                cache.store(key, entry)
+                cache.store_later(key, entry)  # (packed and written behind the compile)
                 executable = _unpack(target, entry, live, options)
             if executable is None:
                 executable = _load(target, artifact, live, options)
