@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--config", default="tiny", help="a BEVFormer preset")
     ap.add_argument("--target", default="cuda")
     ap.add_argument("--profile", help="write a cProfile of the front-end here")
+    ap.add_argument("--check", action="store_true",
+                    help="then torch's run_decompositions on the same program: its CPU s (second, so warmer) and "
+                         "whether the node-by-node graph is its graph node for node")
     args = ap.parse_args()
     fx_frontend.compile_partition = _stop
     _timed(export_frontend, "decompose_program")
@@ -102,6 +105,29 @@ def main() -> None:
         print(f"  {name:24s} {s:6.2f}")
     if profile:
         profile.dump_stats(args.profile)
+    if args.check:
+        _check(ep)
+
+
+def _check(ep) -> None:
+    from gac_torch.frontends import decompose
+    from gac_torch.frontends.torch_state import lazy_graph_modules, retrace_without_export_guards, tracing
+    from gac_torch.legalize import decompositions
+
+    with torch.no_grad(), tracing():
+        t = time.thread_time()
+        decomposer = decompose._Decomposer(ep, decompositions())
+        got = decomposer.program()
+        fast = time.thread_time() - t
+        with retrace_without_export_guards(), lazy_graph_modules():
+            t = time.thread_time()
+            want = ep.run_decompositions(decompositions())
+            slow = time.thread_time() - t
+    a, b = decompose.graph_rows(got.graph_module), decompose.graph_rows(want.graph_module)
+    same = a == b and str(got.graph_signature) == str(want.graph_signature)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    print(f"check: node-by-node {fast:.2f} CPU s ({decomposer.retraced} nodes traced anew), run_decompositions {slow:.2f} CPU s; {len(a)} vs {len(b)} nodes, "
+          f"{'the same graph' if same else f'DIFFERENT (first at node {first})'}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ that decompose, and each of those expands the same way wherever its inputs' meta
 So `decompose_program` decomposes only those nodes, through torch's own machinery (make_fx with
 the same table, CIA overrides and backend flags as run_decompositions; one node per distinct op
 and input metadata, all in one trace), re-normalizes the arguments of the nodes it keeps as the
-dispatcher would, and falls back to run_decompositions for anything else (symbolic sizes,
+dispatcher would, traces anew the nodes whose inputs' values differ from the exported ones (a
+decomposition whose value is not the exported meta's, e.g. torch 2.11's linalg_vector_norm over a
+negative dim of size 1, as gac's table rewrites it: every consumer's value changes, as in torch's
+re-trace), and falls back to run_decompositions for anything else (symbolic sizes,
 mutations, higher-order ops, a decomposition that traces a mutation). tests/test_decompose.py
 asserts that the two graphs are the same, node for node, on the models the tests compile.
 """
@@ -51,8 +54,8 @@ def decompose_program(ep: ExportedProgram, table: dict) -> ExportedProgram:
     try:
         decomposer = _Decomposer(ep, table)
         done = decomposer.program()
-        log.debug("gac: decomposed node by node in %.2f s (%d distinct decompositions)",
-                  time.perf_counter() - start, len(decomposer.traces))
+        log.debug("gac: decomposed node by node in %.2f s (%d distinct decompositions, %d nodes traced anew)",
+                  time.perf_counter() - start, len(decomposer.traces), decomposer.retraced)
         return done
     except _Unsupported as e:
         why = str(e)
@@ -244,6 +247,7 @@ class _Decomposer:
         self.cia_overrides, self.python_table, self.preserved = _split(table, preservable, preserve)
         self.fake_mode = None
         self.traces: dict[tuple, tuple] = {}  # key -> (placeholders, nodes, outputs) of its trace
+        self.retraced = 0  # nodes traced anew: their inputs' values differ from the exported ones
 
     def _placeholders(self) -> list[fx.Node]:
         return [n for n in self.ep.graph_module.graph.nodes if n.op == "placeholder"]
@@ -362,6 +366,7 @@ class _Decomposer:
         exported ones (e.g. torch 2.11's meta of linalg_vector_norm over a negative dim of size
         1 keeps the dim, gac's table rewrites the dim: each consumer's value is another shape):
         a kept op's value is recomputed, a decomposed op's expansion made for those values."""
+        self.retraced += 1
         key, inputs, values = self._key(node, lambda n: _value(env[n]))
         if key not in self.traces:
             self._trace({key: (node, inputs, values)})
