@@ -65,12 +65,17 @@ def _run_stages(module: ir.Module, target: Target, options: dict):
     stages: dict[str, str] = {}
     binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
     progress.step("stage linalg")
-    artifact: Any = lower_to_linalg(module)
-    annotate_kernels(module, artifact)
-    stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
-    stages["linalg"] = str(artifact)
+    with progress.timed("lower_to_linalg"):
+        artifact: Any = lower_to_linalg(module)
+    with progress.timed("annotate_kernels"):
+        annotate_kernels(module, artifact)
+    with progress.timed("gac and linalg texts"):
+        stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
+        stages["linalg"] = str(artifact)
     deferred = {}  # stage name -> an artifact the next stages leave as it is: printed at the end
-    for stage in target.stages(options):
+    with progress.timed("target stages (imports)"):
+        target_stages = target.stages(options)
+    for stage in target_stages:
         progress.step(f"stage {stage.name}")
         artifact = stage.run(artifact)
         if getattr(artifact, "defer_text", False):
@@ -157,20 +162,25 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         raise ValueError(f"target {target.name} compiles static shapes only (this partition has run-time sizes)")
 
     ctx = make_context()
-    module = split_concat_sum(fuse_attention(gac_dce(build_module(gm, ctx))))  # before verify: it checks the result
-    if options.get("channels_last") if options.get("channels_last") is not None else target.channels_last:
-        module = channels_last(module)  # (after fuse_attention, which matches NCHW patterns)
-    with ctx, ir.Location.unknown():
+    with progress.timed("build_module"):
+        module = build_module(gm, ctx)
+    with progress.timed("gac passes"):
+        module = split_concat_sum(fuse_attention(gac_dce(module)))  # before verify: it checks the result
+        if options.get("channels_last") if options.get("channels_last") is not None else target.channels_last:
+            module = channels_last(module)  # (after fuse_attention, which matches NCHW patterns)
+    with ctx, ir.Location.unknown(), progress.timed("verify"):
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):
             verify_gac(module)  # shapes and dtypes
+    with ctx, ir.Location.unknown():
         # statically empty outputs are made by the runtime, never by the program (runtime/compiled.py)
         live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
         if options.get("autotune") and target.tune is not None:
             _autotune(module, target, live, options)
-        key = (cache.cache_key(str(module), repr(signature), options, target.name, target.cache_key(options))
-               if target.pack and cache.enabled(options) else None)
-        entry = cache.load(key) if key else None
+        with progress.timed("key and lookup"):
+            key = (cache.cache_key(str(module), repr(signature), options, target.name, target.cache_key(options))
+                   if target.pack and cache.enabled(options) else None)
+            entry = cache.load(key) if key else None
         executable = _unpack(target, entry, live, options) if entry else None
         if executable is None:  # a miss (or an entry that would not load)
             artifact, stages, binaries = _run_stages(module, target, options)

@@ -76,8 +76,9 @@ def elem_of(v: ir.Value | ir.Type) -> ir.Type:
 
 
 def is_float(t: ir.Type) -> bool:
-    return isinstance(t, (ir.F32Type, ir.F16Type, ir.BF16Type, ir.F64Type)) or str(t) in (
-        "f32", "f16", "bf16", "f64")
+    if isinstance(t, (ir.F32Type, ir.F16Type, ir.BF16Type, ir.F64Type)):
+        return True
+    return not isinstance(t, (ir.IntegerType, ir.IndexType)) and str(t) in ("f32", "f16", "bf16", "f64")
 
 
 def is_bool(t: ir.Type) -> bool:
