@@ -29,6 +29,9 @@ from gac_torch.runtime.compiled import CompiledGraph
 log = logging.getLogger("gac_torch")
 
 
+_NO_TEXT = object()
+
+
 def stage_text(artifact: Any) -> str:
     if isinstance(artifact, ir.Module):
         return str(artifact)
@@ -36,7 +39,10 @@ def stage_text(artifact: Any) -> str:
         return artifact.decode(errors="replace")
     if isinstance(artifact, str):
         return artifact
-    return getattr(artifact, "text", repr(artifact))
+    # (repr only without a text: as getattr's default it was made every time, ~0.4 s per
+    # BEVFormer-tiny cuda compile for its three stages, the PTX program's repr above all)
+    text = getattr(artifact, "text", _NO_TEXT)
+    return repr(artifact) if text is _NO_TEXT else text
 
 
 class _Unavailable:
@@ -81,11 +87,13 @@ def _run_stages(module: ir.Module, target: Target, options: dict):
         if getattr(artifact, "defer_text", False):
             stages[stage.name], deferred[stage.name] = "", artifact  # (the stages' order kept)
         else:
-            stages[stage.name] = stage_text(artifact)
+            with progress.timed("stage text"):
+                stages[stage.name] = stage_text(artifact)
         if isinstance(getattr(artifact, "binary", None), bytes):
             binaries[stage.name] = artifact.binary
     for name, done in deferred.items():
-        stages[name] = stage_text(done)
+        with progress.timed(f"{name} stage text"):
+            stages[name] = stage_text(done)
     return artifact, stages, binaries
 
 

@@ -1,4 +1,5 @@
-"""The main-thread work before a target's stages: timed per piece at DEBUG (progress.timed), and
+"""The main-thread work around a target's stages: timed per piece at DEBUG (progress.timed), the
+stage texts (no repr of an artifact that has a text), and
 the lowering's per-module attribute reuse (core.lowered_attrs), which must never outlive its
 module's context nor change the linalg text."""
 
@@ -78,3 +79,19 @@ def test_iterator_types_parse_as_the_list_of_single_attributes() -> None:
         kinds = ("parallel", "reduction", "parallel")
         single = ir.ArrayAttr.get([ir.Attribute.parse(f"#linalg.iterator_type<{k}>") for k in kinds])
         assert core._iterator_types(kinds) == single
+
+
+def test_stage_text_prints_no_repr_of_an_artifact_with_a_text() -> None:
+    from gac_torch.driver import stage_text
+
+    class Stage:
+        text = "the stage"
+
+        def __repr__(self):  # a GPU program's repr holds all its PTX: never made for nothing
+            raise AssertionError("repr made although the artifact has a text")
+
+    class Plain:
+        def __repr__(self):
+            return "plain"
+
+    assert stage_text(Stage()) == "the stage" and stage_text(Plain()) == "plain"
