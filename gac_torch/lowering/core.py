@@ -153,7 +153,13 @@ def const(value: float | int | bool, e: ir.Type) -> ir.Value:
 
 def full(shape_: Sequence[int], value, e: ir.Type) -> ir.Value:
     """A tensor filled with one value (linalg.fill), the usual reduction init."""
-    return linalg.fill(const(value, e), outs=[empty(shape_, e)])
+    scalar = const(value, e)  # (made before the empty tensor, as before)
+    out = empty(shape_, e)
+    # linalg.FillOp with its builtin region: what the OpDSL `linalg.fill` builds (the value's type
+    # is the element type: no cast), without that builder's per-call op-definition work
+    op = linalg.FillOp([out.type], [scalar], [out])
+    linalg.fill_builtin_region(op.operation)
+    return op.result
 
 
 def lowest(e: ir.Type):
