@@ -95,3 +95,15 @@ def test_stage_text_prints_no_repr_of_an_artifact_with_a_text() -> None:
             return "plain"
 
     assert stage_text(Stage()) == "the stage" and stage_text(Plain()) == "plain"
+
+
+def test_type_predicates_agree_with_the_printed_types() -> None:
+    """is_bool / is_float decide most types without printing them: same answers as the text."""
+    from gac_torch.ir.types import is_bool, is_float
+
+    with make_context():
+        for text in ["i1", "si1", "ui1", "i8", "i64", "f16", "bf16", "f32", "f64", "f8E4M3FN",
+                     "index", "tensor<2xi1>", "complex<f32>"]:
+            t = ir.Type.parse(text)
+            assert is_bool(t) == (str(t) == "i1"), text
+            assert is_float(t) == (str(t) in ("f32", "f16", "bf16", "f64")), text

@@ -82,4 +82,6 @@ def is_float(t: ir.Type) -> bool:
 
 
 def is_bool(t: ir.Type) -> bool:
-    return str(t) == "i1"
+    if isinstance(t, ir.IntegerType):  # (the usual case: no printing)
+        return t.width == 1 and t.is_signless
+    return not isinstance(t, (ir.FloatType, ir.IndexType)) and str(t) == "i1"
