@@ -192,16 +192,12 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         executable = _unpack(target, entry, live, options) if entry else None
         if executable is None:  # a miss (or an entry that would not load)
             artifact, stages, binaries = _run_stages(module, target, options)
-            with progress.timed("pack"):
-                entry = _pack(target, artifact, stages, binaries, options) if key else None
+            entry = _pack(target, artifact, stages, binaries, options) if key else None
             if entry is not None:
-                with progress.timed("store entry"):
-                    cache.store(key, entry)
-                with progress.timed("load entry"):
-                    executable = _unpack(target, entry, live, options)
+                cache.store(key, entry)
+                executable = _unpack(target, entry, live, options)
             if executable is None:
-                with progress.timed("load"):
-                    executable = _load(target, artifact, live, options)
+                executable = _load(target, artifact, live, options)
         else:
             stages = entry.stages
             binaries = {k.removeprefix("stage:"): v for k, v in entry.blobs.items() if k.startswith("stage:")}
