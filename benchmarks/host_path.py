@@ -248,7 +248,7 @@ def breakdown(name, model, x, device: str, n: int, pool_bytes: int = runtime.POO
                     f"{' (the whole graph)' if whole is not None else ''}, "
                     f"{sum(len(getattr(getattr(p.executable, 'program', None), 'launches', ())) for p in parts)}"
                     f" launch(es), GAC_LAUNCH_BLOCK={os.environ.get('GAC_LAUNCH_BLOCK', '1')}"
-                    f" GAC_DYNAMO_RECORDS={os.environ.get('GAC_DYNAMO_RECORDS', '0')}")
+                    f" GAC_DYNAMO_RECORDS={os.environ.get('GAC_DYNAMO_RECORDS', '1')}")
     for label, f in rows:
         lines.append(f"  {label:<52} {_per_call_us(f, n, sync):7.2f} us")
     if parts:

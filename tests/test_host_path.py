@@ -483,9 +483,9 @@ def test_aot_wrapper_is_skipped_only_where_it_adds_nothing(case) -> None:
 
 @pytest.mark.parametrize("records", ["0", "1"])
 def test_gac_frames_skip_dynamos_pregraph_records(monkeypatch, records) -> None:
-    # GAC_DYNAMO_RECORDS=0 (default): a frame compiled for gac calls no pre-graph profiler
+    # GAC_DYNAMO_RECORDS=0 (opt-in): a frame compiled for gac calls no pre-graph profiler
     # records per call (frontends/dynamo.py); torch's flag is back on once the frame is compiled,
-    # so another backend's frame compiled next still gets them; =1 keeps them for gac too
+    # so another backend's frame compiled next still gets them; =1 (default) keeps them for gac too
     import torch._dynamo.utils as dutils
 
     if not hasattr(torch._dynamo.config, "record_runtime_overhead"):
@@ -507,6 +507,33 @@ def test_gac_frames_skip_dynamos_pregraph_records(monkeypatch, records) -> None:
         eager(x)
     assert len(entered) == (5 if records == "1" else 2)  # (torch's default, for the other backend)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("records", ["0", "1"])
+def test_training_step_with_a_lazy_backward_compiles_and_runs(records) -> None:
+    # torch.compile of a training step (backward() inside the compiled frame: AOTAutograd
+    # compiles the backward lazily, then dynamo's compile-end callbacks run inside the running
+    # frame); cpu target, in a subprocess so that a deadlock (frontends/dynamo.py's
+    # _restore_records compiled by dynamo under its own lock, as at 4130cff) fails, not hangs
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, torch; sys.path.insert(0, 'benchmarks'); import gac_torch; from bench_h200 import TrainStep\n"
+            "torch.manual_seed(0)\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.GELU(), torch.nn.Linear(24, 16))\n"
+            "s = torch.compile(TrainStep(m), backend='gac', options={'target': 'cpu', 'cache': False})\n"
+            "for _ in range(2): g = s(torch.randn(8, 32), torch.randn(8, 16))\n"
+            "print('done', len(g))\n")
+    env = {**os.environ, "GAC_DYNAMO_RECORDS": records, "PYTHONPATH": str(root)}
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the training step did not finish in 120 s (a deadlock in the lazy backward's compile)")
+    assert out.returncode == 0 and "done 4" in out.stdout, out.stderr[-2000:]
 
 
 @pytest.mark.cuda

@@ -269,7 +269,11 @@ def _whole_partition(gm: torch.fx.GraphModule):
 _records = threading.local()  # .saved: torch's record_runtime_overhead while a gac frame compiles
 
 
+@torch._dynamo.disable
 def _restore_records(_args=None) -> None:
+    """Dynamo's compile-end callback. Also run at the end of a lazy backward's compile, which
+    happens inside a running compiled frame: without `disable`, dynamo would compile this very
+    function there, under the callbacks' lock it already holds (a training step hung)."""
     saved = getattr(_records, "saved", None)
     if saved is not None:
         _records.saved = None
@@ -277,7 +281,7 @@ def _restore_records(_args=None) -> None:
 
 
 def _skip_pregraph_records() -> None:
-    """GAC_DYNAMO_RECORDS=0 (default): the frame dynamo is compiling for gac gets no profiler
+    """GAC_DYNAMO_RECORDS=0 (opt-in): the frame dynamo is compiling for gac gets no profiler
     records around its graph call. With torch._dynamo.config.record_runtime_overhead on (torch's
     default), dynamo's pre-graph bytecode calls record_pregraph_bytecode_enter/_exit on every
     call, each behind torch._dynamo.disable (set_eval_frame twice), to mark a "Pregraph bytecode"
@@ -288,8 +292,10 @@ def _skip_pregraph_records() -> None:
     compilation ends (dynamo's compile-end callbacks, which torch._dynamo.reset() clears: the
     callback is registered again when missing; without that API, or outside a frame's
     compilation, nothing changes). gac's own graphs still mark their ranges under a profiler
-    (runtime/compiled.py). =1: torch's records kept."""
-    if os.environ.get("GAC_DYNAMO_RECORDS", "0").strip() not in ("", "0"):
+    (runtime/compiled.py). Default (=1): torch's records kept -- opt-in because it flips torch's
+    config while dynamo compiles, and its restore callback once deadlocked a training step
+    (a lazy backward's compile runs the callbacks inside a running frame: hence `disable`)."""
+    if os.environ.get("GAC_DYNAMO_RECORDS", "1").strip() != "0":
         return
     handler = getattr(torch._dynamo, "callback_handler", None)
     cfg = torch._dynamo.config
