@@ -73,7 +73,7 @@ def compile_options(options: Any) -> Any:
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
                        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
                        max_dynamic_shared_bytes=ARCHS[arch].smem_per_block_optin, combine_prep=True,
-                       vector_loops=True, sgemm_relayout=not allow_tf32)
+                       sgemm_relayout=not allow_tf32)
     # Tried in order on each linalg op (flash: on each gac.attention call); what none takes
     # becomes a `loops` kernel (a gac.attention call: inlined first). igemm / sgemm take convs
     # and multi-dim contractions; plain matmuls go on to wgmma / mma, except static exact-f32
