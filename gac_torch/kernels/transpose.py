@@ -158,23 +158,24 @@ def _kernel(b: Any, s: Spec) -> None:
         else:
             b.when(ok, lambda at=at, v=v: b.put("D", at, v))
     if s.pro is not None and s.pro.colsum is not None:  # 5. the tile's column sums (its first T threads)
-        _colsum(b, s, tid, bx, c0, inside)
+        _colsum(b, s, tid, tx, bx, c0, inside)
 
 
 _ADD = EOp("arith.addf", (("arg", 0), ("arg", 1)), "", ("f32", "f32"), "f32")
 
 
-def _colsum(b: Any, s: Spec, tid: Any, bx: Any, c0: Any, inside: Any) -> None:
-    """Q[bx][c0 + tid] = sum over i of Ts[i][tid], i = 0..T-1 in order (rows outside S hold
-    zeros), by threads tid < T (a warp reads T consecutive words of a row: no bank conflict)."""
+def _colsum(b: Any, s: Spec, tid: Any, tx: Any, bx: Any, c0: Any, inside: Any) -> None:
+    """Q[bx][c0 + tx] = sum over i of Ts[i][tx], i = 0..T-1 in order (rows outside S hold
+    zeros), by threads tid < T (tx = tid there; a warp reads 32 consecutive words of a row: no
+    bank conflict)."""
     qtype, qdim = s.pro.colsum  # type: ignore[union-attr]
     rank = qtype.count("x")
 
     def body() -> None:
-        acc = b.get("Ts", [b.const(0), tid])
+        acc = b.get("Ts", [b.const(0), tx])
         for i in range(1, T):
-            acc = b.eop(_ADD, [acc, b.get("Ts", [b.const(i), tid])])
-        c = c0 + tid
+            acc = b.eop(_ADD, [acc, b.get("Ts", [b.const(i), tx])])
+        c = c0 + tx
         at = [bx] + [c if d == qdim else b.const(0) for d in range(1, rank)]
         ok = inside(b.const(0), c) if s.cols % T else None
         if ok is None:
