@@ -251,8 +251,8 @@ def _train_gpu(sizes: tuple, monkeypatch: pytest.MonkeyPatch, env: dict) -> None
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sizes", [(300, 264, 136, 200), (97, 45, 70, 29), (1100, 1028, 260, 1300)])
-@pytest.mark.parametrize("env", [{}, {"GAC_TRANSPOSE_COLSUM": "0"}, {"GAC_SGEMM_EPILOGUE_T": "0"}])
+@pytest.mark.parametrize("sizes", [(300, 264, 136, 200), (1100, 1028, 260, 1300)])
+@pytest.mark.parametrize("env", [{}, {"GAC_TRANSPOSE_COLSUM": "0", "GAC_SGEMM_EPILOGUE_T": "0"}])
 def test_training_step_matches_float64_on_gpu(sizes: tuple, env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     _train_gpu(sizes, monkeypatch, {"GAC_SGEMM_RELAYOUT": "all", **env})
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from gac_torch.kernels.builder import WORKGROUP, Numpy, Smem, Text
-from gac_torch.kernels.gemm_epilogue import EOp, eval_op
+from gac_torch.kernels.gemm_epilogue import EOp, NumpyMixin, TextMixin
 
 T, ROWS = 64, 4  # a T x T tile; 256 threads = ROWS x T
 THREADS = T * ROWS
@@ -196,15 +196,7 @@ def colsum_rows(s: Spec) -> int:
 
 
 class _Text(Text):
-    def econst(self, value: str, ty: str) -> str:
-        r = self.fresh()
-        self.w(f"{r} = arith.constant {value} : {ty}" if ":" not in value else f"{r} = arith.constant {value}")
-        return r
-
-    def eop(self, op: EOp, ins: list[str]) -> str:
-        r = self.fresh()
-        self.w(f'{r} = "{op.name}"({", ".join(ins)}) {op.attrs} : ({", ".join(op.types)}) -> {op.result}')
-        return r
+    econst, eop = TextMixin.econst, TextMixin.eop  # (the prologue's body: the GEMM epilogue's verbs)
 
 
 def arg_names(s: Spec) -> list[str]:
@@ -247,13 +239,7 @@ class _Numpy(Numpy):
         self.bufs = bufs
         self.S = {"Ts": Smem("Ts", (T, T + 1), bufs["D"].dtype)}
 
-    def econst(self, value: str, ty: str) -> np.ndarray:
-        text = value.split(":")[0].strip()
-        v = np.uint32(int(text, 16)).view(np.float32) if text.startswith("0x") else np.float32(text)
-        return np.full(self.T, v, np.float32)
-
-    def eop(self, op: EOp, ins: list[np.ndarray]) -> np.ndarray:
-        return eval_op(op, [np.broadcast_to(np.asarray(x), (self.T,)) for x in ins])
+    econst, eop = NumpyMixin.econst, NumpyMixin.eop
 
 
 def emulate(s: Spec, src: np.ndarray | None = None, inputs: tuple = ()) -> Any:

@@ -28,7 +28,7 @@ from mlir import ir
 
 from gac_torch.backends.gpu.analysis import analyze, fill_before, map_dims, match_contraction
 from gac_torch.backends.gpu.hoist import contractions
-from gac_torch.backends.gpu.irutil import buffer_root, identity_layout, users
+from gac_torch.backends.gpu.irutil import buffer_root, identity_layout, ops_after, users
 from gac_torch.backends.gpu.strategies.sgemm_relayout import mode, pays
 from gac_torch.backends.gpu.strategies.weight_layout import copy_before, permuted
 
@@ -112,17 +112,9 @@ def relayout_gemm_operands(fn: ir.Operation, limits) -> int:
             if r is None:
                 continue
             w = _writer(v, g_op)
-            g_op.operands[k] = copy_before(r, v, _after(w.op))  # (right after the writer: the epilogue's chain)
+            g_op.operands[k] = copy_before(r, v, next(ops_after(w.op)))  # (right after the writer: the epilogue's chain)
             maps[k] = ir.AffineMap.get(len(g.iters), 0, [ir.AffineDimExpr.get(c.k), ir.AffineDimExpr.get(outer)])
             made += 1
         g_op.attributes["indexing_maps"] = ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in maps])
     return made
 
-
-def _after(op: ir.Operation) -> ir.Operation:
-    """The op following `op` in its block."""
-    ops = op.block.operations
-    for i, o in enumerate(ops):
-        if o.operation == op:
-            return ops[i + 1].operation
-    raise ValueError("op not in its block")
