@@ -94,14 +94,15 @@ def permuted(type_text: str, elem: str, shape: tuple[int, ...], dims: tuple[int,
     return Transposed(s, new)
 
 
-def producer(v: ir.Value, gemm: ir.Operation) -> tuple[ir.Operation, transpose.Prologue, list[ir.Value]] | None:
-    """(generic, its prologue, the prologue's input buffers) where `v`, a dense scratch buffer
-    (a memref.alloc) is written by one op only: an all-parallel linalg.generic before `gemm` in
-    its block whose one output is v at its own point, whose inputs are read at the point or
-    broadcast along some of v's dims (in order), never v, and whose body is plain elementwise
-    ops (strategies/epilogue.py's form); every other user of v a generic not yet emitted that
-    only reads it (or a dealloc); else None. `plain` says whether anything besides `gemm`
-    reads v."""
+def producer(v: ir.Value, gemm: ir.Operation) -> tuple[ir.Operation, transpose.Prologue, list[ir.Value],
+                                                       Generic | None] | None:
+    """(generic, its prologue, the prologue's input buffers, a `column_sum` of v or None) where
+    `v`, a dense scratch buffer (a memref.alloc), is written by one op only: an all-parallel
+    linalg.generic before `gemm` in its block whose one output is v at its own point, whose
+    inputs are read at the point or broadcast along some of v's dims (in order), never v, and
+    whose body is plain elementwise ops (strategies/epilogue.py's form); every other user of v a
+    generic not yet emitted that only reads it (or a dealloc); else None. The prologue's
+    `plain`: whether anything besides `gemm` (and the column sum) reads v."""
     from gac_torch.backends.gpu.strategies.epilogue import _body_ops
 
     if os.environ.get("GAC_TRANSPOSE_PRODUCER") == "0":
