@@ -196,6 +196,19 @@ def test_forward_a_transposed_by_the_first_gemm_epilogue(switch: str, monkeypatc
         assert assemble(part.ir("ptx"), "sm_90").ok
 
 
+def test_a_copy_no_epilogue_takes_is_the_tiled_transpose(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a first GEMM that splits K (1100 x 260 outputs over K = 1028) keeps bias and GELU as loops
+    # kernels: a's K-outer copy is then sgemm_relayout's tiled transpose, as without the switch,
+    # not a `loops` copy
+    monkeypatch.setenv("GAC_SGEMM_RELAYOUT", "all")
+    xs = _fwd_inputs(1100, 1028, 260, 1300)
+    kinds, part = _compile(mlp_forward, xs)
+    monkeypatch.setenv("GAC_SGEMM_EPILOGUE_T", "0")
+    before, _ = _compile(mlp_forward, xs)
+    assert "blocks in (%c5, %c18, %c2)" in _launch(part, "sgemm")  # (K split in 2)
+    assert sorted(kinds) == sorted(before) and kinds.count("transpose") == 4, (kinds, before)
+
+
 def test_epilogue_copy_only_where_an_epilogue_writes_the_operand(monkeypatch: pytest.MonkeyPatch) -> None:
     # an operand that is a graph input, or the output of a loops kernel that no contraction
     # feeds, keeps the tiled transpose (a `loops` copy would be uncoalesced: the removed

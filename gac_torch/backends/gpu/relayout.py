@@ -12,7 +12,9 @@ GEMM's epilogue fusion takes it as one more consumer (strategies/epilogue.py: th
 [k][m] store from the accumulators), and the second GEMM reads the copy as its K-outer
 operand: the transpose kernel (and its 64 MB read, a launch) is gone, the epilogue writes 64 MB
 more. Only where the writer is within a few elementwise generics of a contraction (the
-epilogue's chain); every other operand is left to sgemm_relayout.py's transposes.
+epilogue's chain); every other operand is left to sgemm_relayout.py's transposes, and a copy
+no epilogue takes after all (that GEMM splits K, say) is that tiled transpose too
+(sgemm_relayout.copy_strategy), not a `loops` copy.
 
 (Before 2026-12-02's session 11 this module copied every K-contiguous operand by such `loops`
 copies, GAC_SGEMM_RELAYOUT=graph: measured 14.21 ms against 13.77 with the tiled transposes on
@@ -29,7 +31,7 @@ from mlir import ir
 from gac_torch.backends.gpu.analysis import analyze, fill_before, map_dims, match_contraction
 from gac_torch.backends.gpu.hoist import contractions
 from gac_torch.backends.gpu.irutil import buffer_root, identity_layout, ops_after, users
-from gac_torch.backends.gpu.strategies.sgemm_relayout import mode, pays
+from gac_torch.backends.gpu.strategies.sgemm_relayout import COPY, mode, pays
 from gac_torch.backends.gpu.strategies.weight_layout import copy_before, permuted
 
 CHAIN = 4  # elementwise generics at most between the contraction and the operand's writer
@@ -112,7 +114,11 @@ def relayout_gemm_operands(fn: ir.Operation, limits) -> int:
             if r is None:
                 continue
             w = _writer(v, g_op)
-            g_op.operands[k] = copy_before(r, v, next(ops_after(w.op)))  # (right after the writer: the epilogue's chain)
+            buf = copy_before(r, v, next(ops_after(w.op)))  # (right after the writer: the epilogue's chain)
+            for u in users(buf):  # (no epilogue takes it: sgemm_relayout.copy_strategy's transpose)
+                if u.name == "linalg.generic":
+                    u.attributes[COPY] = ir.UnitAttr.get()
+            g_op.operands[k] = buf
             maps[k] = ir.AffineMap.get(len(g.iters), 0, [ir.AffineDimExpr.get(c.k), ir.AffineDimExpr.get(outer)])
             made += 1
         g_op.attributes["indexing_maps"] = ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in maps])

@@ -32,7 +32,7 @@ from mlir.dialects import memref
 
 from gac_torch.backends.gpu.analysis import Generic, analyze, map_dims
 from gac_torch.backends.gpu.irutil import block_ops, buffer_root, defining_op, identity_layout, static_memref, users
-from gac_torch.backends.gpu.strategy import splice_template, template_text
+from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, splice_template, template_text
 from gac_torch.kernels import conv_gemm, transpose
 
 SAVED_S = 0.13e-3 / 2**36  # s saved per unit of M*N*K*batch per K-contiguous operand (H200, above)
@@ -199,3 +199,30 @@ def copy_before(tr: Transposed, v: ir.Value, before: ir.Operation, name: str) ->
     text = template_text(("transpose", tr.spec), lambda: transpose.template(tr.spec))
     splice_template(text, before, [v, buf], None, "f32", name)
     return buf
+
+
+COPY = "gac.k_outer_copy"  # relayout.py's K-outer copy generic (for an epilogue to store)
+
+
+def copy_strategy() -> Strategy:
+    """backends/gpu/relayout.py's K-outer copy that no GEMM epilogue took (its GEMM split K, say):
+    the tiled transpose kernel, as the operand would have had here, not an uncoalesced `loops`
+    copy. (After implicit_gemm's `fused` strategy: a copy an epilogue took is that one's.)"""
+    def match(g: Generic, limits: GpuLimits):
+        if COPY not in g.op.attributes or len(g.inputs) != 1 or len(g.outputs) != 1 or g.dynamic:
+            return None
+        src, dst = g.inputs[0], g.outputs[0]
+        t = ir.MemRefType(src.type)
+        if len(t.shape) != 2 or map_dims(g.maps[0]) != [1, 0] or map_dims(g.maps[1]) != [0, 1]:
+            return None
+        sp = transpose.spec(str(t), str(t.element_type), tuple(t.shape), (1, 0))
+        return (g, sp) if sp.dst == str(dst.type) and transpose.fits(sp, limits.max_grid) else None
+
+    def emit(m, name: str, limits: GpuLimits) -> bool:
+        g, sp = m
+        text = template_text(("transpose", sp), lambda: transpose.template(sp))
+        splice_template(text, g.op, [g.inputs[0], g.outputs[0]], None, sp.elem, name)
+        g.op.erase()
+        return True
+
+    return Strategy("transpose", match, emit)
