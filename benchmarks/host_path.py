@@ -16,7 +16,10 @@ a backend that returns at once (dynamo's floor) and with AOTAutograd around it (
 floor), each also with torch._dynamo.config.record_runtime_overhead off (the profiler hooks
 dynamo's code calls around every graph otherwise: torch's, not gac's), gac's whole call, the function dynamo calls (AOTAutograd's wrapper, where it does anything,
 and gac), CompiledGraph.boxed,
-CudaExecutable.call, and the executable's parts (lane, output pool, table lookup + launch).
+CudaExecutable.call, and the executable's parts (lane, output pool or fresh outputs, table lookup
++ launch or the lane's launch block: backends/cuda/launch_block.py, GAC_LAUNCH_BLOCK).
+`grid_sample_fresh` and `grid_sample_msda` (the bench row's shapes: an 82 MB output, so with
+`--device cuda` only) take fresh outputs (over runtime.POOL_BYTES).
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def workloads(device: str = "cpu"):
              for _ in range(4)]
     yield "grid_sample", GridSample(), grids, False, pooled
     yield "grid_sample_fresh", GridSample(), grids, False, 0
+    if device == "cuda":  # (bench_h200's grid_sample_msda: 82 MB fresh outputs)
+        yield "grid_sample_msda", GridSample(), [(r(8, 32, 15, 25), torch.rand(
+            8, 2500, 32, 2, generator=g, device=device) * 2.2 - 1.1) for _ in range(2)], False, pooled
     yield "train_mlp", Mlp().to(device), [(r(64, 64), r(64, 64)) for _ in range(4)], True, pooled
     from bench_h200 import TrainStep  # (the bench's training step, on a small MLP)
 
@@ -165,7 +171,7 @@ def _noop_backends():
             "dynamo+AOT floor (noop)": aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(once(gm)))}
 
 
-def breakdown(name, model, x, device: str, n: int) -> list[str]:
+def breakdown(name, model, x, device: str, n: int, pool_bytes: int = runtime.POOL_BYTES) -> list[str]:
     """Microseconds per call at each level of the path (see the module's docstring)."""
     from gac_torch.frontends.dynamo import _whole_partition, compiled_graphs
 
@@ -184,9 +190,13 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
     rows = []
     where = type(model).forward.__globals__
     before, graphs_before = set(where), {id(c) for c in compiled_graphs}
-    fn = torch.compile(model, backend="gac", options={"target": "cuda"})
-    for _ in range(3):
-        fn(*x)
+    limit, runtime.POOL_BYTES = runtime.POOL_BYTES, pool_bytes  # (read as executables are made)
+    try:
+        fn = torch.compile(model, backend="gac", options={"target": "cuda"})
+        for _ in range(3):
+            fn(*x)
+    finally:
+        runtime.POOL_BYTES = limit
     rows.append(("gac: torch.compile call", lambda: fn(*x)))
     inner = [where[k] for k in set(where) - before if k.startswith("__compiled_fn")]
     if len(inner) == 1:  # what dynamo's code calls: AOTAutograd's wrapper (or not), then gac
@@ -215,16 +225,30 @@ def breakdown(name, model, x, device: str, n: int) -> list[str]:
             rows.append(("        lane", lambda: exe._lane(dev, handle)))
             if lane.pool is not None:
                 rows.append(("        output pool acquire", lambda: lane.pool.acquire()))
+            else:
+                if lane.protos is not None:
+                    rows.append(("        fresh outputs (empty_like of prototypes)", lambda: [
+                        runtime._empty_like(p, memory_format=runtime._DENSE) for p in lane.protos]))
+                rows.append(("        fresh outputs (torch.empty)", lambda: [
+                    torch.empty(s, dtype=d, device=lane.device) for s, d in exe._out_specs]))
             got = lane.pool.acquire() if lane.pool is not None else None
             outs = got[1] if got else [torch.empty(s, dtype=d, device=lane.device) for s, d in exe._out_specs]
             ptrs = [t.data_ptr() for t in x] + [o.data_ptr() for o in outs]
             key = (None, *ptrs, lane.ws_ptr)
-            rows.append(("        table lookup + launch", lambda: exe._issue(lane, exe._static, key, ptrs, False)))
+            if lane.block is not None:
+                def fill_launch(block=lane.block):
+                    block.fill(ptrs)
+                    runtime._driver.cuLaunchKernel(*block.args)
+                rows.append(("        launch block fill + launch", fill_launch))
+                rows.append(("        cuLaunchKernel alone", lambda args=lane.block.args: runtime._driver.cuLaunchKernel(*args)))
+            else:
+                rows.append(("        table lookup + launch", lambda: exe._issue(lane, exe._static, key, ptrs, False)))
             del got
     lines.insert(0, f"{name} ({device}): {len(new)} graph(s), {len(parts)} partition(s)"
                     f"{' (the whole graph)' if whole is not None else ''}, "
                     f"{sum(len(getattr(getattr(p.executable, 'program', None), 'launches', ())) for p in parts)}"
-                    " launch(es)")
+                    f" launch(es), GAC_LAUNCH_BLOCK={os.environ.get('GAC_LAUNCH_BLOCK', '1')}"
+                    f" GAC_DYNAMO_RECORDS={os.environ.get('GAC_DYNAMO_RECORDS', '0')}")
     for label, f in rows:
         lines.append(f"  {label:<52} {_per_call_us(f, n, sync):7.2f} us")
     if parts:
@@ -254,7 +278,8 @@ def main() -> int:
             if args.breakdown:
                 if not train:
                     with torch.no_grad():
-                        print("\n".join(breakdown(name, model, sets[0], args.device, args.calls // 4)), flush=True)
+                        print("\n".join(breakdown(name, model, sets[0], args.device, args.calls // 4, pool_bytes)),
+                              flush=True)
                 continue
             us = measure(name, model, sets, train, pool_bytes, args.calls, name == args.profile)
             runtime.POOL_BYTES = limit

@@ -29,6 +29,9 @@ from gac_torch.runtime.compiled import CompiledGraph
 log = logging.getLogger("gac_torch")
 
 
+_NO_TEXT = object()
+
+
 def stage_text(artifact: Any) -> str:
     if isinstance(artifact, ir.Module):
         return str(artifact)
@@ -36,7 +39,10 @@ def stage_text(artifact: Any) -> str:
         return artifact.decode(errors="replace")
     if isinstance(artifact, str):
         return artifact
-    return getattr(artifact, "text", repr(artifact))
+    # (repr only without a text: as getattr's default it was made every time, ~0.4 s per
+    # BEVFormer-tiny cuda compile for its three stages, the PTX program's repr above all)
+    text = getattr(artifact, "text", _NO_TEXT)
+    return repr(artifact) if text is _NO_TEXT else text
 
 
 class _Unavailable:
@@ -65,22 +71,29 @@ def _run_stages(module: ir.Module, target: Target, options: dict):
     stages: dict[str, str] = {}
     binaries: dict[str, bytes] = {}  # stages whose artifact carries a binary (e.g. .vxbin)
     progress.step("stage linalg")
-    artifact: Any = lower_to_linalg(module)
-    annotate_kernels(module, artifact)
-    stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
-    stages["linalg"] = str(artifact)
+    with progress.timed("lower_to_linalg"):
+        artifact: Any = lower_to_linalg(module)
+    with progress.timed("annotate_kernels"):
+        annotate_kernels(module, artifact)
+    with progress.timed("gac and linalg texts"):
+        stages["gac"] = str(module)  # with the fusion groups (gac.kernel) annotate_kernels added
+        stages["linalg"] = str(artifact)
     deferred = {}  # stage name -> an artifact the next stages leave as it is: printed at the end
-    for stage in target.stages(options):
+    with progress.timed("target stages (imports)"):
+        target_stages = target.stages(options)
+    for stage in target_stages:
         progress.step(f"stage {stage.name}")
         artifact = stage.run(artifact)
         if getattr(artifact, "defer_text", False):
             stages[stage.name], deferred[stage.name] = "", artifact  # (the stages' order kept)
         else:
-            stages[stage.name] = stage_text(artifact)
+            with progress.timed("stage text"):
+                stages[stage.name] = stage_text(artifact)
         if isinstance(getattr(artifact, "binary", None), bytes):
             binaries[stage.name] = artifact.binary
     for name, done in deferred.items():
-        stages[name] = stage_text(done)
+        with progress.timed(f"{name} stage text"):
+            stages[name] = stage_text(done)
     return artifact, stages, binaries
 
 
@@ -157,26 +170,31 @@ def compile_partition(gm: fx.GraphModule, name: str, target: Target, options: di
         raise ValueError(f"target {target.name} compiles static shapes only (this partition has run-time sizes)")
 
     ctx = make_context()
-    module = split_concat_sum(fuse_attention(gac_dce(build_module(gm, ctx))))  # before verify: it checks the result
-    if options.get("channels_last") if options.get("channels_last") is not None else target.channels_last:
-        module = channels_last(module)  # (after fuse_attention, which matches NCHW patterns)
-    with ctx, ir.Location.unknown():
+    with progress.timed("build_module"):
+        module = build_module(gm, ctx)
+    with progress.timed("gac passes"):
+        module = split_concat_sum(fuse_attention(gac_dce(module)))  # before verify: it checks the result
+        if options.get("channels_last") if options.get("channels_last") is not None else target.channels_last:
+            module = channels_last(module)  # (after fuse_attention, which matches NCHW patterns)
+    with ctx, ir.Location.unknown(), progress.timed("verify"):
         module.operation.verify()  # IRDL: operand counts, attribute kinds, enums
         if options.get("verify", True):
             verify_gac(module)  # shapes and dtypes
+    with ctx, ir.Location.unknown():
         # statically empty outputs are made by the runtime, never by the program (runtime/compiled.py)
         live = Signature(signature.inputs, tuple(o for o in signature.outputs if not is_empty_output(o)))
         if options.get("autotune") and target.tune is not None:
             _autotune(module, target, live, options)
-        key = (cache.cache_key(str(module), repr(signature), options, target.name, target.cache_key(options))
-               if target.pack and cache.enabled(options) else None)
-        entry = cache.load(key) if key else None
+        with progress.timed("key and lookup"):
+            key = (cache.cache_key(str(module), repr(signature), options, target.name, target.cache_key(options))
+                   if target.pack and cache.enabled(options) else None)
+            entry = cache.load(key) if key else None
         executable = _unpack(target, entry, live, options) if entry else None
         if executable is None:  # a miss (or an entry that would not load)
             artifact, stages, binaries = _run_stages(module, target, options)
             entry = _pack(target, artifact, stages, binaries, options) if key else None
             if entry is not None:
-                cache.store(key, entry)
+                cache.store_later(key, entry)  # (packed and written behind the compile)
                 executable = _unpack(target, entry, live, options)
             if executable is None:
                 executable = _load(target, artifact, live, options)

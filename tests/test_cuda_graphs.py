@@ -22,7 +22,7 @@ from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.backends.cuda.target import TARGET
 from gac_torch.options import resolve
 from cuda_cases import CASES, compile_case
-from test_cuda_runtime import _FakeDriver
+from test_cuda_runtime import _FakeDriver, use_fake_driver
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,11 +93,7 @@ def fake(monkeypatch: pytest.MonkeyPatch):
     case = CASES["mlp_softmax_graph"]  # 4 inputs, one output, several kernels and temps
     program = compile_case(case, "sm_90")
     driver = _GraphDriver(program)
-    monkeypatch.setattr(runtime, "_driver", driver)
-    monkeypatch.setattr(runtime, "check_available", lambda: None)
-    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
-    monkeypatch.setattr(runtime, "_capturing", lambda: False)
-    monkeypatch.setattr(runtime, "_current_device", lambda: -1)  # a CPU tensor's get_device()
+    use_fake_driver(monkeypatch, driver)
     monkeypatch.delenv("GAC_CUDA_GRAPHS", raising=False)
 
     def make(**kw):
@@ -183,16 +179,21 @@ def test_new_input_addresses_get_their_own_graph(fake) -> None:
     assert exe.stats["graph_calls"] == 4 and exe.stats["direct_calls"] == 2
 
 
-def test_one_kernel_launches_directly_into_the_pool(fake) -> None:
-    # a graph of one kernel saves nothing: launched directly, but into pooled outputs, so the
-    # argument table built for the first call serves every later one
+@pytest.mark.parametrize("block", ["1", "0"])
+def test_one_kernel_launches_directly_into_the_pool(fake, monkeypatch, block) -> None:
+    # a graph of one kernel saves nothing: launched directly, into pooled outputs; through the
+    # lane's one argument array (GAC_LAUNCH_BLOCK, default), or the argument table built for the
+    # first call serves every later one (=0); either way each launch passes this call's pointers
     driver, program, make, inputs = fake
+    monkeypatch.setenv("GAC_LAUNCH_BLOCK", block)
     one = dataclasses.replace(program, launches=program.launches[:1])
     exe = runtime.CudaExecutable(one, CASES["mlp_softmax_graph"].signature())
     exe._devices[-1] = torch.device("cpu")
     for _ in range(5):
-        exe.call(inputs)
-    assert exe.stats == {"direct_calls": 5, "graph_calls": 0, "tables_built": 1, "graphs_built": 0,
+        ptrs = [t.data_ptr() for t in inputs + exe.call(inputs)]  # (outputs dropped: one pooled set)
+        for i, p in enumerate(ptrs):
+            assert set(_out_ptr(driver.launched[-1:], one, i)) <= {p}
+    assert exe.stats == {"direct_calls": 5, "graph_calls": 0, "tables_built": int(block == "0"), "graphs_built": 0,
                          "pool_misses": 0}
 
 

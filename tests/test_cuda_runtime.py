@@ -94,6 +94,18 @@ class _FakeDriver:
         return (0,)
 
 
+def use_fake_driver(monkeypatch: pytest.MonkeyPatch, driver: _FakeDriver) -> None:
+    """The cuda runtime on CPU tensors with `driver`: one stream (handle 7), never capturing, the
+    current device is a CPU tensor's get_device() (-1)."""
+    from gac_torch.backends.cuda import runtime
+
+    monkeypatch.setattr(runtime, "_driver", driver)
+    monkeypatch.setattr(runtime, "check_available", lambda: None)
+    monkeypatch.setattr(runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(runtime, "_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "_current_device", lambda: -1)
+
+
 def test_runtime_launch_path_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # The host side of CudaExecutable against a fake driver: argument arrays hold the right
     # pointers/scalars, are built once per pointer set, one workspace per stream, CUDA graphs

@@ -18,17 +18,7 @@ from gac_torch.legalize.norm import eager_layer_norm_stat_dtypes
 from gac_torch.passes import partition as P
 
 
-def _rows(gm: fx.GraphModule) -> list[tuple]:
-    index: dict[fx.Node, str] = {}
-    rows = []
-    for i, n in enumerate(gm.graph.nodes):
-        index[n] = f"%{i}"
-        args = pytree.tree_map_only(fx.Node, index.__getitem__, (n.args, n.kwargs))
-        v = n.meta.get("val")
-        meta = (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) \
-            else type(v).__name__
-        rows.append((n.op, n.name, str(n.target), repr(args), meta))
-    return rows
+_rows = decompose.graph_rows
 
 
 def _torch(ep):
@@ -265,16 +255,77 @@ def test_a_failing_fast_path_falls_back_to_torch_visibly(monkeypatch, caplog):
     assert _rows(got.graph_module) == _rows(_torch(ep).graph_module)
 
 
-def test_an_older_torch_uses_run_decompositions(monkeypatch):
-    """The node-by-node path is checked on torch >= 2.13 only: on the H200's torch 2.11 it gave a
-    graph that failed to legalize (fuzz seed 401, an add with alpha after a vector norm)."""
+def test_an_older_torch_or_the_switch_uses_run_decompositions(monkeypatch):
+    """The node-by-node path is checked on torch 2.11 (the H200's) and 2.13: an older torch, or
+    GAC_DECOMPOSE=torch, gets torch's run_decompositions."""
     ep = _export(Block(), _seeded(2, 8, 9, 11))
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    with pytest.raises(decompose._Unsupported, match="2.13"):
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    with pytest.raises(decompose._Unsupported, match="2.11"):
+        decompose._Decomposer(ep, decompositions())
+    monkeypatch.undo()
+    monkeypatch.setenv("GAC_DECOMPOSE", "torch")
+    with pytest.raises(decompose._Unsupported, match="GAC_DECOMPOSE"):
         decompose._Decomposer(ep, decompositions())
     with tracing():
         got = decompose.decompose_program(ep, decompositions())
     assert _rows(got.graph_module) == _rows(_torch(ep).graph_module)
+
+
+class NormThenAdd(nn.Module):
+    """H200 fuzz seed 401: a vector norm over a negative dim of size 1, then an add with alpha."""
+
+    def forward(self, x0, x1):
+        return torch.add(x1, torch.linalg.vector_norm(x0, 1, dim=-4), alpha=2), torch.sqrt(x1.abs())
+
+
+def test_consumers_of_a_value_with_new_metadata_are_traced_anew(monkeypatch):
+    """torch 2.11's meta of linalg_vector_norm keeps a size-1 dim reduced by a negative index (the
+    exported add's value: [1, 4, 4, 1]); gac's table rewrites the dim ([4, 4, 1]), so the add's
+    value must be recomputed as torch's re-trace does: the node-by-node path copied the exported
+    one and legalization refused the graph (fuzz seed 401 on the H200, cuda and cpu alike). The
+    same on any torch: a table entry whose expansion has other strides than the op's meta."""
+    import gac_torch
+
+    x0, x1 = _seeded(1, 4, 1, 4).transpose(-1, -2), _seeded(1, 1)
+    ep = _export(NormThenAdd(), x0, x1)
+    _assert_same(ep)
+    model = Strides()
+    table = dict(decompositions())
+    table[torch.ops.aten.neg.default] = _contiguous_neg
+    ep2 = _export(model, _seeded(3, 5))
+    want = _torch_with(ep2, table)
+    with tracing():
+        got = decompose._Decomposer(ep2, table).program()
+    assert _rows(got.graph_module) == _rows(want.graph_module)
+    strides = {r[1]: r[-1][1] for r in _rows(got.graph_module) if isinstance(r[-1], tuple)}
+    assert strides["t"] == (1, 5) and strides["add_1"] == strides["mul_2"] == strides["getitem_1"] == (3, 1)
+    # the whole compile takes the node-by-node path (no re-export) and gives eager's values
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", _called)
+    compiled = gac_torch.compile(ep, target="cpu", options={"fallback": False, "cache": False})
+    for a, b in zip(compiled(x0, x1), NormThenAdd()(x0, x1)):
+        torch.testing.assert_close(a, b)
+
+
+class Strides(nn.Module):
+    """neg of a transposed view (a kept op after it, a decomposed one, a getitem's op)."""
+
+    def forward(self, x):
+        y = torch.neg(x.t())
+        return torch.nn.functional.hardswish(y) + 1, y * 2, y.split(2, dim=1)[1].exp()
+
+
+def _contiguous_neg(x):
+    """A test entry whose expansion is contiguous where neg's meta keeps x's strides."""
+    return torch.ops.aten.mul.Tensor(x, -1).clone(memory_format=torch.contiguous_format)
+
+
+def _torch_with(ep, table):
+    with tracing(), retrace_without_export_guards(), lazy_graph_modules():
+        return ep.run_decompositions(table)
+
+
+def _called(*args, **kwargs):
+    raise AssertionError("called")
 
 
 def test_partitions_fuse_with_an_insert_subgm_without_insertion_point(monkeypatch):

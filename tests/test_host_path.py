@@ -398,8 +398,9 @@ def test_torch_compile_reads_only_the_pointers_of_guarded_inputs(monkeypatch) ->
         assert _called_by_dynamo(globals(), before).func.__name__ == "call_args"
     assert seen == [("_guarded", [x.data_ptr(), y.data_ptr()])] * 3
     assert len({o.data_ptr() for o in outs}) == 3  # each held: its own pooled set
-    # (the first call's set, dropped, serves the second: three pointer sets in all)
-    assert cg.executable.stats["direct_calls"] == 4 and cg.executable.stats["tables_built"] == 3
+    # (the first call's set, dropped, serves the second: three pointer sets in all; one kernel:
+    # launched through the lane's block, no table per pointer set, launch_block.py)
+    assert cg.executable.stats["direct_calls"] == 4 and cg.executable.stats["tables_built"] == 0
 
 
 def test_matmul_tf32_flag_is_guarded_by_dynamo() -> None:
@@ -478,6 +479,34 @@ def test_aot_wrapper_is_skipped_only_where_it_adds_nothing(case) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # GPU
+
+
+@pytest.mark.parametrize("records", ["0", "1"])
+def test_gac_frames_skip_dynamos_pregraph_records(monkeypatch, records) -> None:
+    # GAC_DYNAMO_RECORDS=0 (default): a frame compiled for gac calls no pre-graph profiler
+    # records per call (frontends/dynamo.py); torch's flag is back on once the frame is compiled,
+    # so another backend's frame compiled next still gets them; =1 keeps them for gac too
+    import torch._dynamo.utils as dutils
+
+    if not hasattr(torch._dynamo.config, "record_runtime_overhead"):
+        pytest.skip("this torch has no pre-graph records")
+    monkeypatch.setenv("GAC_DYNAMO_RECORDS", records)
+    monkeypatch.setattr(torch._dynamo.config, "record_runtime_overhead", True)
+    entered = []
+    real = dutils.record_pregraph_bytecode_enter
+    monkeypatch.setattr(dutils, "record_pregraph_bytecode_enter", lambda: entered.append(1) or real())
+    torch._dynamo.reset()
+    x = torch.randn(8, 8)
+    gac = torch.compile(lambda a: torch.tanh(a) * 2, backend="gac")
+    for _ in range(3):
+        gac(x)
+    assert torch._dynamo.config.record_runtime_overhead is True
+    assert len(entered) == (3 if records == "1" else 0)
+    eager = torch.compile(lambda a: torch.sin(a) + 1, backend="eager")
+    for _ in range(2):
+        eager(x)
+    assert len(entered) == (5 if records == "1" else 2)  # (torch's default, for the other backend)
+    torch._dynamo.reset()
 
 
 @pytest.mark.cuda

@@ -311,21 +311,24 @@ def test_small_output_long_k_splits_k_after_a_fill_kernel() -> None:
     assert "atom.global.add.f32" in part.ir("ptx") or "red.global.add.f32" in part.ir("ptx")
 
 
-def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
-    # x @ W^T + b is a graph output (the MLP's pre-activation, saved for the backward) that GELU
-    # then reads: both stages run in the GEMM's epilogue, which stores the tap and the final
-    # value (before: a loops kernel re-read the 64 MB pre-activation); twin on a ragged GEMM
+def bias_tanh_spec(m: int, n: int, k: int):
+    """tanh(x @ W^T + b) with the pre-activation tapped: (spec, shapes, strides) as gemm_spec."""
     from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
-    m, n, k = 130, 70, 40
     spec, shapes, strides = gemm_spec("nt", m, n, k)
     ranges = (m, n, k)
     bias, z = _operand((N_,), ranges)[0], _operand((M_, N_), ranges)[0]
     ops = (EOp("arith.addf", (("arg", 0), ("arg", 1)), "", ("f32", "f32"), "f32"),
            EOp("math.tanh", (("op", 0),), "", ("f32",), "f32"))
     ep = Epilogue((None, (bias, None)), (z, None), ops, ("op", 1), taps=((("op", 0), (z, None)),))
-    spec = cg.Spec(**{**spec.__dict__, "epilogue": ep})
-    p = cgp.plan(spec, big=True)
+    return cg.Spec(**{**spec.__dict__, "epilogue": ep}), shapes, strides
+
+
+def check_bias_tanh(m: int, n: int, k: int, plan_of) -> None:
+    """The twin of `bias_tanh_spec` on the plan `plan_of(spec)` against float64: the tap and
+    the tanh'd value."""
+    spec, shapes, strides = bias_tanh_spec(m, n, k)
+    p = plan_of(spec)
     rng = np.random.default_rng(3)
     A, Bm = (rng.standard_normal(s).astype(np.float32) for s in shapes[:2])
     b = rng.standard_normal(n).astype(np.float32)
@@ -335,6 +338,13 @@ def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
     ref = A.astype(np.float64) @ Bm.astype(np.float64).T + b
     assert np.abs(tap - ref).max() < 1e-5 * np.abs(ref).max()
     assert np.abs(got - np.tanh(ref)).max() < 1e-5
+
+
+def test_epilogue_stores_a_tapped_stage_and_the_next_one() -> None:
+    # x @ W^T + b is a graph output (the MLP's pre-activation, saved for the backward) that GELU
+    # then reads: both stages run in the GEMM's epilogue, which stores the tap and the final
+    # value (before: a loops kernel re-read the 64 MB pre-activation); twin on a ragged GEMM
+    check_bias_tanh(130, 70, 40, lambda spec: cgp.plan(spec, big=True))
 
     def f(x, w, b):
         y = x @ w.t() + b

@@ -8,7 +8,10 @@ that decompose, and each of those expands the same way wherever its inputs' meta
 So `decompose_program` decomposes only those nodes, through torch's own machinery (make_fx with
 the same table, CIA overrides and backend flags as run_decompositions; one node per distinct op
 and input metadata, all in one trace), re-normalizes the arguments of the nodes it keeps as the
-dispatcher would, and falls back to run_decompositions for anything else (symbolic sizes,
+dispatcher would, traces anew the nodes whose inputs' values differ from the exported ones (a
+decomposition whose value is not the exported meta's, e.g. torch 2.11's linalg_vector_norm over a
+negative dim of size 1, as gac's table rewrites it: every consumer's value changes, as in torch's
+re-trace), and falls back to run_decompositions for anything else (symbolic sizes,
 mutations, higher-order ops, a decomposition that traces a mutation). tests/test_decompose.py
 asserts that the two graphs are the same, node for node, on the models the tests compile.
 """
@@ -19,6 +22,7 @@ import contextlib
 import inspect
 import logging
 import operator
+import os
 import time
 from typing import Any, Callable
 
@@ -50,8 +54,8 @@ def decompose_program(ep: ExportedProgram, table: dict) -> ExportedProgram:
     try:
         decomposer = _Decomposer(ep, table)
         done = decomposer.program()
-        log.debug("gac: decomposed node by node in %.2f s (%d distinct decompositions)",
-                  time.perf_counter() - start, len(decomposer.traces))
+        log.debug("gac: decomposed node by node in %.2f s (%d distinct decompositions, %d nodes traced anew)",
+                  time.perf_counter() - start, len(decomposer.traces), decomposer.retraced)
         return done
     except _Unsupported as e:
         why = str(e)
@@ -68,10 +72,12 @@ def decompose_program(ep: ExportedProgram, table: dict) -> ExportedProgram:
 
 def _torch_parts():
     """torch's private helpers run_decompositions itself uses (another torch: unsupported)."""
-    # checked node for node against run_decompositions on torch 2.13 (test_decompose); on the
-    # H200's torch 2.11 a fuzz case's graph (add with alpha after a vector norm) failed to legalize
-    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13):
-        raise _Unsupported(f"verified on torch >= 2.13, not {torch.__version__}")
+    if os.environ.get("GAC_DECOMPOSE", "") == "torch":
+        raise _Unsupported("GAC_DECOMPOSE=torch")
+    # checked node for node against run_decompositions on torch 2.11 and 2.13 (test_decompose,
+    # benchmarks/decompose_check.py over the fuzz cases)
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):
+        raise _Unsupported(f"verified on torch >= 2.11, not {torch.__version__}")
     try:
         from torch._export.utils import (
             _collect_all_valid_cia_ops_for_aten_namespace, _is_cia_op, _special_op_to_preserve_cia,
@@ -153,6 +159,34 @@ def dispatcher_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tup
     return new_args, new_kwargs
 
 
+def _op_name(graph: fx.Graph, op: torch._ops.OpOverload) -> str:
+    """A node's name as make_fx gives it (proxy_call): `__lshift__` becomes lshift."""
+    return graph._target_to_str(op.overloadpacket.__name__)
+
+
+def _value(new: Any) -> Any:
+    """The value (meta "val") of a new graph's node, or of a decomposition's outputs."""
+    return pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), new)
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    """Whether two values have the same metadata (tensors: what _static_meta reads)."""
+    if a is b:
+        return True
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if _static_meta(x) != _static_meta(y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
 def _static_meta(value: Any) -> tuple:
     """What a decomposition may read of a traced tensor (static sizes only)."""
     if any(not isinstance(s, int) for s in (*value.shape, *value.stride(), value.storage_offset())):
@@ -213,6 +247,7 @@ class _Decomposer:
         self.cia_overrides, self.python_table, self.preserved = _split(table, preservable, preserve)
         self.fake_mode = None
         self.traces: dict[tuple, tuple] = {}  # key -> (placeholders, nodes, outputs) of its trace
+        self.retraced = 0  # nodes traced anew: their inputs' values differ from the exported ones
 
     def _placeholders(self) -> list[fx.Node]:
         return [n for n in self.ep.graph_module.graph.nodes if n.op == "placeholder"]
@@ -232,19 +267,24 @@ class _Decomposer:
             p.name = p.target = placeholders[i].name  # (fx renames e.g. `input`; the specs name it)
             self._fake_mode_of(placeholders[i])
         with self._tracing():
-            decomposed = {}  # node -> (its key, its distinct tensor inputs)
+            decomposed = {}  # node -> (its key, its distinct tensor inputs, their values)
             for node in old.nodes:
                 self._check(node)
                 if node.op == "call_function" and node.target not in (operator.getitem, *_REWRITTEN) \
                         and self._needs_decomposing(node.target):
-                    decomposed[node] = self._key(node)
-            self._trace({key: (node, inputs) for node, (key, inputs) in decomposed.items()})
+                    decomposed[node] = self._key(node, lambda n: n.meta.get("val"))
+            self._trace({key: (node, inputs, values) for node, (key, inputs, values) in decomposed.items()})
+            changed: set[fx.Node] = set()  # nodes whose value's metadata is not the exported one's
             for node in old.nodes:
                 if node.op == "placeholder":
                     continue
                 if node.op == "output":
                     out = graph.output(pytree.tree_map_only(fx.Node, env.__getitem__, node.args[0]))
                     out.meta.update(node.meta)
+                    continue
+                if node.op == "call_function" and node.target is not operator.getitem \
+                        and any(i in changed for i in node.all_input_nodes):
+                    env[node] = self._retrace(graph, node, env)  # (as torch's re-trace meets it)
                 elif node.target is operator.getitem:
                     source = env[node.args[0]]  # (a decomposed op's outputs: a list of nodes)
                     env[node] = source[node.args[1]] if isinstance(source, (list, tuple)) else \
@@ -254,10 +294,12 @@ class _Decomposer:
                 elif node.target is aten.detach_.default:  # no autograd in the inference graph
                     env[node] = env[node.args[0]]
                 elif node in decomposed:
-                    env[node] = self._splice(graph, *decomposed[node], env)
+                    env[node] = self._splice(graph, *decomposed[node][:2], env)
                 else:
                     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                     env[node] = self._call(graph, node.target, *dispatcher_args(node.target, args, kwargs), node)
+                if not _same_meta(_value(env[node]), node.meta.get("val")):
+                    changed.add(node)
         graph.eliminate_dead_code()
         return self._program(graph)
 
@@ -298,17 +340,18 @@ class _Decomposer:
             _static_meta(v)
 
     def _call(self, graph: fx.Graph, op, args, kwargs, like: fx.Node) -> fx.Node:
-        new = graph.call_function(op, args, kwargs, name=op.overloadpacket.__name__)  # (as make_fx names it)
+        new = graph.call_function(op, args, kwargs, name=_op_name(graph, op))
         new.meta["val"] = like.meta.get("val")
         return new
 
-    def _key(self, node: fx.Node) -> tuple[tuple, list[fx.Node]]:
+    def _key(self, node: fx.Node, value: Callable[[fx.Node], Any]) -> tuple[tuple, list[fx.Node], list]:
         """The node's op and arguments with each tensor input as its metadata (and which of the
-        distinct inputs it is): two nodes with one key decompose alike."""
+        distinct inputs it is), the distinct inputs and their values (`value` of each): two nodes
+        with one key decompose alike."""
         inputs: list[fx.Node] = []
 
         def meta(n: fx.Node):
-            v = n.meta.get("val")
+            v = value(n)
             if not isinstance(v, torch.Tensor):
                 raise _Unsupported(f"{n.name} has no tensor value")
             if n not in inputs:
@@ -316,9 +359,20 @@ class _Decomposer:
             return ("input", inputs.index(n), *_static_meta(v))
 
         structure = fx.node.map_arg((node.args, node.kwargs), meta)
-        return (node.target, repr(structure)), inputs
+        return (node.target, repr(structure)), inputs, [value(n) for n in inputs]
 
-    def _trace(self, todo: dict[tuple, tuple[fx.Node, list[fx.Node]]]) -> None:
+    def _retrace(self, graph: fx.Graph, node: fx.Node, env: dict) -> Any:
+        """The node traced anew on its inputs' values in the new graph, which differ from the
+        exported ones (e.g. torch 2.11's meta of linalg_vector_norm over a negative dim of size
+        1 keeps the dim, gac's table rewrites the dim: each consumer's value is another shape):
+        a kept op's value is recomputed, a decomposed op's expansion made for those values."""
+        self.retraced += 1
+        key, inputs, values = self._key(node, lambda n: _value(env[n]))
+        if key not in self.traces:
+            self._trace({key: (node, inputs, values)})
+        return self._splice(graph, key, inputs, env)
+
+    def _trace(self, todo: dict[tuple, tuple[fx.Node, list[fx.Node], list]]) -> None:
         """Decomposes one node per key, all in one make_fx trace (its setup costs more than most
         decompositions), each on fresh fake inputs; records per key its placeholders, its nodes
         (a contiguous run of the trace) and its outputs."""
@@ -332,12 +386,12 @@ class _Decomposer:
         items = list(todo.items())
         with mode:  # the export's fake mode, as run_decompositions' (inputs: requiring no grad)
             fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                     for _, (_, inputs) in items for v in (n.meta["val"] for n in inputs)]
+                     for _, (_, _, values) in items for v in values]
         marks: list[int] = []  # the trace's node count before each decomposition, and at the end
 
         def run(*tensors):
             nodes, outs, at = get_proxy_mode().tracer.graph.nodes, [], 0
-            for _, (node, inputs) in items:
+            for _, (node, inputs, _) in items:
                 marks.append(len(nodes))
                 index = {n: at + k for k, n in enumerate(inputs)}
                 args, kwargs = pytree.tree_map_only(fx.Node, lambda n: tensors[index[n]], (node.args, node.kwargs))
@@ -353,7 +407,7 @@ class _Decomposer:
         if marks[0] != len(placeholders) or nodes[marks[-1]].op != "output":
             raise _Unsupported("an unexpected trace")
         at = 0
-        for k, (key, (node, inputs)) in enumerate(items):
+        for k, (key, (node, inputs, _)) in enumerate(items):
             own = placeholders[at:at + len(inputs)]
             run_k = nodes[marks[k]:marks[k + 1]]
             known = set(own) | set(run_k)
@@ -372,8 +426,8 @@ class _Decomposer:
         mapping = dict(zip(own, (env[i] for i in inputs)))
         for n in run_k:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), mapping.__getitem__)
-            name = n.target.overloadpacket.__name__ if isinstance(n.target, torch._ops.OpOverload) else None
-            new = mapping[n] = graph.create_node("call_function", n.target, args, kwargs, name=name)  # (make_fx's)
+            name = _op_name(graph, n.target) if isinstance(n.target, torch._ops.OpOverload) else None
+            new = mapping[n] = graph.create_node("call_function", n.target, args, kwargs, name=name)
             new.meta = {"val": n.meta.get("val")}
         return pytree.tree_map_only(fx.Node, mapping.__getitem__, outs)
 
@@ -397,6 +451,21 @@ class _Decomposer:
                                    constants=ep.constants, verifiers=[self.Verifier])
 
 
+def graph_rows(gm: fx.GraphModule) -> list[tuple]:
+    """The graph as rows to compare two decompositions by: per node its op, name, target,
+    arguments (nodes as their index) and value metadata (shape, strides, dtype, device, grad)."""
+    index: dict[fx.Node, str] = {}
+    rows = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = f"%{i}"
+        args = pytree.tree_map_only(fx.Node, index.__getitem__, (n.args, n.kwargs))
+        v = n.meta.get("val")
+        meta = (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) \
+            else type(v).__name__
+        rows.append((n.op, n.name, str(n.target), repr(args), meta))
+    return rows
+
+
 @contextlib.contextmanager
 def lazy_export_graph_modules():
     """ExportedPrograms made meanwhile get a graph module whose code is generated when first run
@@ -415,4 +484,4 @@ def lazy_export_graph_modules():
         exported_program._create_graph_module_for_export = make
 
 
-__all__ = ["decompose_program", "dispatcher_args"]
+__all__ = ["decompose_program", "dispatcher_args", "graph_rows"]

@@ -62,7 +62,8 @@ def infer_result_types(name: str, operand_types: list[ir.Type], attrs: dict,
     d = OPS[name]
     if d.infer is not None:
         inferred = d.infer(operand_types, attrs)
-        if given is not None and [str(t) for t in given] != [str(t) for t in inferred]:
+        # (types are uniqued in their context: equal exactly when printed alike; none printed)
+        if given is not None and (len(given) != len(inferred) or any(a != b for a, b in zip(given, inferred))):
             raise GacTypeError(f"gac.{name}: result types {[str(t) for t in given]} != "
                                f"inferred {[str(t) for t in inferred]}")
         return inferred

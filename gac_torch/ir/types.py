@@ -76,9 +76,12 @@ def elem_of(v: ir.Value | ir.Type) -> ir.Type:
 
 
 def is_float(t: ir.Type) -> bool:
-    return isinstance(t, (ir.F32Type, ir.F16Type, ir.BF16Type, ir.F64Type)) or str(t) in (
-        "f32", "f16", "bf16", "f64")
+    if isinstance(t, (ir.F32Type, ir.F16Type, ir.BF16Type, ir.F64Type)):
+        return True
+    return not isinstance(t, (ir.IntegerType, ir.IndexType)) and str(t) in ("f32", "f16", "bf16", "f64")
 
 
 def is_bool(t: ir.Type) -> bool:
-    return str(t) == "i1"
+    if isinstance(t, ir.IntegerType):  # (the usual case: no printing)
+        return t.width == 1 and t.is_signless
+    return not isinstance(t, (ir.FloatType, ir.IndexType)) and str(t) == "i1"

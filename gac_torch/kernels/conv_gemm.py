@@ -40,7 +40,11 @@ never materialised.
   5. store      each accumulator to C at its coordinates, rounded to C's type, inside only; or,
                 with an epilogue (gemm_epilogue.py), through the elementwise consumer to its output
 
-The tiling (`plan`: tiles, each operand's staging, buffers, split-K) is conv_gemm_plan.py.
+Stream-K (exact f32, `Plan.sk_workers`): a 1-d grid whose blocks run segments -- slices [k0, k0 +
+nk) of a tile -- in a loop, each steps 1-5 above, the partial sums fixed up before step 5
+(conv_gemm_streamk.py).
+
+The tiling (`plan`: tiles, each operand's staging, buffers, split-K, stream-K) is conv_gemm_plan.py.
 Buffers past the static 48 KB are dynamic shared memory (`Plan.dynamic`; the runtime opts in).
 Written once (`kernel`) against cuda_mma's two builders, extended: `_Text` in conv_gemm_text.py
 (MLIR, a `func.func @tmpl(%A, %B, %C, %init)` holding one gpu.launch for
@@ -56,7 +60,7 @@ from typing import Any
 
 from gac_torch.kernels import cuda_mma as mma
 from gac_torch.kernels import gemm_epilogue
-from gac_torch.kernels.conv_gemm_plan import EARLY_LOADS, LDMATRIX, Plan
+from gac_torch.kernels.conv_gemm_plan import EARLY_LOADS, LDMATRIX, Plan, _whole_slices
 from gac_torch.kernels.conv_gemm_spec import Operand as Operand
 from gac_torch.kernels.conv_gemm_spec import Spec as Spec
 from gac_torch.kernels.conv_gemm_spec import operand as operand
@@ -94,16 +98,28 @@ def _addr(b: Any, op: Operand, ivs: dict[int, Any], dims: tuple[int, ...], base:
 
 
 def kernel(b: Any, spec: Spec, p: Plan) -> None:
+    if p.sk_workers:  # stream-K: the block's segments in a loop (conv_gemm_streamk.py)
+        from gac_torch.kernels import conv_gemm_streamk
+
+        conv_gemm_streamk.run(b, spec, p, lambda bx, by, bz, seg: _tile(b, spec, p, bx, by, bz, seg))
+    else:
+        _tile(b, spec, p, b.bid(0), b.bid(1), b.bid(2), None)
+
+
+def _tile(b: Any, spec: Spec, p: Plan, bx: Any, by: Any, bz: Any, seg: Any) -> None:
+    """One tile; `seg` (stream-K): only its slices [seg.k0, seg.k0 + seg.nk), finished by
+    `seg.finish` (the partial sums' fix-up, then the store below once)."""
     T, BM, BN, BK = p.threads, p.bm, p.bn, p.bk
     simt, tf32 = spec.kind == "f32", spec.kind == "tf32"
     c, R = b.const, spec.ranges
     # 1. locate
     tid = b.tid()
-    bx, by, bz = b.bid(0), b.bid(1), b.bid(2)
     m0, n0 = b.mul(by, c(BM)), b.mul(bx, c(BN))
     split = p.splits > 1
     assert not (split and (spec.fill or spec.epilogue)), "split K adds into C: no fused fill/epilogue"
     kbeg = b.mul(b.rem(bz, c(p.splits)), c(p.kchunk)) if split else None  # this block's K range
+    if seg is not None:
+        kbeg = b.mul(seg.k0, c(BK))
     bat = _split(b, b.div(bz, c(p.splits)) if split else bz, spec.batch, R) if spec.batch else {}
 
     def kb(s: Any) -> Any:  # the first k of slice s (an index value)
@@ -113,6 +129,13 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
         return _addr(b, op, bat, spec.batch, c(op.const))
 
     a_base, b_base, c_base = base(spec.a), base(spec.b), base(spec.c)
+    # stream-K, one K dim, no K bound checks (`k_exact`): the segment's first k moves A's and
+    # B's bases instead, so that the slice loop is the plain kernel's (slices counted from 0)
+    if seg is not None and _whole_slices(p, spec):
+        kd = spec.ks[0]
+        a_base = b.add(a_base, b.mul(kbeg, c(spec.a.coef[kd])))
+        b_base = b.add(b_base, b.mul(kbeg, c(spec.b.coef[kd])))
+        kbeg = None
 
     def step(which: str) -> int:
         """mma (simt: lean), T a multiple of a tile row's vectors: vector i of a thread is
@@ -158,6 +181,8 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     k_exact = p.lean and spec.K % BK == 0 and (not split or spec.K % p.kchunk == 0)
 
     def clamp(s: Any) -> Any:  # a slice to load: past the last one, the last (never computed)
+        if seg is not None and k_exact:
+            return b.min_(s, b.sub(seg.nk, c(1)))
         return b.min_(s, c(nk - 1)) if k_exact else s
 
     def both(x: Any, y: Any) -> Any:  # conjunction of bound checks, None: none needed
@@ -284,10 +309,14 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
                                 _addr(b, op, col_iv[j], spec.ns))
 
     # 2. init
+    # (stream-K: a tile's first segment starts from the init, the others from 0)
+    first = b.eq(seg.k0, c(0)) if seg is not None else None
     if spec.fill or split:  # (split: C already holds the init; partial sums start at 0)
         accs = [b.init_f32() if spec.fill else c(0.0, "f32")] * len(places)
+        if first is not None:
+            accs = [b.select(first, accs[0], c(0.0, "f32"), "f32")] * len(places)
     else:
-        accs = [b.load_cflat(addr, ok) for addr, ok in out_points()]
+        accs = [b.load_cflat(addr, ok if first is None else b.and_(ok, first)) for addr, ok in out_points()]
 
     # 3. prologue
     zero = c(0)
@@ -296,7 +325,7 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
     held = [w for w, st in (("A", p.a), ("B", p.b)) if not st.cp]  # staged through registers
     for s in range(S - 1 if copied else 0):  # 3c: slices 0 .. S-2 in flight
         for w in copied:
-            issue(w, c(s), kb(c(min(s, nk - 1) if k_exact else s)))
+            issue(w, c(s), kb(clamp(c(s)) if seg is not None else c(min(s, nk - 1) if k_exact else s)))
         b.cp_commit()
     for w in held:
         stage(w, zero, load_slice(w, kb(zero)))
@@ -433,18 +462,28 @@ def kernel(b: Any, spec: Spec, p: Plan) -> None:
             stage(w, b.rem(kn, c(S)), vals)
         return accs
 
-    accs = b.loop(nk, accs, body_async if copied else body)
+    if seg is None:
+        accs = b.loop(nk, accs, body_async if copied else body)
+    else:
+        accs = b.for_(c(0), seg.nk, c(1), accs, ["f32"] * len(accs), body_async if copied else body)
     if copied:
         b.cp_wait(0)  # (the slices past K were zero-fills: none left in flight at exit)
+
     # 5. store
-    if spec.epilogue is not None and os.environ.get("GAC_IGEMM_EPILOGUE_PER_ACC") != "1":
-        # (8 accumulators' loads at once where registers allow; 2 where the kernel gets 128 per
-        # thread: no register-staged vectors, backends/cuda/pipeline.py gives it 2 blocks per SM)
-        two = not simt and all(st.cp or st.vec == 1 for st in (p.a, p.b))
-        gemm_epilogue.store_all(b, spec, out_points(), accs, places, col_ok, _split, _addr, direct, 2 if two else 8)
-        return
-    for (addr, ok), val, (i, j) in zip(out_points(), accs, places):  # (per accumulator: bisects)
-        if spec.epilogue is not None:
-            gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
-        else:
-            b.store_cflat(addr, val, ok, add=split)
+    def store(accs: list[Any]) -> None:
+        if spec.epilogue is not None and os.environ.get("GAC_IGEMM_EPILOGUE_PER_ACC") != "1":
+            # (8 accumulators' loads at once where registers allow; 2 where the kernel gets 128 per
+            # thread: no register-staged vectors, backends/cuda/pipeline.py gives it 2 blocks per SM)
+            two = not simt and all(st.cp or st.vec == 1 for st in (p.a, p.b))
+            gemm_epilogue.store_all(b, spec, out_points(), accs, places, col_ok, _split, _addr, direct, 2 if two else 8)
+            return
+        for (addr, ok), val, (i, j) in zip(out_points(), accs, places):  # (per accumulator: bisects)
+            if spec.epilogue is not None:
+                gemm_epilogue.store(b, spec, addr, val, ok, _split, _addr, direct(i, j))
+            else:
+                b.store_cflat(addr, val, ok, add=split)
+
+    if seg is None:
+        store(accs)
+    else:
+        seg.finish(accs, store)

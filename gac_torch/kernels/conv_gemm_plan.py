@@ -1,8 +1,8 @@
 """The tiling of the implicit-GEMM kernel (conv_gemm.py): a Spec's Plan -- tile sizes and warp
 layout (mma.sync) or register tiles (exact-f32 SIMT), each operand's staging (vector width, the
 global run it walks, shared-memory layout, cp.async or registers), the buffer count that fits
-in shared memory, and split-K for the SIMT kernel's long reductions -- plus the bisecting
-switches the plan and the kernel read.
+in shared memory, split-K for the SIMT kernel's long reductions and stream-K for its partial
+last waves (`streamk`) -- plus the bisecting switches the plan and the kernel read.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class Plan(mma.WarpTiling):
     splits: int = 1  # simt split-K: grid z = batch x splits; each block adds its `kchunk`'s sum
     kchunk: int = 0  # to C atomically (C holds the init: no fused fill or epilogue then)
     lean: bool = False  # simt: fewer integer ops per slice (see `kernel`, 4a)
+    sk_workers: int = 0  # simt stream-K (conv_gemm_streamk.py): blocks 0 .. sk_workers-1 share the
+    sk_tiles: int = 0  # first sk_tiles tiles' K slices evenly; a 1-d grid, one block per other tile
 
 
 def smem_elem(kind: str) -> str:
@@ -224,7 +226,39 @@ def plan(spec: Spec, max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535),
         kchunk = -(-spec.K // (splits * bk)) * bk
         p = dataclasses.replace(p, grid=(grid[0], grid[1], batch * -(-spec.K // kchunk)),
                                 splits=-(-spec.K // kchunk), kchunk=kchunk)
-    return p
+    return streamk(p, spec) if simt and split_k and p.splits == 1 else p
+
+
+def streamk(p: Plan, spec: Spec, slots: int | None = None, force: bool = False) -> Plan:
+    """Stream-K (conv_gemm_streamk.py) where it pays: `slots` = co-resident blocks (SM count x
+    blocks per SM: 264 on the H200). T tiles make T / slots waves; the last, partial one leaves
+    slots idle while the busiest SMs run one more tile than the average: a loss of
+    ceil(w) / w - 1 (4096^3 at 128x128: 1024 tiles, 3.88 waves, 3.1 %). Taken when that loss is
+    >= 2 %, there are >= 2 waves (under that, split-K's territory) and K is long (>= 64 slices
+    of BK: the fix-up of a split tile, ~2 x 64 KB through L2, is small next to its FMAs), and
+    each worker gets >= 8 slices. Then the T % slots tiles of the last wave are shared by
+    `slots` workers (equal contiguous ranges of their (tile, slice) space; blocks 0 ..
+    slots-1), every other tile is one block of its own. Only over whole tiles and whole K slices
+    of one K dim (`_whole_slices`: the slice loop is then the plain kernel's, and no bound check
+    holds registers; sm_90 ptxas: 128 registers, no spills, where a ragged M / N spilled 60 bytes
+    at 3000 x 3000 x 1040 and a ragged K 32 at 3000 x 3000 x 1030; the plain kernel: none).
+    `force` (tests): whenever there is a partial wave."""
+    slots = slots or mma.SM_COUNT_HINT * sgemm_blocks_per_sm()
+    tiles = math.prod(p.grid)
+    nk = -(-spec.K // p.bk)
+    waves = tiles / slots
+    tail = tiles % slots
+    on = os.environ.get("GAC_SGEMM_STREAMK") != "0"  # (read when planning: gemm_variants sets it per variant)
+    if not force and (not on or waves < 2 or not tail or -(-tiles // slots) / waves - 1 < 0.02 or nk < 64
+            or tail * nk < 8 * slots or not _whole_slices(p, spec) or spec.M % p.bm or spec.N % p.bn) or not tail:
+        return p
+    return dataclasses.replace(p, grid=(slots + tiles - tail, 1, 1), sk_workers=slots, sk_tiles=tail)
+
+
+def _whole_slices(p: Plan, spec: Spec) -> bool:
+    """One K dim of whole BK slices, no padding guards, the lean kernel: a stream-K segment's
+    first k then moves the operands' bases (conv_gemm._tile)."""
+    return len(spec.ks) == 1 and spec.K % p.bk == 0 and p.lean and not spec.a.guards and not spec.b.guards
 
 
 def smem_bytes(p: Plan, spec: Spec) -> int:

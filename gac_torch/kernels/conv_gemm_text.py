@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 
 from gac_torch.kernels import cuda_mma as mma
-from gac_torch.kernels import gemm_epilogue
+from gac_torch.kernels import conv_gemm_streamk, gemm_epilogue
 from gac_torch.kernels.builder import WORKGROUP
 from gac_torch.kernels.conv_gemm import Spec, kernel
 from gac_torch.kernels.conv_gemm_plan import ESIZE, Plan, smem_bytes, smem_elem
 
 
-class _Text(gemm_epilogue.TextMixin, mma.MmaText):
+class _Text(conv_gemm_streamk.TextMixin, gemm_epilogue.TextMixin, mma.MmaText):
     def __init__(self, spec: Spec, p: Plan):
         super().__init__(spec, p)  # type: ignore[arg-type]
         self.e = smem_elem(spec.kind)
@@ -107,9 +107,13 @@ def template(spec: Spec, p: Plan) -> str:
     ep = spec.epilogue
     extra = [] if ep is None else ([(f"E{k}", x[0]) for k, x in enumerate(ep.inputs) if x is not None]
                                    + [(f"T{t}", x[0]) for t, (_, x) in enumerate(ep.taps)] + [("Z", ep.out[0])])
+    if p.sk_workers:  # stream-K's workspace: partial sums, tile counters (conv_gemm_streamk.py)
+        extra += [("W", b._ws_types()[0]), ("F", b._ws_types()[1])]
     flat = []
     uses_c = ep is None or not spec.fill  # C is read (init) or written (no epilogue)
     for name, op in (("A", spec.a), ("B", spec.b), *([("C", spec.c)] if uses_c else []), *extra):
+        if name in ("W", "F"):
+            continue
         flat.append(f"%{name}f = memref.reinterpret_cast %{name} to offset: [{op.offset}], "
                     f"sizes: [{op.span}], strides: [1] : {op.type} to {op.flat}")
     if p.dynamic:  # one dynamic buffer, A's tiles then B's (16-byte aligned: whole rows)
@@ -126,7 +130,7 @@ def template(spec: Spec, p: Plan) -> str:
         attrib = f"workgroup(%SA : {b.smem['A']}, %SB : {b.smem['B']}) "
     head = [
         f"func.func @tmpl(%A: {spec.a.type}, %B: {spec.b.type}, %C: {spec.c.type}, "
-        + "".join(f"%{n}: {op.type}, " for n, op in extra) + f"%init: {spec.c.elem}) {{",
+        + "".join(f"%{n}: {op if n in ('W', 'F') else op.type}, " for n, op in extra) + f"%init: {spec.c.elem}) {{",
         f"%one = arith.constant 1 : index\n%gx = arith.constant {gx} : index",
         f"%gy = arith.constant {gy} : index\n%gz = arith.constant {gz} : index",
         f"%nt = arith.constant {p.threads} : index", *smem,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gac_torch.kernels import gemm_epilogue
+from gac_torch.kernels import conv_gemm_streamk, gemm_epilogue
 from gac_torch.kernels.cuda_mma_twin import MmaNumpy
 from gac_torch.kernels.builder import Smem, round_to
 from gac_torch.kernels.conv_gemm import Operand, Spec, kernel
@@ -17,7 +17,7 @@ from gac_torch.kernels.conv_gemm_plan import Plan, smem_elem
 # builder 2: numpy, one block at a time, threads in lockstep
 
 
-class _Numpy(gemm_epilogue.NumpyMixin, MmaNumpy):
+class _Numpy(conv_gemm_streamk.NumpyMixin, gemm_epilogue.NumpyMixin, MmaNumpy):
     def __init__(self, spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                  init: float, block: tuple[int, int, int]):
         super().__init__(spec, p, A, B, C, init, block)  # type: ignore[arg-type]
@@ -107,12 +107,15 @@ def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
             strides: tuple[tuple[int, ...], ...], init: float = 0.0,
             epi: tuple[tuple[np.ndarray, tuple[int, ...]] | None, ...] = (),
             out: tuple[np.ndarray, tuple[int, ...]] | None = None,
-            taps: tuple[tuple[np.ndarray, tuple[int, ...]], ...] = ()) -> np.ndarray:
+            taps: tuple[tuple[np.ndarray, tuple[int, ...]], ...] = (),
+            order: list[tuple[int, int, int]] | None = None, sk: dict | None = None) -> np.ndarray:
     """Run the kernel on the CPU. A, B, C are arrays shaped like the memrefs, whose strides
     (elements) are `strides`; returns C's new flat view (f32 holding values rounded to C's type),
     or with an epilogue Z's (`epi`: (array, strides) per epilogue input, None for Y; `out`: Z;
     `taps`: (array, strides) per tapped stage, written in place).
-    Raises RaceError on a shared-memory race, AssertionError on out-of-range accesses."""
+    Raises RaceError on a shared-memory race, AssertionError on out-of-range accesses.
+    `order`: the blocks in the order to run them (default: the grid's, x fastest); stream-K's
+    last ticket goes to the block run last. `sk`: gets the workspace ("W", "F") after the run."""
     rnd = "f32" if spec.kind in ("tf32", "f32") else spec.kind
     fa = _flat(round_to(A, rnd), spec.a, A.shape, strides[0])
     fb = _flat(round_to(B, rnd), spec.b, B.shape, strides[1])
@@ -122,12 +125,15 @@ def emulate(spec: Spec, p: Plan, A: np.ndarray, B: np.ndarray, C: np.ndarray,
           for x, op in zip(epi, ep.inputs)] if ep is not None else []
     fz = _flat(np.asarray(out[0], np.float32), ep.out[0], out[0].shape, out[1]) if ep is not None else None
     ft = [_flat(np.asarray(x, np.float32), t[1][0], x.shape, st) for (x, st), t in zip(taps, ep.taps)] if ep else []
-    for bz in range(p.grid[2]):
-        for by in range(p.grid[1]):
-            for bx in range(p.grid[0]):
-                k = _Numpy(spec, p, fa, fb, fc, init, (bx, by, bz))
-                k.E, k.Z, k.taps = fe, fz, ft
-                kernel(k, spec, p)
+    nw, nf = conv_gemm_streamk.workspace(spec, p)
+    ws, flags = np.full(nw, np.nan, np.float32), np.zeros(nf, np.int64)
+    gx, gy, gz = p.grid
+    for blk in order or [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]:
+        k = _Numpy(spec, p, fa, fb, fc, init, blk)
+        k.E, k.Z, k.taps, k.W, k.F = fe, fz, ft, ws, flags
+        kernel(k, spec, p)
+    if sk is not None:
+        sk.update(W=ws, F=flags)
     for (x, st), f in zip(taps, ft):  # (the tapped arrays get their values)
         x[...] = np.lib.stride_tricks.as_strided(f, x.shape, tuple(4 * k for k in st))
     return fc if ep is None else fz

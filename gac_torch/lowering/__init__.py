@@ -28,6 +28,7 @@ from gac_torch.lowering.core import convert, elem, elementwise as ew
 from gac_torch.lowering.fusion import fuse_elementwise
 from gac_torch.lowering.registry import DATA_MOVEMENT, LOWERINGS
 from gac_torch.errors import GacUnsupportedError
+from gac_torch.runtime import progress
 
 
 class LoweringError(GacUnsupportedError):
@@ -69,27 +70,12 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
             f.attributes["llvm.emit_c_interface"] = ir.UnitAttr.get()
             entry = f.add_entry_block()
         core.result_dims.clear()
-        with ir.InsertionPoint(entry):
-            values: dict = {}  # gac value -> its storage-form tensor (or index)
-            for arg, t, mem in zip(src.regions[0].blocks[0].arguments, ins, entry.arguments):
-                values[arg] = (bufferization.ToTensorOp(storage_type(t), mem, restrict=True).result
-                               if isinstance(t, ir.RankedTensorType) else mem)
-            for index, op in enumerate(src.regions[0].blocks[0].operations):
-                opname = op.operation.name
-                if opname == "func.return":
-                    for v, dest in zip(op.operands, entry.arguments[len(ins):]):
-                        bufferization.MaterializeInDestinationOp(
-                            None, values[v], dest, restrict=True, writable=True)
-                    func.ReturnOp([])
-                    continue
-                # Every op made for gac op #i carries the location "gac<i>"; fusion merges
-                # locations, which is how passes/fusion.py reads the kernels back.
-                with ir.Location.name(f"gac{index}"):
-                    if not opname.startswith("gac."):  # index math on sizes: carried over
-                        _clone(op, values)
-                    else:
-                        _lower_op(op, opname, values)
-        core.result_dims.clear()
+        core.lowered_attrs.start()
+        try:
+            _lower_body(src, ins, entry, _i1(), _i8())
+        finally:
+            core.result_dims.clear()
+            core.lowered_attrs.clear()
         module.operation.verify()
         # Fuse elementwise chains here, once for every target: fewer loops and temporaries, and
         # the bool conversions above disappear into their users. Fusion only moves single-use
@@ -97,13 +83,37 @@ def lower_to_linalg(gac_module: ir.Module) -> ir.Module:
         # it can also move a reshape onto an i1 value, which a second round fuses through.
         # Contractions take no computing producer as a prologue (fusion.py says why).
         for _ in range(3):
-            fuse_elementwise(module)
+            with progress.timed("fusion (in lower_to_linalg)"):
+                fuse_elementwise(module)
             bools = _bool_tensors(module)
             if not bools:
                 break
         if bools:  # an i1 buffer, which LLVM lowering cannot store (it aborts the process)
             raise LoweringError(f"bool tensor would be materialized by {sorted(set(bools))}")
     return module
+
+
+def _lower_body(src, ins: list, entry: ir.Block, i1: ir.Type, i8: ir.Type) -> None:
+    with ir.InsertionPoint(entry):
+        values: dict = {}  # gac value -> its storage-form tensor (or index)
+        for arg, t, mem in zip(src.regions[0].blocks[0].arguments, ins, entry.arguments):
+            values[arg] = (bufferization.ToTensorOp(storage_type(t), mem, restrict=True).result
+                           if isinstance(t, ir.RankedTensorType) else mem)
+        for index, op in enumerate(src.regions[0].blocks[0].operations):
+            opname = op.operation.name
+            if opname == "func.return":
+                for v, dest in zip(op.operands, entry.arguments[len(ins):]):
+                    bufferization.MaterializeInDestinationOp(
+                        None, values[v], dest, restrict=True, writable=True)
+                func.ReturnOp([])
+                continue
+            # Every op made for gac op #i carries the location "gac<i>"; fusion merges
+            # locations, which is how passes/fusion.py reads the kernels back.
+            with ir.Location.name(f"gac{index}"):
+                if not opname.startswith("gac."):  # index math on sizes: carried over
+                    _clone(op, values)
+                else:
+                    _lower_op(op, opname, values, i1, i8)
 
 
 def _clone(op, values: dict) -> None:
@@ -166,7 +176,8 @@ def _reify(op, name: str, operands: list) -> list[list]:
     return reified
 
 
-def _lower_op(op, opname: str, values: dict) -> None:
+def _lower_op(op, opname: str, values: dict, i1: ir.Type, i8: ir.Type) -> None:
+    """(i1, i8: the context's types, made once per module; types compare by identity)"""
     name = opname.removeprefix("gac.")
     if name not in LOWERINGS:
         raise LoweringError(f"no lowering for {opname}")
@@ -174,23 +185,25 @@ def _lower_op(op, opname: str, values: dict) -> None:
     operands = []
     for v in op.operands:
         s = values[v]
-        logical_bool = isinstance(v.type, ir.RankedTensorType) and str(v.type.element_type) == "i1"
-        operands.append(_retype(s, _i1()) if logical_bool and not moves else s)
+        t = v.type
+        logical_bool = isinstance(t, ir.RankedTensorType) and t.element_type == i1
+        operands.append(_retype(s, i1) if logical_bool and not moves else s)
     dynamic = [r for r in op.results if isinstance(r.type, ir.RankedTensorType) and DYN in r.type.shape]
     if dynamic:
         for r, dims in zip(op.results, _reify(op, name, operands)):
             core.result_dims[r] = dims
     results = LOWERINGS[name](op, operands)
     for r, new in zip(op.results, results):
-        if not isinstance(r.type, ir.RankedTensorType):
+        rt = r.type
+        if not isinstance(rt, ir.RankedTensorType):
             values[r] = new
             continue
-        want = storage_type(r.type)
-        if str(elem(new.type)) == "i1" and str(want.element_type) == "i8":
-            new = _retype(new, _i8())
-        if str(new.type) != str(want) and dynamic and _compatible(new.type, want):
+        want = rt if rt.element_type != i1 else storage_type(rt)
+        if want.element_type == i8 and elem(new.type) == i1:
+            new = _retype(new, i8)
+        if new.type != want and dynamic and _compatible(new.type, want):
             new = tensor_d.CastOp(want, new).result  # a size the lowering knew statically
-        if str(new.type) != str(want):
+        if new.type != want:
             raise LoweringError(f"lowering of {opname} produced {new.type}, expected {want}")
         values[r] = new
 
@@ -204,14 +217,18 @@ def _compatible(a: ir.Type, b: ir.Type) -> bool:
 def _bool_tensors(module: ir.Module) -> list[str]:
     bad: list[str] = []
 
+    i1 = _i1()
+
     def visit(op):
         for r in op.results:
             t = r.type
-            if isinstance(t, ir.RankedTensorType) and str(t.element_type) == "i1":
+            if isinstance(t, ir.RankedTensorType) and t.element_type == i1:
                 bad.append(op.name)
-        return ir.WalkResult.ADVANCE
+        # a linalg op's body computes scalars: not visited (pre-order), its results are
+        return ir.WalkResult.SKIP if op.name.startswith("linalg.") else ir.WalkResult.ADVANCE
 
-    module.operation.walk(visit)
+    with module.context:
+        module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
     return bad
 
 

@@ -43,6 +43,26 @@ class _PerThreadDict(threading.local):
 # gac result Value -> its dims (ints / index Values), set while that op is lowered.
 result_dims = _PerThreadDict()
 
+
+class _LoweringAttrs(_PerThreadDict):
+    """Attributes reused within one lower_to_linalg call (one context), per thread: `active`
+    only between its start() and clear(), so a builder used elsewhere parses its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = False
+
+    def start(self) -> None:
+        self.items.clear()
+        self.active = True
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.active = False
+
+
+lowered_attrs = _LoweringAttrs()
+
 PARALLEL = "parallel"
 REDUCTION = "reduction"
 
@@ -103,8 +123,11 @@ def same_size(a, b) -> bool:
 
 def elem(v: ir.Value | ir.Type) -> ir.Type:
     t = v.type if isinstance(v, ir.Value) else v
-    return ir.RankedTensorType(t).element_type if isinstance(t, ir.RankedTensorType) or \
-        str(t).startswith("tensor<") else t
+    if isinstance(t, ir.RankedTensorType):
+        return t.element_type
+    if isinstance(t, (ir.FloatType, ir.IntegerType, ir.IndexType)):  # a scalar (no printing)
+        return t
+    return ir.RankedTensorType(t).element_type if str(t).startswith("tensor<") else t
 
 
 def compute_type(e: ir.Type) -> ir.Type:
@@ -130,7 +153,13 @@ def const(value: float | int | bool, e: ir.Type) -> ir.Value:
 
 def full(shape_: Sequence[int], value, e: ir.Type) -> ir.Value:
     """A tensor filled with one value (linalg.fill), the usual reduction init."""
-    return linalg.fill(const(value, e), outs=[empty(shape_, e)])
+    scalar = const(value, e)  # (made before the empty tensor, as before)
+    out = empty(shape_, e)
+    # linalg.FillOp with its builtin region: what the OpDSL `linalg.fill` builds (the value's type
+    # is the element type: no cast), without that builder's per-call op-definition work
+    op = linalg.FillOp([out.type], [scalar], [out])
+    linalg.fill_builtin_region(op.operation)
+    return op.result
 
 
 def lowest(e: ir.Type):
@@ -148,7 +177,7 @@ def highest(e: ir.Type):
 def convert(x: ir.Value, to: ir.Type) -> ir.Value:
     """Scalar conversion with torch semantics: float->int truncates, x->bool is x != 0."""
     src = x.type
-    if str(src) == str(to):
+    if src == to:  # (types are uniqued in their context: equal exactly when printed alike)
         return x
     if is_bool(to):
         zero = const(0, src)
@@ -226,7 +255,7 @@ def generic(inputs: Sequence[ir.Value], in_maps: Sequence[ir.AffineMap],
             real_inputs.append(v)
             real_maps.append(m)
     maps = ir.ArrayAttr.get([ir.AffineMapAttr.get(m) for m in list(real_maps) + list(out_maps)])
-    iters = ir.ArrayAttr.get([ir.Attribute.parse(f"#linalg.iterator_type<{it}>") for it in iterators])
+    iters = _iterator_types(tuple(iterators))
     op = linalg.GenericOp([o.type for o in outputs], real_inputs, list(outputs), maps, iters)
     block = op.regions[0].blocks.append(*[elem(v) for v in real_inputs], *[elem(o) for o in outputs])
     with ir.InsertionPoint(block):
@@ -236,6 +265,17 @@ def generic(inputs: Sequence[ir.Value], in_maps: Sequence[ir.AffineMap],
             scalars.append(arith.ConstantOp(s.type, s).result if s is not None else args.pop(0))
         linalg.YieldOp(list(body(*scalars, *args)))
     return list(op.results)
+
+
+def _iterator_types(iterators: tuple) -> ir.Attribute:
+    """The iterator_types ArrayAttr, parsed once per kind of iteration while a module is lowered
+    (`lowered_attrs`: cleared with result_dims, the attributes belong to that module's context)."""
+    attr = lowered_attrs.items.get(iterators) if lowered_attrs.active else None
+    if attr is None:
+        attr = ir.Attribute.parse("[" + ", ".join(f"#linalg.iterator_type<{it}>" for it in iterators) + "]")
+        if lowered_attrs.active:
+            lowered_attrs[iterators] = attr
+    return attr
 
 
 def _is_empty(v: ir.Value) -> bool:

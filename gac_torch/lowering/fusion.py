@@ -114,7 +114,8 @@ def _contractions(module: ir.Module) -> list[ir.Operation]:
             return ir.WalkResult.SKIP  # bodies hold no linalg ops
         return ir.WalkResult.ADVANCE
 
-    module.operation.walk(visit)
+    # (pre-order: SKIP then leaves the bodies unvisited; the linalg ops come in the same order)
+    module.operation.walk(visit, ir.WalkOrder.PRE_ORDER)
     return found
 
 

@@ -37,6 +37,7 @@ import torch
 
 from gac_torch.backends import get_target
 from gac_torch.errors import GacError, TargetUnavailable
+from gac_torch.frontends.torch_state import TRACE_LOCK
 from gac_torch.backends.base import Signature, SizeSpec, TensorSpec
 from gac_torch.options import Options, resolve
 from gac_torch.runtime import cache, program_json
@@ -204,6 +205,11 @@ def to_bytes(compiled: Any, weights: bool = True) -> bytes:
                             f"program or nn.Module, got {type(compiled).__name__}")
     if isinstance(compiled.compiled, SpecializedFx):
         raise ArtifactError("this program is compiled once per input shape; saving it is not supported yet")
+    with TRACE_LOCK:  # (torch's tracing state; and gac_torch.save beside the cache's writer thread)
+        return _to_bytes(compiled, weights)
+
+
+def _to_bytes(compiled: Any, weights: bool) -> bytes:
     _define_op()
     parts = compiled.compiled.partitions
     entries = {name: cache.pack_entry(name, _entry(cg)) for name, cg in parts.items()}
@@ -414,16 +420,22 @@ def program_key(ep: torch.export.ExportedProgram, options: Options) -> str:
 
 def remember_program(key: str, compiled: Any) -> None:
     """Stores the whole compiled program when every partition is already plain data (else the
-    packing would cost more than it saves, e.g. small cpu partitions); never raises."""
+    packing would cost more than it saves, e.g. small cpu partitions); never raises. Packed
+    (torch.export.save: ~1.5 s for BEVFormer-tiny) and written by the cache's writer thread
+    behind the compile (cache.store_later; GAC_CACHE_BACKGROUND=0: here)."""
     parts = compiled.compiled.partitions.values()
     if any(getattr(cg, "saved", (None, None))[1] is None for cg in parts):
         return
-    try:
-        data = to_bytes(compiled, weights=False)  # the caller's ep brings them on a hit
-    except Exception as e:  # noqa: BLE001  (an optimization: e.g. a graph torch cannot serialize)
-        log.debug("gac cache: program not cached: %s", e)
-        return
-    cache.store(key, cache.Entry({"kind": "program"}, {"artifact": data}))
+
+    def entry() -> cache.Entry | None:
+        try:
+            data = to_bytes(compiled, weights=False)  # the caller's ep brings them on a hit
+        except Exception as e:  # noqa: BLE001  (an optimization: e.g. a graph torch cannot serialize)
+            log.debug("gac cache: program not cached: %s", e)
+            return None
+        return cache.Entry({"kind": "program"}, {"artifact": data})
+
+    cache.store_later(key, entry)
 
 
 def cached_program(key: str, options: dict | None, user_ep: torch.export.ExportedProgram):

@@ -3,6 +3,8 @@
     GAC_CACHE=0                 disables it (as does the option cache=False)
     GAC_CACHE_DIR=/path         where entries live (default: ~/.cache/gac_torch, or $XDG_CACHE_HOME)
     GAC_CACHE_SIZE_MB=2048      bound; the least recently used entries go first
+    GAC_CACHE_BACKGROUND=0      compiles write their entries themselves (default: a writer thread
+                                behind the compile: store_later)
     gac_torch.cache.clear()     removes every entry
 
 The key (`cache_key`) is a sha256 over a canonical JSON of: the partition's gac module text and
@@ -25,6 +27,7 @@ caches those only for Inductor); the MLIR compile is what is skipped.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (before _drain's registration: see there)
 import contextlib
 import contextvars
 import functools
@@ -36,8 +39,10 @@ import platform
 import struct
 import sys
 import tempfile
+import threading
 import zlib
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +118,7 @@ def size_limit() -> int:
 
 def clear() -> int:
     """Removes every cache entry; returns how many."""
+    flush()  # (stores still queued would land after)
     n = 0
     root = cache_dir()
     if not root.is_dir():
@@ -170,9 +176,12 @@ def versions() -> dict[str, str]:
 # GAC_* variables that do not decide generated code (where things go, how many workers, the
 # run-time launch path); every other GAC_* switch (GAC_WGMMA_*, GAC_SGEMM_*, GAC_CONV1X1_WGMMA, ...)
 # picks kernels, so it is part of the key: flipping one for an A/B run never reuses stale code.
-RUNTIME_ONLY = frozenset({"GAC_CACHE", "GAC_CACHE_DIR", "GAC_CACHE_SIZE_MB", "GAC_DUMP_DIR", "GAC_COMMIT",
+RUNTIME_ONLY = frozenset({"GAC_CACHE", "GAC_CACHE_DIR", "GAC_CACHE_SIZE_MB", "GAC_CACHE_BACKGROUND",
+                          "GAC_DUMP_DIR", "GAC_COMMIT",
                           "GAC_COMPILE_WORKERS", "GAC_CUDA_GRAPHS", "GAC_CUDA_SYNC", "GAC_STRICT_INTERNAL",
                           "GAC_VORTEX_SIMX_TIMEOUT",
+                          # (the same code either way: how a call launches it, how dynamo calls it)
+                          "GAC_LAUNCH_BLOCK", "GAC_DYNAMO_RECORDS",
                           # (the same code either way: how the "gpu" stage spends its time)
                           "GAC_GPU_STAGE_WORKERS", "GAC_GPU_KERNELS_ASIDE"})
 
@@ -268,8 +277,8 @@ def unpack_entry(data: bytes, key: str | None) -> Entry:
     return Entry(header["meta"], blobs, stages)
 
 
-def _path(key: str) -> Path:
-    return cache_dir() / key[:2] / f"{key}{SUFFIX}"
+def _path(key: str, root: Path | None = None) -> Path:
+    return (root or cache_dir()) / key[:2] / f"{key}{SUFFIX}"
 
 
 # -- torch.compiler.save_cache_artifacts / load_cache_artifacts ------------------------------------
@@ -334,6 +343,7 @@ def register_with_torch_artifacts() -> None:
 def load(key: str, quiet: bool = False) -> Entry | None:
     """The entry for `key`, or None (a miss). A damaged entry is removed: a miss, with a warning.
     `quiet`: hits and misses at DEBUG (one per cuda kernel would flood INFO)."""
+    _wait_for(key)  # (a store of it still queued in this process: store_later)
     path = _path(key)
     level = logging.DEBUG if quiet else logging.INFO
     try:
@@ -357,18 +367,19 @@ def load(key: str, quiet: bool = False) -> Entry | None:
     return entry
 
 
-def store(key: str, entry: Entry, quiet: bool = False) -> None:
+def store(key: str, entry: Entry, quiet: bool = False, root: Path | None = None) -> None:
     """Writes atomically (temporary file in the same folder, then rename); never raises.
     `quiet` (one of many, e.g. a cuda kernel): logged at DEBUG, and the caller evicts once
-    after the batch (each eviction lists the whole cache)."""
+    after the batch (each eviction lists the whole cache). `root`: the cache folder (default:
+    cache_dir() now)."""
     data = pack_entry(key, entry)
-    _write(key, data, logging.DEBUG if quiet else logging.INFO, evict_after=not quiet)
+    _write(key, data, logging.DEBUG if quiet else logging.INFO, evict_after=not quiet, root=root)
     if not quiet:
         _record(key, data)
 
 
-def _write(key: str, data: bytes, level: int, evict_after: bool = True) -> None:
-    path = _path(key)
+def _write(key: str, data: bytes, level: int, evict_after: bool = True, root: Path | None = None) -> None:
+    path = _path(key, root)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
@@ -381,15 +392,15 @@ def _write(key: str, data: bytes, level: int, evict_after: bool = True) -> None:
             raise
         log.log(level, "gac cache store %s (%d bytes)", key[:16], len(data))
         if evict_after:
-            evict(size_limit())
+            evict(size_limit(), root)
     except OSError as e:
         log.warning("gac cache: cannot write %s: %s", path, e)
 
 
-def evict(limit: int) -> None:
+def evict(limit: int, root: Path | None = None) -> None:
     """Removes least recently used entries until the cache holds at most `limit` bytes."""
     files = []
-    for p in cache_dir().glob(f"*/*{SUFFIX}"):
+    for p in (root or cache_dir()).glob(f"*/*{SUFFIX}"):
         try:
             st = p.stat()
         except FileNotFoundError:
@@ -408,3 +419,147 @@ def _remove(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
+
+
+# -- stores behind the compile (GAC_CACHE_BACKGROUND) --------------------------------------------
+# A cold compile ends with stores (BEVFormer-tiny on cuda: ~500 cubins, the partition, the whole
+# program, whose torch.export.save alone is ~1.5 s): a writer thread does them in order while
+# the compile returns. Each is still store(): atomic, safe with other processes; one that fails
+# is a warning and leaves the cache as it was. The thread is no daemon: the interpreter's exit
+# waits for it (a killed process loses the queue, never an entry's integrity), and the queue is
+# drained before concurrent.futures refuses new work at exit (stores pack in thread pools).
+
+_cond = threading.Condition()
+_jobs: deque = deque()  # (key or None, function of the cache folder, folder, contextvars); the
+# running one first until it is done
+_writer: list[threading.Thread] = []  # the writer while it runs (it ends when the queue is empty)
+_pending: dict[str, int] = {}  # key -> its stores queued or running
+_closing = False  # (the interpreter is exiting: the writer does not linger)
+LINGER = 0.5  # s the writer waits for another job before it ends
+
+
+def background() -> bool:
+    return os.environ.get("GAC_CACHE_BACKGROUND", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def store_later(key: str, entry: Entry | Callable[[], Entry | None], quiet: bool = False) -> None:
+    """store(key, entry) by the writer thread, after the stores queued before it (in this
+    thread, now, with GAC_CACHE_BACKGROUND=0). `entry` may be a function making it (there):
+    None stores nothing; an exception is a warning (in this thread: raised). The cache folder,
+    size bound are the caller's at this call; a load() of `key` in this process waits for it;
+    flush() waits for all. A store recorded for torch.compiler (recording()) is done now."""
+    def job(root: Path) -> None:
+        made = entry() if callable(entry) else entry
+        if made is not None:
+            store(key, made, quiet, root)
+
+    _enqueue(key, job)
+
+
+def evict_later() -> None:
+    """evict(size_limit()) after the stores queued so far (see store_later)."""
+    limit = size_limit()
+    _enqueue(None, lambda root: evict(limit, root))
+
+
+def _enqueue(key: str | None, job: Callable[[Path], None]) -> None:
+    root = cache_dir()
+    # (recorded for torch.compiler.save_cache_artifacts, which the caller may call right after)
+    if not background() or _recording.get():
+        job(root)
+        return
+    with _cond:
+        _jobs.append((key, job, root, contextvars.copy_context()))
+        if key is not None:
+            _pending[key] = _pending.get(key, 0) + 1
+        if not _writer:
+            t = threading.Thread(target=_write_queued, name="gac-cache-writer", daemon=False)
+            _writer.append(t)
+            t.start()
+        _cond.notify_all()
+
+
+def _write_queued() -> None:
+    """The writer: the queue's jobs in order; it waits LINGER s for more before it ends (the
+    kernels' entries arrive one by one while the pool compiles), and says at DEBUG how many
+    entries it wrote in how many seconds of its own work."""
+    import time
+
+    n, busy = 0, 0.0
+    while True:
+        with _cond:
+            if not _jobs and not _closing:
+                _cond.wait(LINGER)
+            if not _jobs:
+                _writer.clear()
+                _cond.notify_all()
+                if n:
+                    log.debug("gac: %d entries written behind the compile in %.2f s (GAC_CACHE_BACKGROUND)",
+                              n, busy)
+                return
+            key, job, root, ctx = _jobs[0]
+        t = time.perf_counter()
+        try:
+            ctx.run(job, root)
+        except BaseException as e:  # noqa: BLE001  (a store is an optimization: the next ones go on;
+            # nothing may end this thread while it is the writer)
+            log.warning("gac: a store behind the compile failed (GAC_CACHE_BACKGROUND; %s): %s",
+                        key and key[:16], e)
+        finally:
+            busy += time.perf_counter() - t
+            n += 1
+            with _cond:
+                _jobs.popleft()  # (done: flush() waits for an empty queue)
+                if key is not None:
+                    _pending[key] -= 1
+                    if not _pending[key]:
+                        del _pending[key]
+                _cond.notify_all()
+
+
+def _wait_for(key: str) -> None:
+    from gac_torch.frontends.torch_state import TRACE_LOCK
+
+    # (not under gac's trace lock: the writer's program store takes it; the load is then a miss)
+    if getattr(TRACE_LOCK, "_is_owned", lambda: False)():
+        return
+    with _cond:
+        if _writer and threading.current_thread() is not _writer[0]:
+            _cond.wait_for(lambda: key not in _pending)
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Waits until every store queued by store_later is done; False if `timeout` ran out."""
+    with _cond:
+        if _writer and threading.current_thread() is _writer[0]:
+            return not _jobs
+        return _cond.wait_for(lambda: not _jobs, timeout)
+
+
+def _after_fork() -> None:
+    """A forked child starts with no writer and an empty queue (the parent's are the parent's;
+    its lock may have been held by the parent's writer at the fork)."""
+    global _cond, _closing
+    _cond, _closing = threading.Condition(), False
+    _jobs.clear()
+    _writer.clear()
+    _pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def _drain() -> None:
+    global _closing
+    _closing = True  # (the writer ends as soon as the queue is empty)
+    flush()
+
+
+# threading runs these at exit before it joins the threads, the last registered first: this
+# one before concurrent.futures' (imported above), which makes every later ThreadPoolExecutor
+# raise "cannot schedule new futures after interpreter shutdown"
+try:
+    threading._register_atexit(_drain)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # (another Python; or at exit already)
+    pass

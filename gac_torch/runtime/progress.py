@@ -13,7 +13,8 @@ import logging
 import sys
 import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 log = logging.getLogger("gac_torch")
 SLOW_SECONDS = 10.0
@@ -42,6 +43,8 @@ class Compile:
         self.timer = threading.Timer(SLOW_SECONDS, self._slow)
         self.timer.daemon = True
         self.slow = False
+        self.spent: dict[str, list[float]] = {}  # timed() pieces of the current step: [wall, thread]
+        self.step_times = (self.start, time.thread_time())
 
     def __enter__(self) -> Compile:
         self.outer = getattr(_local, "current", None)
@@ -50,17 +53,30 @@ class Compile:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.report_spent()
         self.timer.cancel()
         _local.current = self.outer
         if self.slow:
             log.info("gac: %s compiled in %.1f s", self.what, time.perf_counter() - self.start)
 
     def step(self, where: str, partition: str | None = None) -> None:
+        self.report_spent()
         if partition is not None:
             self.partition = partition
         where = f"{self.partition}: {where}" if getattr(self, "partition", None) else where
         self.where = where
         log.debug("gac: %s: %s (+%.1f s)", self.what, where, time.perf_counter() - self.start)
+
+    def report_spent(self) -> None:
+        """DEBUG: the step that ends, when it timed pieces: its wall and main-thread CPU time
+        (less CPU than wall: the thread waited, for a worker, the GIL or a core), then each piece."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if self.spent and log.isEnabledFor(logging.DEBUG):
+            pieces = ", ".join(f"{k} {w:.2f} s (cpu {t:.2f})" for k, (w, t) in self.spent.items())
+            log.debug("gac: %s: %s took %.2f s (main thread cpu %.2f s): %s", self.what, self.where,
+                      wall - self.step_times[0], cpu - self.step_times[1], pieces)
+        self.spent.clear()
+        self.step_times = (wall, cpu)
 
     def _slow(self) -> None:
         self.slow = True
@@ -70,6 +86,23 @@ class Compile:
             log.info(msg)
         else:
             print(msg, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def timed(piece: str) -> Iterator[None]:
+    """Times a piece of the current step (wall and this thread's CPU), reported with the step
+    at DEBUG (`Compile.report_spent`); a repeated piece adds up. Nothing outside a compile."""
+    current = getattr(_local, "current", None)
+    if current is None:
+        yield
+        return
+    wall, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        acc = current.spent.setdefault(piece, [0.0, 0.0])
+        acc[0] += time.perf_counter() - wall
+        acc[1] += time.thread_time() - cpu
 
 
 def step(where: str, partition: str | None = None) -> None:

@@ -213,9 +213,9 @@ def compile_kernels(texts: dict[str, str] | dict[str, bytes], lower: str, binary
         r.llvm, r.ptx, r.cubin, why, r.named = result
         if why:
             rejected[j] = f"{r.names[0]}: {why}"
-        if use_cache:
-            cache.store(key, cache.Entry({"ptx": r.ptx}, {"cubin": r.cubin} if r.cubin else {}, {"llvm": r.llvm}),
-                        quiet=True)
+        if use_cache:  # (written behind the compile: cache.store_later)
+            cache.store_later(key, cache.Entry({"ptx": r.ptx}, {"cubin": r.cubin} if r.cubin else {},
+                                               {"llvm": r.llvm}), quiet=True)
         try:
             _cut(r)
         except NotSplittable:  # (join_ptx raises it)
@@ -230,7 +230,7 @@ def compile_kernels(texts: dict[str, str] | dict[str, bytes], lower: str, binary
         first = rejected[min(rejected)]
         log.info("gac cuda: %d kernels without a cubin, the program loads as PTX (%s)", len(rejected), first)
     if use_cache and todo:
-        cache.evict(cache.size_limit())  # once for the batch
+        cache.evict_later()  # once for the batch
     return list(by_key.values())
 
 

@@ -64,3 +64,6 @@ class _Lane:
     stream: Any  # CUstream
     pool: OutputPool | None  # pooled outputs (static shapes, graphs on), else fresh ones
     ws_ptr: int  # the static plan's workspace on this stream (0: none)
+    # per output: 1 element expanded (fresh outputs: empty_like), made at the lane's first fresh one
+    protos: list[torch.Tensor] | None = None
+    block: Any = None  # a one-kernel program's LaunchBlock (launch_block.py), built with the lane

@@ -302,5 +302,5 @@ def _cubin(ptx: str, assembler: ptxas.Assembler, use_cache: bool,
             return entry.blobs["cubin"], ""
         data, why = assemble(ptx, assembler.exe)
     if data is not None and use_cache:
-        cache.store(key, cache.Entry({}, {"cubin": data}, {}), quiet=True)
+        cache.store_later(key, cache.Entry({}, {"cubin": data}, {}), quiet=True)
     return data, why

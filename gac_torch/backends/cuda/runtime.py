@@ -27,8 +27,10 @@ torch's current stream, buffers from torch's caching allocator.
   and device dynamo's guards hold) reads only pointers. Both decline dynamic shapes,
   misaligned inputs, another current device and a caller's capture, which CompiledGraph then
   checks and hands to `run`. What a call would look up each time (context, CUstream, pool,
-  workspace) is in a `_Lane` (launch_state.py); a one-kernel program's launch arguments are
-  built once per pointer set and stream.
+  workspace, fresh outputs' prototypes) is in a `_Lane` (launch_state.py); a one-kernel
+  program without TMA arguments launches through its lane's one argument array, rewritten per
+  call, and makes fresh outputs by empty_like of one-element prototypes (launch_block.py,
+  GAC_LAUNCH_BLOCK=1 default; =0: tables and torch.empty as before).
 - Run-time sizes: the program is bound to each distinct set of argument shapes once (LRU of
   CACHE_ENTRIES; GpuProgram.bind: grids, size arguments, temp sizes and memory plan), and the
   per-stream workspace grows to the largest plan; one PTX module serves every size.
@@ -52,6 +54,7 @@ import torch
 
 from gac_torch.backends.base import Signature, SizeSpec
 from gac_torch.backends.cuda.launch_args import ArgTable
+from gac_torch.backends.cuda.launch_block import LaunchBlock, block_for, prototypes, takes_block
 from gac_torch.backends.cuda.launch_state import _Bound, _Context, _Entry, _Lane
 from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.errors import GacError, TargetUnavailable
@@ -91,6 +94,7 @@ GRAPH_MIN_LAUNCHES = 2  # one kernel launches as fast directly as in a graph
 POOL_SETS = 8  # output sets per (device, stream) an executable keeps for graph replays
 POOL_BYTES = 64 << 20  # larger outputs: fresh buffers (such a program is device-bound anyway)
 POOL_TOTAL = 256 << 20  # at most this many bytes of sets per pool (but always 2 sets)
+_empty_like, _DENSE = torch.empty_like, torch.contiguous_format
 BUFFER_ALIGN = 16  # bytes; buffers that are not are staged through an aligned copy
 CACHE_ENTRIES = 16  # argument shapes (run-time sizes) bound per executable
 TABLE_ENTRIES = 64  # pointer sets (tables, graphs) per context: input sets x output sets
@@ -102,6 +106,13 @@ def graphs_enabled(option: bool | None) -> bool:
     if option is not None:
         return bool(option)
     return os.environ.get("GAC_CUDA_GRAPHS", "1") not in ("", "0")
+
+
+def launch_block_enabled() -> bool:
+    """GAC_LAUNCH_BLOCK (read per executable): "1" (default) launch_block.py's path (one-kernel
+    programs without TMA arguments through a per-lane argument array, fresh outputs by
+    empty_like of prototypes); "0": tables and torch.empty, as before."""
+    return os.environ.get("GAC_LAUNCH_BLOCK", "1").strip() not in ("", "0")
 
 
 def cubin_fits(arch: str, capability: tuple[int, int]) -> bool:
@@ -129,6 +140,12 @@ def _capturing() -> bool:
     """The caller is capturing its own CUDA graph on the current stream: gac then neither pools
     outputs nor captures graphs (the caller's graph records plain launches into its buffers)."""
     return torch._C._cuda_isCurrentStreamCapturing()
+
+
+# (the per-call path calls torch's C functions themselves where this build has them: no frame)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream)
+_current_device = getattr(torch._C, "_cuda_getDevice", _current_device)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", _capturing)
 
 
 def _check(result: Any, what: str) -> Any:
@@ -240,6 +257,8 @@ class CudaExecutable:
         self._ptx = program.ptx.encode() + b"\0"
         self.loaded_from = ""  # "cubin" or "ptx" once loaded (tests, benchmarks)
         self.use_graphs = graphs_enabled(graphs)
+        self._blocks = launch_block_enabled()  # (`call`'s fresh outputs from prototypes)
+        self._one = self._blocks and takes_block(program)  # (`call` through the lane's LaunchBlock)
         self._devices: dict[int, torch.device] = {}
         self._out_specs = [(tuple(s.shape), s.dtype) for s in signature.outputs]
         # what `call` checks per argument: (dtype, torch.Size); None: run-time sizes (never fast)
@@ -383,17 +402,36 @@ class CudaExecutable:
     def _launch_into(self, dev: int, ptrs: list[int]) -> list[torch.Tensor]:
         """Launches over input pointers `ptrs` on `dev` (the current device) into pooled or
         fresh outputs, which it returns."""
-        lane = self._lane(dev, _raw_stream(dev))
+        handle = _raw_stream(dev)
+        lanes = getattr(self._ready, "lanes", None)  # (_lane's lookup, inlined: every call)
+        lane = lanes.get((dev, handle)) if lanes is not None else None
+        if lane is None:
+            lane = self._lane(dev, handle)
         got = lane.pool.acquire() if lane.pool is not None else None
         if got is None:
             if lane.pool is not None:
                 self.stats["pool_misses"] += 1
-            device = lane.device
-            outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
+            protos = lane.protos
+            if protos is None and self._blocks:  # (made here: `call` never runs in a caller's capture)
+                protos = lane.protos = prototypes(self._out_specs, lane.device)
+            if protos is not None:  # (empty_like: less argument parsing than torch.empty)
+                outs = [_empty_like(p, memory_format=_DENSE) for p in protos]
+            else:
+                outs = [torch.empty(shape, dtype=dtype, device=lane.device) for shape, dtype in self._out_specs]
             ptrs += [o.data_ptr() for o in outs]
         else:
             out_set, outs = got
             ptrs += out_set.ptrs
+        block = lane.block
+        if block is not None:
+            slots = block.slots  # (LaunchBlock.fill, inlined)
+            for j, i in block.ptrs:
+                slots[j] = ptrs[i]
+            err = _driver.cuLaunchKernel(*block.args)[0]
+            if err or SYNC_AFTER_LAUNCH:
+                _launched(err, self._static, 0, lane.stream)
+            self.stats["direct_calls"] += 1
+            return outs
         self._issue(lane, self._static, (None, *ptrs, lane.ws_ptr), ptrs, False)
         return outs
 
@@ -422,8 +460,14 @@ class CudaExecutable:
         ws_ptr = 0
         if self._static is not None and self._static.program.plan.workspace_size:
             ws_ptr = self._workspace(state, handle, device, self._static.program.plan.workspace_size)
-        lane = lanes[(dev, handle)] = _Lane(device, state, handle, stream, pool, ws_ptr)
+        block = self._block(state, stream, ws_ptr) if self._one else None
+        lane = lanes[(dev, handle)] = _Lane(device, state, handle, stream, pool, ws_ptr, None, block)
         return lane
+
+    def _block(self, state: _Context, stream: Any, ws_ptr: int) -> LaunchBlock:
+        """The lane's argument array for the one launch (host memory: building it inside a
+        caller's capture records nothing)."""
+        return block_for(self._static.program, self._heads(state, self._static)[0], stream, ws_ptr)
 
     def run(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         args = [x if isinstance(x, (torch.Tensor, int)) else _as_tensor(x) for x in (*inputs, *outputs)]

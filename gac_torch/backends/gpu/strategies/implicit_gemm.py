@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlir import ir
+from mlir.dialects import memref
 
 from gac_torch.backends.gpu import tuning
 from gac_torch.backends.gpu.analysis import (
@@ -224,7 +225,7 @@ def _emit(m: _Match, name: str, params: Params, text_of: Any = None) -> bool:
         fused[2][-1] = rename_from(fused[2][-1], fused[0][-1], g.op)  # (only whole allocs get here)
     text = (text_of(spec) if text_of is not None
             else template_text(("igemm", spec, plan), lambda: conv_gemm_text.template(spec, plan)))
-    splice_template(text, g.op, [*ins, g.outputs[0], *(fused[2] if fused else [])],
+    splice_template(text, g.op, [*ins, g.outputs[0], *(fused[2] if fused else []), *_streamk_buffers(plan, spec, g.op, name)],
                     fill[1] if fill is not None else None, ec, name)
     if fill is not None:
         fill[0].erase()
@@ -238,6 +239,23 @@ def _emit(m: _Match, name: str, params: Params, text_of: Any = None) -> bool:
         for op in fused[0]:
             op.attributes[FUSED] = ir.UnitAttr.get()
     return True
+
+
+def _streamk_buffers(plan: conv_gemm_plan.Plan, spec: conv_gemm.Spec, before: ir.Operation,
+                     name: str) -> list[ir.Value]:
+    """Stream-K's workspace (kernels/conv_gemm_streamk.py): the partial sums and the tile
+    counters, which a small kernel (`name`z_loops) zeroes right before; none without."""
+    if not plan.sk_workers:
+        return []
+    from gac_torch.kernels import conv_gemm_streamk
+
+    nw, nf = conv_gemm_streamk.workspace(spec, plan)
+    with ir.InsertionPoint(before), before.location:
+        ws = memref.alloc(ir.MemRefType(ir.Type.parse(f"memref<{nw}xf32>")), [], [])
+        flags = memref.alloc(ir.MemRefType(ir.Type.parse(f"memref<{nf}xi32>")), [], [])
+    text = template_text(("sk_zero", nf), lambda: conv_gemm_streamk.zero_template(nf))
+    splice_template(text, before, [flags], None, "f32", f"{name}z_loops")
+    return [ws, flags]
 
 
 def padding_of(g: Generic, i: int):
