@@ -269,7 +269,11 @@ def _whole_partition(gm: torch.fx.GraphModule):
 _records = threading.local()  # .saved: torch's record_runtime_overhead while a gac frame compiles
 
 
+@torch._dynamo.disable
 def _restore_records(_args=None) -> None:
+    """Dynamo's compile-end callback. Also run at the end of a lazy backward's compile, which
+    happens inside a running compiled frame: without `disable`, dynamo would compile this very
+    function there, under the callbacks' lock it already holds (a training step hung)."""
     saved = getattr(_records, "saved", None)
     if saved is not None:
         _records.saved = None
