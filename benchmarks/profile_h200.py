@@ -79,6 +79,9 @@ def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
 
     seen: dict[int, tuple] = {}
     parts = [cg for c in compiled_graphs for cg in c.partitions.values()]
+    # (restored as they were: re-setting cg.executable would also drop an in-place update's
+    # donation, and the profile would then time AOTAutograd's copy-back as 4 DtoD memcpys)
+    saved = [(cg, cg._call, cg._guarded) for cg in parts]
     for cg in parts:  # the partitions' arguments, caught where every call passes
         for attr in ("_call", "_guarded"):  # (the checked path; dynamo's guarded one)
             real = getattr(cg, attr)
@@ -91,8 +94,8 @@ def host_breakdown(fn, x, launch_of: dict[str, str], n: int = 20) -> list[str]:
     try:
         fn(*x)
     finally:
-        for cg in parts:
-            cg.executable = cg.executable  # (sets _call back)
+        for cg, call, guarded in saved:
+            cg._call, cg._guarded = call, guarded
     torch.cuda.synchronize()
     lines = []
     for cg, a in seen.values():

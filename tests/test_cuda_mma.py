@@ -68,9 +68,9 @@ def test_allow_tf32_follows_torch_at_compile_time() -> None:
         torch.backends.cuda.matmul.allow_tf32 = saved_flag
         torch.set_float32_matmul_precision(saved_precision)
     assert [s.name for s in compile_options({"arch": "sm_75"}).strategies] == [
-        "row", "fused", "sgemm", "matmul", "reduce"]
+        "row", "fused", "transpose", "sgemm", "matmul", "reduce"]  # (transpose: sgemm_relayout.copy_strategy)
     assert [s.name for s in compile_options({"arch": "sm_80"}).strategies] == [
-        "flash", "row", "fused", "igemm", "sgemm", "mma", "matmul", "reduce"]
+        "flash", "row", "fused", "transpose", "igemm", "sgemm", "mma", "matmul", "reduce"]
 
 
 def _upstream_fragments(elem: str, k: int) -> dict[str, list[tuple[str, str]]]:

@@ -58,7 +58,7 @@ def compile_options(options: Any) -> Any:
     (the import is deferred: loading needs no MLIR)."""
     from gac_torch.backends.cuda import pipeline
     from gac_torch.backends.gpu.strategies import (
-        conv_wgmma, flash_attention, flash_wgmma, implicit_gemm, mma, reduce, row, simt_matmul, wgmma,
+        conv_wgmma, flash_attention, flash_wgmma, implicit_gemm, mma, reduce, row, sgemm_relayout, simt_matmul, wgmma,
     )
     from gac_torch.backends.gpu.strategy import GpuLimits
     from gac_torch.options import CudaOptions, resolve
@@ -73,7 +73,7 @@ def compile_options(options: Any) -> Any:
     limits = GpuLimits(warp_size=WARP_SIZE, max_threads_per_block=MAX_THREADS_PER_BLOCK,
                        max_static_shared_bytes=MAX_STATIC_SHARED_BYTES, max_grid=MAX_GRID,
                        max_dynamic_shared_bytes=ARCHS[arch].smem_per_block_optin, combine_prep=True,
-                       vector_loops=True, sgemm_relayout=not allow_tf32)
+                       sgemm_relayout=not allow_tf32)
     # Tried in order on each linalg op (flash: on each gac.attention call); what none takes
     # becomes a `loops` kernel (a gac.attention call: inlined first). igemm / sgemm take convs
     # and multi-dim contractions; plain matmuls go on to wgmma / mma, except static exact-f32
@@ -86,6 +86,7 @@ def compile_options(options: Any) -> Any:
         *([flash_attention.strategy(allow_tf32=bool(allow_tf32))] if mma_ok else []),
         row.strategy(row.RowParams(stream_min_bytes=64 * 2**20, row_reciprocal=True)),
         implicit_gemm.fused_strategy(),
+        sgemm_relayout.copy_strategy(),  # (gpu/relayout.py's K-outer copy where no epilogue took it)
         # (wgmma before igemm: it also takes a GEMM whose M is several dims, nn.Linear on 3-D)
         *([wgmma.strategy(allow_tf32=bool(allow_tf32), conv_allow_tf32=bool(conv_tf32))]
           if arch in ACCEL_ARCH else []),

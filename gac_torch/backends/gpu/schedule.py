@@ -62,7 +62,6 @@ from gac_torch.backends.gpu.sampling import has_reshaped_gather, merge_added_red
 from gac_torch.backends.gpu.outline import dynamic_memrefs_as_metadata, number_kernels, sink_globals
 from gac_torch.backends.gpu.strategy import GpuLimits, Strategy, deferred_splices, template_cache
 from gac_torch.backends.gpu.transposes import fold_transposes_into_matmuls
-from gac_torch.backends.gpu.vectorize import emit_vector_body, vector_width
 from gac_torch.lowering.fusion import fuse_elementwise
 
 # Host ops without side effects: moved above pending serial code rather than cutting it in two
@@ -100,7 +99,7 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     copies_to_linalg(fn)
     run_passes(module, "func.func(linalg-generalize-named-ops), canonicalize, cse")
     hoist_epilogue_consumers(fn)  # a GEMM's elementwise consumer right after it (its epilogue)
-    relayout_gemm_operands(fn, limits)  # (opt-in: GAC_SGEMM_RELAYOUT=graph)
+    relayout_gemm_operands(fn, limits)  # (an epilogue stores a later GEMM's operand K-outer)
     if n_inputs is not None:
         in_place.record(fn, n_inputs)  # (before strategies: generics still say what they read)
 
@@ -263,12 +262,8 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
     if plan is not None:
         extents = extents[:plan.dim] + extents[plan.dim + 1:]
         total, has_loops = total // plan.extent, True
-    vec = 1  # (vectorize.py: WIDTH consecutive points per thread step, 16-byte accesses)
-    if plan is None and not has_loops and is_static(total) and all(lb == 0 and st == 1 for lb, _, st in bounds):
-        vec = vector_width(pbody, extents) if limits.vector_loops else 1
-        total //= vec
     if is_static(total):
-        coarsen = limits.coarsen if total * vec >= limits.coarsen_min_points and not has_loops else 1
+        coarsen = limits.coarsen if total >= limits.coarsen_min_points and not has_loops else 1
         threads = min(limits.threads_per_block, -(-total // limits.warp_size) * limits.warp_size)
         if -(-total // (threads * coarsen)) > limits.max_grid[0]:
             raise GacUnsupportedError(f"{total} iterations exceed a 1-D grid")
@@ -289,7 +284,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
             else:
                 inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lin, as_index(total)))
             with ir.InsertionPoint(inside.then_block):
-                idx = delinearize(lin if vec == 1 else arith.muli(lin, as_index(vec)), extents)
+                idx = delinearize(lin, extents)
                 ivs = []
                 for (lb, _, st), i in zip([b for d, b in enumerate(bounds) if d != inner], idx):
                     v = i if st == 1 else arith.muli(i, as_index(st))
@@ -297,13 +292,7 @@ def linearize(p: ir.Operation, name: str, limits: GpuLimits) -> None:
                 if inner is not None:  # (its uses move into loops over it: loop_over)
                     ivs.insert(inner, None)
                 term = scf.YieldOp([])
-                if vec > 1:
-                    with ir.InsertionPoint(term):
-                        emit_vector_body(pbody, ivs)
             gpu.TerminatorOp()
-    if vec > 1:
-        p.erase()  # (the scalar body: emitted above as vector ops)
-        return
     for op in block_ops(pbody)[:-1]:  # all but scf.reduce
         op.move_before(term.operation)
     if plan is not None:

@@ -46,9 +46,8 @@ class GpuLimits:
     serial_min_threads: int = 1 << 15
     # the `loops` kernels that only prepare inputs (e.g. weight casts) merged per level (combine.py)
     combine_prep: bool = False
-    # `loops`: 16-byte accesses for large elementwise kernels (vectorize.py, GAC_LOOPS_VEC=1)
-    vector_loops: bool = False
-    # exact-f32 matmuls (no TF32): large ones may read transposed copies (relayout.py, opt-in)
+    # exact-f32 matmuls (no TF32): large ones may read K-outer copies of their operands
+    # (strategies/sgemm_relayout.py's transposes, relayout.py's epilogue copies)
     sgemm_relayout: bool = False
 
 
