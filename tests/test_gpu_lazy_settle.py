@@ -16,14 +16,8 @@ from gac_torch.backends.gpu.strategy import deferred_splices, splice_template, t
 from gac_torch.errors import CompileError
 from gac_torch.ir.dialect import make_context
 
+from test_gpu_fold_pool import HOST_BUF as HOST  # (%buf, an allocation)
 from test_gpu_stage_reuse import TEMPLATE
-
-HOST = """func.func @main(%a: memref<7xf32>, %x: f32) {
-  %buf = memref.alloc() : memref<7xf32>
-  %0 = arith.addf %x, %x : f32
-  memref.dealloc %buf : memref<7xf32>
-  return
-}"""
 
 STORE = "    memref.store %v, %A[%k] : memref<7xf32>"
 # the kernel's view of its buffer: of the buffer alone (static), or at a thread's offset (dynamic)
