@@ -66,7 +66,8 @@ class Strategy:
 
 log = logging.getLogger("gac_torch")
 _cache = threading.local()  # while template_cache runs: .parsed (text -> module), .texts (key -> text);
-# while deferred_splices runs: .pool (fold_pool.FoldPool), .pending (stand-in op -> (text, Future, name))
+# while deferred_splices runs: .pool (fold_pool.FoldPool), .pending (key -> (stand-in op, text, Future, name,
+# args, refs); the key: the stand-in's STAND_IN attribute), .refs and .views (per text), .resolved (a count)
 
 
 @contextlib.contextmanager
@@ -121,7 +122,9 @@ def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
     if refs is not None:  # the kernel's place until it is folded: a stand-in using what it uses
         with ir.InsertionPoint(before), before.location:
             stand_in = func.CallOp([], PENDING, [v for v, r in zip([*args, init], refs) if r]).operation
-        _cache.pending[stand_in] = (text, pool.submit(text), name, [*args, init], refs)
+        key = len(_cache.pending) + _cache.resolved  # (an Operation's hash changes with its operands)
+        stand_in.attributes[STAND_IN] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), key)
+        _cache.pending[key] = (stand_in, text, pool.submit(text), name, [*args, init], refs)
         return
     if parsed is None:
         tmpl = _parse(text, before.context)
@@ -133,7 +136,7 @@ def splice_template(text: str, before: ir.Operation, args: list[ir.Value],
 
 
 def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Value], name: str,
-            refs: list[bool] | None = None) -> None:
+            refs: list[bool] | None = None, viewed: list[bool] | None = None) -> None:
     tfn = tmpl.body.operations[0].operation
     if clone:
         tfn = tfn.clone(ir.InsertionPoint(tmpl.body))
@@ -146,6 +149,12 @@ def _splice(tmpl: ir.Module, clone: bool, before: ir.Operation, args: list[ir.Va
             if os.environ.get("GAC_STRICT_INTERNAL", "") not in ("", "0"):
                 raise CompileError(why)
             log.warning("gac: %s", why)  # (still a valid program: only what was decided meanwhile)
+        if viewed is not None and not viewed[k] and not static_views_only(targ):
+            why = (f"kernel {name}: its template views argument {k} dynamically once folded, unlike its text: "
+                   "an answer given meanwhile (views_pending) may differ from GAC_GPU_LAZY_SETTLE=0's")
+            if os.environ.get("GAC_STRICT_INTERNAL", "") not in ("", "0"):
+                raise CompileError(why)
+            log.warning("gac: %s", why)
         if refs is None or refs[k]:  # (an unused one may be gone already)
             targ.replace_all_uses_with(actual)
     for op in block_ops(tblock)[:-1]:  # constants and the launch; not the return
@@ -166,16 +175,17 @@ def deferred_splices(generics: int) -> Iterator[None]:
     if n <= 0 or getattr(_cache, "parsed", None) is None:
         yield
         return
-    _cache.pool, _cache.pending, _cache.refs = fold_pool.FoldPool(n), {}, {}
+    _cache.pool, _cache.pending, _cache.refs, _cache.views = fold_pool.FoldPool(n), {}, {}, {}
+    _cache.resolved = 0
     irutil.SETTLE.append(settle)
     try:
         yield
-        for stand_in in list(_cache.pending):  # (in program order: the dict keeps it)
-            _resolve(stand_in)
+        for key in list(_cache.pending):  # (in program order: the dict keeps it)
+            _resolve(_cache.pending[key][0])
     finally:
         irutil.SETTLE.remove(settle)
         _cache.pool.close()
-        _cache.pool = _cache.pending = _cache.refs = None
+        _cache.pool = _cache.pending = _cache.refs = _cache.views = None
 
 
 def settle(v: ir.Value) -> None:
@@ -188,7 +198,7 @@ def settle(v: ir.Value) -> None:
         op = use.owner.operation if hasattr(use.owner, "operation") else use.owner
         if op.name in VIEW_OPS and op.operands[0] == v:
             settle(op.results[0])
-        elif op.name == "func.call" and op in pending:
+        elif op.name == "func.call" and _key(op) in pending:
             _resolve(op, wait=False)
 
 
@@ -207,6 +217,72 @@ def _referenced(text: str, n: int) -> list[bool] | None:
     return refs[text]
 
 
+def views_pending(op: ir.Operation, operand: int) -> bool | None:
+    """Where `op` is a kernel's stand-in: might its kernel, once in place, apply a view op
+    (irutil.VIEW_OPS) with operands besides the viewed buffer (a dynamic view) to the value it
+    uses as its operand number `operand`, directly or through views of it? Read off the template's
+    text, so that the kernel need not be put in place (and its template folded here rather than
+    by a worker) to answer a no; _splice checks the answer against the folded template. None:
+    `op` is no stand-in."""
+    pending = getattr(_cache, "pending", None)
+    entry = pending.get(_key(op)) if pending else None
+    if entry is None:
+        return None
+    _, text, _, _, _, refs = entry
+    viewed = _dynamic_views(text, len(refs))
+    return viewed is None or viewed[[k for k, r in enumerate(refs) if r][operand]]
+
+
+def _dynamic_views(text: str, n: int) -> list[bool] | None:
+    """Per argument of the template: may its text view it dynamically (views_pending)? Every
+    line holding a view op counts: one naming an argument (or a view of it) and any other
+    value makes a yes. (None where the header does not read as n arguments.)"""
+    views = getattr(_cache, "views", None)  # (while deferred_splices runs: once per text)
+    if views is None:
+        views = {}
+    if (text, n) not in views:
+        m = _HEADER.search(text)
+        names = _ARG.findall(m.group(1)) if m else []
+        lines = []  # (results, operands) of each line holding a view op
+        for line in text.splitlines():
+            if any(v in line for v in VIEW_OPS):
+                lhs, eq, rhs = line.partition("=")
+                named = lhs.strip().startswith("%") and eq
+                lines.append((_NAME.findall(lhs) if named else [], _NAME.findall(rhs if named else line)))
+
+        def dynamic(v: str, seen: set[str]) -> bool:
+            seen.add(v)
+            for results, operands in lines:
+                if v in operands and (operands != [v] or any(dynamic(r, seen) for r in results if r not in seen)):
+                    return True
+            return False
+
+        views[text, n] = [dynamic(a, set()) for a in names] if len(names) == n else None
+    return views[text, n]
+
+
+def static_views_only(v: ir.Value) -> bool:
+    """Is every view op over `v` (and over those views) one of `v` alone (no other operand)?"""
+    for use in v.uses:
+        o = _owner(use)
+        if o.name in VIEW_OPS and (len(o.operands) != 1 or not static_views_only(o.results[0])):
+            return False
+    return True
+
+
+STAND_IN = "gac.stand_in"  # a stand-in's key in _cache.pending
+
+
+def _key(op: ir.Operation) -> int | None:
+    return ir.IntegerAttr(op.attributes[STAND_IN]).value if STAND_IN in op.attributes else None
+
+
+def _owner(use) -> ir.Operation:
+    o = use.owner
+    return o.operation if hasattr(o, "operation") else o
+
+
+_NAME = re.compile(r"%[\w$.\-]+")
 _HEADER = re.compile(r"func\.func @[\w$.\-]+\((.*?)\)\s*\{", re.S)
 _ARG = re.compile(r"(%[\w$.\-]+)\s*:")
 
@@ -214,14 +290,17 @@ _ARG = re.compile(r"(%[\w$.\-]+)\s*:")
 def _resolve(stand_in: ir.Operation, wait: bool = True) -> None:
     """The kernel of `stand_in` in its place; `wait=False` (an analysis needs it now): a
     template no worker has started to fold yet is folded here (the same module: fold_worker.py)."""
-    text, fut, name, args, refs = _cache.pending.pop(stand_in)
+    _, text, fut, name, args, refs = _cache.pending.pop(_key(stand_in))
+    _cache.resolved += 1
+    now = iter(stand_in.operands)  # (what it uses now: an operand may have been redirected
+    args = [next(now) if r else v for v, r in zip(args, refs)]  # meanwhile, epilogue.rename_from)
     parsed = _cache.parsed
     tmpl = parsed.get(text)
     if tmpl is None and not wait and fut.cancel():  # (still queued: taken back)
         tmpl = parsed[text] = _parse(text, stand_in.context)
     elif tmpl is None:
         tmpl = parsed[text] = ir.Module.parse(fut.result(), stand_in.context)  # (CompileError: a worker failed)
-    _splice(tmpl, True, stand_in, args, name, refs)
+    _splice(tmpl, True, stand_in, args, name, refs, _dynamic_views(text, len(refs)))
     stand_in.erase()
 
 

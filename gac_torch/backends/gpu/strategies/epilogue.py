@@ -5,6 +5,7 @@ erased when the scheduler reaches them, with the intermediate buffer they read."
 
 from __future__ import annotations
 
+import os
 
 from mlir import ir
 
@@ -13,9 +14,10 @@ from gac_torch.backends.gpu.analysis import (
 )
 from gac_torch.backends.gpu.irutil import (
     VIEW_OPS, block_ops, buffer_root, defining_op, erase_if_unused, op_at, op_index, static_memref, top_level, users,
+    users_now,
 )
 from gac_torch.backends.gpu.schedule import HOISTABLE
-from gac_torch.backends.gpu.strategy import settle
+from gac_torch.backends.gpu.strategy import settle, views_pending
 from gac_torch.kernels import conv_gemm
 from gac_torch.kernels.gemm_epilogue import EOp, Epilogue
 
@@ -193,17 +195,35 @@ def _renamable(z: ir.Value, at: ir.Operation) -> bool:
     d = defining_op(root)
     if d is None or d.name != "memref.alloc":
         return False
-    settle(root)  # (kernels whose templates are folded meanwhile: in place first)
     own = set(_view_chain(z))
+    waiting: list[ir.Operation] = []  # stand-ins whose kernels may view the buffer once in place
 
-    def fixed(v: ir.Value) -> bool:
+    def fixed(v: ir.Value, lazy: bool = False) -> bool:
         for use in v.uses:
             o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-            if o.name in VIEW_OPS and (len(o.operands) != 1 or not fixed(o.results[0])):
+            if o.name in VIEW_OPS and (len(o.operands) != 1 or not fixed(o.results[0], lazy)):
                 return False
+            if lazy and o.name == "func.call" and views_pending(o, use.operand_number):
+                waiting.append(o)
         return True
 
+    # A kernel still pending (a stand-in) only adds uses once in place: a no from the uses in
+    # place stands, and so does a yes when no pending kernel's template views the buffer (its
+    # text says: strategy.views_pending). Only otherwise are they put in place first (settle),
+    # folding here what no worker has started on (GAC_GPU_LAZY_SETTLE=0: always, as before).
+    if lazy_settle():
+        if not all(len(o.operands) == 1 for o in own) or not fixed(root, lazy=True):
+            return False
+        if not waiting:
+            return True
+    settle(root)  # (kernels whose templates are folded meanwhile: in place first)
     return fixed(root) and all(len(o.operands) == 1 for o in own)
+
+
+def lazy_settle() -> bool:
+    """GAC_GPU_LAZY_SETTLE (default on): _renamable answers from the stand-ins' template texts
+    where they suffice, rather than putting the pending kernels in place first."""
+    return os.environ.get("GAC_GPU_LAZY_SETTLE", "1") != "0"
 
 
 def rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Value:
@@ -212,6 +232,10 @@ def rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Va
     root = buffer_root(z)
     fresh = defining_op(root).clone(ir.InsertionPoint(before)).results[0]
     own = _view_chain(z)
+
+    # (a pending kernel's stand-in stands where its kernel will: `later` is the same for both,
+    # and a stand-in's operands redirected here are the kernel's: strategy._resolve)
+    seen_by = users_now if lazy_settle() else users
 
     def later(o: ir.Operation) -> bool:
         top = top_level(o, first.block)
@@ -224,7 +248,7 @@ def rename_from(z: ir.Value, first: ir.Operation, before: ir.Operation) -> ir.Va
             o = use.owner.operation if hasattr(use.owner, "operation") else use.owner
             if later(o):
                 o.operands[use.operand_number] = new
-            elif o.name in VIEW_OPS and o not in own and any(later(u) for u in users(o.results[0])):
+            elif o.name in VIEW_OPS and o not in own and any(later(u) for u in seen_by(o.results[0])):
                 copy = o.clone(ir.InsertionPoint(before))
                 copy.operands[0] = new
                 redirect(o.results[0], copy.results[0])
