@@ -237,3 +237,89 @@ def test_torch_tracer_failure_is_not_a_gac_crash():
     by_front = {f: [o for o in result.outcomes if f"/{f}/" in o.config] for f in ("compile", "export")}
     assert by_front["compile"] and all("backend='eager' too" in o.detail for o in by_front["compile"])
     assert by_front["export"] and all("torch.export failed" in o.detail for o in by_front["export"])
+
+
+_CUDA_OFFLINE = '''
+import sys
+import torch
+import gac_torch
+{program}
+ins = tuple(make_inputs())
+ep = torch.export.export(Fn(), ins)
+gac_torch.compile(ep, target="cuda", options={{"fallback": False, "arch": "sm_90"}})
+print("compiled")
+'''
+
+_CONSTANT_PROD = '''
+class Fn(torch.nn.Module):
+    def forward(self, x):
+        return (torch.ceil(torch.zeros_like(x)) + -1.25).prod(-1), torch.fmin(x, x + 1)
+
+
+def make_inputs():
+    return [torch.randn(SHAPE)]
+'''
+
+
+def _compile_cuda_offline(program: str) -> None:
+    """Compile for cuda sm_90 (PTX, no GPU) in a subprocess: a segfault fails the test."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "GAC_CACHE": "0", "GAC_STRICT_INTERNAL": "1"}
+    r = subprocess.run([sys.executable, "-c", _CUDA_OFFLINE.format(program=program)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 1), (2, 3, 5), (7,)])
+def test_reduction_of_a_constant_cuda_offline(shape):
+    """A product over a constant (`ceil(zeros_like(x)) - 1.25`, a generic without inputs):
+    fold_casts_into_copies computed it inside the reduction reading it, leaving a generic whose
+    reduction dim no operand bounded, and convert-linalg-to-parallel-loops segfaulted the process
+    (H200/offline fuzz seeds 319, 394, 551, 620 on cuda)."""
+    _compile_cuda_offline(f"SHAPE = {shape!r}\n" + _CONSTANT_PROD)
+
+
+@pytest.mark.parametrize("seed", [319, 394, 551, 620])
+def test_fuzz_segfaults_cuda_offline(seed):
+    """The fuzz programs that segfaulted the cuda compile (the cause above), compiled to PTX."""
+    from gac_torch.tools.fuzz import generate
+
+    src = generate(seed).source().split('\nif __name__ == "__main__":')[0]
+    _compile_cuda_offline(src + "\n\nclass Fn(torch.nn.Module):\n    def forward(self, *a):\n"
+                                "        return forward(*a)\n")
+
+
+@pytest.mark.unit
+def test_invalid_linalg_op_is_a_compile_error_naming_the_step():
+    """What the gpu stage verifies before an unverified pipeline: an invalid generic (a loop
+    dim no operand bounds) is a CompileError naming the step, not a crash in the pass."""
+    from mlir import ir
+
+    from gac_torch.backends.gpu.irutil import verify_ops
+    from gac_torch.errors import CompileError
+
+    text = """
+    func.func @main(%x: memref<4x1x3xf32>, %out: memref<4x1xf32>) {
+      linalg.generic {indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d0, d1)>],
+                      iterator_types = ["parallel", "parallel", "reduction"]}
+          ins(%x : memref<4x1x3xf32>) outs(%out : memref<4x1xf32>) {
+      ^bb0(%i: f32, %o: f32):
+        %m = arith.mulf %i, %o : f32
+        linalg.yield %m : f32
+      }
+      return
+    }"""
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.parse(text)
+        fn = module.body.operations[0].operation
+        generic = [op.operation for op in fn.regions[0].blocks[0].operations][0]
+        verify_ops([generic], "some step")  # valid
+        d = [ir.AffineDimExpr.get(i) for i in range(3)]  # the input's map no longer bounds d2
+        generic.attributes["indexing_maps"] = ir.ArrayAttr.get(
+            [ir.AffineMapAttr.get(ir.AffineMap.get(3, 0, d[:2]))] * 2)
+        with pytest.raises(CompileError, match="some step left an invalid linalg.generic"):
+            verify_ops([generic], "some step")

@@ -16,6 +16,7 @@ from mlir.dialects import linalg
 from gac_torch.backends.gpu.combine import READS
 from gac_torch.backends.gpu.irutil import (
     block_ops, buffer_root, clone_into, defining_op, erase_if_unused, func_block, identity_layout, users,
+    verify_ops,
 )
 
 
@@ -51,8 +52,10 @@ def fold_casts_into_copies(fn: ir.Operation) -> int:
 def _elementwise_of_inputs(p: ir.Operation) -> ir.Value | None:
     """The buffer T of `p` when p is `T = f(a, b, ...)`: elementwise, identity maps, T a fresh
     allocation, a, b, ... function arguments (or reshapes of them) of T's shape that nothing
-    writes."""
-    if p.name != "linalg.generic" or p.results or len(p.opview.outputs) != 1:
+    writes. Not without inputs (a constant T, e.g. `zeros + c`): its reader would read nothing
+    in its place, and a loop dim only T's map bounded (a reduction over T) would be left without
+    a range (an invalid generic that convert-linalg-to-parallel-loops crashed on)."""
+    if p.name != "linalg.generic" or p.results or len(p.opview.outputs) != 1 or not p.opview.inputs:
         return None
     t = p.opview.outputs[0]
     alloc = defining_op(t)
@@ -128,5 +131,6 @@ def _fold(p: ir.Operation, c: ir.Operation, j: int, chain: list[ir.Operation]) -
             mapping[cargs[j]] = mapping.get(value, value)
             mapping.update(zip(cargs[j + 1:], args[j + len(views):]))
             clone_into(block_ops(c.regions[0].blocks[0]), mapping)
+    verify_ops([g.operation], "fold_casts_into_copies")
     c.erase()
     p.erase()

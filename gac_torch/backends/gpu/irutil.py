@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from mlir import ir, passmanager
 from mlir.dialects import arith, gpu, memref
 
+from gac_torch.errors import CompileError
 from gac_torch.kernels import builder
 
 KERNEL_MODULE = "gac_kernels"  # the gpu.module every kernel is outlined into
@@ -55,6 +56,19 @@ def run_passes(module: ir.Module, pipeline: str, verify: bool = True) -> None:
     pm.run(module.operation)
     if verify and not each:
         module.operation.verify()  # (an invalid result: MLIRError, as from a pass's verifier)
+
+
+def verify_ops(ops, step: str) -> None:
+    """Verify each of `ops` (and what they hold) before a pipeline that runs unverified: an
+    invalid op there (e.g. a generic with a loop dim no operand bounds, which
+    convert-linalg-to-parallel-loops crashed the process on) fails the compile with a
+    CompileError naming `step` instead. Cheap where `ops` are the few loose linalg ops rather
+    than the whole host function (every kernel body)."""
+    for op in ops:
+        try:
+            op.verify()
+        except ir.MLIRError as e:
+            raise CompileError(f"gpu stage: {step} left an invalid {op.name} (a compiler bug): {e}") from e
 
 
 def main_func(module: ir.Module) -> ir.Operation:

@@ -50,7 +50,7 @@ from gac_torch.backends.gpu.bufferize import (
 from gac_torch.backends.gpu.irutil import (
     HOST_OPS, VIEW_OPS, as_index, block_ops, buffer_root, const_int, defining_op, delinearize,
     func_block, is_size_math, is_static, main_func, new_launch, run_passes, size_ceildiv, size_prod,
-    top_level,
+    top_level, verify_ops,
 )
 from gac_torch.backends.gpu import in_place
 from gac_torch.backends.gpu.hoist import hoist_epilogue_consumers
@@ -115,7 +115,10 @@ def _map_to_gpu(module: ir.Module, limits: GpuLimits, strategies: Sequence[Strat
     if combining:  # a weight cast computed in its relayout copy
         fold_casts_into_copies(fn)
 
-    # (from here the host function holds every kernel body: verified once, at the end)
+    # (from here the host function holds every kernel body: verified once, at the end; the
+    # linalg ops left for the pipeline below are verified now: it crashes on an invalid one)
+    verify_ops([o for o in block_ops(block) if o.name.startswith("linalg.")],
+               "the strategies or fold_casts_into_copies")
     with kernels_aside(module, block):  # (folded templates that do not meet the host: aside.py)
         run_passes(module, "func.func(convert-linalg-to-parallel-loops), canonicalize, cse", verify=False)
     ops = block_ops(block)
