@@ -284,7 +284,7 @@ def test_narrow_and_short_gemms_take_narrow_tiles(M, K, N, narrow, want, monkeyp
 
 
 def test_arg_table_passes_tensor_map_addresses() -> None:
-    # the runtime encodes each descriptor once per pointer set (upload_tensor_maps, on the GPU)
+    # the runtime encodes each descriptor once per pointer set (tensor_maps.upload, on the GPU)
     # and hands the kernel its device address in the argument's slot
     from gac_torch.backends.cuda.launch_args import ArgTable
 

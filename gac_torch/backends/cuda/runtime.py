@@ -39,12 +39,10 @@ torch's current stream, buffers from torch's caching allocator.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
 import re
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -56,9 +54,10 @@ from gac_torch.backends.base import Signature, SizeSpec
 from gac_torch.backends.cuda.launch_args import ArgTable
 from gac_torch.backends.cuda.launch_block import LaunchBlock, block_for, prototypes, takes_block
 from gac_torch.backends.cuda.launch_state import _Bound, _Context, _Entry, _Lane
+from gac_torch.backends.cuda import tensor_maps
 from gac_torch.backends.cuda.pool import OutputPool
 from gac_torch.errors import GacError, TargetUnavailable
-from gac_torch.backends.gpu.program import GpuProgram, KernelLaunch, TensorMapArg
+from gac_torch.backends.gpu.program import GpuProgram
 
 try:  # cuda-python >= 12.6 layout, then the older one
     from cuda.bindings import driver as _driver
@@ -192,47 +191,6 @@ def _as_tensor(x: Any) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# TMA descriptors (KernelLaunch arguments of type TensorMapArg)
-
-_TMA_DTYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32"}
-_TMA_ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4}
-TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap); 64-byte alignment required
-
-
-def encode_tensor_map(a: TensorMapArg, base: int) -> bytes:
-    """The CUtensorMap for `a` over the buffer at device address `base` (host-side encoding:
-    cuTensorMapEncodeTiled; no GPU work)."""
-    d = _driver
-    swz = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[a.swizzle]
-    tmap = _check(d.cuTensorMapEncodeTiled(
-        getattr(d.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_TMA_DTYPE[a.elem]}"), len(a.dims),
-        base + a.offset * _TMA_ITEMSIZE[a.elem], [d.cuuint64_t(x) for x in a.dims],
-        [d.cuuint64_t(x) for x in a.strides], [d.cuuint32_t(x) for x in a.box],
-        [d.cuuint32_t(1)] * len(a.dims), d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(d.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swz}"),
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    if hasattr(tmap, "getPtr"):
-        return ctypes.string_at(int(tmap.getPtr()), TENSOR_MAP_BYTES)
-    return struct.pack(f"<{TENSOR_MAP_BYTES // 8}Q", *(int(x) for x in tmap.opaque))
-
-
-def upload_tensor_maps(launches: Sequence[KernelLaunch], arg_ptrs: Sequence[int],
-                       temp_ptrs: Sequence[int], device: torch.device
-                       ) -> tuple[torch.Tensor | None, dict[tuple[int, int], int]]:
-    """Every TMA descriptor of the launch list for one pointer set, in one device buffer (the
-    caller keeps it alive as long as the argument table pointing into it)."""
-    where = [(i, j, a) for i, k in enumerate(launches) for j, a in enumerate(k.args)
-             if isinstance(a, TensorMapArg)]
-    if not where:
-        return None, {}
-    blob = b"".join(encode_tensor_map(a, arg_ptrs[a.buffer.index] if a.buffer.kind == "arg"
-                                      else temp_ptrs[a.buffer.index]) for _, _, a in where)
-    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-    base = buf.data_ptr()
-    return buf, {(i, j): base + n * TENSOR_MAP_BYTES for n, (i, j, _) in enumerate(where)}
-
-
 class CudaExecutable:
     """Replays the program's launches. One instance may serve several devices/contexts."""
 
@@ -576,7 +534,7 @@ class CudaExecutable:
         program = bound.program
         offsets = program.plan.offsets
         temp_ptrs = [ws_ptr + offsets[t.name] for t in program.temps]
-        maps, where = upload_tensor_maps(program.launches, ptrs, temp_ptrs, device)
+        maps, where = tensor_maps.upload(_driver, _check, program.launches, ptrs, temp_ptrs, device)
         table = ArgTable(program.launches, ptrs, temp_ptrs, where)
         entry = state.tables[key] = _Entry(table, tensor_maps=maps)
         self.stats["tables_built"] += 1
